@@ -1,0 +1,20 @@
+from pathlib import Path
+
+from setuptools import find_packages, setup
+
+setup(
+    name="zeta-fsdp",
+    version="0.1.0",
+    description="One line that turns any PyTorch model into a correctly sharded FSDP2 model.",
+    long_description=Path(__file__).with_name("README.md").read_text(),
+    long_description_content_type="text/markdown",
+    packages=find_packages(include=["zeta_fsdp", "zeta_fsdp.*"]),
+    python_requires=">=3.9",
+    install_requires=["torch>=2.6", "einops", "typing-extensions"],
+    extras_require={
+        "test": ["pytest"],
+        "dev": ["ruff", "pytest"],
+        "bench": ["matplotlib"],
+        "safetensors": ["safetensors"],
+    },
+)

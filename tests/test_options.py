@@ -1,0 +1,155 @@
+"""Option tables and every error path of fsdp(): message content, and nothing changed."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.fsdp import MixedPrecisionPolicy, ShardingStrategy
+
+from examples.gpt import Block, small
+from zeta_fsdp import fsdp, resolve_mixed_precision, resolve_sharding
+from zeta_fsdp.distributed import mesh_shape
+from zeta_fsdp.options import validate_reshard_after_forward
+
+
+@pytest.mark.parametrize(
+    "mp, param_dtype, reduce_dtype",
+    [
+        ("fp32", None, None),
+        ("FP32", None, None),
+        ("float32", None, None),
+        ("bf16", torch.bfloat16, torch.float32),
+        ("BFloat16", torch.bfloat16, torch.float32),
+        ("fp16", torch.float16, torch.float32),
+        ("float16", torch.float16, torch.float32),
+        (torch.bfloat16, torch.bfloat16, torch.float32),
+    ],
+)
+def test_mixed_precision_table(mp, param_dtype, reduce_dtype):
+    policy = resolve_mixed_precision(mp)
+    assert (policy.param_dtype, policy.reduce_dtype) == (param_dtype, reduce_dtype)
+
+
+def test_policy_object_is_used_as_given():
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
+    assert resolve_mixed_precision(policy) is policy
+
+
+@pytest.mark.parametrize(
+    "strat, name, ndim, reshard",
+    [
+        ("FULL_SHARD", "FULL_SHARD", 1, True),
+        ("full_shard", "FULL_SHARD", 1, True),
+        ("SHARD_GRAD", "SHARD_GRAD", 1, False),
+        ("shard_grad_op", "SHARD_GRAD", 1, False),
+        ("NO_SHARD", "NO_SHARD", 2, False),
+        ("HYBRID_SHARD", "HYBRID_SHARD", 2, True),
+        ("hybrid_shard_zero2", "HYBRID_SHARD_ZERO2", 2, False),
+        (ShardingStrategy.FULL_SHARD, "FULL_SHARD", 1, True),
+        (ShardingStrategy.SHARD_GRAD_OP, "SHARD_GRAD", 1, False),
+        (ShardingStrategy.NO_SHARD, "NO_SHARD", 2, False),
+        (ShardingStrategy.HYBRID_SHARD, "HYBRID_SHARD", 2, True),
+        (ShardingStrategy._HYBRID_SHARD_ZERO2, "HYBRID_SHARD_ZERO2", 2, False),
+    ],
+)
+def test_sharding_table(strat, name, ndim, reshard):
+    spec = resolve_sharding(strat)
+    assert (spec.name, spec.mesh_ndim, spec.reshard_after_forward) == (name, ndim, reshard)
+
+
+@pytest.mark.parametrize(
+    "strat, world, local, replicate, shape",
+    [
+        ("FULL_SHARD", 8, 8, None, (8,)),
+        ("NO_SHARD", 4, 4, None, (4, 1)),
+        ("HYBRID_SHARD", 16, 8, None, (2, 8)),  # replicas default to the number of nodes
+        ("HYBRID_SHARD", 16, 8, 4, (4, 4)),
+        ("HYBRID_SHARD_ZERO2", 4, 2, None, (2, 2)),
+    ],
+)
+def test_mesh_shapes(strat, world, local, replicate, shape):
+    assert mesh_shape(resolve_sharding(strat), world, local_world_size=local, replicate_size=replicate) == shape
+
+
+def test_reshard_after_forward_values():
+    assert validate_reshard_after_forward(None, 4) is None
+    assert validate_reshard_after_forward(False, 4) is False
+    assert validate_reshard_after_forward(2, 4) == 2
+    with pytest.raises(ValueError, match=r"reshard_after_forward=3 .*divides the shard group size \(4\).*\[1, 2, 4\]"):
+        validate_reshard_after_forward(3, 4)
+    with pytest.raises(ValueError, match="reshard_after_forward='yes'"):
+        validate_reshard_after_forward("yes", 4)
+
+
+def _snapshot(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+BAD_CALLS = [
+    (dict(mp="fp8"), ["mp='fp8'", "'bf16'", "'fp16'", "'fp32'", "MixedPrecisionPolicy"]),
+    (dict(mp=3), ["mp=3", "'bf16'"]),
+    (
+        dict(shard_strat="ZERO_SHARD"),
+        [
+            "shard_strat='ZERO_SHARD'",
+            "'FULL_SHARD'",
+            "'SHARD_GRAD'",
+            "'NO_SHARD'",
+            "'HYBRID_SHARD'",
+            "'HYBRID_SHARD_ZERO2'",
+        ],
+    ),
+    (dict(shard_strat="FULL_SHARD", reshard_after_forward=3), ["reshard_after_forward=3", "divides"]),
+    (dict(shard_strat="FULL_SHARD", reshard_after_forward=0), ["reshard_after_forward=0"]),
+    (
+        dict(auto_wrap=True, TransformerBlock="DecoderLayer"),
+        ["TransformerBlock='DecoderLayer'", "matches no submodule of GPT", "Block"],
+    ),
+    (
+        dict(auto_wrap=True, TransformerBlock=nn.TransformerEncoderLayer),
+        ["TransformerEncoderLayer", "matches no submodule"],
+    ),
+    (dict(auto_wrap=True, TransformerBlock=42), ["TransformerBlock=42", "class name string"]),
+    (dict(auto_wrap="yes"), ["auto_wrap='yes'", "True or False"]),
+    (dict(shard_strat="HYBRID_SHARD", replicate_size=3), ["replicate_size=3", "divide the world size 1"]),
+    (dict(shard_strat="FULL_SHARD", replicate_size=2), ["replicate_size=2", "only applies to HYBRID"]),
+    (dict(compile="max"), ["compile='max'"]),
+]
+
+
+@pytest.mark.parametrize("kwargs, fragments", BAD_CALLS, ids=[str(k) for k, _ in BAD_CALLS])
+def test_bad_input_is_a_clear_error_and_changes_nothing(kwargs, fragments):
+    torch.manual_seed(0)
+    model = small()
+    before = _snapshot(model)
+    with pytest.raises(ValueError) as err:
+        fsdp(model, **kwargs)
+    for fragment in fragments:
+        assert fragment in str(err.value), f"{fragment!r} missing from: {err.value}"
+    assert not dist.is_initialized(), "a process group was started before validation failed"
+    after = _snapshot(model)
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+    assert type(model).__name__ == "GPT", "model class was swapped"
+
+
+def test_mixed_dtypes_in_one_unit_is_a_clear_error():
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4).to(torch.bfloat16))
+    reference = copy.deepcopy(model)
+    with pytest.raises(
+        ValueError, match=r"mixes parameter dtypes \(float32: 0.weight, 0.bias; bfloat16: 1.weight, 1.bias\)"
+    ):
+        fsdp(model, shard_strat="FULL_SHARD")
+    assert not dist.is_initialized()
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), reference.parameters()))
+
+
+def test_transformer_block_without_auto_wrap_warns():
+    from zeta_fsdp.wrapping import build_wrap_plan
+
+    with pytest.warns(UserWarning, match="only used with auto_wrap=True"):
+        plan = build_wrap_plan(small(), transformer_block=Block)
+    assert [u.kind for u in plan.units] == ["root"]

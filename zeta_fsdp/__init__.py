@@ -1,0 +1,26 @@
+"""zeta_fsdp: one line that turns any PyTorch model into a correctly sharded FSDP2 model.
+
+Example:
+    >>> from zeta_fsdp import fsdp
+    >>> model = fsdp(model, auto_wrap=True, mp="bf16", shard_strat="FULL_SHARD", TransformerBlock=Block)
+"""
+
+from .distributed import shutdown
+from .fsdp import fsdp, is_fsdp_wrapped
+from .options import ShardingSpec, resolve_mixed_precision, resolve_sharding
+from .wrapping import WrapPlan, WrapUnit, build_wrap_plan, detect_block_classes
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ShardingSpec",
+    "WrapPlan",
+    "WrapUnit",
+    "build_wrap_plan",
+    "detect_block_classes",
+    "fsdp",
+    "is_fsdp_wrapped",
+    "resolve_mixed_precision",
+    "resolve_sharding",
+    "shutdown",
+]

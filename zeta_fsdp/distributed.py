@@ -1,0 +1,234 @@
+"""Process group start-up, device and backend choice, DeviceMesh construction, clean shutdown.
+
+Every ``torch.distributed`` set-up call of the package lives here. The rules:
+
+* A group that already exists is used as is and never destroyed by us.
+* No group: start one from ``torchrun``'s environment variables when they are set, otherwise a
+  one-process group on an in-memory store (no port, no env vars) so a notebook just works.
+* Meshes follow the sharding spec: 1-D ``(world,)`` for FULL_SHARD/SHARD_GRAD, 2-D
+  ``(replicate, shard)`` for HYBRID, ``(world, 1)`` for NO_SHARD.
+
+Example:
+    >>> from zeta_fsdp.distributed import ensure_process_group, shutdown
+    >>> created = ensure_process_group(torch.device("cpu"))  # doctest: +SKIP
+    >>> shutdown()  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from datetime import timedelta
+from typing import Optional, Union
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from .options import ShardingSpec
+
+__all__ = [
+    "choose_device",
+    "default_backend",
+    "ensure_process_group",
+    "expected_world_size",
+    "mesh_shape",
+    "build_mesh",
+    "shard_group_size",
+    "shutdown",
+]
+
+# Groups this package started, so shutdown() never tears down one the user made.
+_CREATED_BY_US: dict[str, bool] = {"default": False}
+_TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def _running_under_torchrun() -> bool:
+    return all(v in os.environ for v in _TORCHRUN_VARS)
+
+
+def expected_world_size() -> int:
+    """World size the job has or will have, without starting anything.
+
+    Example:
+        >>> expected_world_size()  # in a notebook
+        1
+    """
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    if _running_under_torchrun():
+        return int(os.environ["WORLD_SIZE"])
+    return 1
+
+
+def _local_world_size() -> int:
+    return int(os.environ.get("LOCAL_WORLD_SIZE", expected_world_size()))
+
+
+def choose_device(model: Optional[nn.Module] = None, device: Union[str, torch.device, None] = None) -> torch.device:
+    """The device this rank computes on.
+
+    An explicit ``device`` wins. Otherwise CUDA (``cuda:LOCAL_RANK``) when available, else the
+    device the model's parameters are on (``meta`` counts as "not chosen yet": CPU).
+
+    Example:
+        >>> choose_device(nn.Linear(2, 2))  # on a CPU machine
+        device(type='cpu')
+    """
+    if device is not None:
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        return device
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    if model is not None:
+        for tensor in list(model.parameters()) + list(model.buffers()):
+            if tensor.device.type not in ("meta", "cpu"):
+                return tensor.device
+    return torch.device("cpu")
+
+
+def default_backend(device: torch.device, cpu_offload: bool = False) -> str:
+    """Backend for ``device``: gloo on CPU, nccl on CUDA (plus gloo for CPU-offloaded tensors).
+
+    Example:
+        >>> default_backend(torch.device("cuda"), cpu_offload=True)
+        'cuda:nccl,cpu:gloo'
+    """
+    if device.type == "cuda":
+        return "cuda:nccl,cpu:gloo" if cpu_offload else "nccl"
+    return "gloo"
+
+
+def ensure_process_group(device: torch.device, *, cpu_offload: bool = False, timeout_s: float = 1800) -> bool:
+    """Start the default process group if none exists. Returns ``True`` if this call started it.
+
+    Under ``torchrun`` (``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT`` set) it joins the
+    job through ``env://``; otherwise it starts a one-process group on an in-memory store.
+
+    Example:
+        >>> ensure_process_group(torch.device("cpu"))  # doctest: +SKIP
+        True
+    """
+    if not dist.is_available():
+        raise RuntimeError("fsdp(): this PyTorch build has no torch.distributed support.")
+    if dist.is_initialized():
+        return False
+    backend = default_backend(device, cpu_offload)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    kwargs = {"timeout": timedelta(seconds=timeout_s)}
+    if device.type == "cuda":
+        kwargs["device_id"] = device
+    if _running_under_torchrun():
+        dist.init_process_group(backend=backend, init_method="env://", **kwargs)
+    else:
+        dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1, **kwargs)
+    _CREATED_BY_US["default"] = True
+    return True
+
+
+def mesh_shape(
+    spec: ShardingSpec, world_size: int, *, local_world_size: Optional[int] = None, replicate_size: Optional[int] = None
+) -> tuple[int, ...]:
+    """The mesh shape ``spec`` needs at ``world_size`` ranks. Pure; raises ``ValueError`` when impossible.
+
+    HYBRID replicates across nodes by default (``world_size // LOCAL_WORLD_SIZE`` groups) and
+    shards within a node; ``replicate_size`` overrides the number of replicas.
+
+    Example:
+        >>> from zeta_fsdp.options import resolve_sharding
+        >>> mesh_shape(resolve_sharding("HYBRID_SHARD"), 8, replicate_size=2)
+        (2, 4)
+    """
+    if spec.mesh_ndim == 1:
+        if replicate_size not in (None, 1):
+            raise ValueError(
+                f"fsdp(): replicate_size={replicate_size!r} only applies to HYBRID_SHARD / "
+                f"HYBRID_SHARD_ZERO2 / NO_SHARD, not {spec.name}."
+            )
+        return (world_size,)
+    if spec.replicate_all:
+        return (world_size, 1)
+    if replicate_size is None:
+        local = local_world_size or world_size
+        replicate_size = max(1, world_size // local) if world_size % local == 0 else 1
+    if not isinstance(replicate_size, int) or replicate_size < 1 or world_size % replicate_size != 0:
+        divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
+        raise ValueError(
+            f"fsdp(): replicate_size={replicate_size!r} must divide the world size {world_size}. Accepted: {divisors}."
+        )
+    return (replicate_size, world_size // replicate_size)
+
+
+def shard_group_size(
+    spec: ShardingSpec, mesh: Optional[DeviceMesh] = None, *, replicate_size: Optional[int] = None
+) -> int:
+    """Number of ranks one parameter is sharded over (the last mesh dimension).
+
+    Example:
+        >>> shard_group_size(resolve_sharding("FULL_SHARD"))  # doctest: +SKIP
+        2
+    """
+    if mesh is not None:
+        return mesh.size(-1)
+    shape = mesh_shape(spec, expected_world_size(), local_world_size=_local_world_size(), replicate_size=replicate_size)
+    return shape[-1]
+
+
+def validate_mesh(spec: ShardingSpec, mesh: DeviceMesh) -> None:
+    """A user mesh must have the dimensions ``spec`` shards over (1-D, or 2-D for HYBRID/NO_SHARD)."""
+    if not isinstance(mesh, DeviceMesh):
+        raise ValueError(f"fsdp(): mesh={mesh!r} is not accepted. Accepted: None or a torch DeviceMesh.")
+    if mesh.ndim != spec.mesh_ndim:
+        raise ValueError(
+            f"fsdp(): shard_strat={spec.name!r} needs a {spec.mesh_ndim}-D mesh "
+            f"({'(shard,)' if spec.mesh_ndim == 1 else '(replicate, shard)'}), got a {mesh.ndim}-D "
+            f"mesh of shape {tuple(mesh.shape)}."
+        )
+    if spec.replicate_all and mesh.size(-1) != 1:
+        raise ValueError(f"fsdp(): NO_SHARD needs a mesh of shape (world, 1), got {tuple(mesh.shape)}.")
+
+
+def build_mesh(spec: ShardingSpec, device: torch.device, *, replicate_size: Optional[int] = None) -> DeviceMesh:
+    """Build the DeviceMesh ``spec`` needs over the default group (which must exist).
+
+    Example:
+        >>> mesh = build_mesh(resolve_sharding("FULL_SHARD"), torch.device("cpu"))  # doctest: +SKIP
+    """
+    shape = mesh_shape(spec, dist.get_world_size(), local_world_size=_local_world_size(), replicate_size=replicate_size)
+    names = ("dp_shard",) if len(shape) == 1 else ("dp_replicate", "dp_shard")
+    return init_device_mesh(device.type, shape, mesh_dim_names=names)
+
+
+def shutdown(*, force: bool = False, timeout_s: float = 300.0) -> None:
+    """Leave the job cleanly: every rank waits for every other, then the group is destroyed.
+
+    Destroys only a group this package started (``force=True`` for one you started yourself).
+    A plain ``barrier()`` is not enough with gloo: the first rank out of it may destroy its group
+    while a peer still finishes the barrier, and the peer aborts. So each rank also adds 1 to a
+    counter in the rendezvous store and waits until all ranks have, before destroying.
+
+    Example:
+        >>> shutdown()  # at the end of a training script started by fsdp()
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    if not (force or _CREATED_BY_US["default"]):
+        return
+    world = dist.get_world_size()
+    if world > 1:
+        dist.barrier()
+        store = dist.distributed_c10d._get_default_store()
+        store.add("zeta_fsdp/shutdown", 1)
+        deadline = time.monotonic() + timeout_s
+        try:
+            while store.add("zeta_fsdp/shutdown", 0) < world and time.monotonic() < deadline:
+                time.sleep(0.01)
+        except (RuntimeError, dist.DistStoreError):
+            # The store's host left: it only leaves after seeing every rank's increment.
+            pass
+    dist.destroy_process_group()
+    _CREATED_BY_US["default"] = False

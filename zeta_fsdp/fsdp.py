@@ -1,0 +1,279 @@
+"""The façade: ``fsdp(model, ...)`` shards any model with FSDP2 in one line.
+
+Steps, in order (each a plain function below):
+    validate every argument (nothing changes if one is bad)
+    -> plan the units (pure, ``wrapping.build_wrap_plan``)
+    -> process group + device + mesh (``distributed``)
+    -> activation checkpointing, torch.compile (each block, optional)
+    -> ``fully_shard`` bottom-up, the SAME MixedPrecisionPolicy on every unit
+    -> materialize a meta-device model (``to_empty``, init, re-tie).
+
+Example:
+    >>> from zeta_fsdp import fsdp
+    >>> model = fsdp(nn.Sequential(nn.Linear(784, 256), nn.ReLU(), nn.Linear(256, 10)))
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from typing import Any, Iterable, Optional, Union
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.utils.checkpoint import checkpoint
+
+from .distributed import (
+    build_mesh,
+    choose_device,
+    ensure_process_group,
+    shard_group_size,
+    validate_mesh,
+)
+from .options import resolve_mixed_precision, resolve_sharding, validate_reshard_after_forward
+from .wrapping import BlockSpec, WrapPlan, build_wrap_plan
+
+__all__ = ["fsdp", "is_fsdp_wrapped"]
+
+
+def is_fsdp_wrapped(model: nn.Module) -> bool:
+    """``True`` if ``model`` or any submodule has already been passed to ``fully_shard``.
+
+    Example:
+        >>> is_fsdp_wrapped(nn.Linear(2, 2))
+        False
+    """
+    return any(isinstance(m, FSDPModule) for m in model.modules())
+
+
+def _require_bool(name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"fsdp(): {name}={value!r} is not accepted. Accepted: True or False.")
+
+
+def _ignored_parameters(
+    model: nn.Module, ignored_params: Optional[Iterable[nn.Parameter]], ignored_modules: Optional[Iterable[nn.Module]]
+) -> set[nn.Parameter]:
+    own = {id(p) for p in model.parameters()}
+    ignored = set(ignored_params or ())
+    for module in ignored_modules or ():
+        if not isinstance(module, nn.Module):
+            raise ValueError(f"fsdp(): ignored_modules must hold nn.Module objects, got {module!r}.")
+        ignored.update(module.parameters())
+    stray = [p for p in ignored if id(p) not in own]
+    if stray:
+        raise ValueError(f"fsdp(): {len(stray)} ignored parameter(s) do not belong to the model.")
+    return ignored
+
+
+def _check_uniform_dtypes(plan: WrapPlan, model: nn.Module) -> None:
+    """FSDP2 all-gathers one flat buffer per unit, so a unit's parameters must share one dtype."""
+    dtype_of = dict(model.named_parameters())
+    for unit in plan.units:
+        if len(unit.dtypes) > 1:
+            by_dtype: dict[torch.dtype, list[str]] = {}
+            for name in unit.param_names:
+                by_dtype.setdefault(dtype_of[name].dtype, []).append(name)
+            detail = "; ".join(
+                f"{str(d).replace('torch.', '')}: {', '.join(n[:3])}{' ...' if len(n) > 3 else ''}"
+                for d, n in ((d, names) for d, names in by_dtype.items())
+            )
+            raise ValueError(
+                f"fsdp(): FSDP unit {unit.name} mixes parameter dtypes ({detail}). FSDP2 needs one "
+                "dtype per unit: cast the model to one dtype first (e.g. model.float()) and use "
+                "mp='bf16'/'fp16' for low-precision compute, or pass the odd ones in ignored_params."
+            )
+
+
+def _checkpointed_forward(forward: Any, *args: Any, **kwargs: Any) -> Any:
+    return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+
+def apply_activation_checkpointing(plan: WrapPlan) -> None:
+    """Recompute each block's activations in backward instead of storing them.
+
+    The block's ``forward`` is wrapped in place (no wrapper module), so parameter names and
+    state-dict keys stay exactly those of the unwrapped model, and FSDP's hooks still run around
+    the whole checkpointed call.
+    """
+    for unit in plan.blocks:
+        for module in unit.modules:
+            if "forward" not in vars(module):
+                module.forward = functools.partial(_checkpointed_forward, module.forward)
+
+
+def apply_compile(plan: WrapPlan, options: Union[bool, dict]) -> None:
+    """``torch.compile`` each block in place (``nn.Module.compile``: names unchanged)."""
+    kwargs = options if isinstance(options, dict) else {}
+    for unit in plan.blocks:
+        for module in unit.modules:
+            module.compile(**kwargs)
+
+
+def shard_units(
+    plan: WrapPlan,
+    mesh: DeviceMesh,
+    mp_policy: MixedPrecisionPolicy,
+    reshard_after_forward: Union[bool, int],
+    offload_policy: OffloadPolicy,
+    ignored_params: set[nn.Parameter],
+) -> None:
+    """Call ``fully_shard`` on every unit, bottom-up, with one policy for all.
+
+    Mixed precision is not inherited by child units in FSDP2: a unit sharded without the policy
+    would all-gather and compute in fp32 while its neighbours run in bf16. So every call gets it.
+    The root keeps its parameters after forward (``reshard_after_forward=None``): backward starts
+    with it, so freeing and re-gathering would be pure waste.
+    """
+    for unit in plan.units:
+        is_root = unit.kind == "root"
+        fully_shard(
+            unit.target,
+            mesh=mesh,
+            reshard_after_forward=None if is_root else reshard_after_forward,
+            mp_policy=mp_policy,
+            offload_policy=offload_policy,
+            ignored_params=ignored_params or None,
+        )
+
+
+def _retie(model: nn.Module, tied_params: list[list[str]]) -> None:
+    for names in tied_params:
+        first = model.get_parameter(names[0])
+        for name in names[1:]:
+            owner_name, _, attr = name.rpartition(".")
+            owner = model.get_submodule(owner_name)
+            if getattr(owner, attr) is not first:
+                owner.register_parameter(attr, first)
+
+
+def materialize_meta_model(model: nn.Module, device: torch.device, tied_params: list[list[str]]) -> bool:
+    """Allocate a sharded ``meta`` model on ``device`` and initialise it. Returns ``True`` if it did.
+
+    Each rank allocates only its shards (``to_empty``), then the model's own initialisation runs:
+    ``init_weights()`` on the root when defined, else ``reset_parameters()`` on every module that
+    has one (buffers included, when those methods refill them). Ties are restored and nothing is
+    allowed to stay on ``meta``.
+    """
+    tensors = dict(model.named_parameters())
+    tensors.update(model.named_buffers())
+    if not any(t.is_meta for t in tensors.values()):
+        return False
+    model.to_empty(device=device)
+    with torch.no_grad():
+        if callable(getattr(model, "init_weights", None)):
+            model.init_weights()
+        else:
+            for module in model.modules():
+                if callable(getattr(module, "reset_parameters", None)):
+                    module.reset_parameters()
+    _retie(model, tied_params)
+    left = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
+    if left:
+        raise RuntimeError(f"fsdp(): these tensors are still on the meta device after materialization: {left[:10]}")
+    uninitialised = [
+        name
+        for name, module in model.named_modules()
+        if any(True for _ in module.buffers(recurse=False))
+        and not callable(getattr(module, "reset_parameters", None))
+        and not callable(getattr(model, "init_weights", None))
+    ]
+    if uninitialised:
+        warnings.warn(
+            "fsdp(): buffers of these meta-built modules were allocated but nothing refilled them "
+            f"(no init_weights()/reset_parameters()): {uninitialised[:10]}",
+            stacklevel=3,
+        )
+    return True
+
+
+def fsdp(
+    model: nn.Module,
+    auto_wrap: bool = False,
+    mp: Union[str, MixedPrecisionPolicy] = "fp32",
+    shard_strat: Any = "NO_SHARD",
+    TransformerBlock: BlockSpec = None,  # noqa: N803 - Zeta's public parameter name
+    *,
+    mesh: Optional[DeviceMesh] = None,
+    device: Union[str, torch.device, None] = None,
+    reshard_after_forward: Union[bool, int, None] = None,
+    cpu_offload: bool = False,
+    activation_checkpointing: bool = False,
+    compile: Union[bool, dict] = False,  # noqa: A002 - the documented keyword
+    ignored_params: Optional[Iterable[nn.Parameter]] = None,
+    ignored_modules: Optional[Iterable[nn.Module]] = None,
+    replicate_size: Optional[int] = None,
+) -> nn.Module:
+    """Shard ``model`` with FSDP2 (``fully_shard``) and return the same object, now an ``FSDPModule``.
+
+    Args:
+        model: any ``nn.Module``, on CPU, CUDA or ``meta``.
+        auto_wrap: one FSDP unit per transformer block (plus embeddings, head, root). ``False``:
+            the whole model is one unit.
+        mp: ``"fp32"`` (default), ``"bf16"`` or ``"fp16"`` (compute in the low dtype, reduce
+            gradients in fp32; fp16 needs ``torch.amp.GradScaler``), or a ``MixedPrecisionPolicy``.
+        shard_strat: ``"FULL_SHARD"`` (ZeRO-3), ``"SHARD_GRAD"`` (ZeRO-2), ``"NO_SHARD"`` (DDP-like,
+            default), ``"HYBRID_SHARD"``, ``"HYBRID_SHARD_ZERO2"``, or an FSDP1 ``ShardingStrategy``.
+        TransformerBlock: block class, tuple of classes, or class name. Detected when ``None``.
+        mesh: a ``DeviceMesh`` to use instead of building one (1-D, or 2-D for HYBRID/NO_SHARD).
+        device: compute device; default ``cuda:LOCAL_RANK`` when CUDA is available, else CPU.
+        reshard_after_forward: override for the blocks: bool, or an int dividing the shard group.
+        cpu_offload: keep sharded parameters, gradients and optimizer state on CPU.
+        activation_checkpointing: recompute each block in backward.
+        compile: ``torch.compile`` each block (``True`` or a dict of compile options).
+        ignored_params / ignored_modules: parameters FSDP leaves alone (not sharded).
+        replicate_size: number of replicas for HYBRID (default: number of nodes).
+
+    Raises:
+        ValueError: for any bad argument, before a process group starts or the model changes.
+
+    Example:
+        >>> model = fsdp(model, auto_wrap=True, mp="bf16", shard_strat="FULL_SHARD", TransformerBlock=Block)
+        >>> optimizer = torch.optim.AdamW(model.parameters())  # after wrapping: DTensor parameters
+    """
+    # 1. Validate everything first: nothing below may run if an argument is bad.
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"fsdp(): model must be a torch.nn.Module, got {type(model).__name__}.")
+    if is_fsdp_wrapped(model):
+        raise ValueError(
+            f"fsdp(): {type(model).__name__} (or one of its submodules) is already wrapped with "
+            "FSDP2 (fully_shard). Call fsdp() once, on the unwrapped model."
+        )
+    _require_bool("auto_wrap", auto_wrap)
+    _require_bool("cpu_offload", cpu_offload)
+    _require_bool("activation_checkpointing", activation_checkpointing)
+    if not isinstance(compile, (bool, dict)):
+        raise ValueError(
+            f"fsdp(): compile={compile!r} is not accepted. Accepted: True, False, or a dict of torch.compile options."
+        )
+    mp_policy = resolve_mixed_precision(mp)
+    spec = resolve_sharding(shard_strat)
+    if mesh is not None:
+        validate_mesh(spec, mesh)
+    reshard = validate_reshard_after_forward(
+        reshard_after_forward, shard_group_size(spec, mesh, replicate_size=replicate_size)
+    )
+    if reshard is None:
+        reshard = spec.reshard_after_forward
+    ignored = _ignored_parameters(model, ignored_params, ignored_modules)
+    plan = build_wrap_plan(model, auto_wrap=auto_wrap, transformer_block=TransformerBlock, ignored_params=ignored)
+    _check_uniform_dtypes(plan, model)
+    compute_device = choose_device(model, device)
+
+    # 2. Environment: a process group (ours only if none exists) and the mesh.
+    ensure_process_group(compute_device, cpu_offload=cpu_offload)
+    if mesh is None:
+        mesh = build_mesh(spec, compute_device, replicate_size=replicate_size)
+
+    # 3. Per-block transforms, then sharding bottom-up, then meta materialization.
+    if activation_checkpointing:
+        apply_activation_checkpointing(plan)
+    if compile:
+        apply_compile(plan, compile)
+    offload = CPUOffloadPolicy() if cpu_offload else OffloadPolicy()
+    shard_units(plan, mesh, mp_policy, reshard, offload, ignored)
+    materialize_meta_model(model, compute_device, plan.tied_params)
+    model._zeta_fsdp_plan = plan  # lets later helpers print/inspect what was done
+    return model

@@ -1,0 +1,184 @@
+"""User-facing option strings -> FSDP2 objects. Pure: no process group, no model changes.
+
+Every resolver raises ``ValueError`` naming the bad value and listing every accepted one,
+so ``fsdp()`` can validate all of its arguments before it touches anything.
+
+Example:
+    >>> from zeta_fsdp.options import resolve_mixed_precision, resolve_sharding
+    >>> resolve_mixed_precision("bfloat16").param_dtype
+    torch.bfloat16
+    >>> resolve_sharding("shard_grad_op").reshard_after_forward
+    False
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Optional, Union
+
+import torch
+from torch.distributed.fsdp import MixedPrecisionPolicy
+
+__all__ = [
+    "MIXED_PRECISION_ALIASES",
+    "SHARDING_ALIASES",
+    "ShardingSpec",
+    "resolve_mixed_precision",
+    "resolve_sharding",
+    "validate_reshard_after_forward",
+]
+
+# Canonical name -> (param_dtype, reduce_dtype). Gradients are reduced in fp32 on purpose:
+# summing N bf16/fp16 gradients loses bits that fp32 keeps, at 2x the reduce-scatter bytes.
+_MP_TABLE: dict[str, tuple[Optional[torch.dtype], Optional[torch.dtype]]] = {
+    "fp32": (None, None),
+    "bf16": (torch.bfloat16, torch.float32),
+    "fp16": (torch.float16, torch.float32),
+}
+
+MIXED_PRECISION_ALIASES: dict[str, str] = {
+    "fp32": "fp32",
+    "float32": "fp32",
+    "float": "fp32",
+    "32": "fp32",
+    "full": "fp32",
+    "bf16": "bf16",
+    "bfloat16": "bf16",
+    "bf16-mixed": "bf16",
+    "fp16": "fp16",
+    "float16": "fp16",
+    "half": "fp16",
+    "16": "fp16",
+    "16-mixed": "fp16",
+}
+
+
+@dataclass(frozen=True)
+class ShardingSpec:
+    """What a ``shard_strat`` string means for FSDP2.
+
+    Attributes:
+        name: canonical strategy name, e.g. ``"FULL_SHARD"``.
+        mesh_ndim: 1 for a flat shard mesh, 2 for ``(replicate, shard)``.
+        replicate_all: ``True`` for NO_SHARD: the 2-D mesh is ``(world, 1)``.
+        reshard_after_forward: what transformer blocks use (ZeRO-3: ``True``, ZeRO-2: ``False``).
+
+    Example:
+        >>> resolve_sharding("HYBRID_SHARD").mesh_ndim
+        2
+    """
+
+    name: str
+    mesh_ndim: int
+    replicate_all: bool
+    reshard_after_forward: bool
+
+    @property
+    def is_hybrid(self) -> bool:
+        """``True`` for HYBRID_SHARD and HYBRID_SHARD_ZERO2 (shard within, replicate across)."""
+        return self.mesh_ndim == 2 and not self.replicate_all
+
+
+_SHARDING_TABLE: dict[str, ShardingSpec] = {
+    "FULL_SHARD": ShardingSpec("FULL_SHARD", 1, False, True),
+    "SHARD_GRAD": ShardingSpec("SHARD_GRAD", 1, False, False),
+    "NO_SHARD": ShardingSpec("NO_SHARD", 2, True, False),
+    "HYBRID_SHARD": ShardingSpec("HYBRID_SHARD", 2, False, True),
+    "HYBRID_SHARD_ZERO2": ShardingSpec("HYBRID_SHARD_ZERO2", 2, False, False),
+}
+
+SHARDING_ALIASES: dict[str, str] = {
+    "FULL_SHARD": "FULL_SHARD",
+    "ZERO3": "FULL_SHARD",
+    "SHARD_GRAD": "SHARD_GRAD",
+    "SHARD_GRAD_OP": "SHARD_GRAD",
+    "ZERO2": "SHARD_GRAD",
+    "NO_SHARD": "NO_SHARD",
+    "DDP": "NO_SHARD",
+    "HYBRID_SHARD": "HYBRID_SHARD",
+    "HSDP": "HYBRID_SHARD",
+    "HYBRID_SHARD_ZERO2": "HYBRID_SHARD_ZERO2",
+    "_HYBRID_SHARD_ZERO2": "HYBRID_SHARD_ZERO2",
+}
+
+
+def resolve_mixed_precision(mp: Union[str, MixedPrecisionPolicy, None]) -> MixedPrecisionPolicy:
+    """Turn Zeta's ``mp`` string into the FSDP2 ``MixedPrecisionPolicy`` used for every unit.
+
+    ``"fp32"`` (default) casts nothing; ``"bf16"``/``"fp16"`` compute in the low dtype and reduce
+    gradients in fp32. A ``MixedPrecisionPolicy`` is returned as given. Case-insensitive.
+
+    Example:
+        >>> resolve_mixed_precision("FP16")
+        MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float32, output_dtype=None, cast_forward_inputs=True)
+    """
+    if isinstance(mp, MixedPrecisionPolicy):
+        return mp
+    if mp is None:
+        mp = "fp32"
+    if isinstance(mp, torch.dtype):
+        mp = str(mp).replace("torch.", "")
+    key = mp.strip().lower() if isinstance(mp, str) else None
+    if key not in MIXED_PRECISION_ALIASES:
+        accepted = ", ".join(repr(a) for a in MIXED_PRECISION_ALIASES)
+        raise ValueError(
+            f"fsdp(): unknown mp={mp!r}. Accepted (case-insensitive): {accepted}, "
+            "or a torch.distributed.fsdp.MixedPrecisionPolicy."
+        )
+    param_dtype, reduce_dtype = _MP_TABLE[MIXED_PRECISION_ALIASES[key]]
+    return MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+
+
+def resolve_sharding(shard_strat: Union[str, enum.Enum, None]) -> ShardingSpec:
+    """Turn Zeta's ``shard_strat`` (or an FSDP1 ``ShardingStrategy`` member) into a ShardingSpec.
+
+    Example:
+        >>> from torch.distributed.fsdp import ShardingStrategy
+        >>> resolve_sharding(ShardingStrategy.SHARD_GRAD_OP).name
+        'SHARD_GRAD'
+    """
+    if shard_strat is None:
+        shard_strat = "NO_SHARD"
+    raw = shard_strat.name if isinstance(shard_strat, enum.Enum) else shard_strat
+    key = raw.strip().upper().replace("-", "_") if isinstance(raw, str) else None
+    if key not in SHARDING_ALIASES:
+        accepted = ", ".join(repr(a) for a in SHARDING_ALIASES)
+        raise ValueError(
+            f"fsdp(): unknown shard_strat={shard_strat!r}. Accepted (case-insensitive): "
+            f"{accepted}, or a torch.distributed.fsdp.ShardingStrategy member."
+        )
+    return _SHARDING_TABLE[SHARDING_ALIASES[key]]
+
+
+def validate_reshard_after_forward(
+    value: Union[bool, int, None], shard_group_size: Optional[int] = None
+) -> Union[bool, int, None]:
+    """Check a ``reshard_after_forward`` override: ``None``, a bool, or an int dividing the shard group.
+
+    An int ``k`` keeps parameters sharded over groups of ``k`` ranks between forward and backward
+    (less memory than ``False``, cheaper intra-node all-gather than ``True``). ``k`` equal to the
+    shard group size is the same as ``True``; ``k == 1`` is the same as ``False``.
+
+    Example:
+        >>> validate_reshard_after_forward(2, shard_group_size=4)
+        2
+    """
+    if value is None or isinstance(value, bool):
+        return value
+    if not isinstance(value, int):
+        raise ValueError(
+            f"fsdp(): reshard_after_forward={value!r} is not accepted. Accepted: None, True, "
+            "False, or a positive int that divides the shard group size."
+        )
+    if value < 1 or (shard_group_size is not None and shard_group_size % value != 0):
+        group = f" ({shard_group_size})" if shard_group_size is not None else ""
+        divisors = ""
+        if shard_group_size is not None:
+            divs = [d for d in range(1, shard_group_size + 1) if shard_group_size % d == 0]
+            divisors = f" Accepted ints here: {divs}."
+        raise ValueError(
+            f"fsdp(): reshard_after_forward={value!r} must be a positive int that divides the "
+            f"shard group size{group}, or None/True/False.{divisors}"
+        )
+    return value

@@ -1,0 +1,353 @@
+"""Which modules become FSDP units: a pure, inspectable plan (no process group, no allocation).
+
+The plan is formed bottom-up, the order ``fully_shard`` must be called in: every transformer
+block, then the input embeddings, then ``[final norm, output head]``, then the root. Parameters
+shared between modules (an embedding tied to the output head) always land in one unit, because
+FSDP2 only keeps a tie when every module holding the parameter is sharded by the same call.
+
+Works on ``meta`` models, so it can describe a model too large to build for real.
+
+Example:
+    >>> import torch.nn as nn
+    >>> from zeta_fsdp.wrapping import build_wrap_plan
+    >>> model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    >>> [unit.kind for unit in build_wrap_plan(model).units]
+    ['root']
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Iterable, Optional, Sequence, Union
+
+import torch
+import torch.nn as nn
+
+__all__ = ["BlockSpec", "WrapPlan", "WrapUnit", "build_wrap_plan", "detect_block_classes"]
+
+BlockSpec = Union[type, str, Sequence[Union[type, str]], None]
+
+
+@dataclass
+class WrapUnit:
+    """One future ``fully_shard`` call: the modules it covers and the parameters it will own.
+
+    Attributes:
+        kind: ``"block"``, ``"embedding"``, ``"head"``, ``"embedding+head"`` (tied) or ``"root"``.
+        module_names: FQNs of the modules passed to ``fully_shard`` (``""`` is the root).
+        modules: the module objects, in the same order.
+        param_names: FQNs of the parameters this unit owns (first name of a tied parameter).
+        numel: elements owned; nbytes: bytes owned at the parameters' current dtypes.
+        dtypes: dtypes of the owned parameters.
+    """
+
+    kind: str
+    module_names: list[str]
+    modules: list[nn.Module] = field(repr=False)
+    param_names: list[str] = field(default_factory=list)
+    numel: int = 0
+    nbytes: int = 0
+    dtypes: set[torch.dtype] = field(default_factory=set)
+
+    @property
+    def name(self) -> str:
+        """Readable unit name: the module FQN, ``[a, b]`` for a group, ``<root>`` for the root."""
+        names = [n or "<root>" for n in self.module_names]
+        return names[0] if len(names) == 1 else "[" + ", ".join(names) + "]"
+
+    @property
+    def target(self) -> Union[nn.Module, list[nn.Module]]:
+        """What to pass to ``fully_shard``: a module, or a list of modules sharing one group."""
+        return self.modules[0] if len(self.modules) == 1 else list(self.modules)
+
+
+@dataclass
+class WrapPlan:
+    """The FSDP units of a model, bottom-up (root last), plus what the planner found.
+
+    Example:
+        >>> print(plan.table())  # doctest: +SKIP
+    """
+
+    units: list[WrapUnit]
+    block_classes: tuple[type, ...]
+    tied_params: list[list[str]]
+    ignored_param_names: list[str] = field(default_factory=list)
+
+    @property
+    def numel(self) -> int:
+        """Total elements the units own (tied parameters counted once)."""
+        return sum(u.numel for u in self.units)
+
+    @property
+    def nbytes(self) -> int:
+        """Total bytes the units own (tied parameters counted once)."""
+        return sum(u.nbytes for u in self.units)
+
+    @property
+    def blocks(self) -> list[WrapUnit]:
+        """The transformer-block units."""
+        return [u for u in self.units if u.kind == "block"]
+
+    def table(self) -> str:
+        """A fixed-width table: one row per unit with its kind, parameter count and bytes."""
+        rows = [("unit", "kind", "params", "numel", "MiB")]
+        for u in self.units:
+            rows.append((u.name, u.kind, str(len(u.param_names)), f"{u.numel:,}", f"{u.nbytes / 2**20:.2f}"))
+        rows.append(
+            (
+                "total",
+                "",
+                str(sum(len(u.param_names) for u in self.units)),
+                f"{self.numel:,}",
+                f"{self.nbytes / 2**20:.2f}",
+            )
+        )
+        widths = [min(60, max(len(r[i]) for r in rows)) for i in range(len(rows[0]))]
+        lines = []
+        for i, r in enumerate(rows):
+            cells = [c if len(c) <= widths[j] else c[: widths[j] - 3] + "..." for j, c in enumerate(r)]
+            lines.append("  ".join(c.ljust(widths[j]) if j < 2 else c.rjust(widths[j]) for j, c in enumerate(cells)))
+            if i == 0 or i == len(rows) - 2:
+                lines.append("  ".join("-" * w for w in widths))
+        return "\n".join(lines)
+
+
+def _class_name_matches(module: nn.Module, name: str) -> bool:
+    cls = type(module)
+    return name in (cls.__name__, cls.__qualname__, f"{cls.__module__}.{cls.__qualname__}")
+
+
+def _normalize_block_spec(transformer_block: BlockSpec) -> list[Union[type, str]]:
+    specs = (
+        list(transformer_block) if isinstance(transformer_block, (tuple, list, set, frozenset)) else [transformer_block]
+    )
+    for spec in specs:
+        if not (isinstance(spec, str) or (isinstance(spec, type) and issubclass(spec, nn.Module))):
+            raise ValueError(
+                f"fsdp(): TransformerBlock={transformer_block!r} is not accepted. Accepted: an "
+                "nn.Module subclass, a class name string, or a tuple of those."
+            )
+    return specs
+
+
+def _resolve_block_classes(model: nn.Module, specs: list[Union[type, str]]) -> tuple[type, ...]:
+    """Map each spec to the module classes present in ``model``; a spec matching nothing is an error."""
+    present = {type(m) for _, m in model.named_modules() if m is not model}
+    classes: list[type] = []
+    for spec in specs:
+        if isinstance(spec, str):
+            found = [c for c in present if spec in (c.__name__, c.__qualname__, f"{c.__module__}.{c.__qualname__}")]
+        else:
+            found = [c for c in present if issubclass(c, spec)]
+        if not found:
+            shown = sorted({c.__name__ for c in present})
+            name = spec if isinstance(spec, str) else spec.__name__
+            raise ValueError(
+                f"fsdp(): TransformerBlock={name!r} matches no submodule of {type(model).__name__}. "
+                f"Module classes present: {', '.join(shown[:40])}{' ...' if len(shown) > 40 else ''}."
+            )
+        classes.extend(c for c in found if c not in classes)
+    return tuple(classes)
+
+
+def detect_block_classes(model: nn.Module) -> tuple[type, ...]:
+    """Guess the transformer-block classes of ``model``.
+
+    A Hugging Face model's ``_no_split_modules`` wins; otherwise the class of the children of an
+    ``nn.ModuleList`` whose children all share one class (the usual ``self.layers`` /
+    ``self.blocks`` / ``self.h``). Returns ``()`` when nothing looks like a block.
+
+    Example:
+        >>> class Net(nn.Module):
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.layers = nn.ModuleList(nn.Linear(2, 2) for _ in range(3))
+        >>> detect_block_classes(Net())
+        (<class 'torch.nn.modules.linear.Linear'>,)
+    """
+    no_split = getattr(model, "_no_split_modules", None)
+    if no_split:
+        present = {type(m) for m in model.modules()}
+        classes = tuple(c for c in present if any(c.__name__ == n for n in no_split))
+        if classes:
+            return classes
+    counts: Counter = Counter()
+    for module in model.modules():
+        if isinstance(module, nn.ModuleList) and len(module) > 0:
+            kinds = {type(child) for child in module}
+            if len(kinds) == 1:
+                counts[kinds.pop()] += len(module)
+    if not counts:
+        return ()
+    # The ModuleList class repeated most often is the block; sub-layer lists (e.g. per-head
+    # projections inside a block) repeat less often in total than the blocks themselves.
+    best, _ = counts.most_common(1)[0]
+    return (best,)
+
+
+def _post_order(module: nn.Module, prefix: str = "") -> Iterable[tuple[str, nn.Module]]:
+    for name, child in module.named_children():
+        yield from _post_order(child, f"{prefix}.{name}" if prefix else name)
+    yield prefix, module
+
+
+def _find_blocks(model: nn.Module, classes: tuple[type, ...]) -> list[tuple[str, nn.Module]]:
+    if not classes:
+        return []
+    return [(n, m) for n, m in _post_order(model) if m is not model and isinstance(m, classes)]
+
+
+def _is_under(name: str, prefixes: Iterable[str]) -> bool:
+    return any(name == p or name.startswith(p + ".") for p in prefixes)
+
+
+def _embedding_and_head_modules(
+    model: nn.Module, blocks: list[tuple[str, nn.Module]]
+) -> tuple[list[tuple[str, nn.Module]], list[tuple[str, nn.Module]]]:
+    """Input embeddings (``nn.Embedding`` outside blocks) and the modules after the last block.
+
+    The "head" group is every leaf module holding parameters that comes after the last block in
+    registration order (typically the final norm and the output projection), when it contains an
+    ``nn.Linear`` or is the model's declared output embedding.
+    """
+    block_names = [n for n, _ in blocks]
+    ordered = [(n, m) for n, m in model.named_modules() if m is not model]
+    position = {n: i for i, (n, _) in enumerate(ordered)}
+    last_block = max(position[n] for n in block_names)
+    embeddings = [(n, m) for n, m in ordered if isinstance(m, nn.Embedding) and not _is_under(n, block_names)]
+    output_embedding = getattr(model, "get_output_embeddings", lambda: None)()
+    tail = [
+        (n, m)
+        for n, m in ordered
+        if position[n] > last_block
+        and not _is_under(n, block_names)
+        and any(True for _ in m.parameters(recurse=False))
+        and not isinstance(m, nn.Embedding)
+    ]
+    if not any(isinstance(m, nn.Linear) or m is output_embedding for _, m in tail):
+        tail = []
+    return embeddings, tail
+
+
+def _tied_groups(model: nn.Module) -> list[list[str]]:
+    by_id: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        by_id.setdefault(id(param), []).append(name)
+    return [names for names in by_id.values() if len(names) > 1]
+
+
+def _owner_module_name(param_name: str) -> str:
+    return param_name.rpartition(".")[0]
+
+
+def _claiming_unit(module_name: str, units: list[WrapUnit]) -> int:
+    """Index of the first (innermost) unit whose subtree holds ``module_name``."""
+    for i, unit in enumerate(units):
+        if _is_under(module_name, [n for n in unit.module_names if n]) or "" in unit.module_names:
+            return i
+    raise AssertionError("the root unit claims every module")
+
+
+def _resolve_ties(units: list[WrapUnit], tied: list[list[str]]) -> list[WrapUnit]:
+    """Merge or drop units so that every tied parameter's holders fall in a single unit."""
+    while True:
+        conflict = None
+        for names in tied:
+            claims = sorted({_claiming_unit(_owner_module_name(n), units) for n in names})
+            if len(claims) > 1:
+                conflict = claims
+                break
+        if conflict is None:
+            return units
+        kinds = {units[i].kind for i in conflict}
+        if kinds <= {"embedding", "head", "embedding+head"} and len(conflict) == 2:
+            a, b = (units[i] for i in conflict)
+            merged = WrapUnit("embedding+head", a.module_names + b.module_names, a.modules + b.modules)
+            keep = [u for i, u in enumerate(units) if i not in conflict]
+            units = keep[:-1] + [merged] + keep[-1:]
+            continue
+        dropped = [units[i] for i in conflict if units[i].kind != "root"]
+        warnings.warn(
+            "fsdp(): parameters tied across "
+            + ", ".join(u.name for u in dropped)
+            + " cannot be split into separate FSDP units; those modules are sharded with their parent instead.",
+            stacklevel=3,
+        )
+        units = [u for u in units if u not in dropped]
+
+
+def _fill_params(units: list[WrapUnit], model: nn.Module, ignored: set[int]) -> list[str]:
+    seen: set[int] = set()
+    ignored_names = []
+    for name, param in model.named_parameters(remove_duplicate=False):
+        pid = id(param)
+        if pid in seen:
+            continue
+        seen.add(pid)
+        if pid in ignored:
+            ignored_names.append(name)
+            continue
+        unit = units[_claiming_unit(_owner_module_name(name), units)]
+        unit.param_names.append(name)
+        unit.numel += param.numel()
+        unit.nbytes += param.numel() * param.element_size()
+        unit.dtypes.add(param.dtype)
+    return ignored_names
+
+
+def build_wrap_plan(
+    model: nn.Module,
+    *,
+    auto_wrap: bool = False,
+    transformer_block: BlockSpec = None,
+    ignored_params: Optional[set[nn.Parameter]] = None,
+) -> WrapPlan:
+    """Plan the FSDP units of ``model`` without changing it.
+
+    With ``auto_wrap=False`` the whole model is one unit (Zeta's FSDP1 behaviour without an
+    auto-wrap policy). With ``auto_wrap=True`` every block (``transformer_block`` classes, or
+    detected ones when it is ``None``) is a unit, then the input embeddings, then the modules after
+    the last block (final norm + head), then the root.
+
+    Raises ``ValueError`` when ``transformer_block`` is malformed or matches no submodule.
+
+    Example:
+        >>> plan = build_wrap_plan(model, auto_wrap=True, transformer_block="Block")  # doctest: +SKIP
+        >>> print(plan.table())  # doctest: +SKIP
+    """
+    classes: tuple[type, ...] = ()
+    if transformer_block is not None:
+        specs = _normalize_block_spec(transformer_block)
+        if auto_wrap:
+            classes = _resolve_block_classes(model, specs)
+        else:
+            warnings.warn(
+                "fsdp(): TransformerBlock is only used with auto_wrap=True (as in Zeta's fsdp); "
+                "the whole model is one FSDP unit. Pass auto_wrap=True to shard per block.",
+                stacklevel=3,
+            )
+    elif auto_wrap:
+        classes = detect_block_classes(model)
+
+    units: list[WrapUnit] = []
+    blocks = _find_blocks(model, classes)
+    for name, module in blocks:
+        units.append(WrapUnit("block", [name], [module]))
+    if blocks:
+        embeddings, head = _embedding_and_head_modules(model, blocks)
+        if embeddings:
+            units.append(WrapUnit("embedding", [n for n, _ in embeddings], [m for _, m in embeddings]))
+        if head:
+            units.append(WrapUnit("head", [n for n, _ in head], [m for _, m in head]))
+    units.append(WrapUnit("root", [""], [model]))
+
+    tied = _tied_groups(model)
+    units = _resolve_ties(units, tied)
+    ignored = {id(p) for p in (ignored_params or ())}
+    ignored_names = _fill_params(units, model, ignored)
+    # A unit with no parameters would only add hooks and an empty all-gather.
+    units = [u for u in units if u.numel > 0 or u.kind == "root"]
+    return WrapPlan(units=units, block_classes=classes, tied_params=tied, ignored_param_names=ignored_names)
