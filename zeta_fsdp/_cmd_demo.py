@@ -1,0 +1,3 @@
+"""`python -m zeta_fsdp demo`: argument parsing only; the work lives in the library modules."""
+
+from __future__ import annotations

@@ -1,0 +1,112 @@
+"""Measurement helpers shared by the demo, the planner's accuracy checks and the benchmarks.
+
+Memory comes from PyTorch's ``FSDPMemTracker`` (exact on CPU: it counts tensor storages by
+category), collectives from ``CommDebugMode``, time from ``time.perf_counter``. Nothing here
+asserts anything: callers decide what the numbers mean.
+
+Example:
+    >>> peak = peak_memory_by_category(model, optimizer, lambda: train_step(batch), inputs=(batch,))  # doctest: +SKIP
+    >>> peak["Sharded Param"]  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Any, Callable, Iterator, Optional
+
+import torch
+import torch.nn as nn
+
+_HOOK_DICTS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks", "_forward_hooks_with_kwargs")
+
+
+@contextlib.contextmanager
+def _restore_fsdp_hooks(model: nn.Module) -> Iterator[None]:
+    """Put every module's forward hooks (and FSDP's hook handles) back as they were.
+
+    ``FSDPMemTracker`` (torch 2.13) swaps FSDP's forward hooks for its own and, on exit,
+    re-registers them per module, which breaks units made of several modules
+    (``fully_shard([norm, head])``): the group's shared hook is lost and tracker hooks are left
+    behind, and the group's backward methods stay patched. Restoring the exact hook tables and
+    methods keeps the model trainable after a measurement.
+    """
+    saved = [(m, {name: dict(getattr(m, name)) for name in _HOOK_DICTS}) for m in model.modules()]
+    states = []
+    for module in model.modules():
+        get_state = getattr(module, "_get_fsdp_state", None)
+        if get_state is not None:
+            state = get_state()
+            states.append((state, state._pre_forward_hook_handle, state._post_forward_hook_handle))
+    groups = {id(s._fsdp_param_group): s._fsdp_param_group for s, _, _ in states if s._fsdp_param_group is not None}
+    patched = ("pre_backward", "post_backward")
+    group_attrs = [(g, {a: vars(g)[a] for a in patched if a in vars(g)}) for g in groups.values()]
+    try:
+        yield
+    finally:
+        for module, tables in saved:
+            for name, table in tables.items():
+                hooks = getattr(module, name)
+                hooks.clear()
+                hooks.update(table)
+        for state, pre_handle, post_handle in states:
+            state._pre_forward_hook_handle, state._post_forward_hook_handle = pre_handle, post_handle
+        for group, attrs in group_attrs:  # drop instance-level patches, keep the class methods
+            for attr in patched:
+                vars(group).pop(attr, None)
+            vars(group).update(attrs)
+
+
+def peak_memory_by_category(
+    model: nn.Module,
+    optimizer: Optional[torch.optim.Optimizer],
+    step: Callable[[], Any],
+    *,
+    inputs: tuple = (),
+    warmup: int = 1,
+) -> dict[str, int]:
+    """Per-rank peak bytes by FSDP category (``"Sharded Param"``, ``"OptState"``, ...) over one ``step()``.
+
+    ``warmup`` steps run first, untracked, so lazily created optimizer state exists and the
+    tracked step is a steady-state one. Adds ``"Total"`` (peak of the sum, not sum of peaks).
+    """
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+
+    for _ in range(warmup):
+        step()
+    with _restore_fsdp_hooks(model):
+        tracker = FSDPMemTracker(model, optimizer)
+        if inputs:
+            tracker.track_inputs(inputs)
+        with tracker:
+            step()
+    peak = tracker.get_tracker_snapshot("peak")
+    per_device = next(iter(peak.values())) if peak else {}
+    return {getattr(k, "value", str(k)): int(v) for k, v in per_device.items()}
+
+
+def collectives_per_step(step: Callable[[], Any]) -> dict[str, int]:
+    """Collective ops issued by one ``step()``, by op name (e.g. ``"all_gather_into_tensor"``)."""
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    comm = CommDebugMode()
+    with comm:
+        step()
+    counts: dict[str, int] = {}
+    for op, n in comm.get_comm_counts().items():
+        name = getattr(op, "__name__", str(op)).split(".")[-1]
+        counts[name] = counts.get(name, 0) + int(n)
+    return counts
+
+
+def median_step_seconds(step: Callable[[], Any], *, steps: int = 5, warmup: int = 1) -> float:
+    """Median wall time of ``step()`` over ``steps`` runs after ``warmup`` runs."""
+    for _ in range(warmup):
+        step()
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+    times.sort()
+    return times[len(times) // 2]
