@@ -76,13 +76,15 @@ def mean_over_ranks(x: torch.Tensor) -> torch.Tensor:
     return x / world()
 
 
-def train_parity(steps: int = 4, atol: float = 1e-5, **fsdp_kwargs) -> None:
+def train_parity(steps: int = 4, atol: float = 1e-5, before_training=None, **fsdp_kwargs) -> None:
     """Loss every step and every parameter after training equal the single-process reference."""
     torch.manual_seed(0)
     model = small()
     ref = copy.deepcopy(model)
     fsdp(model, **fsdp_kwargs)
     assert isinstance(model, FSDPModule)
+    if before_training is not None:
+        before_training(model)
     # lr 1e-3: Adam turns reduction-order noise in near-zero gradients into updates of ~lr,
     # so the 1e-5 parity bar needs lr well below 1e-2; a wrong gradient still moves params ~lr.
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -146,6 +148,37 @@ def parity_root_only_default_args():
 @case
 def parity_class_name_and_checkpointing():
     train_parity(auto_wrap=True, shard_strat="FULL_SHARD", TransformerBlock="Block", activation_checkpointing=True)
+
+
+@case
+def parity_cpu_offload():
+    train_parity(auto_wrap=True, shard_strat="FULL_SHARD", cpu_offload=True)
+
+
+@case
+def parity_compiled_blocks():
+    # aot_eager exercises torch.compile's tracing without a C++ toolchain build per rank
+    train_parity(steps=2, auto_wrap=True, shard_strat="FULL_SHARD", compile={"backend": "aot_eager"})
+    torch._dynamo.reset()
+
+
+def _measure_memory_without_training(model: nn.Module) -> None:
+    from zeta_fsdp._measure import peak_memory_by_category
+
+    x, y = global_batch(99)
+
+    def forward_backward():
+        lm_loss(model(local_slice(x)), local_slice(y)).backward()
+        model.zero_grad(set_to_none=True)
+
+    peak = peak_memory_by_category(model, None, forward_backward, warmup=0)
+    assert peak["Sharded Param"] > 0 and peak["Total"] >= peak["Sharded Param"], peak
+
+
+@case
+def parity_after_memory_measurement():
+    # FSDPMemTracker rewires FSDP hooks; the model must train exactly as before after measuring
+    train_parity(auto_wrap=True, shard_strat="FULL_SHARD", before_training=_measure_memory_without_training)
 
 
 @case

@@ -272,7 +272,8 @@ def fsdp(
         apply_activation_checkpointing(plan)
     if compile:
         apply_compile(plan, compile)
-    offload = CPUOffloadPolicy() if cpu_offload else OffloadPolicy()
+    # Pinned host memory needs an accelerator; on a CPU-only run offloading is a no-op anyway.
+    offload = CPUOffloadPolicy(pin_memory=compute_device.type != "cpu") if cpu_offload else OffloadPolicy()
     shard_units(plan, mesh, mp_policy, reshard, offload, ignored)
     materialize_meta_model(model, compute_device, plan.tied_params)
     model._zeta_fsdp_plan = plan  # lets later helpers print/inspect what was done
