@@ -104,3 +104,16 @@ def test_example_script_trains_on_two_ranks():
     losses = [float(line.split()[-1]) for line in proc.stdout.splitlines() if line.startswith("step ")]
     assert len(losses) == 6 and losses[-1] < losses[0] - 0.2, losses
     assert "sharded over 2 rank(s)" in proc.stdout
+
+
+def test_notebook_example_runs_without_group_setup():
+    proc = subprocess.run(
+        [sys.executable, "examples/notebook.py"], cwd=ROOT, env=rank_env(), capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    steps = [line for line in proc.stdout.splitlines() if line.startswith("step ")]
+    assert len(steps) == 5
+    first, last = (float(s.split()[3]) for s in (steps[0], steps[-1]))
+    assert last < first, steps
+    assert "FSDPGPT | tied: True" in proc.stdout
+    assert "Sharded Param" in proc.stdout and "OptState" in proc.stdout
