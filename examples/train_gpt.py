@@ -21,7 +21,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from examples.gpt import Block, GPTConfig, lm_loss, small  # noqa: E402
-from zeta_fsdp import fsdp, shutdown  # noqa: E402
+from zeta_fsdp import fsdp, get_wrap_plan, shutdown  # noqa: E402
 
 
 def counting_batch(vocab_size: int, generator: torch.Generator, batch: int = 4, length: int = 12) -> torch.Tensor:
@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> list[float]:
     rank, world = dist.get_rank(), dist.get_world_size()
     if rank == 0:
         print(f"sharded over {world} rank(s) with {args.shard_strat}, mp={args.mp}")
-        print(model._zeta_fsdp_plan.table())
+        print(get_wrap_plan(model).table())
     # The optimizer is built after fsdp(): it must see the sharded (DTensor) parameters.
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     generator = torch.Generator().manual_seed(rank)

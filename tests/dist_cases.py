@@ -27,7 +27,7 @@ sys.path.insert(0, str(ROOT))
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
 
-from examples.gpt import Block, GPTConfig, lm_loss, small  # noqa: E402
+from examples.gpt import GPT, Block, GPTConfig, lm_loss, small  # noqa: E402
 from zeta_fsdp import fsdp, shutdown  # noqa: E402
 from zeta_fsdp.distributed import build_mesh  # noqa: E402
 from zeta_fsdp.options import resolve_sharding  # noqa: E402
@@ -76,10 +76,10 @@ def mean_over_ranks(x: torch.Tensor) -> torch.Tensor:
     return x / world()
 
 
-def train_parity(steps: int = 4, atol: float = 1e-5, before_training=None, **fsdp_kwargs) -> None:
+def train_parity(steps: int = 4, atol: float = 1e-5, before_training=None, model_fn=small, **fsdp_kwargs) -> None:
     """Loss every step and every parameter after training equal the single-process reference."""
     torch.manual_seed(0)
-    model = small()
+    model = model_fn()
     ref = copy.deepcopy(model)
     fsdp(model, **fsdp_kwargs)
     assert isinstance(model, FSDPModule)
@@ -148,6 +148,18 @@ def parity_root_only_default_args():
 @case
 def parity_class_name_and_checkpointing():
     train_parity(auto_wrap=True, shard_strat="FULL_SHARD", TransformerBlock="Block", activation_checkpointing=True)
+
+
+def _small_with_layers_sharing_a_weight() -> GPT:
+    model = small()
+    model.blocks[1].mlp[0].weight = model.blocks[0].mlp[0].weight
+    return model
+
+
+@case
+def parity_weights_shared_across_blocks():
+    # the planner folds blocks 0 and 1 into the root unit; the shared weight stays one tensor
+    train_parity(auto_wrap=True, shard_strat="FULL_SHARD", model_fn=_small_with_layers_sharing_a_weight)
 
 
 @case

@@ -13,6 +13,7 @@ TWO_RANK_CASES = [
     "parity_root_only_default_args",
     "parity_class_name_and_checkpointing",
     "parity_cpu_offload",
+    "parity_weights_shared_across_blocks",
     "parity_compiled_blocks",
     "parity_after_memory_measurement",
     "bf16_policy_on_every_unit",

@@ -69,3 +69,17 @@ def test_plan_works_on_meta_without_allocating():
     plan = build_wrap_plan(model, auto_wrap=True)
     assert plan.numel == sum(p.numel() for p in model.parameters())
     assert all(p.is_meta for p in model.parameters())
+
+
+def test_parameters_shared_between_blocks_fall_back_to_the_parent_unit():
+    import pytest
+
+    model = small(tie_weights=False)
+    model.blocks[1].mlp[0].weight = model.blocks[0].mlp[0].weight  # weight sharing across layers
+    with pytest.warns(UserWarning, match="blocks.0, blocks.1 cannot be split"):
+        plan = build_wrap_plan(model, auto_wrap=True)
+    names = [u.name for u in plan.units]
+    assert "blocks.0" not in names and "blocks.1" not in names and "blocks.2" in names
+    root = plan.units[-1]
+    assert "blocks.0.mlp.0.weight" in root.param_names
+    assert plan.numel == sum(p.numel() for p in model.parameters())

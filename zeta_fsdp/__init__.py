@@ -6,7 +6,7 @@ Example:
 """
 
 from .distributed import shutdown
-from .fsdp import fsdp, is_fsdp_wrapped
+from .fsdp import fsdp, get_wrap_plan, is_fsdp_wrapped
 from .options import ShardingSpec, resolve_mixed_precision, resolve_sharding
 from .wrapping import WrapPlan, WrapUnit, build_wrap_plan, detect_block_classes
 
@@ -19,6 +19,7 @@ __all__ = [
     "build_wrap_plan",
     "detect_block_classes",
     "fsdp",
+    "get_wrap_plan",
     "is_fsdp_wrapped",
     "resolve_mixed_precision",
     "resolve_sharding",

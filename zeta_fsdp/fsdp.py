@@ -35,7 +35,9 @@ from .distributed import (
 from .options import resolve_mixed_precision, resolve_sharding, validate_reshard_after_forward
 from .wrapping import BlockSpec, WrapPlan, build_wrap_plan
 
-__all__ = ["fsdp", "is_fsdp_wrapped"]
+__all__ = ["fsdp", "get_wrap_plan", "is_fsdp_wrapped"]
+
+_PLAN_ATTR = "_zeta_fsdp_plan"
 
 
 def is_fsdp_wrapped(model: nn.Module) -> bool:
@@ -46,6 +48,16 @@ def is_fsdp_wrapped(model: nn.Module) -> bool:
         False
     """
     return any(isinstance(m, FSDPModule) for m in model.modules())
+
+
+def get_wrap_plan(model: nn.Module) -> Optional[WrapPlan]:
+    """The ``WrapPlan`` ``fsdp()`` applied to ``model`` (``None`` if ``fsdp()`` did not wrap it).
+
+    Example:
+        >>> model = fsdp(small(), auto_wrap=True)  # doctest: +SKIP
+        >>> print(get_wrap_plan(model).table())  # doctest: +SKIP
+    """
+    return model.__dict__.get(_PLAN_ATTR)
 
 
 def _require_bool(name: str, value: Any) -> None:
@@ -276,5 +288,5 @@ def fsdp(
     offload = CPUOffloadPolicy(pin_memory=compute_device.type != "cpu") if cpu_offload else OffloadPolicy()
     shard_units(plan, mesh, mp_policy, reshard, offload, ignored)
     materialize_meta_model(model, compute_device, plan.tied_params)
-    model._zeta_fsdp_plan = plan  # lets later helpers print/inspect what was done
+    model.__dict__[_PLAN_ATTR] = plan  # so get_wrap_plan() can show what was done
     return model
