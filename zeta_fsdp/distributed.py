@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import time
+import warnings
 from datetime import timedelta
 from typing import Optional, Union
 
@@ -102,6 +103,14 @@ def default_backend(device: torch.device, cpu_offload: bool = False) -> str:
     return "gloo"
 
 
+def _backend_devices() -> set[str]:
+    """Device types the default group has a backend for (e.g. {"cuda", "cpu"})."""
+    backend = str(dist.get_backend())
+    if ":" not in backend:  # a plain name: gloo serves cpu (and cuda), nccl serves cuda only
+        return {"cuda"} if backend == "nccl" else {"cpu", "cuda"}
+    return {part.split(":")[0] for part in backend.split(",")}
+
+
 def ensure_process_group(device: torch.device, *, cpu_offload: bool = False, timeout_s: float = 1800) -> bool:
     """Start the default process group if none exists. Returns ``True`` if this call started it.
 
@@ -115,6 +124,13 @@ def ensure_process_group(device: torch.device, *, cpu_offload: bool = False, tim
     if not dist.is_available():
         raise RuntimeError("fsdp(): this PyTorch build has no torch.distributed support.")
     if dist.is_initialized():
+        if cpu_offload and device.type == "cuda" and "cpu" not in _backend_devices():
+            warnings.warn(
+                "fsdp(cpu_offload=True): the existing process group has no CPU backend, so collectives on "
+                "CPU-offloaded tensors (gradient-norm clipping, state-dict gathers) will fail. Start it "
+                'with init_process_group("cuda:nccl,cpu:gloo").',
+                stacklevel=3,
+            )
         return False
     backend = default_backend(device, cpu_offload)
     if device.type == "cuda":
