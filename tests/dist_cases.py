@@ -1,79 +1,28 @@
-"""Multi-rank test cases, run by ``torchrun`` (see ``conftest.run_dist``).
+"""Multi-rank test cases of the façade, run by ``torchrun`` (see ``conftest.run_dist``).
 
-Each case is a plain function that raises on failure. One launch runs many cases (process
-start-up dominates); every rank writes ``{case: "ok" | traceback}`` to ``--out``/rank{N}.json.
-The reference model is always a ``copy.deepcopy`` made before wrapping, trained on one process on
-the global batch while each rank trains its slice.
+Each case is a plain function that raises on failure; one launch runs many cases (process
+start-up dominates). The reference model is always a ``copy.deepcopy`` made before wrapping,
+trained on one process on the global batch while each rank trains its slice.
 """
 
 from __future__ import annotations
 
-import argparse
 import copy
-import json
-import os
-import sys
-import traceback
-from datetime import timedelta
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+from worker import Cases, assert_close, full, global_batch, local_slice, mean_over_ranks, run_cases, world
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from examples.gpt import GPT, Block, GPTConfig, lm_loss, small
+from zeta_fsdp import fsdp
+from zeta_fsdp.distributed import build_mesh
+from zeta_fsdp.options import resolve_sharding
 
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard  # noqa: E402
-from torch.distributed.tensor import DTensor  # noqa: E402
-
-from examples.gpt import GPT, Block, GPTConfig, lm_loss, small  # noqa: E402
-from zeta_fsdp import fsdp, shutdown  # noqa: E402
-from zeta_fsdp.distributed import build_mesh  # noqa: E402
-from zeta_fsdp.options import resolve_sharding  # noqa: E402
-
-CASES = {}
-GLOBAL_BATCH, SEQ = 8, 11
-
-
-def case(fn):
-    CASES[fn.__name__] = fn
-    return fn
-
-
-def rank() -> int:
-    return dist.get_rank()
-
-
-def world() -> int:
-    return dist.get_world_size()
-
-
-def global_batch(step: int, cfg: GPTConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    cfg = cfg or GPTConfig()
-    g = torch.Generator().manual_seed(1000 + step)
-    tokens = torch.randint(0, cfg.vocab_size, (GLOBAL_BATCH, SEQ + 1), generator=g)
-    return tokens[:, :-1], tokens[:, 1:]
-
-
-def local_slice(t: torch.Tensor) -> torch.Tensor:
-    per = t.shape[0] // world()
-    return t[rank() * per : (rank() + 1) * per]
-
-
-def full(p: torch.Tensor) -> torch.Tensor:
-    return p.full_tensor() if isinstance(p, DTensor) else p
-
-
-def assert_close(name: str, got: torch.Tensor, want: torch.Tensor, atol: float) -> None:
-    err = (got.detach().float() - want.detach().float()).abs().max().item()
-    assert err <= atol, f"{name}: max abs diff {err:.3e} > {atol:.0e}"
-
-
-def mean_over_ranks(x: torch.Tensor) -> torch.Tensor:
-    x = x.detach().clone()
-    dist.all_reduce(x)
-    return x / world()
+CASES = Cases()
+case = CASES.case
 
 
 def train_parity(steps: int = 4, atol: float = 1e-5, before_training=None, model_fn=small, **fsdp_kwargs) -> None:
@@ -359,28 +308,5 @@ def wrapping_twice_is_a_clear_error():
         raise AssertionError("partly wrapped model was accepted")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--cases", required=True)
-    args = parser.parse_args()
-    torch.set_num_threads(1)
-    # A short timeout: a case failing on one rank must not hang its peers for 30 minutes.
-    dist.init_process_group("gloo", timeout=timedelta(seconds=120))
-    results = {}
-    for name in args.cases.split(","):
-        try:
-            CASES[name]()
-            results[name] = "ok"
-        except Exception:
-            results[name] = traceback.format_exc()
-        dist.barrier()
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"rank{rank()}.json").write_text(json.dumps(results))
-    shutdown(force=True)
-
-
 if __name__ == "__main__":
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    main()
+    run_cases(CASES)
