@@ -8,11 +8,18 @@ Example:
 from .distributed import shutdown
 from .fsdp import fsdp, get_wrap_plan, is_fsdp_wrapped
 from .options import ShardingSpec, resolve_mixed_precision, resolve_sharding
+from .planner import DryRunResult, MemoryPlan, UnitEstimate, dry_run, meta_model_from_spec, plan
 from .wrapping import WrapPlan, WrapUnit, build_wrap_plan, detect_block_classes
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "DryRunResult",
+    "MemoryPlan",
+    "UnitEstimate",
+    "dry_run",
+    "meta_model_from_spec",
+    "plan",
     "ShardingSpec",
     "WrapPlan",
     "WrapUnit",

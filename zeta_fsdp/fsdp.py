@@ -217,6 +217,7 @@ def fsdp(
     ignored_params: Optional[Iterable[nn.Parameter]] = None,
     ignored_modules: Optional[Iterable[nn.Module]] = None,
     replicate_size: Optional[int] = None,
+    materialize: bool = True,
 ) -> nn.Module:
     """Shard ``model`` with FSDP2 (``fully_shard``) and return the same object, now an ``FSDPModule``.
 
@@ -237,6 +238,8 @@ def fsdp(
         compile: ``torch.compile`` each block (``True`` or a dict of compile options).
         ignored_params / ignored_modules: parameters FSDP leaves alone (not sharded).
         replicate_size: number of replicas for HYBRID (default: number of nodes).
+        materialize: allocate and initialise a ``meta``-built model after sharding (default).
+            ``False`` leaves it on ``meta``: for dry runs that only inspect the sharding.
 
     Raises:
         ValueError: for any bad argument, before a process group starts or the model changes.
@@ -256,6 +259,7 @@ def fsdp(
     _require_bool("auto_wrap", auto_wrap)
     _require_bool("cpu_offload", cpu_offload)
     _require_bool("activation_checkpointing", activation_checkpointing)
+    _require_bool("materialize", materialize)
     if not isinstance(compile, (bool, dict)):
         raise ValueError(
             f"fsdp(): compile={compile!r} is not accepted. Accepted: True, False, or a dict of torch.compile options."
@@ -287,6 +291,7 @@ def fsdp(
     # Pinned host memory needs an accelerator; on a CPU-only run offloading is a no-op anyway.
     offload = CPUOffloadPolicy(pin_memory=compute_device.type != "cpu") if cpu_offload else OffloadPolicy()
     shard_units(plan, mesh, mp_policy, reshard, offload, ignored)
-    materialize_meta_model(model, compute_device, plan.tied_params)
+    if materialize:
+        materialize_meta_model(model, compute_device, plan.tied_params)
     model.__dict__[_PLAN_ATTR] = plan  # so get_wrap_plan() can show what was done
     return model

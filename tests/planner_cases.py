@@ -1,0 +1,127 @@
+"""Measure what the planner predicts, on real gloo ranks (run by ``torchrun``, see test_planner.py).
+
+For each case (strategy x mp x tied/untied demo GPT) every rank trains one warm-up step, then
+tracks one step with ``FSDPMemTracker`` and records, by category:
+  * ``current``: the snapshot right after ``optimizer.step()`` (steady state: sharded parameters,
+    sharded gradients and optimizer state all exist),
+  * ``max``: each category's maximum over the step, plus ``"UP+AG"``, the maximum of unsharded
+    parameters + all-gather buffers alive at the same moment (the planner's all-gather peak).
+Results go to ``--out``/rank{N}.json as ``{case: {"current": ..., "max": ...} | {"error": tb}}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import traceback
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from torch.distributed.tensor import DTensor  # noqa: E402
+
+from examples.gpt import lm_loss, small  # noqa: E402
+from zeta_fsdp import fsdp, shutdown  # noqa: E402
+from zeta_fsdp._measure import _restore_fsdp_hooks  # noqa: E402
+
+BATCH, SEQ = 4, 11
+
+
+def parse_case(name: str) -> tuple[str, str, bool]:
+    """``"FULL_SHARD-fp32-tied"`` -> (strategy, mp, tied)."""
+    strategy, mp, tie = name.split("-")
+    return strategy, mp, tie == "tied"
+
+
+def _key(k) -> str:
+    return getattr(k, "value", str(k))
+
+
+def build(strategy: str, mp: str, tied: bool) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    extra = {"replicate_size": 2} if strategy.startswith("HYBRID") else {}
+    model = fsdp(small(tie_weights=tied), auto_wrap=True, mp=mp, shard_strat=strategy, **extra)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+
+def measure(name: str) -> dict:
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+
+    model, opt = build(*parse_case(name))
+    tokens = torch.randint(0, 37, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(dist.get_rank()))
+
+    def forward_backward():
+        lm_loss(model(tokens[:, :-1]).float(), tokens[:, 1:]).backward()
+
+    forward_backward()  # warm-up: optimizer state exists before the tracked step
+    opt.step()
+    opt.zero_grad()
+    maxima: dict[str, int] = {}
+    with _restore_fsdp_hooks(model):
+        tracker = FSDPMemTracker(model, opt)
+        tracker.track_inputs((tokens,))
+        update = tracker._update_peak_stats
+
+        # The tracker keeps only the snapshot at the total peak; record each category's own
+        # maximum too (called after every op it tracks).
+        def update_and_record(state):
+            update(state)
+            snap = {_key(k): v for k, v in next(iter(tracker.get_tracker_snapshot("current").values())).items()}
+            snap["UP+AG"] = snap.get("Unsharded Param", 0) + snap.get("All Gather", 0)
+            for k, v in snap.items():
+                maxima[k] = max(maxima.get(k, 0), v)
+
+        tracker._update_peak_stats = update_and_record
+        with tracker:
+            forward_backward()
+            opt.step()
+            current = {_key(k): v for k, v in next(iter(tracker.get_tracker_snapshot("current").values())).items()}
+            opt.zero_grad()
+    return {"current": current, "max": maxima}
+
+
+def tied_group_residency() -> dict:
+    """Without a tracker: is the tied [embedding, head] unit unsharded while the blocks run?"""
+    model, _ = build("FULL_SHARD", "fp32", True)
+    seen = {}
+
+    def probe(module, args):
+        seen["head_sharded"] = isinstance(model.head.weight, DTensor)
+        seen["block0_sharded"] = isinstance(model.blocks[0].attn.qkv.weight, DTensor)
+
+    model.blocks[1].register_forward_pre_hook(probe)
+    tokens = torch.randint(0, 37, (BATCH, SEQ))
+    model(tokens).sum().backward()
+    return {"current": seen, "max": {}}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--cases", required=True)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=timedelta(seconds=120))
+    results = {}
+    for name in args.cases.split(","):
+        try:
+            results[name] = tied_group_residency() if name == "tied_group_residency" else measure(name)
+        except Exception:
+            results[name] = {"error": traceback.format_exc()}
+        dist.barrier()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"rank{dist.get_rank()}.json").write_text(json.dumps(results))
+    shutdown(force=True)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    main()

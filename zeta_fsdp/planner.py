@@ -1,0 +1,780 @@
+"""Sharding planner: what ``fsdp()`` will do to a model, and what it will cost per rank, before any run.
+
+``plan()`` needs no process group and allocates nothing (a ``meta`` model is fine). The units come
+from ``wrapping.build_wrap_plan`` (the same code ``fsdp()`` runs), the mesh from
+``distributed.mesh_shape``, and the byte counts follow FSDP2's storage rules exactly:
+
+* a parameter is split along dim 0 with ``torch.chunk``: every rank of the shard group stores
+  ``ceil(dim0 / shard_size)`` rows (FSDP2 pre-pads its shard), while the *logical* local shard of
+  the last ranks may be shorter or empty;
+* the sharded gradient is a view into the padded reduce-scatter output (padded rows, original dtype);
+* AdamW state is ``zeros_like`` of the logical local shard (2 tensors) plus a 4-byte ``step``;
+* the all-gather buffers are ``shard_size * padded rows`` in the ``mp`` compute dtype.
+
+Per-rank figures are for one rank (``rank=0`` by default: rank 0 always holds a full chunk, so
+it is the largest shard). ``dry_run()`` checks the parameter bytes against the real ``fsdp()`` on a
+meta copy under PyTorch's fake process group, in a subprocess (the caller never gets a fake group).
+
+Example:
+    >>> import torch
+    >>> from examples.gpt import small
+    >>> from zeta_fsdp.planner import plan
+    >>> with torch.device("meta"):
+    ...     model = small()
+    >>> p = plan(model, world_size=2, shard_strat="FULL_SHARD")
+    >>> p.param_bytes
+    69960
+    >>> print(p.report())  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Optional, Union
+
+import torch
+import torch.nn as nn
+from torch.distributed.fsdp import MixedPrecisionPolicy
+
+from .distributed import expected_world_size, mesh_shape
+from .options import resolve_mixed_precision, resolve_sharding
+from .wrapping import BlockSpec, build_wrap_plan
+
+__all__ = [
+    "OPTIMIZERS",
+    "DryRunResult",
+    "MemoryPlan",
+    "UnitEstimate",
+    "dry_run",
+    "meta_model_from_spec",
+    "plan",
+]
+
+# Optimizer name -> number of parameter-sized state tensors (Adam/AdamW: exp_avg, exp_avg_sq).
+OPTIMIZERS: dict[str, int] = {"adamw": 2, "adam": 2, "none": 0}
+# Adam's ``step`` is a 0-d float32 tensor per parameter (torch's default scalar dtype).
+_STEP_BYTES = 4
+# Default GPUs per node for HYBRID meshes when planning a cluster from a laptop.
+_DEFAULT_LOCAL_WORLD_SIZE = 8
+# Units whose modules run at both ends of the forward (a tied embedding + head) stay unsharded
+# from their first module's forward to their last one: across every block in between.
+_SPANNING_KINDS = ("embedding+head",)
+
+
+@dataclass(frozen=True)
+class UnitEstimate:
+    """One FSDP unit's parameters and its per-rank bytes (for the plan's ``rank``).
+
+    Attributes:
+        name, kind: as in ``wrapping.WrapUnit`` (``"block"``, ``"embedding+head"``, ``"root"``, ...).
+        num_params: parameter tensors the unit owns; numel: their elements (unsharded).
+        unsharded_bytes: the unit's all-gather output (``shard_size * padded rows``, compute dtype).
+        param_bytes: sharded parameter storage on the rank (padded rows: the same on every rank).
+        local_param_bytes: the logical local shard (what ``DTensor.to_local()`` holds on the rank).
+        grad_bytes: sharded gradient storage (padded rows, parameter dtype).
+        optimizer_bytes: optimizer state on the rank (unpadded local shard).
+
+    Example:
+        >>> plan(model, world_size=8).units[0].param_bytes  # doctest: +SKIP
+    """
+
+    name: str
+    kind: str
+    num_params: int
+    numel: int
+    unsharded_bytes: int
+    param_bytes: int
+    local_param_bytes: int
+    grad_bytes: int
+    optimizer_bytes: int
+
+
+@dataclass(frozen=True)
+class DryRunResult:
+    """What the real ``fsdp()`` produced on a meta copy under the fake process group (one rank).
+
+    Attributes:
+        world_size, rank, mesh_shape: the simulated job and the rank looked at.
+        param_bytes: sharded parameter storage on that rank (sum of each shard's storage).
+        local_param_bytes: sum of ``DTensor.to_local()`` sizes on that rank.
+        num_units: number of FSDP parameter groups ``fsdp()`` created.
+        wrap_seconds: wall time of the ``fsdp()`` call; load_seconds: unpickling the meta copy.
+
+    Example:
+        >>> dry_run(model, world_size=1024).wrap_seconds  # doctest: +SKIP
+    """
+
+    world_size: int
+    rank: int
+    mesh_shape: tuple[int, ...]
+    param_bytes: int
+    local_param_bytes: int
+    num_units: int
+    wrap_seconds: float
+    load_seconds: float
+
+
+@dataclass
+class MemoryPlan:
+    """Per-rank memory estimate of ``fsdp(model, ...)`` at ``world_size`` ranks; see ``plan()``.
+
+    The totals exclude activations (they depend on batch size and sequence length).
+
+    Example:
+        >>> p = plan(model, world_size=64, shard_strat="HYBRID_SHARD")  # doctest: +SKIP
+        >>> p.param_bytes, p.grad_bytes, p.optimizer_bytes, p.allgather_peak_bytes  # doctest: +SKIP
+    """
+
+    model_name: str
+    model_bytes: int
+    world_size: int
+    rank: int
+    strategy: str
+    mesh_shape: tuple[int, ...]
+    mp: str
+    optimizer: str
+    reshard_after_forward: bool
+    units: list[UnitEstimate]
+    ignored_param_names: list[str]
+    ignored_bytes: int
+    ignored_optimizer_bytes: int
+    allgather_peak_bytes: int
+    dry_run: Optional[DryRunResult] = None
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def shard_size(self) -> int:
+        """Ranks one parameter is sharded over (the last mesh dimension)."""
+        return self.mesh_shape[-1]
+
+    @property
+    def numel(self) -> int:
+        """Parameters of the model (tied ones once)."""
+        return sum(u.numel for u in self.units)
+
+    @property
+    def param_bytes(self) -> int:
+        """Sharded parameter storage per rank (ignored parameters, kept whole, included)."""
+        return sum(u.param_bytes for u in self.units) + self.ignored_bytes
+
+    @property
+    def local_param_bytes(self) -> int:
+        """Logical (unpadded) local parameter shards per rank, ignored parameters included."""
+        return sum(u.local_param_bytes for u in self.units) + self.ignored_bytes
+
+    @property
+    def grad_bytes(self) -> int:
+        """Sharded gradient storage per rank."""
+        return sum(u.grad_bytes for u in self.units) + self.ignored_bytes
+
+    @property
+    def optimizer_bytes(self) -> int:
+        """Optimizer state per rank (ignored parameters' state is whole too)."""
+        return sum(u.optimizer_bytes for u in self.units) + self.ignored_optimizer_bytes
+
+    @property
+    def total_bytes(self) -> int:
+        """Parameters + gradients + optimizer state + all-gather peak (no activations)."""
+        return self.param_bytes + self.grad_bytes + self.optimizer_bytes + self.allgather_peak_bytes
+
+    @property
+    def dry_run_matches(self) -> Optional[bool]:
+        """``True``/``False`` once a dry run is attached: do its parameter bytes equal the plan's?"""
+        if self.dry_run is None:
+            return None
+        return (self.dry_run.param_bytes, self.dry_run.local_param_bytes) == (self.param_bytes, self.local_param_bytes)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-ready data: every figure in bytes, totals included."""
+        data = asdict(self)
+        data.update(
+            shard_size=self.shard_size,
+            numel=self.numel,
+            param_bytes=self.param_bytes,
+            local_param_bytes=self.local_param_bytes,
+            grad_bytes=self.grad_bytes,
+            optimizer_bytes=self.optimizer_bytes,
+            total_bytes=self.total_bytes,
+            dry_run_matches=self.dry_run_matches,
+        )
+        return data
+
+    def report(self) -> str:
+        """A printable report: the job, one row per unit (identical blocks folded), per-rank totals."""
+        mesh = "x".join(str(s) for s in self.mesh_shape)
+        lines = [
+            f"{self.model_name}: {self.numel:,} parameters ({_fmt(self.model_bytes)} unsharded)",
+            f"{self.strategy} on {self.world_size} ranks: mesh {mesh} (parameters sharded over {self.shard_size}), "
+            f"mp={self.mp}, optimizer={self.optimizer}",
+            f"per-rank figures for rank {self.rank}"
+            + (" (the largest shard: FSDP2 pads dim 0 to ceil(dim0 / shard size) rows)" if self.rank == 0 else ""),
+            "",
+        ]
+        header = ("unit", "kind", "params", "numel", "all-gathered", "shard/rank")
+        rows = [header]
+        for first, last, count in _fold_units(self.units):
+            name = first.name if count == 1 else f"{first.name} .. {last.name} (x{count})"
+            rows.append(
+                (
+                    name,
+                    first.kind,
+                    str(first.num_params),
+                    f"{first.numel:,}",
+                    _fmt(first.unsharded_bytes),
+                    _fmt(first.param_bytes),
+                )
+            )
+        lines += _table(rows)
+        lines += [
+            "",
+            f"  parameters (sharded)        {_fmt(self.param_bytes):>12}",
+            f"  gradients (sharded)         {_fmt(self.grad_bytes):>12}",
+            f"  optimizer state ({self.optimizer:<5})     {_fmt(self.optimizer_bytes):>12}",
+            f"  all-gather peak             {_fmt(self.allgather_peak_bytes):>12}",
+            f"  total, without activations  {_fmt(self.total_bytes):>12}",
+        ]
+        if self.ignored_param_names:
+            lines.append(f"  ({len(self.ignored_param_names)} ignored parameter(s) kept whole on every rank)")
+        lines += [f"note: {n}" for n in self.notes]
+        if self.dry_run is not None:
+            d = self.dry_run
+            verdict = "matches the plan" if self.dry_run_matches else "DOES NOT match the plan"
+            lines += [
+                "",
+                f"dry run: real fsdp() on a meta copy, fake process group of {d.world_size} ranks (rank {d.rank}, "
+                f"mesh {'x'.join(str(s) for s in d.mesh_shape)}): wrap {d.wrap_seconds:.2f} s, {d.num_units} FSDP units",
+                f"  sharded parameter bytes on rank {d.rank}: {d.param_bytes:,} (logical {d.local_param_bytes:,}) "
+                f"-> {verdict} ({self.param_bytes:,} / {self.local_param_bytes:,})",
+            ]
+        return "\n".join(lines)
+
+
+def _fold_units(units: list[UnitEstimate]) -> Iterable[tuple[UnitEstimate, UnitEstimate, int]]:
+    """Group runs of identical consecutive units (the blocks of a transformer) into one row."""
+    run: list[UnitEstimate] = []
+    for unit in units:
+        if run and _same_shape(run[0], unit):
+            run.append(unit)
+            continue
+        if run:
+            yield run[0], run[-1], len(run)
+        run = [unit]
+    if run:
+        yield run[0], run[-1], len(run)
+
+
+def _same_shape(a: UnitEstimate, b: UnitEstimate) -> bool:
+    keys = ("kind", "num_params", "numel", "unsharded_bytes", "param_bytes", "grad_bytes", "optimizer_bytes")
+    return all(getattr(a, k) == getattr(b, k) for k in keys)
+
+
+def _table(rows: list[tuple[str, ...]]) -> list[str]:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    out = []
+    for i, row in enumerate(rows):
+        out.append("  ".join(c.ljust(widths[j]) if j < 2 else c.rjust(widths[j]) for j, c in enumerate(row)))
+        if i == 0:
+            out.append("  ".join("-" * w for w in widths))
+    return out
+
+
+def _fmt(nbytes: int) -> str:
+    """Bytes with a binary unit: ``1536 -> '1.50 KiB'``."""
+    value = float(nbytes)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(value) < 1024 or unit == "TiB":
+            return f"{int(value)} B" if unit == "B" else f"{value:.2f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
+
+
+def _dtype_name(dtype: Optional[torch.dtype]) -> str:
+    return "none" if dtype is None else str(dtype).replace("torch.", "")
+
+
+def _mp_label(policy: MixedPrecisionPolicy) -> str:
+    if policy.param_dtype is None and policy.reduce_dtype is None:
+        return "fp32 (no casting)"
+    return f"compute {_dtype_name(policy.param_dtype)}, reduce {_dtype_name(policy.reduce_dtype)}"
+
+
+def _resolve_world_and_mesh(
+    spec: Any, world_size: Optional[int], replicate_size: Optional[int], local_world_size: Optional[int]
+) -> tuple[int, tuple[int, ...]]:
+    if world_size is None:
+        world_size = expected_world_size()
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"plan(): world_size={world_size!r} is not accepted. Accepted: a positive int.")
+    if local_world_size is None:
+        local_world_size = min(world_size, _DEFAULT_LOCAL_WORLD_SIZE)
+    shape = mesh_shape(spec, world_size, local_world_size=local_world_size, replicate_size=replicate_size)
+    return world_size, shape
+
+
+def _shard_geometry(param: torch.Tensor, shard_size: int, shard_rank: int) -> tuple[int, int, int]:
+    """(padded elements per rank, logical elements on ``shard_rank``, all-gathered elements).
+
+    Mirrors FSDP2's ``_chunk_with_empty(param, shard_size, dim=0)``: chunks of ``ceil(dim0/n)``
+    rows; rank ``r`` gets rows ``[r*c, (r+1)*c)`` clipped to ``dim0`` (possibly none).
+    """
+    dim0 = param.shape[0] if param.dim() > 0 else 1
+    row = param.numel() // dim0 if dim0 else 0
+    chunk = math.ceil(dim0 / shard_size)
+    rows = max(0, min(chunk, dim0 - shard_rank * chunk))
+    return chunk * row, rows * row, shard_size * chunk * row
+
+
+def plan(
+    model: nn.Module,
+    world_size: Optional[int] = None,
+    shard_strat: Any = "FULL_SHARD",
+    mp: Union[str, MixedPrecisionPolicy] = "fp32",
+    auto_wrap: bool = True,
+    TransformerBlock: BlockSpec = None,  # noqa: N803 - the same name as fsdp()
+    *,
+    rank: int = 0,
+    replicate_size: Optional[int] = None,
+    local_world_size: Optional[int] = None,
+    optimizer: str = "adamw",
+    ignored_params: Optional[Iterable[nn.Parameter]] = None,
+    dry_run: bool = False,
+) -> MemoryPlan:
+    """Plan ``fsdp(model, auto_wrap, mp, shard_strat, TransformerBlock)`` at ``world_size`` ranks.
+
+    No process group, no allocation: ``model`` may live on ``meta``. The units are exactly those
+    ``fsdp()`` would create (``build_wrap_plan``). Per-rank bytes are for ``rank`` (default 0, the
+    largest shard). HYBRID meshes use ``replicate_size`` replicas, else one per node of
+    ``local_world_size`` ranks (default ``min(world_size, 8)``). ``optimizer`` is ``"adamw"``,
+    ``"adam"`` or ``"none"``. ``dry_run=True`` also runs the real ``fsdp()`` on a meta copy under
+    a fake process group in a subprocess and attaches the result (``MemoryPlan.dry_run``).
+
+    Raises ``ValueError`` for a bad argument (the message lists the accepted values).
+
+    Example:
+        >>> with torch.device("meta"):
+        ...     model = small()
+        >>> p = plan(model, world_size=1024, shard_strat="HYBRID_SHARD", mp="bf16")
+        >>> print(p.report())  # doctest: +SKIP
+    """
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"plan(): model must be a torch.nn.Module, got {type(model).__name__}.")
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"plan(): unknown optimizer={optimizer!r}. Accepted: {', '.join(map(repr, OPTIMIZERS))}.")
+    policy = resolve_mixed_precision(mp)
+    spec = resolve_sharding(shard_strat)
+    world_size, shape = _resolve_world_and_mesh(spec, world_size, replicate_size, local_world_size)
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
+        raise ValueError(f"plan(): rank={rank!r} is not accepted. Accepted: an int in [0, {world_size - 1}].")
+    shard_size = shape[-1]
+    shard_rank = rank % shard_size  # meshes are row-major: (replicate, shard)
+    ignored = set(ignored_params or ())
+    wrap = build_wrap_plan(model, auto_wrap=auto_wrap, transformer_block=TransformerBlock, ignored_params=ignored)
+    params = dict(model.named_parameters())
+    n_state = OPTIMIZERS[optimizer]
+
+    units = [_estimate_unit(u, params, policy, shard_size, shard_rank, n_state) for u in wrap.units]
+    # Ignored parameters stay whole (and unsharded) on every rank, as do their gradients.
+    ignored_bytes = sum(params[n].numel() * params[n].element_size() for n in wrap.ignored_param_names)
+    result = MemoryPlan(
+        model_name=type(model).__name__,
+        model_bytes=wrap.nbytes + ignored_bytes,
+        world_size=world_size,
+        rank=rank,
+        strategy=spec.name,
+        mesh_shape=tuple(shape),
+        mp=_mp_label(policy),
+        optimizer=optimizer,
+        reshard_after_forward=spec.reshard_after_forward,
+        units=units,
+        ignored_param_names=list(wrap.ignored_param_names),
+        ignored_bytes=ignored_bytes,
+        ignored_optimizer_bytes=sum(
+            n_state * params[n].numel() * params[n].element_size() + _STEP_BYTES
+            for n in wrap.ignored_param_names
+            if n_state and params[n].requires_grad
+        ),
+        allgather_peak_bytes=_allgather_peak(units, spec.reshard_after_forward, shard_size),
+    )
+    if any(u.param_bytes != u.local_param_bytes for u in units):
+        result.notes.append(
+            f"dim-0 padding: each rank stores {result.param_bytes:,} parameter bytes; rank {rank}'s logical "
+            f"shard is {result.local_param_bytes:,} (optimizer state follows the logical shard)"
+        )
+    if dry_run:
+        result.dry_run = _run_dry_run(
+            model,
+            world_size,
+            shard_strat=spec.name,
+            mp=policy,
+            auto_wrap=auto_wrap,
+            TransformerBlock=TransformerBlock,
+            rank=rank,
+            replicate_size=shape[0] if len(shape) == 2 else None,
+            ignored_param_names=wrap.ignored_param_names,
+        )
+    return result
+
+
+def _estimate_unit(
+    unit: Any,
+    params: dict[str, nn.Parameter],
+    policy: MixedPrecisionPolicy,
+    shard_size: int,
+    shard_rank: int,
+    n_state: int,
+) -> UnitEstimate:
+    unsharded = padded_bytes = local_bytes = grad = opt = 0
+    for name in unit.param_names:
+        param = params[name]
+        padded, local, gathered = _shard_geometry(param, shard_size, shard_rank)
+        size = param.element_size()
+        # FSDP2 casts only floating-point parameters to the compute dtype.
+        compute = policy.param_dtype if policy.param_dtype and param.is_floating_point() else param.dtype
+        unsharded += gathered * compute.itemsize
+        padded_bytes += padded * size
+        local_bytes += local * size
+        if param.requires_grad:  # frozen parameters get neither gradients nor optimizer state
+            grad += padded * size
+            opt += n_state * local * size + _STEP_BYTES if n_state else 0
+    return UnitEstimate(
+        name=unit.name,
+        kind=unit.kind,
+        num_params=len(unit.param_names),
+        numel=unit.numel,
+        unsharded_bytes=unsharded,
+        param_bytes=padded_bytes,
+        local_param_bytes=local_bytes,
+        grad_bytes=grad,
+        optimizer_bytes=opt,
+    )
+
+
+def _allgather_peak(units: list[UnitEstimate], reshard_after_forward: bool, shard_size: int) -> int:
+    """Most bytes of all-gathered parameters plus all-gather buffers alive at once on a rank.
+
+    FSDP2 all-gathers a unit into one flat buffer, copies it out into the unsharded parameters,
+    then frees the buffer (in forward, at the next unit's copy-out): so at a unit's copy-out both
+    exist. With one rank per shard group nothing is gathered, the copy is direct (no buffer).
+    Units that are never resharded before backward stay: the root always (it runs first in
+    backward), every unit under ZeRO-2 (``reshard_after_forward=False``), and a unit spanning the
+    forward (a tied embedding + head) from its first module to its last.
+    """
+    if not units:
+        return 0
+    flat = [u.unsharded_bytes if shard_size > 1 else 0 for u in units]
+    if not reshard_after_forward:
+        return sum(u.unsharded_bytes for u in units) + max(flat)
+    resident = sum(u.unsharded_bytes for u in units if u.kind == "root" or u.kind in _SPANNING_KINDS)
+    moments = [0]
+    for unit, buffer in zip(units, flat):
+        stays = unit.kind == "root" or unit.kind in _SPANNING_KINDS
+        moments.append(buffer if stays else unit.unsharded_bytes + buffer)
+    return resident + max(moments)
+
+
+# --------------------------------------------------------------------------------------------
+# Dry run: the real fsdp() on a meta copy under the fake process group, in a subprocess.
+# --------------------------------------------------------------------------------------------
+
+
+def _meta_copy(model: nn.Module) -> nn.Module:
+    """A ``meta`` deep copy of ``model`` that allocates no parameter or buffer memory.
+
+    ``deepcopy``'s memo is pre-filled with a meta twin of every tensor, so the copy never touches
+    real storage (and tied parameters stay tied: one object, one twin).
+    """
+    memo: dict[int, Any] = {}
+    for param in model.parameters():
+        twin = nn.Parameter(torch.empty_like(param, device="meta"), requires_grad=param.requires_grad)
+        memo[id(param)] = twin
+    for buffer in model.buffers():
+        memo[id(buffer)] = torch.empty_like(buffer, device="meta")
+    return copy.deepcopy(model, memo)
+
+
+def _block_spec_names(spec: BlockSpec) -> Optional[list[str]]:
+    """A picklable form of ``TransformerBlock``: fully qualified class names."""
+    if spec is None:
+        return None
+    items = list(spec) if isinstance(spec, (tuple, list, set, frozenset)) else [spec]
+    return [s if isinstance(s, str) else f"{s.__module__}.{s.__qualname__}" for s in items]
+
+
+def _child_env() -> dict[str, str]:
+    env = dict(os.environ)
+    # The child must import what the parent imports (the model's classes, this package).
+    paths = [str(Path(__file__).resolve().parents[1])] + [p for p in sys.path if p]
+    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
+    env.setdefault("OMP_NUM_THREADS", "1")
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(var, None)
+    return env
+
+
+def dry_run(
+    model: nn.Module,
+    world_size: int,
+    shard_strat: Any = "FULL_SHARD",
+    mp: Union[str, MixedPrecisionPolicy] = "fp32",
+    auto_wrap: bool = True,
+    TransformerBlock: BlockSpec = None,  # noqa: N803 - the same name as fsdp()
+    *,
+    rank: int = 0,
+    replicate_size: Optional[int] = None,
+    local_world_size: Optional[int] = None,
+    ignored_param_names: Iterable[str] = (),
+    timeout_s: float = 600.0,
+) -> DryRunResult:
+    """Run the real ``fsdp()`` on a meta copy of ``model`` as ``rank`` of a fake ``world_size`` job.
+
+    One subprocess, ``torch.distributed``'s ``"fake"`` backend (``FakeStore``): no communication,
+    nothing allocated (the model stays on ``meta``; materialization is skipped). Reports the
+    sharded parameter bytes that rank would hold and the wrap time. The model's classes must be
+    importable (not defined in ``__main__``): the copy is pickled to the subprocess.
+    ``ignored_param_names``: parameters (by name) that ``fsdp()`` leaves unsharded.
+
+    Example:
+        >>> with torch.device("meta"):
+        ...     model = small(dim=4096, n_heads=32, n_layers=32, vocab_size=128256)
+        >>> dry_run(model, 1024, "HYBRID_SHARD").param_bytes  # doctest: +SKIP
+    """
+    job = _dry_run_job(world_size, shard_strat, mp, auto_wrap, TransformerBlock, rank, replicate_size, local_world_size)
+    return _dry_run_batch(model, [job], timeout_s=timeout_s)[0]
+
+
+def _run_dry_run(*args: Any, **kwargs: Any) -> DryRunResult:
+    # plan()'s ``dry_run`` flag shadows the function's name inside plan().
+    return dry_run(*args, **kwargs)
+
+
+def _dry_run_job(
+    world_size: int,
+    shard_strat: Any = "FULL_SHARD",
+    mp: Union[str, MixedPrecisionPolicy] = "fp32",
+    auto_wrap: bool = True,
+    transformer_block: BlockSpec = None,
+    rank: int = 0,
+    replicate_size: Optional[int] = None,
+    local_world_size: Optional[int] = None,
+) -> dict[str, Any]:
+    """Validate one dry-run configuration and turn it into plain JSON for the subprocess."""
+    policy = resolve_mixed_precision(mp)
+    spec = resolve_sharding(shard_strat)
+    world_size, shape = _resolve_world_and_mesh(spec, world_size, replicate_size, local_world_size)
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
+        raise ValueError(f"dry_run(): rank={rank!r} is not accepted. Accepted: an int in [0, {world_size - 1}].")
+    return {
+        "world_size": world_size,
+        "rank": rank,
+        "shard_strat": spec.name,
+        "replicate_size": shape[0] if len(shape) == 2 else None,
+        "param_dtype": _dtype_name(policy.param_dtype),
+        "reduce_dtype": _dtype_name(policy.reduce_dtype),
+        "auto_wrap": auto_wrap,
+        "transformer_block": _block_spec_names(transformer_block),
+        "ignored_param_names": [],
+    }
+
+
+def _dry_run_batch(model: nn.Module, jobs: list[dict[str, Any]], *, timeout_s: float = 600.0) -> list[DryRunResult]:
+    """Run several dry-run jobs (from ``_dry_run_job``) in one subprocess: start-up dominates."""
+    in_main = sorted({type(m).__name__ for m in model.modules() if type(m).__module__ == "__main__"})
+    if in_main:
+        raise ValueError(
+            f"dry_run(): module classes defined in __main__ ({', '.join(in_main)}) cannot be loaded by the "
+            "dry-run subprocess; define them in an importable module."
+        )
+    with tempfile.TemporaryDirectory(prefix="zeta_fsdp_dry_run_") as tmp:
+        torch.save(_meta_copy(model), Path(tmp) / "model.pt")
+        (Path(tmp) / "jobs.json").write_text(json.dumps(jobs))
+        code = "import sys; from zeta_fsdp.planner import _dry_run_child; _dry_run_child(sys.argv[1])"
+        proc = subprocess.run(
+            [sys.executable, "-c", code, tmp], env=_child_env(), capture_output=True, text=True, timeout=timeout_s
+        )
+        out = Path(tmp) / "results.json"
+        if proc.returncode != 0 or not out.exists():
+            tail = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
+            raise RuntimeError(f"dry_run(): the fake-process-group run failed (exit {proc.returncode}): {tail}")
+        results = json.loads(out.read_text())
+    return [DryRunResult(**{**r, "mesh_shape": tuple(r["mesh_shape"])}) for r in results]
+
+
+def _dry_run_child(workdir: str) -> None:
+    """Body of the dry-run subprocess (``python -c``): per job, a fake group, the real ``fsdp()``, measure."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from . import fsdp as _fsdp_function  # noqa: F401 - import the package first
+
+    fsdp_module = sys.modules["zeta_fsdp.fsdp"]  # the package's ``fsdp`` attribute is the function
+    torch.set_num_threads(1)
+    results = []
+    for job in json.loads((Path(workdir) / "jobs.json").read_text()):
+        start = time.perf_counter()
+        model = torch.load(Path(workdir) / "model.pt", weights_only=False)
+        load_seconds = time.perf_counter() - start
+        dist.init_process_group("fake", store=FakeStore(), rank=job["rank"], world_size=job["world_size"])
+        try:
+            results.append(_dry_run_one(fsdp_module.fsdp, model, job, load_seconds))
+        finally:
+            # No peers to wait for (zeta_fsdp.shutdown's store counter does not exist on a FakeStore).
+            dist.destroy_process_group()
+    (Path(workdir) / "results.json").write_text(json.dumps(results))
+
+
+def _dry_run_one(fsdp: Any, model: nn.Module, job: dict[str, Any], load_seconds: float) -> dict[str, Any]:
+    from torch.distributed.tensor import DTensor
+
+    dtypes = {"none": None, **{_dtype_name(d): d for d in (torch.float32, torch.bfloat16, torch.float16)}}
+    policy = MixedPrecisionPolicy(param_dtype=dtypes[job["param_dtype"]], reduce_dtype=dtypes[job["reduce_dtype"]])
+    block = job["transformer_block"]
+    start = time.perf_counter()
+    fsdp(
+        model,
+        auto_wrap=job["auto_wrap"],
+        mp=policy,
+        shard_strat=job["shard_strat"],
+        TransformerBlock=tuple(block) if block else None,
+        device="cpu",
+        replicate_size=job["replicate_size"],
+        ignored_params={model.get_parameter(n) for n in job["ignored_param_names"]} or None,
+        # allocating every shard would cost gigabytes; the dry run only inspects the sharding
+        materialize=False,
+    )
+    wrap_seconds = time.perf_counter() - start
+    storage = local = 0
+    mesh: tuple[int, ...] = ()
+    for param in model.parameters():
+        tensor = param.to_local() if isinstance(param, DTensor) else param
+        if isinstance(param, DTensor):
+            mesh = tuple(param.device_mesh.shape)
+        size = tensor.element_size()
+        # Each FSDP2 shard owns its own padded storage; .to_local() is a narrow of it.
+        storage += tensor.untyped_storage().nbytes() if isinstance(param, DTensor) else tensor.numel() * size
+        local += tensor.numel() * size
+    groups = {
+        id(m._get_fsdp_state()._fsdp_param_group)
+        for m in model.modules()
+        if hasattr(m, "_get_fsdp_state") and m._get_fsdp_state()._fsdp_param_group is not None
+    }
+    return {
+        "world_size": job["world_size"],
+        "rank": job["rank"],
+        "mesh_shape": list(mesh),
+        "param_bytes": storage,
+        "local_param_bytes": local,
+        "num_units": len(groups),
+        "wrap_seconds": wrap_seconds,
+        "load_seconds": load_seconds,
+    }
+
+
+# --------------------------------------------------------------------------------------------
+# Model specs for the command line: a factory path or a Hugging Face config, built on meta.
+# --------------------------------------------------------------------------------------------
+
+MODEL_SPEC_HELP = (
+    "'package.module:factory' (e.g. examples.gpt:small), a local Hugging Face config.json (or its folder), "
+    "or a transformers config class name (e.g. LlamaConfig)"
+)
+
+
+def meta_model_from_spec(spec: str, overrides: Optional[dict[str, Any]] = None) -> nn.Module:
+    """Build a model on ``meta`` from a command-line spec, with ``key=value`` overrides.
+
+    ``"pkg.mod:factory"`` calls ``factory(**overrides)``; a path to a ``config.json`` (or a folder
+    holding one) or a ``transformers`` config class name builds ``AutoModelForCausalLM.from_config``.
+    Never downloads. Raises ``ValueError`` with a one-line reason when the spec cannot be used.
+
+    Example:
+        >>> model = meta_model_from_spec("examples.gpt:small", {"n_layers": 4})
+        >>> next(model.parameters()).device
+        device(type='meta')
+    """
+    overrides = dict(overrides or {})
+    if ":" in spec and not Path(spec).exists():
+        return _from_factory(spec, overrides)
+    path = Path(spec)
+    if path.is_dir():
+        path = path / "config.json"
+    if path.suffix == ".json" or path.exists():
+        if not path.is_file():
+            raise ValueError(f"no config file at {str(path)!r}. MODEL is {MODEL_SPEC_HELP}.")
+        return _from_hf_config(path, overrides)
+    if spec.isidentifier() and spec.endswith("Config"):
+        return _from_hf_config(spec, overrides)
+    raise ValueError(f"cannot use {spec!r} as a model. MODEL is {MODEL_SPEC_HELP}.")
+
+
+def _from_factory(spec: str, overrides: dict[str, Any]) -> nn.Module:
+    module_name, _, attr = spec.partition(":")
+    if not module_name or not attr:
+        raise ValueError(f"cannot use {spec!r} as a model. MODEL is {MODEL_SPEC_HELP}.")
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())  # like ``python -m``: the current folder is importable
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as e:  # any import-time failure is the user's path, not our bug
+        raise ValueError(f"cannot import {module_name!r} ({type(e).__name__}: {e}). MODEL is {MODEL_SPEC_HELP}.") from e
+    factory = module
+    for part in attr.split("."):
+        factory = getattr(factory, part, None)
+        if factory is None:
+            raise ValueError(f"{module_name!r} has no attribute {attr!r}. MODEL is {MODEL_SPEC_HELP}.")
+    if not callable(factory):
+        raise ValueError(f"{spec!r} is not callable. MODEL is {MODEL_SPEC_HELP}.")
+    try:
+        with torch.device("meta"):
+            model = factory(**overrides)
+    except Exception as e:
+        args = ", ".join(f"{k}={v!r}" for k, v in overrides.items())
+        raise ValueError(f"{spec}({args}) failed: {type(e).__name__}: {e}") from e
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"{spec} returned {type(model).__name__}, not a torch.nn.Module.")
+    return model
+
+
+def _from_hf_config(source: Union[str, Path], overrides: dict[str, Any]) -> nn.Module:
+    try:
+        import transformers
+    except ImportError:
+        raise ValueError("a Hugging Face config needs the 'transformers' package (pip install transformers).") from None
+    fields: dict[str, Any] = {}
+    if isinstance(source, Path):
+        # The local file only: nothing is looked up on the Hub.
+        fields = json.loads(source.read_text())
+        model_type = fields.pop("model_type", None)
+        if not model_type:
+            raise ValueError(f"{str(source)!r} has no 'model_type'; cannot tell which model it configures.")
+        try:
+            config_cls = type(transformers.AutoConfig.for_model(model_type))
+        except ValueError:
+            raise ValueError(
+                f"{str(source)!r}: model_type {model_type!r} is unknown to transformers {transformers.__version__}."
+            ) from None
+    else:
+        config_cls = getattr(transformers, source, None)
+        if not (isinstance(config_cls, type) and issubclass(config_cls, transformers.PretrainedConfig)):
+            raise ValueError(f"transformers has no config class {source!r}. MODEL is {MODEL_SPEC_HELP}.")
+    # Configs accept any keyword silently, so a typo would plan the default model: refuse it.
+    known = set(config_cls().to_dict())
+    unknown = sorted(set(overrides) - known)
+    if unknown:
+        raise ValueError(f"{config_cls.__name__} has no field(s) {', '.join(map(repr, unknown))}.")
+    # Overrides go through __init__: derived fields (head_dim, ...) are computed there.
+    config = config_cls(**{**fields, **overrides})
+    try:
+        with torch.device("meta"):
+            return transformers.AutoModelForCausalLM.from_config(config)
+    except Exception as e:
+        raise ValueError(f"building a causal LM from {config_cls.__name__} failed: {type(e).__name__}: {e}") from e
