@@ -9,11 +9,35 @@ from .distributed import shutdown
 from .fsdp import fsdp, get_wrap_plan, is_fsdp_wrapped
 from .options import ShardingSpec, resolve_mixed_precision, resolve_sharding
 from .planner import DryRunResult, MemoryPlan, UnitEstimate, dry_run, meta_model_from_spec, plan
+from .state_dict import (
+    CheckpointError,
+    consolidate_checkpoint,
+    get_full_state_dict,
+    get_optimizer_state_dict,
+    get_sharded_state_dict,
+    is_checkpoint,
+    load_checkpoint,
+    load_full_state_dict,
+    load_optimizer_state_dict,
+    load_sharded_state_dict,
+    save_checkpoint,
+)
 from .wrapping import WrapPlan, WrapUnit, build_wrap_plan, detect_block_classes
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "CheckpointError",
+    "consolidate_checkpoint",
+    "get_full_state_dict",
+    "get_optimizer_state_dict",
+    "get_sharded_state_dict",
+    "is_checkpoint",
+    "load_checkpoint",
+    "load_full_state_dict",
+    "load_optimizer_state_dict",
+    "load_sharded_state_dict",
+    "save_checkpoint",
     "DryRunResult",
     "MemoryPlan",
     "UnitEstimate",

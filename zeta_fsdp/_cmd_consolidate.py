@@ -1,3 +1,39 @@
-"""`python -m zeta_fsdp consolidate`: argument parsing only; the work lives in the library modules."""
+"""`python -m zeta_fsdp consolidate`: argument parsing only; the work lives in the library modules.
+
+Example:
+    $ python -m zeta_fsdp consolidate checkpoints/step_100 model.safetensors
+"""
 
 from __future__ import annotations
+
+import argparse
+
+from . import cli
+
+
+def _add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("dcp_dir", metavar="DIR", help="checkpoint directory written by save_checkpoint()")
+    parser.add_argument("out", metavar="OUT", help="output file: *.safetensors (needs safetensors) or torch.save")
+    parser.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
+
+
+def _run(args: argparse.Namespace) -> int:
+    # Imported here: `python -m zeta_fsdp --help` need not load torch.distributed.checkpoint.
+    from .state_dict import CheckpointError, consolidate_checkpoint
+
+    try:
+        out = consolidate_checkpoint(args.dcp_dir, args.out, overwrite=args.overwrite)
+    except FileExistsError as e:
+        raise cli.UsageError(f"{args.out} already exists; pass --overwrite to replace it.") from e
+    except (FileNotFoundError, CheckpointError, ImportError) as e:
+        raise cli.UsageError(str(e)) from e
+    print(f"wrote {out} ({out.stat().st_size / 2**20:.1f} MiB)")
+    return 0
+
+
+cli.register(
+    "consolidate",
+    "turn a sharded checkpoint into one torch.save or .safetensors file of the model's weights",
+    _add_arguments,
+    _run,
+)
