@@ -7,6 +7,7 @@ Example:
 
 from .distributed import shutdown
 from .fsdp import fsdp, get_wrap_plan, is_fsdp_wrapped
+from .loss import MaskedTokenLossReduction, PerSampleLossReduction
 from .options import ShardingSpec, resolve_mixed_precision, resolve_sharding
 from .planner import DryRunResult, MemoryPlan, UnitEstimate, dry_run, meta_model_from_spec, plan
 from .state_dict import (
@@ -22,11 +23,21 @@ from .state_dict import (
     load_sharded_state_dict,
     save_checkpoint,
 )
+from .strategy import EpochStep, FSDP2Strategy
+from .training import MemoryReport, clip_grad_norm_, memory_report, no_sync
 from .wrapping import WrapPlan, WrapUnit, build_wrap_plan, detect_block_classes
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "EpochStep",
+    "FSDP2Strategy",
+    "MaskedTokenLossReduction",
+    "MemoryReport",
+    "PerSampleLossReduction",
+    "clip_grad_norm_",
+    "memory_report",
+    "no_sync",
     "CheckpointError",
     "consolidate_checkpoint",
     "get_full_state_dict",

@@ -1,0 +1,521 @@
+"""Multi-rank cases for ``zeta_fsdp.training`` and ``zeta_fsdp.loss``, run by ``torchrun``.
+
+Same pattern as ``dist_cases.py``: one launch runs many named cases; every rank writes
+``{case: "ok" | traceback}`` to ``--out``/rank{N}.json. The reference is a ``copy.deepcopy`` made
+before wrapping, run on one process over the global (concatenated) batch.
+
+``run_cases`` and ``TPNet`` are shared with ``strategy_cases.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import sys
+import traceback
+from datetime import timedelta
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from torch.distributed.tensor import DTensor, Replicate  # noqa: E402
+from torch.distributed.tensor.debug import CommDebugMode  # noqa: E402
+
+from examples.gpt import Block, GPTConfig, lm_loss, small  # noqa: E402
+from zeta_fsdp import fsdp, shutdown  # noqa: E402
+from zeta_fsdp.loss import MaskedTokenLossReduction, PerSampleLossReduction  # noqa: E402
+from zeta_fsdp.training import clip_grad_norm_, memory_report, no_sync  # noqa: E402
+
+CASES: dict[str, Callable[[], None]] = {}
+VOCAB, SEQ = GPTConfig().vocab_size, 11
+
+
+def case(fn):
+    CASES[fn.__name__] = fn
+    return fn
+
+
+# ---------------------------------------------------------------------------------------------
+# shared helpers
+
+
+def rank() -> int:
+    return dist.get_rank()
+
+
+def world() -> int:
+    return dist.get_world_size()
+
+
+def tokens(n: int, seed: int, vocab: int = VOCAB, seq: int = SEQ) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    t = torch.randint(0, vocab, (n, seq + 1), generator=g)
+    return t[:, :-1], t[:, 1:]
+
+
+def local_slice(t: torch.Tensor, index: int | None = None, parts: int | None = None) -> torch.Tensor:
+    index = rank() if index is None else index
+    parts = world() if parts is None else parts
+    per = t.shape[0] // parts
+    return t[index * per : (index + 1) * per]
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def max_diff(got: torch.Tensor, want: torch.Tensor) -> float:
+    return (full(got).detach().double() - want.detach().double()).abs().max().item()
+
+
+def assert_close(name: str, got: torch.Tensor, want: torch.Tensor, atol: float) -> None:
+    err = max_diff(got, want)
+    assert err <= atol, f"{name}: max abs diff {err:.3e} > {atol:.0e}"
+
+
+def assert_grads_match(model: nn.Module, ref: nn.Module, atol: float) -> None:
+    ref_params = dict(ref.named_parameters())
+    checked = 0
+    for name, param in model.named_parameters():
+        want = ref_params[name].grad
+        if want is None:
+            assert param.grad is None, f"{name}: has a gradient, the reference has none"
+            continue
+        assert param.grad is not None, f"{name}: no gradient"
+        assert_close(f"grad {name}", param.grad, want, atol)
+        checked += 1
+    assert checked > 0, "no gradient compared"
+
+
+def comm_counts(fn: Callable[[], object]) -> dict[str, int]:
+    comm = CommDebugMode()
+    with comm:
+        fn()
+    counts: dict[str, int] = {}
+    for op, n in comm.get_comm_counts().items():
+        name = str(op).split(".")[-1].strip("_")
+        counts[name] = counts.get(name, 0) + int(n)
+    return counts
+
+
+class TPBlock(nn.Module):
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.up = nn.Linear(dim, hidden)
+        self.down = nn.Linear(hidden, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(F.gelu(self.up(self.norm(x))))
+
+
+class TPNet(nn.Module):
+    """A small LM whose linear layers take a tensor-parallel plan (``TP_PLAN``)."""
+
+    def __init__(self, vocab: int = 32, dim: int = 16, hidden: int = 32, n_layers: int = 2):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, dim)
+        self.layers = nn.ModuleList(TPBlock(dim, hidden) for _ in range(n_layers))
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        x = self.emb(input_ids)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(self.norm(x))
+
+
+def tp_plan() -> dict:
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    return {
+        "layers.*.up": ColwiseParallel(),
+        "layers.*.down": RowwiseParallel(),
+        "head": ColwiseParallel(output_layouts=Replicate()),
+    }
+
+
+def run_cases(cases: dict[str, Callable[[], None]]) -> None:
+    """The worker's main: run the requested cases, write this rank's results, leave cleanly."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--cases", required=True)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    # A short timeout: a case failing on one rank must not hang its peers for 30 minutes.
+    dist.init_process_group("gloo", timeout=timedelta(seconds=int(os.environ.get("ZETA_TEST_TIMEOUT", 120))))
+    results = {}
+    for name in args.cases.split(","):
+        try:
+            cases[name]()
+            results[name] = "ok"
+        except Exception:
+            results[name] = traceback.format_exc()
+        dist.barrier()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"rank{rank()}.json").write_text(json.dumps(results))
+    shutdown(force=True)
+
+
+def sharded_gpt(**fsdp_kwargs) -> tuple[nn.Module, nn.Module]:
+    torch.manual_seed(0)
+    model = small()
+    ref = copy.deepcopy(model)
+    kwargs = {"auto_wrap": True, "shard_strat": "FULL_SHARD", "TransformerBlock": Block, **fsdp_kwargs}
+    return fsdp(model, **kwargs), ref
+
+
+def sync_flags(model: nn.Module) -> list[tuple[bool, bool]]:
+    from zeta_fsdp.training import _fsdp_param_groups
+
+    return [(g.reduce_grads, g.all_reduce_grads) for g in _fsdp_param_groups(model)]
+
+
+# ---------------------------------------------------------------------------------------------
+# no_sync
+
+
+def _accumulation(shard_strat: str, k: int = 4, **kwargs) -> None:
+    """K micro-batches: K-1 inside no_sync issue no gradient collective, the last one does; the
+    accumulated gradients equal the reference's on the K x global batch."""
+    model, ref = sharded_gpt(shard_strat=shard_strat, **kwargs)
+    n_units = len(sync_flags(model))
+    shard_size = next(model.parameters()).device_mesh.size(-1)
+    hybrid = shard_strat.startswith("HYBRID")
+    x, y = tokens(4 * k, seed=1)
+    lm_loss(ref(x), y).backward()
+    for i in range(k):
+        xi, yi = local_slice(x[4 * i : 4 * (i + 1)]), local_slice(y[4 * i : 4 * (i + 1)])
+
+        def micro_step(xi=xi, yi=yi):
+            (lm_loss(model(xi), yi) / k).backward()
+
+        if i < k - 1:
+            with no_sync(model):
+                counts = comm_counts(micro_step)
+            assert counts.get("reduce_scatter_base", 0) == 0, f"micro-step {i} reduced: {counts}"
+            assert counts.get("allreduce", 0) == 0, f"micro-step {i} all-reduced: {counts}"
+            if shard_size > 1:  # parameters are still all-gathered: CommDebugMode is watching
+                assert counts.get("allgather_base", 0) > 0, f"CommDebugMode saw nothing: {counts}"
+        else:
+            counts = comm_counts(micro_step)
+            if shard_size > 1:
+                assert counts.get("reduce_scatter_base", 0) == n_units, f"last micro-step: {counts} ({n_units} units)"
+            if hybrid:
+                assert counts.get("allreduce", 0) == n_units, f"HSDP replica all-reduce missing: {counts}"
+    assert all(f == (True, True) for f in sync_flags(model)), "sync not restored"
+    assert_grads_match(model, ref, atol=1e-6)
+
+
+@case
+def no_sync_full_shard_accumulation():
+    _accumulation("FULL_SHARD")
+
+
+@case
+def no_sync_hybrid_accumulation():
+    # 2 ranks: replicas of 1 shard each, so the replica all-reduce is the gradient collective
+    _accumulation("HYBRID_SHARD", replicate_size=world())
+
+
+@case
+def no_sync_hybrid_2x2_accumulation():
+    _accumulation("HYBRID_SHARD", replicate_size=2)
+
+
+@case
+def no_sync_restores_on_exception_and_nesting():
+    model, _ = sharded_gpt()
+    block = model.blocks[1]
+    block.set_requires_gradient_sync(False, recurse=False)  # the user's own setting survives
+    before = sync_flags(model)
+    assert (False, False) in before
+    try:
+        with no_sync(model):
+            assert all(f == (False, False) for f in sync_flags(model))
+            with no_sync(model):
+                pass
+            assert all(f == (False, False) for f in sync_flags(model)), "inner exit re-enabled sync"
+            raise KeyError("boom")
+    except KeyError:
+        pass
+    else:
+        raise AssertionError("exception swallowed")
+    assert sync_flags(model) == before, f"{sync_flags(model)} != {before}"
+    # a plain (unwrapped) module is accepted and left alone
+    with no_sync(nn.Linear(2, 2)):
+        pass
+
+
+# ---------------------------------------------------------------------------------------------
+# clip_grad_norm_
+
+
+def _clip_parity(model: nn.Module, ref: nn.Module, batch: tuple[torch.Tensor, torch.Tensor], *, slicer) -> None:
+    x, y = batch
+    for norm_type, max_norm in ((2.0, 0.05), (float("inf"), 1e-3), (1.0, 1e6), ("inf", 1e6)):
+        model.zero_grad()
+        ref.zero_grad()
+        lm_loss(ref(x), y).backward()
+        lm_loss(model(slicer(x)), slicer(y)).backward()
+        # parameters without a gradient are skipped, on both sides
+        ref.norm.bias.grad = None
+        model.norm.bias.grad = None
+        want = torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm, norm_type=float(norm_type)).item()
+        got = clip_grad_norm_(model, max_norm, norm_type=norm_type)
+        everyone = [None] * world()
+        dist.all_gather_object(everyone, got)  # before any assert: a rank failing alone would hang its peer
+        assert isinstance(got, float), type(got)
+        assert len(set(everyone)) == 1, f"ranks disagree on the norm: {everyone}"
+        # 1e-6, relative above 1: a float32 norm of ~100 has an ulp of ~1e-5
+        assert abs(got - want) <= 1e-6 * max(1.0, want), f"norm {norm_type}: {got} vs {want}"
+        assert_grads_match(model, ref, atol=1e-6)
+        if max_norm < want:  # clipping happened: the new norm is max_norm
+            again = clip_grad_norm_(model.parameters(), 1e9, norm_type=norm_type)
+            assert abs(again - max_norm) <= 1e-6 * max(1.0, max_norm), (again, max_norm)
+
+
+@case
+def clip_grad_norm_full_shard():
+    model, ref = sharded_gpt()
+    x, y = tokens(4, seed=2)
+    _clip_parity(model, ref, (x, y), slicer=local_slice)
+
+
+@case
+def clip_grad_norm_hybrid_2x2():
+    model, ref = sharded_gpt(shard_strat="HYBRID_SHARD", replicate_size=2)
+    x, y = tokens(4, seed=2)
+    _clip_parity(model, ref, (x, y), slicer=local_slice)
+
+
+@case
+def clip_grad_norm_across_meshes_tp():
+    """TP on 2 ranks then FSDP on the (size-1) dp mesh: gradients on a 1-D and a 2-D mesh."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    mesh = init_device_mesh("cpu", (1, world()), mesh_dim_names=("dp", "tp"))
+    torch.manual_seed(0)
+    model = TPNet()
+    ref = copy.deepcopy(model)
+    parallelize_module(model, mesh["tp"], tp_plan())
+    fsdp(model, auto_wrap=True, shard_strat="FULL_SHARD", mesh=mesh["dp"])
+    meshes = {p.device_mesh.mesh_dim_names for p in model.parameters()}
+    assert meshes == {("dp",), ("dp", "tp")}, meshes
+    x, y = tokens(4, seed=3, vocab=32)
+
+    def loss_of(net, inputs, targets):
+        return F.cross_entropy(net(inputs).flatten(0, 1), targets.flatten())
+
+    for norm_type in (2.0, float("inf")):
+        model.zero_grad()
+        ref.zero_grad()
+        loss_of(ref, x, y).backward()
+        loss_of(model, x, y).backward()  # every TP rank sees the whole batch (dp = 1)
+        want = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.01, norm_type=norm_type).item()
+        got = clip_grad_norm_(model, 0.01, norm_type=norm_type)
+        assert abs(got - want) <= 1e-6, f"norm {norm_type}: {got} vs {want}"
+        assert_grads_match(model, ref, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------
+# memory_report
+
+
+@case
+def memory_report_values():
+    model, ref = sharded_gpt()
+    n_params = len(list(ref.parameters()))
+    full_bytes = sum(p.numel() * p.element_size() for p in ref.parameters())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    report = memory_report(model, opt)
+    assert isinstance(report, dict)
+    assert report["rank"] == rank() and report["world_size"] == world()
+    params = report["params"]
+    assert params["full_bytes"] == full_bytes, (params, full_bytes)
+    assert params["tensors"] == n_params
+    local = torch.tensor(params["local_bytes"])
+    dist.all_reduce(local)
+    assert local.item() == full_bytes, f"shards sum to {local.item()}, not {full_bytes}"
+    assert 0.45 <= params["local_bytes"] / full_bytes <= 0.55, params
+    assert report["grads"]["local_bytes"] == 0 and report["optimizer_state"]["tensors"] == 0
+    x, y = tokens(4, seed=4)
+    lm_loss(model(local_slice(x)), local_slice(y)).backward()
+    opt.step()
+    report = memory_report(model, opt)
+    assert report["grads"]["local_bytes"] == params["local_bytes"], report["grads"]
+    assert report["grads"]["full_bytes"] == full_bytes
+    # AdamW: exp_avg + exp_avg_sq (sharded like the parameter) + a float32 scalar step each
+    opt_state = report["optimizer_state"]
+    assert opt_state["local_bytes"] == 2 * params["local_bytes"] + 4 * n_params, opt_state
+    assert opt_state["full_bytes"] == 2 * full_bytes + 4 * n_params, opt_state
+    total = report["total"]
+    assert total["local_bytes"] == sum(report[k]["local_bytes"] for k in ("params", "grads", "optimizer_state"))
+    table = report.table()
+    assert str(report) == table
+    for label in ("parameters", "gradients", "optimizer state", "total", f"rank {rank()}/{world()}"):
+        assert label in table, table
+    assert "0.5" in table.splitlines()[2], table  # parameters row: local/full ratio ~0.50
+    # unsharded (NO_SHARD): every rank holds everything
+    no_shard, _ = sharded_gpt(shard_strat="NO_SHARD")
+    assert memory_report(no_shard)["params"]["local_bytes"] == full_bytes
+
+
+# ---------------------------------------------------------------------------------------------
+# loss reduction
+
+
+def _masked_batch(seed: int) -> dict[str, torch.Tensor]:
+    """4 sequences; rank 0's half keeps ~90% of its tokens, rank 1's half ~10%."""
+    x, y = tokens(4, seed=seed)
+    g = torch.Generator().manual_seed(seed + 100)
+    keep = torch.cat([torch.rand(2, SEQ, generator=g) < 0.9, torch.rand(2, SEQ, generator=g) < 0.1])
+    keep[2, 0] = True  # at least one token on the sparse half
+    labels = torch.where(keep, y, torch.full_like(y, -100))
+    return {"input_ids": x, "labels": labels, "loss_mask": keep.long()}
+
+
+def _slice_batch(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {k: local_slice(v) for k, v in batch.items()}
+
+
+def _reference_token_mean(ref: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    logits = ref(batch["input_ids"])
+    return F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(), ignore_index=-100)
+
+
+@case
+def token_weighted_loss_and_grads():
+    model, ref = sharded_gpt()
+    batch = _masked_batch(seed=5)
+    counts = batch["loss_mask"].view(2, -1).sum(dim=1)
+    assert counts[0] > 3 * counts[1], counts  # very different mask counts per rank
+    want = _reference_token_mean(ref, batch)
+    want.backward()
+    reduction = MaskedTokenLossReduction()
+    mine = _slice_batch(batch)
+    loss, record = reduction.forward(mine, model(mine["input_ids"]))
+    loss.backward()
+    got = reduction.reduce([record])
+    assert abs(got.item() - want.item()) <= 1e-6, f"reduced {got.item()} vs reference {want.item()}"
+    assert_grads_match(model, ref, atol=1e-6)
+    # the NeMo-style mean of per-rank means is measurably different here: the test can fail
+    local_mean = record["loss_sum_and_ub_size"][0] / record["loss_sum_and_ub_size"][1]
+    mean_of_means = local_mean.clone()
+    dist.all_reduce(mean_of_means)
+    assert abs(mean_of_means.item() / world() - want.item()) > 1e-3, "batch not unbalanced enough"
+
+
+@case
+def token_weighted_loss_micro_batches_and_ignore_index():
+    """Two micro-batches per rank, labels only (ignore_index): reduce over both records."""
+    model, ref = sharded_gpt()
+    b1, b2 = _masked_batch(seed=6), _masked_batch(seed=7)
+    both = {k: torch.cat([b1[k], b2[k]]) for k in ("input_ids", "labels")}
+    want = _reference_token_mean(ref, both).item()
+    reduction = MaskedTokenLossReduction()
+    records = []
+    for b in (b1, b2):
+        mine = {k: local_slice(b[k]) for k in ("input_ids", "labels")}
+        _, record = reduction.forward(mine, model(mine["input_ids"]))
+        records.append(record)
+    got = reduction.reduce(records).item()
+    assert abs(got - want) <= 1e-6, (got, want)
+    # validation mode: the loss is this rank's own mean, and forward communicates nothing
+    val = MaskedTokenLossReduction(validation_step=True)
+    mine = {k: local_slice(b1[k]) for k in ("input_ids", "labels")}
+    logits = model(mine["input_ids"]).detach()
+    counts = comm_counts(lambda: val.forward(mine, logits))
+    assert counts == {}, counts
+    loss, _ = val.forward(mine, logits)
+    local_want = F.cross_entropy(logits.flatten(0, 1), mine["labels"].flatten(), ignore_index=-100)
+    assert abs(loss.item() - local_want.item()) <= 1e-6
+
+
+@case
+def reduce_is_one_all_reduce_of_two_numbers():
+    reduction = MaskedTokenLossReduction()
+    records = [reduction.forward(_slice_batch(_masked_batch(s)), torch.randn(2, SEQ, VOCAB))[1] for s in (8, 9, 10)]
+    seen = []
+    original = dist.all_reduce
+
+    def spy(tensor, *args, **kwargs):
+        seen.append(tensor.numel())
+        return original(tensor, *args, **kwargs)
+
+    dist.all_reduce = spy
+    try:
+        reduction.reduce(records)
+    finally:
+        dist.all_reduce = original
+    assert seen == [2], f"reduce() all-reduced tensors of sizes {seen}"
+
+
+@case
+def all_masked_rank_gives_no_nan():
+    model, ref = sharded_gpt()
+    batch = _masked_batch(seed=11)
+    batch["loss_mask"][2:] = 0  # rank 1: nothing to learn from
+    batch["labels"][2:] = -100
+    want = _reference_token_mean(ref, batch)
+    want.backward()
+    reduction = MaskedTokenLossReduction()
+    mine = _slice_batch(batch)
+    loss, record = reduction.forward(mine, model(mine["input_ids"]))
+    assert torch.isfinite(loss), loss
+    if rank() == 1:
+        assert loss.item() == 0.0, loss
+    loss.backward()
+    got = reduction.reduce([record])
+    assert torch.isfinite(got) and abs(got.item() - want.item()) <= 1e-6, (got, want)
+    for name, param in model.named_parameters():
+        assert torch.isfinite(full(param.grad)).all(), f"{name}: non-finite gradient"
+    assert_grads_match(model, ref, atol=1e-6)
+    # every rank all-masked: 0, not NaN
+    empty = {k: torch.zeros_like(v) if k == "loss_mask" else v for k, v in mine.items()}
+    loss, record = reduction.forward(empty, model(empty["input_ids"]))
+    assert loss.item() == 0.0 and reduction.reduce([record]).item() == 0.0
+
+
+@case
+def per_sample_mean_uneven_batches():
+    """Rank 0 holds 3 samples, rank 1 holds 1: every sample weighs the same globally."""
+    model, ref = sharded_gpt()
+    batch = _masked_batch(seed=12)
+    x, labels = batch["input_ids"], batch["labels"]
+
+    def per_sample(logits, lab):
+        ce = F.cross_entropy(logits.flatten(0, 1), lab.flatten(), ignore_index=-100, reduction="none").view(lab.shape)
+        valid = (lab != -100).float()
+        return (ce * valid).sum(1) / valid.sum(1)
+
+    want = per_sample(ref(x), labels).mean()
+    want.backward()
+    mine = slice(0, 3) if rank() == 0 else slice(3, 4)
+    reduction = PerSampleLossReduction()
+    loss, record = reduction.forward({"labels": labels[mine]}, model(x[mine]))
+    loss.backward()
+    got = reduction.reduce([record])
+    assert abs(got.item() - want.item()) <= 1e-6, (got.item(), want.item())
+    assert_grads_match(model, ref, atol=1e-6)
+    # one loss per sample (no labels): plain mean over all ranks' samples
+    values = torch.tensor([1.0, 2.0, 3.0]) if rank() == 0 else torch.tensor([10.0])
+    _, record = reduction.forward({}, values)
+    assert reduction.reduce(record).item() == 4.0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    run_cases(CASES)

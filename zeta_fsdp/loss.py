@@ -1,0 +1,191 @@
+"""Loss reductions across data-parallel ranks, with NeMo's ``forward`` / ``reduce`` interface.
+
+Averaging per-rank mean losses is wrong when ranks hold different numbers of valid tokens (a
+rank with 10 tokens would weigh as much as one with 1000). These reductions compute the global
+token-weighted (or sample-weighted) mean instead:
+
+* ``forward(batch, forward_out) -> (loss_for_backward, record)``: the loss to call
+  ``backward()`` on, scaled so that after FSDP averages gradients over the data-parallel group
+  they equal the gradients of the global mean; ``record`` holds this rank's detached
+  ``[loss_sum, count]`` for logging.
+* ``reduce(records) -> tensor``: the global mean over the records of any number of
+  micro-batches, with one all-reduce of two numbers.
+
+Example:
+    >>> reduction = MaskedTokenLossReduction()
+    >>> loss, record = reduction.forward({"labels": labels, "loss_mask": mask}, logits)  # doctest: +SKIP
+    >>> loss.backward()  # doctest: +SKIP
+    >>> reduction.reduce([record])  # the global token-weighted mean  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Optional, Sequence, Union
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.device_mesh import DeviceMesh
+
+__all__ = ["MaskedTokenLossReduction", "PerSampleLossReduction"]
+
+# NeMo's record key: users of its MaskedTokenLossReduction read the same name.
+RECORD_KEY = "loss_sum_and_ub_size"
+
+GroupLike = Union[dist.ProcessGroup, DeviceMesh, None]
+
+
+def _labels_and_mask(batch: Any) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+    if isinstance(batch, Mapping):
+        return batch.get("labels"), batch.get("loss_mask")
+    if isinstance(batch, (tuple, list)) and len(batch) >= 2 and isinstance(batch[1], torch.Tensor):
+        return batch[1], None  # (inputs, labels)
+    return None, None
+
+
+class _GlobalMeanReduction:
+    """Shared machinery: subclasses say what is summed and what is counted."""
+
+    def __init__(
+        self,
+        validation_step: bool = False,
+        val_drop_last: bool = True,
+        *,
+        ignore_index: int = -100,
+        group: GroupLike = None,
+    ) -> None:
+        self.validation_step = validation_step
+        self.val_drop_last = val_drop_last  # NeMo's argument; nothing is dropped here, kept for compatibility
+        self.ignore_index = ignore_index
+        self.group = group
+
+    # -- the data-parallel group -------------------------------------------------------------
+    def _process_group(self) -> Optional[dist.ProcessGroup]:
+        if isinstance(self.group, DeviceMesh):
+            return self.group.get_group()
+        return self.group
+
+    def _dp_size(self) -> int:
+        if not (dist.is_available() and dist.is_initialized()):
+            return 1
+        return dist.get_world_size(self._process_group())
+
+    def _all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self._dp_size() > 1:
+            dist.all_reduce(tensor, group=self._process_group())
+        return tensor
+
+    # -- what subclasses define --------------------------------------------------------------
+    def _sum_and_count(self, batch: Any, forward_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+    def _per_token(self, batch: Any, forward_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-position losses and weights (0 where masked), same shape, from logits or losses."""
+        labels, mask = _labels_and_mask(batch)
+        if labels is not None and forward_out.dim() == labels.dim() + 1:
+            if mask is None:
+                mask = labels != self.ignore_index
+            mask = mask.to(forward_out.device)
+            # Masked positions may hold any label (-100, padding ids): give them a valid one so
+            # cross_entropy never sees an out-of-range target, then weight them by zero.
+            safe = torch.where(mask.bool(), labels, torch.zeros_like(labels))
+            losses = F.cross_entropy(
+                forward_out.float().reshape(-1, forward_out.shape[-1]), safe.reshape(-1), reduction="none"
+            ).view(labels.shape)
+        else:
+            losses = forward_out.float()
+            if mask is None:
+                mask = (labels != self.ignore_index) if labels is not None else torch.ones_like(losses)
+            mask = mask.to(losses.device)
+        weights = mask.to(losses.dtype)
+        # torch.where, not a product: an inf/NaN loss at a masked position must not leak in.
+        return torch.where(weights != 0, losses * weights, torch.zeros_like(losses)), weights
+
+    # -- NeMo's interface --------------------------------------------------------------------
+    def forward(self, batch: Any, forward_out: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """``(loss_for_backward, record)`` for one micro-batch on this rank.
+
+        Training: ``loss_sum * dp_size / global_count``. FSDP averages gradients over the
+        ``dp_size`` ranks, so the gradients equal those of ``sum of all ranks' losses / global
+        count``: the global mean. Getting ``global_count`` costs one all-reduce of one number
+        (it depends only on the batch, not on the model). With ``validation_step=True`` there is
+        no backward, so the loss is this rank's own mean and nothing is communicated.
+        A rank whose tokens are all masked contributes a zero loss (never NaN).
+        """
+        loss_sum, count = self._sum_and_count(batch, forward_out)
+        record = {RECORD_KEY: torch.stack([loss_sum.detach().double(), count.detach().double()])}
+        if self.validation_step:
+            return loss_sum / count.clamp(min=1), record
+        global_count = self._all_reduce(count.detach().double().clone())
+        scale = self._dp_size() / global_count.clamp(min=1)
+        return loss_sum * scale.to(loss_sum.dtype), record
+
+    __call__ = forward
+
+    def reduce(self, records: Union[Sequence[Mapping[str, torch.Tensor]], Mapping[str, torch.Tensor]]) -> torch.Tensor:
+        """The global mean over ``records`` (one per micro-batch): one all-reduce of two numbers.
+
+        Returns ``sum of losses / count`` over every rank of the data-parallel group and every
+        record, as a float32 scalar tensor; ``0.0`` when nothing was counted anywhere.
+        """
+        if isinstance(records, Mapping):
+            records = [records]
+        if records:
+            total = torch.stack([r[RECORD_KEY] for r in records]).sum(dim=0)
+        else:
+            total = torch.zeros(2, dtype=torch.float64)
+        total = self._all_reduce(total.clone())
+        return (total[0] / total[1].clamp(min=1)).float()
+
+
+class MaskedTokenLossReduction(_GlobalMeanReduction):
+    """Global token-weighted mean loss across the data-parallel group (NeMo's interface).
+
+    ``forward_out`` is logits ``(..., vocab)`` (cross-entropy against ``batch["labels"]``) or
+    per-token losses shaped like the labels/mask. Padding is excluded with ``batch["loss_mask"]``
+    (0/1 or float weights) or, without a mask, with labels equal to ``ignore_index``. A
+    ``(inputs, labels)`` tuple works as a batch too. ``group`` is the data-parallel process group
+    or 1-D ``DeviceMesh`` (default: the whole job).
+
+    Example:
+        >>> reduction = MaskedTokenLossReduction()
+        >>> logits = torch.randn(2, 3, 5)
+        >>> batch = {"labels": torch.tensor([[1, 2, 3], [4, -100, -100]])}
+        >>> loss, record = reduction.forward(batch, logits)
+        >>> record["loss_sum_and_ub_size"][1].item()  # 4 valid tokens
+        4.0
+        >>> torch.allclose(reduction.reduce([record]), torch.nn.functional.cross_entropy(logits.view(-1, 5), batch["labels"].view(-1)))
+        True
+    """
+
+    def _sum_and_count(self, batch: Any, forward_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        losses, weights = self._per_token(batch, forward_out)
+        return losses.sum(), weights.sum()
+
+
+class PerSampleLossReduction(_GlobalMeanReduction):
+    """Global per-sample mean across the data-parallel group: every sample weighs the same.
+
+    For losses that are not per token (or where each sequence should count once, whatever its
+    length). ``forward_out`` is one loss per sample ``(batch,)``; or per-token losses / logits,
+    which are first averaged over each sample's valid tokens (samples with none are skipped).
+
+    Example:
+        >>> reduction = PerSampleLossReduction()
+        >>> loss, record = reduction.forward({}, torch.tensor([1.0, 2.0, 6.0]))
+        >>> reduction.reduce([record]).item()
+        3.0
+    """
+
+    def _sum_and_count(self, batch: Any, forward_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        labels, mask = _labels_and_mask(batch)
+        if forward_out.dim() == 1 and labels is None and mask is None:
+            losses = forward_out.float()
+            return losses.sum(), torch.tensor(float(losses.numel()), device=losses.device)
+        losses, weights = self._per_token(batch, forward_out)
+        losses, weights = losses.flatten(1), weights.flatten(1)
+        tokens = weights.sum(dim=1)
+        has_tokens = tokens > 0
+        per_sample = losses.sum(dim=1) / tokens.clamp(min=torch.finfo(tokens.dtype).tiny)
+        per_sample = torch.where(has_tokens, per_sample, torch.zeros_like(per_sample))
+        return per_sample.sum(), has_tokens.to(per_sample.dtype).sum()

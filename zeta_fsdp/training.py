@@ -1,0 +1,249 @@
+"""Helpers a training loop needs around ``fsdp()``: gradient accumulation, clipping, memory.
+
+* ``no_sync(model)``: accumulate gradients over micro-batches without any gradient collective;
+  the first backward after the block reduces everything accumulated.
+* ``clip_grad_norm_(model, max_norm)``: the global gradient norm of a sharded model (DTensor
+  gradients, on one or several meshes), returned as a plain float, and clipping in place.
+* ``memory_report(model, optimizer)``: bytes this rank holds for parameters, gradients and
+  optimizer state, next to what the unsharded tensors would take.
+
+Example:
+    >>> for i, batch in enumerate(micro_batches):  # doctest: +SKIP
+    ...     with no_sync(model) if i < len(micro_batches) - 1 else contextlib.nullcontext():
+    ...         (loss_fn(model(batch)) / len(micro_batches)).backward()
+    >>> norm = clip_grad_norm_(model, 1.0)  # doctest: +SKIP
+    >>> print(memory_report(model, optimizer).table())  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterable, Iterator, Optional, Union
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+
+__all__ = ["MemoryReport", "clip_grad_norm_", "memory_report", "no_sync"]
+
+
+def _fsdp_param_groups(model: nn.Module) -> list:
+    """Every FSDP parameter group of ``model`` once (a multi-module unit shares one state)."""
+    groups: dict[int, object] = {}
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            state = module._get_fsdp_state()
+            for group in getattr(state, "_fsdp_param_groups", ()):
+                groups[id(group)] = group
+    return list(groups.values())
+
+
+@contextlib.contextmanager
+def no_sync(model: nn.Module) -> Iterator[nn.Module]:
+    """Skip gradient reduce-scatter (and HYBRID's replica all-reduce) for backwards run inside.
+
+    Gradients accumulate unreduced on each rank; the first backward outside the block reduces
+    the sum of all accumulated micro-batches in one go, so K micro-batches cost one reduction.
+    Divide each micro-batch loss by K to get the mean over the K micro-batches. The previous
+    per-unit settings are restored on exit, also when the body raises. A model without FSDP
+    units is left alone (a DDP model uses its own ``no_sync``).
+
+    Example:
+        >>> with no_sync(model):  # doctest: +SKIP
+        ...     (loss_fn(model(batch0)) / 2).backward()  # no collective for gradients
+        >>> (loss_fn(model(batch1)) / 2).backward()  # reduces both micro-batches  # doctest: +SKIP
+    """
+    groups = _fsdp_param_groups(model)
+    if not groups:
+        ddp_no_sync = getattr(model, "no_sync", None)
+        with ddp_no_sync() if callable(ddp_no_sync) else contextlib.nullcontext():
+            yield model
+        return
+    # Save the exact flags so nesting, or a user who already disabled sync on some units, is
+    # restored as it was rather than forced back to True.
+    saved = [(g, g.reduce_grads, g.all_reduce_grads) for g in groups]
+    try:
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.set_requires_gradient_sync(False, recurse=False)
+        yield model
+    finally:
+        for group, reduce_grads, all_reduce_grads in saved:
+            group.reduce_grads = reduce_grads
+            group.all_reduce_grads = all_reduce_grads
+
+
+def _parameters(model_or_params: Union[nn.Module, torch.Tensor, Iterable[torch.Tensor]]) -> list[torch.Tensor]:
+    if isinstance(model_or_params, nn.Module):
+        return list(model_or_params.parameters())
+    if isinstance(model_or_params, torch.Tensor):
+        return [model_or_params]
+    return list(model_or_params)
+
+
+def _plain(norm: torch.Tensor) -> torch.Tensor:
+    return norm.full_tensor() if isinstance(norm, DTensor) else norm
+
+
+def _by_layout(grads: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """Group gradients by (mesh, placements): DTensor ops may not mix meshes or layouts."""
+    groups: dict[object, list[torch.Tensor]] = {}
+    for grad in grads:
+        key = (grad.device_mesh, tuple(grad.placements)) if isinstance(grad, DTensor) else ("local", grad.device)
+        groups.setdefault(key, []).append(grad)
+    return list(groups.values())
+
+
+def _total_norm(groups: list[list[torch.Tensor]], norm_type: float) -> torch.Tensor:
+    """Norm of all gradients together, as a plain tensor, whatever meshes they live on.
+
+    ``torch.nn.utils.get_total_norm`` stacks per-gradient norms, which DTensor only allows on
+    one mesh with one layout. So each (mesh, placements) group's norm is one collective
+    (``full_tensor()`` of a partial norm), and the group norms combine locally. Plain tensors
+    (e.g. ignored parameters) are taken as they are on this rank: no collective.
+    """
+    norms = [_plain(torch.nn.utils.get_total_norm(group, norm_type)) for group in groups]
+    device = norms[0].device
+    stacked = torch.stack([n.to(device=device, dtype=torch.float32) for n in norms])
+    return torch.linalg.vector_norm(stacked, norm_type)
+
+
+def clip_grad_norm_(
+    model_or_params: Union[nn.Module, torch.Tensor, Iterable[torch.Tensor]],
+    max_norm: float,
+    norm_type: Union[float, str] = 2.0,
+    *,
+    error_if_nonfinite: bool = False,
+) -> float:
+    """Clip gradients in place so their global norm is at most ``max_norm``; return that norm.
+
+    Works on sharded models: DTensor gradients on one or several meshes (FSDP, FSDP+TP, HSDP),
+    plain gradients, and parameters without a gradient (skipped). The returned norm is a plain
+    ``float``, identical on every rank and equal to ``torch.nn.utils.clip_grad_norm_`` on the
+    unsharded model. ``norm_type`` may be ``float("inf")`` or ``"inf"`` (largest magnitude).
+
+    Example:
+        >>> loss.backward()  # doctest: +SKIP
+        >>> norm = clip_grad_norm_(model, max_norm=1.0)  # doctest: +SKIP
+        >>> optimizer.step()  # doctest: +SKIP
+    """
+    norm_type = float(norm_type)
+    params = _parameters(model_or_params)
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return 0.0
+    groups = _by_layout(grads)
+    total = _total_norm(groups, norm_type)
+    if error_if_nonfinite and not torch.isfinite(total):
+        raise RuntimeError(
+            f"clip_grad_norm_: the total norm of order {norm_type} of the gradients is non-finite ({total.item()})."
+        )
+    # Same coefficient as torch.nn.utils.clip_grads_with_norm_ (1e-6 guard, clamped at 1, and
+    # applied even when it is 1 so the result matches torch bit for bit), one foreach per layout.
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    with torch.no_grad():
+        for group in groups:
+            torch._foreach_mul_(group, coef.to(group[0].device))
+    return float(total.item())
+
+
+def _bytes(tensor: torch.Tensor) -> tuple[int, int]:
+    """(bytes this rank holds, bytes of the full tensor)."""
+    size = tensor.element_size()
+    if isinstance(tensor, DTensor):
+        return tensor.to_local().numel() * size, tensor.numel() * size
+    return tensor.numel() * size, tensor.numel() * size
+
+
+class MemoryReport(dict):
+    """``memory_report``'s result: a dict (see there) with ``table()`` for a readable view.
+
+    Example:
+        >>> report = memory_report(model, optimizer)  # doctest: +SKIP
+        >>> report["params"]["local_bytes"], report["params"]["full_bytes"]  # doctest: +SKIP
+        >>> print(report.table())  # doctest: +SKIP
+    """
+
+    ROWS = (
+        ("params", "parameters"),
+        ("grads", "gradients"),
+        ("optimizer_state", "optimizer state"),
+        ("total", "total"),
+    )
+
+    def table(self) -> str:
+        """A fixed-width table: one row per category, local vs full bytes and their ratio."""
+        head = f"rank {self['rank']}/{self['world_size']}"
+        rows = [(head, "this rank", "unsharded", "local/full")]
+        for key, label in self.ROWS:
+            entry = self[key]
+            local, full = entry["local_bytes"], entry["full_bytes"]
+            ratio = f"{local / full:.3f}" if full else "-"
+            rows.append((label, _human(local), _human(full), ratio))
+        widths = [max(len(r[i]) for r in rows) for i in range(4)]
+        lines = []
+        for i, row in enumerate(rows):
+            lines.append("  ".join(c.ljust(widths[j]) if j == 0 else c.rjust(widths[j]) for j, c in enumerate(row)))
+            if i == 0 or i == len(rows) - 2:
+                lines.append("  ".join("-" * w for w in widths))
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.table()
+
+
+def _human(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def _entry(tensors: Iterable[torch.Tensor]) -> dict[str, int]:
+    local = full = count = 0
+    for tensor in tensors:
+        a, b = _bytes(tensor)
+        local, full, count = local + a, full + b, count + 1
+    return {"local_bytes": local, "full_bytes": full, "tensors": count}
+
+
+def _optimizer_tensors(optimizer: Optional[torch.optim.Optimizer]) -> Iterator[torch.Tensor]:
+    if optimizer is None:
+        return
+    for state in optimizer.state.values():
+        for value in state.values():
+            if isinstance(value, torch.Tensor):
+                yield value
+
+
+def memory_report(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None) -> MemoryReport:
+    """Bytes this rank holds for parameters, gradients and optimizer state, vs the unsharded sizes.
+
+    Returns a ``MemoryReport`` (a dict) with ``rank``, ``world_size`` and, for each of
+    ``params``, ``grads``, ``optimizer_state`` and ``total``: ``local_bytes`` (this rank's
+    shards), ``full_bytes`` (the same tensors unsharded) and ``tensors`` (how many). These are
+    logical sizes of the tensors (FSDP's padding and temporary all-gather buffers are not
+    counted: measure peaks with ``FSDPMemTracker``). Tied parameters count once; gradients that
+    are ``None`` count zero. ``report.table()`` (or ``print(report)``) gives a readable view.
+
+    Example:
+        >>> report = memory_report(model, optimizer)  # doctest: +SKIP
+        >>> report["params"]["local_bytes"] / report["params"]["full_bytes"]  # ~1/world with FULL_SHARD  # doctest: +SKIP
+        0.5
+    """
+    params = list(model.parameters())
+    report = MemoryReport(
+        rank=dist.get_rank() if dist.is_available() and dist.is_initialized() else 0,
+        world_size=dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1,
+        params=_entry(params),
+        grads=_entry(p.grad for p in params if p.grad is not None),
+        optimizer_state=_entry(_optimizer_tensors(optimizer)),
+    )
+    report["total"] = {
+        key: sum(report[k][key] for k in ("params", "grads", "optimizer_state"))
+        for key in ("local_bytes", "full_bytes", "tensors")
+    }
+    return report
