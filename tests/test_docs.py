@@ -51,3 +51,20 @@ def test_doc_code_runs(doc, tmp_path):
         assert proc.returncode == 0, (
             f"{doc.name} (torchrun blocks) failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
         )
+
+
+def test_api_reference_lists_every_public_name():
+    import zeta_fsdp
+
+    text = (ROOT / "docs" / "api.md").read_text()
+    missing = [name for name in zeta_fsdp.__all__ if f"`{name}" not in text]
+    assert not missing, f"docs/api.md does not list: {missing}"
+
+
+def test_every_public_name_has_a_docstring_with_an_example():
+    import inspect
+
+    import zeta_fsdp
+
+    lacking = [n for n in zeta_fsdp.__all__ if "Example" not in (inspect.getdoc(getattr(zeta_fsdp, n)) or "")]
+    assert not lacking, f"public names without an example in their docstring: {lacking}"

@@ -41,6 +41,11 @@ class WrapUnit:
         param_names: FQNs of the parameters this unit owns (first name of a tied parameter).
         numel: elements owned; nbytes: bytes owned at the parameters' current dtypes.
         dtypes: dtypes of the owned parameters.
+
+    Example:
+        >>> unit = build_wrap_plan(model, auto_wrap=True).units[0]  # doctest: +SKIP
+        >>> unit.name, unit.kind, unit.numel  # doctest: +SKIP
+        ('blocks.0', 'block', 11100)
     """
 
     kind: str
