@@ -13,7 +13,7 @@ setup(
     install_requires=["torch>=2.6", "einops", "typing-extensions"],
     extras_require={
         "test": ["pytest"],
-        "dev": ["ruff", "pytest"],
+        "dev": ["ruff==0.17.6", "pytest"],
         "bench": ["matplotlib"],
         "safetensors": ["safetensors"],
     },
