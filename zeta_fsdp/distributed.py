@@ -36,6 +36,7 @@ __all__ = [
     "expected_world_size",
     "mesh_shape",
     "build_mesh",
+    "build_dp_tp_mesh",
     "shard_group_size",
     "shutdown",
 ]
@@ -217,6 +218,20 @@ def build_mesh(spec: ShardingSpec, device: torch.device, *, replicate_size: Opti
     shape = mesh_shape(spec, dist.get_world_size(), local_world_size=_local_world_size(), replicate_size=replicate_size)
     names = ("dp_shard",) if len(shape) == 1 else ("dp_replicate", "dp_shard")
     return init_device_mesh(device.type, shape, mesh_dim_names=names)
+
+
+def build_dp_tp_mesh(device: torch.device, dp: int, tp: int) -> DeviceMesh:
+    """A 2-D ``(dp, tp)`` mesh over the default group: data parallel x tensor parallel.
+
+    Tensor-parallel ranks are adjacent (the last dimension), so they share a node when ``tp``
+    divides the ranks per node: TP's per-layer collectives stay on the fast links.
+
+    Example:
+        >>> mesh = build_dp_tp_mesh(torch.device("cpu"), dp=2, tp=2)  # doctest: +SKIP
+        >>> mesh["dp"].size(), mesh["tp"].size()  # doctest: +SKIP
+        (2, 2)
+    """
+    return init_device_mesh(device.type, (dp, tp), mesh_dim_names=("dp", "tp"))
 
 
 def shutdown(*, force: bool = False, timeout_s: float = 300.0) -> None:
