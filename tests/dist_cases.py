@@ -112,6 +112,30 @@ def parity_weights_shared_across_blocks():
 
 
 @case
+def meta_init_replicas_identical_shards_distinct():
+    # HYBRID 2x2 at 4 ranks: replicas must hold identical copies, the two shards must differ
+    with torch.device("meta"):
+        model = small()
+    fsdp(model, auto_wrap=True, shard_strat="HYBRID_SHARD", replicate_size=2)
+    local = model.blocks[0].mlp[0].weight.to_local().contiguous()
+    gathered = [torch.empty_like(local) for _ in range(world())]
+    dist.all_gather(gathered, local)
+    mesh = model.blocks[0].mlp[0].weight.device_mesh
+    ranks = mesh.mesh.tolist()  # [[replica 0 ranks], [replica 1 ranks]]
+    for shard in range(2):
+        assert torch.equal(gathered[ranks[0][shard]], gathered[ranks[1][shard]]), "replicas differ"
+    assert not torch.equal(gathered[ranks[0][0]], gathered[ranks[0][1]]), "shards are copies"
+
+
+@case
+def single_ignored_parameter_is_accepted():
+    torch.manual_seed(0)
+    model = small()
+    fsdp(model, auto_wrap=True, shard_strat="FULL_SHARD", ignored_params=model.pos_emb.weight)
+    assert not isinstance(model.pos_emb.weight, DTensor) and isinstance(model.tok_emb.weight, DTensor)
+
+
+@case
 def parity_cpu_offload():
     train_parity(auto_wrap=True, shard_strat="FULL_SHARD", cpu_offload=True)
 
@@ -218,11 +242,16 @@ def meta_device_init():
     assert torch.equal(model.causal_mask, torch.ones(16, 16, dtype=torch.bool).tril()), "buffer not refilled"
     std = full(model.blocks[0].attn.qkv.weight).std().item()
     assert 0.015 < std < 0.025, f"init_weights() did not run (std {std})"
-    # every rank sees the same full weights (initialised consistently, not per-rank noise)
+    # every rank sees the same full weights (initialised consistently, not per-rank noise) ...
     w = full(model.tok_emb.weight)
     gathered = [torch.empty_like(w) for _ in range(world())]
     dist.all_gather(gathered, w)
     assert all(torch.equal(g, gathered[0]) for g in gathered)
+    # ... and the shards of one weight are not copies of each other (CPU DTensor init draws
+    # from each rank's own generator: without per-shard seeding every shard is identical)
+    qkv = full(model.blocks[0].attn.qkv.weight)
+    halves = qkv[: qkv.shape[0] // 2], qkv[qkv.shape[0] // 2 :]
+    assert not torch.equal(*halves), "every rank initialised its shard with the same numbers"
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     losses = []
     for _ in range(5):

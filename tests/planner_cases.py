@@ -6,32 +6,33 @@ tracks one step with ``FSDPMemTracker`` and records, by category:
     sharded gradients and optimizer state all exist),
   * ``max``: each category's maximum over the step, plus ``"UP+AG"``, the maximum of unsharded
     parameters + all-gather buffers alive at the same moment (the planner's all-gather peak).
-Results go to ``--out``/rank{N}.json as ``{case: {"current": ..., "max": ...} | {"error": tb}}``.
+Results go to ``--out``/rank{N}.json as ``{case: {"current": ..., "max": ...} | traceback}`` (the
+main loop is ``worker.run_cases``).
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import sys
-import traceback
-from datetime import timedelta
-from pathlib import Path
+from typing import Callable
 
 import torch
-import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+from worker import SEQ, Cases, rank, run_cases
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from examples.gpt import lm_loss, small
+from zeta_fsdp import fsdp
+from zeta_fsdp._measure import _restore_fsdp_hooks
 
-from torch.distributed.tensor import DTensor  # noqa: E402
+BATCH = 4
 
-from examples.gpt import lm_loss, small  # noqa: E402
-from zeta_fsdp import fsdp, shutdown  # noqa: E402
-from zeta_fsdp._measure import _restore_fsdp_hooks  # noqa: E402
 
-BATCH, SEQ = 4, 11
+class MeasureCases(Cases):
+    """The named cases, and any ``"<strategy>-<mp>-<tied|untied>"`` name: ``measure`` that configuration."""
+
+    def __missing__(self, name: str) -> Callable[[], dict]:
+        return lambda: measure(name)
+
+
+CASES = MeasureCases()
 
 
 def parse_case(name: str) -> tuple[str, str, bool]:
@@ -55,7 +56,7 @@ def measure(name: str) -> dict:
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 
     model, opt = build(*parse_case(name))
-    tokens = torch.randint(0, 37, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(dist.get_rank()))
+    tokens = torch.randint(0, 37, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(rank()))
 
     def forward_backward():
         lm_loss(model(tokens[:, :-1]).float(), tokens[:, 1:]).backward()
@@ -87,6 +88,7 @@ def measure(name: str) -> dict:
     return {"current": current, "max": maxima}
 
 
+@CASES.case
 def tied_group_residency() -> dict:
     """Without a tracker: is the tied [embedding, head] unit unsharded while the blocks run?"""
     model, _ = build("FULL_SHARD", "fp32", True)
@@ -102,26 +104,5 @@ def tied_group_residency() -> dict:
     return {"current": seen, "max": {}}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--cases", required=True)
-    args = parser.parse_args()
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", timeout=timedelta(seconds=120))
-    results = {}
-    for name in args.cases.split(","):
-        try:
-            results[name] = tied_group_residency() if name == "tied_group_residency" else measure(name)
-        except Exception:
-            results[name] = {"error": traceback.format_exc()}
-        dist.barrier()
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"rank{dist.get_rank()}.json").write_text(json.dumps(results))
-    shutdown(force=True)
-
-
 if __name__ == "__main__":
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    main()
+    run_cases(CASES)

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import pytest
-from conftest import run_dist
+from conftest import dist_test
 
 TWO_RANK_CASES = [
     "parity_full_shard",
@@ -21,30 +20,16 @@ TWO_RANK_CASES = [
     "comm_parity_with_hand_written",
     "memory_full_shard_halves_params",
     "wrapping_twice_is_a_clear_error",
+    "single_ignored_parameter_is_accepted",
 ]
 FOUR_RANK_CASES = [
     "parity_hybrid_shard",
     "parity_hybrid_shard_zero2",
     "parity_int_reshard_after_forward",
     "user_mesh_is_honoured",
+    "meta_init_replicas_identical_shards_distinct",
 ]
 
 
-@pytest.fixture(scope="module")
-def two_rank_results(session_tmp):
-    return run_dist(session_tmp, 2, "dist_cases.py", TWO_RANK_CASES)
-
-
-@pytest.fixture(scope="module")
-def four_rank_results(session_tmp):
-    return run_dist(session_tmp, 4, "dist_cases.py", FOUR_RANK_CASES)
-
-
-@pytest.mark.parametrize("case", TWO_RANK_CASES)
-def test_two_ranks(two_rank_results, case):
-    assert two_rank_results[case] == "ok", two_rank_results[case]
-
-
-@pytest.mark.parametrize("case", FOUR_RANK_CASES)
-def test_four_ranks(four_rank_results, case):
-    assert four_rank_results[case] == "ok", four_rank_results[case]
+test_two_ranks = dist_test("dist_cases.py", 2, TWO_RANK_CASES)
+test_four_ranks = dist_test("dist_cases.py", 4, FOUR_RANK_CASES)

@@ -118,7 +118,12 @@ BAD_CALLS = [
     (dict(shard_strat="HYBRID_SHARD", replicate_size=3), ["replicate_size=3", "divide the world size 1"]),
     (dict(shard_strat="FULL_SHARD", replicate_size=2), ["replicate_size=2", "only applies to HYBRID"]),
     (dict(compile="max"), ["compile='max'"]),
+    (dict(compile={"bogus": 1}, auto_wrap=True), ["'bogus'", "'backend'", "'mode'"]),
+    (dict(device="gpu"), ["device='gpu'", "'cuda:N'"]),
+    (dict(shard_strat="NO_SHARD", replicate_size=2), ["replicate_size=2", "does not apply to NO_SHARD"]),
 ]
+if not torch.cuda.is_available():
+    BAD_CALLS.append((dict(device="cuda"), ["device='cuda'", "CUDA is not available"]))
 
 
 @pytest.mark.parametrize("kwargs, fragments", BAD_CALLS, ids=[str(k) for k, _ in BAD_CALLS])
@@ -134,6 +139,17 @@ def test_bad_input_is_a_clear_error_and_changes_nothing(kwargs, fragments):
     after = _snapshot(model)
     assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
     assert type(model).__name__ == "GPT", "model class was swapped"
+
+
+def test_incomplete_launcher_environment_is_a_clear_error(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    monkeypatch.delenv("MASTER_PORT", raising=False)
+    model = small()
+    with pytest.raises(ValueError, match=r"sets \['RANK', 'WORLD_SIZE'\] but not \['MASTER_ADDR', 'MASTER_PORT'\]"):
+        fsdp(model, shard_strat="FULL_SHARD")
+    assert not dist.is_initialized()
 
 
 def test_mixed_dtypes_in_one_unit_is_a_clear_error():

@@ -2,7 +2,10 @@
 
 A worker script defines ``CASES = Cases()``, decorates plain functions with ``@CASES.case`` (each
 raises on failure), and ends with ``run_cases(CASES)``. ``conftest.run_dist`` launches it with
-torchrun; every rank writes ``{case: "ok" | traceback}`` to ``--out``/rank{N}.json.
+torchrun; every rank writes ``{case: "ok" | traceback}`` to ``--out``/rank{N}.json (a case that
+returns a value, such as a measurement, writes that value instead of ``"ok"``). Started with plain
+``python`` (no torchrun), a worker runs as one rank in the one-process group ``fsdp()`` uses in a
+notebook.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import sys
 import traceback
 from datetime import timedelta
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -27,15 +30,16 @@ from torch.distributed.tensor import DTensor  # noqa: E402
 
 from examples.gpt import GPTConfig  # noqa: E402
 from zeta_fsdp import shutdown  # noqa: E402
+from zeta_fsdp.distributed import ensure_process_group  # noqa: E402
 
-GLOBAL_BATCH, SEQ = 8, 11
+GLOBAL_BATCH, SEQ, VOCAB = 8, 11, GPTConfig().vocab_size
 ARGS = argparse.Namespace()  # the worker's parsed command line, for cases that need extra arguments
 
 
 class Cases(dict):
     """name -> case function; ``@cases.case`` registers one."""
 
-    def case(self, fn: Callable[[], None]) -> Callable[[], None]:
+    def case(self, fn: Callable[[], Any]) -> Callable[[], Any]:
         self[fn.__name__] = fn
         return fn
 
@@ -48,14 +52,18 @@ def world() -> int:
     return dist.get_world_size()
 
 
+def tokens(n: int, seed: int, vocab: int = VOCAB, seq: int = SEQ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``n`` random (inputs, targets) sequences drawn from ``seed``: the same on every rank."""
+    g = torch.Generator().manual_seed(seed)
+    t = torch.randint(0, vocab, (n, seq + 1), generator=g)
+    return t[:, :-1], t[:, 1:]
+
+
 def global_batch(
     step: int, cfg: Optional[GPTConfig] = None, batch: int = GLOBAL_BATCH
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The same (inputs, targets) on every rank for a given step: the reference's global batch."""
-    cfg = cfg or GPTConfig()
-    g = torch.Generator().manual_seed(1000 + step)
-    tokens = torch.randint(0, cfg.vocab_size, (batch, SEQ + 1), generator=g)
-    return tokens[:, :-1], tokens[:, 1:]
+    return tokens(batch, 1000 + step, (cfg or GPTConfig()).vocab_size)
 
 
 def local_slice(t: torch.Tensor, ranks: Optional[int] = None, index: Optional[int] = None) -> torch.Tensor:
@@ -71,7 +79,8 @@ def full(p: torch.Tensor) -> torch.Tensor:
 
 
 def assert_close(name: str, got: torch.Tensor, want: torch.Tensor, atol: float) -> None:
-    err = (full(got).detach().float() - full(want).detach().float()).abs().max().item()
+    """Max abs difference (exact: taken in float64) at most ``atol``; either side may be a DTensor."""
+    err = (full(got).detach().double() - full(want).detach().double()).abs().max().item()
     assert err <= atol, f"{name}: max abs diff {err:.3e} > {atol:.0e}"
 
 
@@ -81,10 +90,28 @@ def mean_over_ranks(x: torch.Tensor) -> torch.Tensor:
     return x / world()
 
 
+def expect_error(exc_type: type, fn: Callable[[], Any], *needles: str) -> str:
+    """``fn()`` raises ``exc_type`` with every needle in its message; returns the message."""
+    try:
+        fn()
+    except exc_type as e:
+        message = str(e)
+        for needle in needles:
+            assert needle in message, f"{exc_type.__name__} message lacks {needle!r}: {message}"
+        return message
+    raise AssertionError(f"{exc_type.__name__} was not raised (expected one mentioning {needles})")
+
+
 def run_cases(
-    cases: Cases, extra_args: Optional[Callable[[argparse.ArgumentParser], None]] = None
+    cases: Cases,
+    extra_args: Optional[Callable[[argparse.ArgumentParser], None]] = None,
+    after_results: Optional[Callable[[], None]] = None,
 ) -> argparse.Namespace:
-    """Parse ``--out``/``--cases``, run the cases on this rank, write results, leave cleanly."""
+    """Parse ``--out``/``--cases``, run the cases on this rank, write results, leave cleanly.
+
+    ``extra_args(parser)`` adds the worker's own arguments (read them from ``ARGS``);
+    ``after_results()`` runs once the results are written, before the process group is shut down.
+    """
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
     parser.add_argument("--cases", required=True)
@@ -95,17 +122,22 @@ def run_cases(
     torch.set_num_threads(1)
     # A short timeout: a case failing on one rank must not hang its peers for 30 minutes.
     timeout = timedelta(seconds=int(os.environ.get("ZETA_TEST_TIMEOUT", 120)))
-    dist.init_process_group("gloo", timeout=timeout)
-    results = {}
-    for name in args.cases.split(","):
+    if "RANK" in os.environ:
+        dist.init_process_group("gloo", timeout=timeout)
+    else:  # started with plain `python`: one rank, the group fsdp() would start in a notebook
+        ensure_process_group(torch.device("cpu"))
+    results: dict[str, Any] = {}
+    for name in [c for c in args.cases.split(",") if c]:
         try:
-            cases[name]()
-            results[name] = "ok"
+            value = cases[name]()
+            results[name] = "ok" if value is None else value
         except Exception:
             results[name] = traceback.format_exc()
         dist.barrier()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"rank{rank()}.json").write_text(json.dumps(results))
+    if after_results is not None:
+        after_results()
     shutdown(force=True)
     return args

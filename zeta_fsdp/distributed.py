@@ -20,7 +20,7 @@ import os
 import time
 import warnings
 from datetime import timedelta
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -42,12 +42,24 @@ __all__ = [
 ]
 
 # Groups this package started, so shutdown() never tears down one the user made.
-_CREATED_BY_US: dict[str, bool] = {"default": False}
+_CREATED_BY_US: dict[str, Any] = {"group": None, "shutdowns": 0}
 _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
 def _running_under_torchrun() -> bool:
-    return all(v in os.environ for v in _TORCHRUN_VARS)
+    """``True`` when a launcher set the rendezvous variables; an incomplete set is an error.
+
+    Without this check, ``WORLD_SIZE=8`` but no ``MASTER_ADDR`` would quietly start eight
+    one-process jobs, each training alone.
+    """
+    present = [v for v in _TORCHRUN_VARS if v in os.environ]
+    if present and len(present) < len(_TORCHRUN_VARS) and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        missing = [v for v in _TORCHRUN_VARS if v not in os.environ]
+        raise ValueError(
+            f"fsdp(): the environment sets {present} but not {missing}: a multi-process launch needs all of "
+            f"{list(_TORCHRUN_VARS)} (torchrun sets them). Unset WORLD_SIZE for a one-process run."
+        )
+    return len(present) == len(_TORCHRUN_VARS)
 
 
 def expected_world_size() -> int:
@@ -143,7 +155,7 @@ def ensure_process_group(device: torch.device, *, cpu_offload: bool = False, tim
         dist.init_process_group(backend=backend, init_method="env://", **kwargs)
     else:
         dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1, **kwargs)
-    _CREATED_BY_US["default"] = True
+    _CREATED_BY_US["group"] = dist.group.WORLD
     return True
 
 
@@ -164,10 +176,15 @@ def mesh_shape(
         if replicate_size not in (None, 1):
             raise ValueError(
                 f"fsdp(): replicate_size={replicate_size!r} only applies to HYBRID_SHARD / "
-                f"HYBRID_SHARD_ZERO2 / NO_SHARD, not {spec.name}."
+                f"HYBRID_SHARD_ZERO2, not {spec.name}."
             )
         return (world_size,)
     if spec.replicate_all:
+        if replicate_size not in (None, world_size):
+            raise ValueError(
+                f"fsdp(): replicate_size={replicate_size!r} does not apply to NO_SHARD, which replicates "
+                f"over all {world_size} ranks. Accepted: None or {world_size}."
+            )
         return (world_size, 1)
     if replicate_size is None:
         local = local_world_size or world_size
@@ -247,19 +264,24 @@ def shutdown(*, force: bool = False, timeout_s: float = 300.0) -> None:
     """
     if not (dist.is_available() and dist.is_initialized()):
         return
-    if not (force or _CREATED_BY_US["default"]):
+    ours = _CREATED_BY_US["group"] is not None and _CREATED_BY_US["group"] is dist.group.WORLD
+    if not (force or ours):
         return
     world = dist.get_world_size()
     if world > 1:
         dist.barrier()
         store = dist.distributed_c10d._get_default_store()
-        store.add("zeta_fsdp/shutdown", 1)
+        # A fresh key per shutdown: the store can outlive a group (torchrun's agent store), and a
+        # counter left at `world` by an earlier shutdown would let ranks leave without waiting.
+        _CREATED_BY_US["shutdowns"] += 1
+        key = f"zeta_fsdp/shutdown/{_CREATED_BY_US['shutdowns']}"
+        store.add(key, 1)
         deadline = time.monotonic() + timeout_s
         try:
-            while store.add("zeta_fsdp/shutdown", 0) < world and time.monotonic() < deadline:
+            while store.add(key, 0) < world and time.monotonic() < deadline:
                 time.sleep(0.01)
         except (RuntimeError, dist.DistStoreError):
             # The store's host left: it only leaves after seeing every rank's increment.
             pass
     dist.destroy_process_group()
-    _CREATED_BY_US["default"] = False
+    _CREATED_BY_US["group"] = None

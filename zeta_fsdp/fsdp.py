@@ -16,6 +16,7 @@ Example:
 from __future__ import annotations
 
 import functools
+import inspect
 import warnings
 from typing import Any, Iterable, Optional, Union
 
@@ -65,11 +66,41 @@ def _require_bool(name: str, value: Any) -> None:
         raise ValueError(f"fsdp(): {name}={value!r} is not accepted. Accepted: True or False.")
 
 
+def _check_compile_options(options: Any) -> None:
+    if isinstance(options, bool):
+        return
+    if not isinstance(options, dict):
+        raise ValueError(
+            f"fsdp(): compile={options!r} is not accepted. Accepted: True, False, or a dict of torch.compile options."
+        )
+    accepted = [p for p in inspect.signature(torch.compile).parameters if p != "model"]
+    unknown = [k for k in options if k not in accepted]
+    if unknown:
+        raise ValueError(f"fsdp(): compile= has unknown torch.compile option(s) {unknown}. Accepted: {accepted}.")
+
+
+def _check_device(model: nn.Module, device: Union[str, torch.device, None]) -> torch.device:
+    if device is not None:
+        try:
+            torch.device(device)
+        except (RuntimeError, TypeError) as err:
+            raise ValueError(
+                f"fsdp(): device={device!r} is not accepted. Accepted: None, 'cpu', 'cuda', 'cuda:N' or a torch.device."
+            ) from err
+        if torch.device(device).type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"fsdp(): device={device!r} but CUDA is not available here. Accepted: None or 'cpu'.")
+    return choose_device(model, device)
+
+
 def _ignored_parameters(
     model: nn.Module, ignored_params: Optional[Iterable[nn.Parameter]], ignored_modules: Optional[Iterable[nn.Module]]
 ) -> set[nn.Parameter]:
     own = {id(p) for p in model.parameters()}
-    ignored = set(ignored_params or ())
+    if isinstance(ignored_params, torch.Tensor):  # one parameter passed bare
+        ignored_params = [ignored_params]
+    if isinstance(ignored_modules, nn.Module):
+        ignored_modules = [ignored_modules]
+    ignored = set(ignored_params) if ignored_params is not None else set()
     for module in ignored_modules or ():
         if not isinstance(module, nn.Module):
             raise ValueError(f"fsdp(): ignored_modules must hold nn.Module objects, got {module!r}.")
@@ -161,20 +192,61 @@ def _retie(model: nn.Module, tied_params: list[list[str]]) -> None:
                 owner.register_parameter(attr, first)
 
 
-def materialize_meta_model(model: nn.Module, device: torch.device, tied_params: list[list[str]]) -> bool:
+def _unrefilled_modules(model: nn.Module) -> list[str]:
+    """Modules owning tensors that no ``init_weights()``/``reset_parameters()`` will refill."""
+    if callable(getattr(model, "init_weights", None)):
+        return []  # the model's own init is trusted to cover everything
+    return [
+        name or "<root>"
+        for name, module in model.named_modules()
+        if (any(True for _ in module.parameters(recurse=False)) or any(True for _ in module.buffers(recurse=False)))
+        and not callable(getattr(module, "reset_parameters", None))
+    ]
+
+
+def materialize_meta_model(
+    model: nn.Module,
+    device: torch.device,
+    tied_params: list[list[str]],
+    *,
+    shard_index: int = 0,
+    offload_to_cpu: bool = False,
+) -> bool:
     """Allocate a sharded ``meta`` model on ``device`` and initialise it. Returns ``True`` if it did.
 
     Each rank allocates only its shards (``to_empty``), then the model's own initialisation runs:
     ``init_weights()`` on the root when defined, else ``reset_parameters()`` on every module that
     has one (buffers included, when those methods refill them). Ties are restored and nothing is
     allowed to stay on ``meta``.
+
+    ``shard_index`` is this rank's coordinate on the shard dimension of the mesh. On CUDA, DTensor
+    random ops keep shards of one parameter distinct by themselves; on CPU they draw from each
+    rank's own generator, so every shard would get the same numbers (a weight made of one block
+    repeated). We therefore seed the init with ``shard_index`` on CPU: distinct across shards,
+    equal across replicas (HYBRID/NO_SHARD replicas must hold identical copies). The caller's RNG
+    state is left as it was.
+
+    Example:
+        >>> materialize_meta_model(meta_built_and_sharded, torch.device("cpu"), [])  # doctest: +SKIP
+        True
     """
     tensors = dict(model.named_parameters())
     tensors.update(model.named_buffers())
     if not any(t.is_meta for t in tensors.values()):
         return False
-    model.to_empty(device=device)
-    with torch.no_grad():
+    unrefilled = _unrefilled_modules(model)
+    # FSDP2's CPU offload expects the sharded parameters on CPU; buffers stay on the compute device.
+    model.to_empty(device="cpu" if offload_to_cpu else device)
+    if offload_to_cpu and device.type != "cpu":
+        for module in model.modules():
+            for name, buffer in list(module.named_buffers(recurse=False)):
+                module.register_buffer(
+                    name, buffer.to(device), persistent=name not in module._non_persistent_buffers_set
+                )
+    with torch.no_grad(), torch.random.fork_rng(devices=[]):
+        if device.type == "cpu":
+            base_seed = int(torch.randint(0, 2**31 - 1, ()).item())  # same on every rank seeded alike
+            torch.manual_seed(base_seed + 7919 * shard_index)
         if callable(getattr(model, "init_weights", None)):
             model.init_weights()
         else:
@@ -185,17 +257,12 @@ def materialize_meta_model(model: nn.Module, device: torch.device, tied_params: 
     left = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
     if left:
         raise RuntimeError(f"fsdp(): these tensors are still on the meta device after materialization: {left[:10]}")
-    uninitialised = [
-        name
-        for name, module in model.named_modules()
-        if any(True for _ in module.buffers(recurse=False))
-        and not callable(getattr(module, "reset_parameters", None))
-        and not callable(getattr(model, "init_weights", None))
-    ]
-    if uninitialised:
+    if unrefilled:
         warnings.warn(
-            "fsdp(): buffers of these meta-built modules were allocated but nothing refilled them "
-            f"(no init_weights()/reset_parameters()): {uninitialised[:10]}",
+            "fsdp(): these meta-built modules hold parameters or buffers that nothing initialised "
+            f"(no init_weights() on the model, no reset_parameters() on them), so they contain "
+            f"uninitialised memory: {unrefilled[:10]}. Define init_weights() on the model, or load "
+            "weights with zeta_fsdp.load_full_state_dict().",
             stacklevel=3,
         )
     return True
@@ -260,14 +327,16 @@ def fsdp(
     _require_bool("cpu_offload", cpu_offload)
     _require_bool("activation_checkpointing", activation_checkpointing)
     _require_bool("materialize", materialize)
-    if not isinstance(compile, (bool, dict)):
-        raise ValueError(
-            f"fsdp(): compile={compile!r} is not accepted. Accepted: True, False, or a dict of torch.compile options."
-        )
+    _check_compile_options(compile)
     mp_policy = resolve_mixed_precision(mp)
     spec = resolve_sharding(shard_strat)
     if mesh is not None:
         validate_mesh(spec, mesh)
+        if replicate_size is not None:
+            raise ValueError(
+                f"fsdp(): replicate_size={replicate_size!r} cannot be combined with mesh=: the mesh's "
+                f"shape {tuple(mesh.shape)} already fixes the replicas. Pass one or the other."
+            )
     reshard = validate_reshard_after_forward(
         reshard_after_forward, shard_group_size(spec, mesh, replicate_size=replicate_size)
     )
@@ -276,7 +345,7 @@ def fsdp(
     ignored = _ignored_parameters(model, ignored_params, ignored_modules)
     plan = build_wrap_plan(model, auto_wrap=auto_wrap, transformer_block=TransformerBlock, ignored_params=ignored)
     _check_uniform_dtypes(plan, model)
-    compute_device = choose_device(model, device)
+    compute_device = _check_device(model, device)
 
     # 2. Environment: a process group (ours only if none exists) and the mesh.
     ensure_process_group(compute_device, cpu_offload=cpu_offload)
@@ -292,6 +361,9 @@ def fsdp(
     offload = CPUOffloadPolicy(pin_memory=compute_device.type != "cpu") if cpu_offload else OffloadPolicy()
     shard_units(plan, mesh, mp_policy, reshard, offload, ignored)
     if materialize:
-        materialize_meta_model(model, compute_device, plan.tied_params)
+        shard_index = mesh.get_local_rank(mesh.ndim - 1) if mesh.size(mesh.ndim - 1) > 1 else 0
+        materialize_meta_model(
+            model, compute_device, plan.tied_params, shard_index=shard_index, offload_to_cpu=cpu_offload
+        )
     model.__dict__[_PLAN_ATTR] = plan  # so get_wrap_plan() can show what was done
     return model

@@ -124,6 +124,17 @@ class DryRunResult:
     load_seconds: float
 
 
+def _units_total(attribute: str, doc: str, plus: str = "") -> property:
+    """A read-only ``int`` property of ``MemoryPlan``: ``attribute`` summed over its units, plus its
+    own attribute ``plus`` if named (the bytes of ignored parameters, which stay whole)."""
+
+    def total(self: MemoryPlan) -> int:
+        return sum(getattr(u, attribute) for u in self.units) + (getattr(self, plus) if plus else 0)
+
+    total.__name__ = attribute
+    return property(total, doc=doc)
+
+
 @dataclass
 class MemoryPlan:
     """Per-rank memory estimate of ``fsdp(model, ...)`` at ``world_size`` ranks; see ``plan()``.
@@ -157,30 +168,21 @@ class MemoryPlan:
         """Ranks one parameter is sharded over (the last mesh dimension)."""
         return self.mesh_shape[-1]
 
-    @property
-    def numel(self) -> int:
-        """Parameters of the model (tied ones once)."""
-        return sum(u.numel for u in self.units)
-
-    @property
-    def param_bytes(self) -> int:
-        """Sharded parameter storage per rank (ignored parameters, kept whole, included)."""
-        return sum(u.param_bytes for u in self.units) + self.ignored_bytes
-
-    @property
-    def local_param_bytes(self) -> int:
-        """Logical (unpadded) local parameter shards per rank, ignored parameters included."""
-        return sum(u.local_param_bytes for u in self.units) + self.ignored_bytes
-
-    @property
-    def grad_bytes(self) -> int:
-        """Sharded gradient storage per rank."""
-        return sum(u.grad_bytes for u in self.units) + self.ignored_bytes
-
-    @property
-    def optimizer_bytes(self) -> int:
-        """Optimizer state per rank (ignored parameters' state is whole too)."""
-        return sum(u.optimizer_bytes for u in self.units) + self.ignored_optimizer_bytes
+    numel = _units_total("numel", "Parameters of the model (tied ones once).")
+    param_bytes = _units_total(
+        "param_bytes", "Sharded parameter storage per rank (ignored parameters, kept whole, included).", "ignored_bytes"
+    )
+    local_param_bytes = _units_total(
+        "local_param_bytes",
+        "Logical (unpadded) local parameter shards per rank, ignored parameters included.",
+        "ignored_bytes",
+    )
+    grad_bytes = _units_total("grad_bytes", "Sharded gradient storage per rank.", "ignored_bytes")
+    optimizer_bytes = _units_total(
+        "optimizer_bytes",
+        "Optimizer state per rank (ignored parameters' state is whole too).",
+        "ignored_optimizer_bytes",
+    )
 
     @property
     def total_bytes(self) -> int:

@@ -1,0 +1,137 @@
+"""Smoke tests of the benchmark scripts in ``benchmarks/``: each runs in ``--quick`` mode.
+
+``--quick`` uses a tiny model and a few steps, so its figures mean nothing; what is checked is
+that every script runs end to end (launching its own ranks, as users start it) and writes a
+well-formed results file. Wall-clock times are never asserted: timings are only required to be
+finite and positive. Figures that do not depend on timing (collective counts, first-step
+losses, sharded-parameter ratios, the memory split) are checked exactly.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from conftest import ROOT, rank_env
+
+BENCH = ROOT / "benchmarks"
+
+
+def run_bench(script: str, out: Path, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    """``python benchmarks/<script> --quick --out <out> ...`` from the repository root."""
+    cmd = [sys.executable, str(BENCH / script), "--quick", "--out", str(out), *args]
+    proc = subprocess.run(cmd, cwd=ROOT, env=rank_env(), capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, (
+        f"{script} failed (rc={proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    )
+    return proc
+
+
+def results(out: Path, name: str) -> dict[str, Any]:
+    """The JSON figures a run wrote, after checking its Markdown twin records how to reproduce it."""
+    md = (out / f"{name}.md").read_text()
+    data = json.loads((out / f"{name}.json").read_text())
+    assert data["command"] in md and "benchmarks/" in data["command"], data["command"]
+    for key in ("cores", "cpu", "torch", "date"):
+        assert data["machine"][key], f"machine {key} missing"
+    return data
+
+
+def positive(x: Any) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x) and x > 0
+
+
+def check_timing(timing: dict[str, Any], variants: list[str]) -> None:
+    assert sorted(timing) == sorted(variants), sorted(timing)
+    for name, t in timing.items():
+        assert positive(t["median_wall_s"]) and positive(t["median_cpu_s"]), (name, t)
+        assert t["block_wall_s"] and all(positive(x) for x in t["block_wall_s"] + t["block_cpu_s"]), (name, t)
+        for ref in (k for k in t if k.startswith("vs ")):
+            for clock in ("wall", "cpu"):
+                r = t[ref][clock]
+                assert all(positive(r[k]) for k in ("median", "min", "max")), (name, ref, r)
+                assert r["min"] <= r["median"] <= r["max"], (name, ref, r)
+                if ref == f"vs {name}":
+                    assert r["median"] == 1.0
+
+
+def same_losses(losses: dict[str, float]) -> None:
+    """Every variant starts from the same weights and data, so the first losses agree."""
+    values = list(losses.values())
+    assert all(math.isfinite(v) for v in values), losses
+    assert max(values) - min(values) < 1e-5, losses
+
+
+def test_bench_facade(tmp_path: Path) -> None:
+    run_bench("bench_facade.py", tmp_path, "--wrap-reps", "1")
+    data = results(tmp_path, "facade")
+    step = data["step"]
+    check_timing(step["timing"], ["fsdp()", "hand-written"])
+    assert step["collectives_equal"] and step["collectives"]["fsdp()"] == step["collectives"]["hand-written"]
+    assert sum(step["collectives"]["fsdp()"].values()) > 0, "CommDebugMode saw no collectives"
+    peaks = step["peak_bytes_rank0"]
+    assert all(isinstance(v, int) and v > 0 for v in peaks.values()), peaks
+    assert math.isclose(step["peak_diff"], (peaks["fsdp()"] - peaks["hand-written"]) / peaks["hand-written"])
+    same_losses(step["first_loss"])
+    wrap = data["wrap"]
+    assert wrap["params"] > 0 and positive(wrap["build_meta_s"]) and positive(wrap["cold_fsdp_wrap_s"])
+    assert all(len(v) == 1 and positive(v[0]) for v in wrap["wrap_s"].values()), wrap["wrap_s"]
+
+
+def test_bench_step_time(tmp_path: Path) -> None:
+    run_bench("bench_step_time.py", tmp_path)
+    data = results(tmp_path, "step_time")
+    check_timing(data["timing"], ["fsdp() FULL_SHARD", "hand-written", "fsdp() NO_SHARD", "DDP"])
+    same_losses(data["first_loss"])
+
+
+def test_bench_memory(tmp_path: Path) -> None:
+    run_bench("bench_memory.py", tmp_path, "--world-sizes", "4")  # 4 ranks: every strategy, HYBRID included
+    data = results(tmp_path, "memory")
+    assert list(data["world_sizes"]) == ["4"], list(data["world_sizes"])
+    unsharded = data["unsharded_param_bytes"]
+    shard_ratio = {"FULL_SHARD": 1 / 4, "SHARD_GRAD": 1 / 4, "HYBRID_SHARD": 1 / 2, "NO_SHARD": 1.0}
+    strategies = data["world_sizes"]["4"]["strategies"]
+    assert sorted(strategies) == ["FULL_SHARD", "HYBRID_SHARD", "NO_SHARD", "SHARD_GRAD"]
+    for strategy, r in strategies.items():
+        assert len(r["per_rank"]) == 4, strategy
+        for peak in r["per_rank"]:
+            # the split is taken at the peak, so the categories add up to it exactly
+            assert peak["Total"] > 0 and sum(v for k, v in peak.items() if k != "Total") == peak["Total"], peak
+        ratio = r["per_rank"][0]["Sharded Param"] / unsharded
+        # rank 0 holds whole torch.chunk rows: a little above the exact fraction on odd sizes
+        assert shard_ratio[strategy] <= ratio < shard_ratio[strategy] * 1.1, (strategy, ratio)
+    meshes = {s: r["mesh"] for s, r in strategies.items()}
+    assert meshes == {"FULL_SHARD": [4], "SHARD_GRAD": [4], "NO_SHARD": [4, 1], "HYBRID_SHARD": [2, 2]}, meshes
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert (tmp_path / "memory.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_accelerate(tmp_path: Path) -> None:
+    if importlib.util.find_spec("accelerate") is None:
+        proc = run_bench("bench_accelerate.py", tmp_path)
+        assert proc.stdout.strip().startswith("bench_accelerate: skipped:"), proc.stdout
+        assert len(proc.stdout.strip().splitlines()) == 1 and not any(tmp_path.iterdir())
+        pytest.skip("accelerate is not installed (benchmark-only extra): checked the clean skip only")
+    run_bench("bench_accelerate.py", tmp_path, "--wrap-reps", "1")
+    data = results(tmp_path, "accelerate")
+    check_timing(data["timing"], ["fsdp()", "accelerate"])
+    assert all(len(v) == 1 and positive(v[0]) for v in data["wrap_s"].values()), data["wrap_s"]
+    assert all(isinstance(v, int) and v > 0 for v in data["peak_bytes_rank0"].values())
+    assert all(sum(c.values()) > 0 for c in data["collectives"].values()), data["collectives"]
+    same_losses(data["first_loss"])
+
+
+def test_bench_gpu_skips_cleanly_without_cuda(tmp_path: Path) -> None:
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present: the skip path cannot be reached here")
+    proc = run_bench("bench_gpu.py", tmp_path, timeout=120)
+    assert proc.stdout.strip() == "bench_gpu: skipped: no CUDA device (torch.cuda.is_available() is False)"
+    assert not any(tmp_path.iterdir()), "a skipped run must not write results"
