@@ -14,7 +14,9 @@ setup(
     extras_require={
         "test": ["pytest"],
         "dev": ["ruff==0.17.6", "pytest"],
-        "bench": ["matplotlib"],
+        "bench": ["matplotlib", "accelerate"],
+        "demo": ["tqdm", "matplotlib"],
+        "docs": ["safetensors"],
         "safetensors": ["safetensors"],
     },
 )
