@@ -1,7 +1,7 @@
 """Multi-rank state-dict and checkpoint cases, run by ``torchrun`` (see ``tests/test_state_dict.py``).
 
-Same pattern as ``dist_cases.py``: one launch runs many named cases, each rank writes
-``{case: "ok" | traceback}`` to ``--out``/rank{N}.json. ``--ckpt-dir`` is a directory shared by
+Same pattern as ``dist_cases.py`` (helpers and main loop from ``worker.py``): one launch runs many
+named cases, each rank writes ``{case: "ok" | traceback}`` to ``--out``/rank{N}.json. ``--ckpt-dir`` is a directory shared by
 the launches: the 2-rank launch saves checkpoints and the expected values there (``torch.save`` of
 full state dicts), the 1-, 4- and second 2-rank launches load them. Started with plain ``python``
 (no torchrun), the script runs as one rank in the one-process group ``fsdp()`` uses in a notebook.
@@ -16,24 +16,18 @@ import copy
 import hashlib
 import json
 import os
-import sys
-import traceback
-from datetime import timedelta
+import warnings
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.tensor import DTensor
+from worker import ARGS, Cases, expect_error, full, global_batch, local_slice, mean_over_ranks, rank, run_cases, world
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from torch.distributed.checkpoint import FileSystemWriter  # noqa: E402
-from torch.distributed.tensor import DTensor  # noqa: E402
-
-from examples.gpt import Block, GPTConfig, lm_loss, small  # noqa: E402
-from zeta_fsdp import fsdp, shutdown  # noqa: E402
-from zeta_fsdp.distributed import ensure_process_group  # noqa: E402
-from zeta_fsdp.state_dict import (  # noqa: E402
+from examples.gpt import Block, lm_loss, small
+from zeta_fsdp import fsdp
+from zeta_fsdp.state_dict import (
     CheckpointError,
     get_full_state_dict,
     get_optimizer_state_dict,
@@ -46,9 +40,8 @@ from zeta_fsdp.state_dict import (  # noqa: E402
     save_checkpoint,
 )
 
-CASES = {}
-GLOBAL_BATCH, SEQ = 8, 11
-CKPT: Path = Path(".")
+CASES = Cases()
+case = CASES.case
 STRATEGIES = {
     "FULL_SHARD": {"shard_strat": "FULL_SHARD"},
     "NO_SHARD": {"shard_strat": "NO_SHARD"},
@@ -57,28 +50,9 @@ STRATEGIES = {
 }
 
 
-def case(fn):
-    CASES[fn.__name__] = fn
-    return fn
-
-
-def rank() -> int:
-    return dist.get_rank()
-
-
-def world() -> int:
-    return dist.get_world_size()
-
-
-def global_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(1000 + step)
-    tokens = torch.randint(0, GPTConfig().vocab_size, (GLOBAL_BATCH, SEQ + 1), generator=g)
-    return tokens[:, :-1], tokens[:, 1:]
-
-
-def local_slice(t: torch.Tensor) -> torch.Tensor:
-    per = t.shape[0] // world()
-    return t[rank() * per : (rank() + 1) * per]
+def ckpt_dir() -> Path:
+    """``--ckpt-dir``: shared by every launch of the test module."""
+    return ARGS.ckpt_dir
 
 
 def wrapped(strategy: str = "FULL_SHARD", seed: int = 0, **overrides) -> torch.nn.Module:
@@ -99,14 +73,22 @@ def train(model, opt, steps) -> list[float]:
         loss.backward()
         opt.step()
         opt.zero_grad()
-        total = loss.detach().clone()
-        dist.all_reduce(total)
-        losses.append((total / world()).item())
+        losses.append(mean_over_ranks(loss).item())
     return losses
 
 
+def trained_and_saved(name: str, steps: int, strategy: str = "FULL_SHARD", **save_kwargs):
+    """A ``wrapped(strategy)`` model and its AdamW, trained ``steps`` steps and saved to ``ckpt_dir() / name``."""
+    model = wrapped(strategy)
+    opt = adamw(model)
+    train(model, opt, range(steps))
+    path = ckpt_dir() / name
+    save_checkpoint(path, model, opt, **save_kwargs)
+    return model, opt, path
+
+
 def full_params(model) -> dict[str, torch.Tensor]:
-    return {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone() for n, p in model.named_parameters()}
+    return {n: full(p).detach().clone() for n, p in model.named_parameters()}
 
 
 def full_optim(model, opt) -> dict:
@@ -131,17 +113,6 @@ def on_rank0(fn) -> None:
     dist.barrier()
 
 
-def expect_error(exc_type, fn, *needles: str) -> str:
-    try:
-        fn()
-    except exc_type as e:
-        message = str(e)
-        for needle in needles:
-            assert needle in message, f"{exc_type.__name__} message lacks {needle!r}: {message}"
-        return message
-    raise AssertionError(f"{exc_type.__name__} was not raised (expected one mentioning {needles})")
-
-
 def tree_digest(path: Path) -> dict[str, str]:
     return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(path.iterdir())}
 
@@ -157,9 +128,9 @@ def resume_save_reference():
     train(model, opt, range(3))
     torch.manual_seed(1234 + rank())  # RNG state worth saving
     extra = {"step": 3, "epoch": 0, "rng": torch.get_rng_state(), "lr_history": [1e-2, 1e-2, 1e-2]}
-    out = save_checkpoint(CKPT / "resume", model, opt, extra=extra)
-    assert out == CKPT / "resume" and is_checkpoint(out)
-    assert not (CKPT / ".resume.incomplete").exists(), "temporary directory left behind"
+    out = save_checkpoint(ckpt_dir() / "resume", model, opt, extra=extra)
+    assert out == ckpt_dir() / "resume" and is_checkpoint(out)
+    assert not (ckpt_dir() / ".resume.incomplete").exists(), "temporary directory left behind"
     step3 = {"model": get_full_state_dict(model), "optim": get_optimizer_state_dict(model, opt, full=True)}
     after = train(model, opt, range(3, 6))
     reference = {
@@ -169,14 +140,14 @@ def resume_save_reference():
         "rng": extra["rng"],
     }
     if rank() == 0:
-        torch.save(step3, CKPT / "expected_step3.pt")
-        torch.save(reference, CKPT / "resume_reference.pt")
+        torch.save(step3, ckpt_dir() / "expected_step3.pt")
+        torch.save(reference, ckpt_dir() / "resume_reference.pt")
     dist.barrier()
     # Every rank wrote its own shard file, holding about half of the model's tensor bytes.
     from zeta_fsdp.state_dict import _read_metadata
 
     per_file: dict[str, int] = {}
-    metadata = _read_metadata(CKPT / "resume", "test")
+    metadata = _read_metadata(ckpt_dir() / "resume", "test")
     assert "model.tok_emb.weight" in metadata.state_dict_metadata
     assert "model.head.weight" not in metadata.state_dict_metadata, "the tied weight was written twice"
     for index, info in metadata.storage_data.items():
@@ -296,12 +267,12 @@ def step0_checkpoint_keeps_optimizer_fresh():
     """Saving before the first step must not step the optimizer; loading it leaves AdamW fresh."""
     model = wrapped()
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    save_checkpoint(CKPT / "step0", model, opt, extra={"step": 0})
+    save_checkpoint(ckpt_dir() / "step0", model, opt, extra={"step": 0})
     assert not opt.state, "save_checkpoint() created optimizer state before the first step"
     other = wrapped(seed=3)
     opt2 = torch.optim.AdamW(other.parameters(), lr=1.0)
     train(other, opt2, [7])  # the loaded optimizer must come back fresh, not keep this state
-    assert load_checkpoint(CKPT / "step0", other, opt2) == {"step": 0}
+    assert load_checkpoint(ckpt_dir() / "step0", other, opt2) == {"step": 0}
     assert not opt2.state and opt2.param_groups[0]["lr"] == 3e-3
     assert train(model, opt, range(3)) == train(other, opt2, range(3))
 
@@ -311,11 +282,7 @@ def reshard_between_strategies_2_ranks():
     """FULL_SHARD <-> NO_SHARD <-> HYBRID at 2 ranks (4-rank HYBRID: the 4-rank launch): values exact."""
     pairs = [("NO_SHARD", "FULL_SHARD"), ("FULL_SHARD", "HYBRID_SHARD"), ("HYBRID_1x2", "NO_SHARD")]
     for saved_as, loaded_as in pairs:
-        model = wrapped(saved_as)
-        opt = adamw(model)
-        train(model, opt, range(1))
-        path = CKPT / f"strat_{saved_as}_{loaded_as}"
-        save_checkpoint(path, model, opt, extra={"from": saved_as})
+        model, opt, path = trained_and_saved(f"strat_{saved_as}_{loaded_as}", 1, saved_as, extra={"from": saved_as})
         target = wrapped(loaded_as, seed=11)
         target_opt = adamw(target)
         assert load_checkpoint(path, target, target_opt) == {"from": saved_as}
@@ -337,11 +304,7 @@ def _failing_write(original):
 
 @case
 def crash_mid_save_leaves_earlier_checkpoint():
-    model = wrapped()
-    opt = adamw(model)
-    train(model, opt, range(1))
-    path = CKPT / "crash"
-    save_checkpoint(path, model, opt, extra={"step": 1})
+    model, opt, path = trained_and_saved("crash", 1, extra={"step": 1})
     saved_params = full_params(model)
     digest = tree_digest(path)
     train(model, opt, range(1, 3))  # the model moves on; the next save of it will fail
@@ -354,14 +317,14 @@ def crash_mid_save_leaves_earlier_checkpoint():
             str(path),
             "untouched",
         )
-        fresh_path = CKPT / "crash_new"
+        fresh_path = ckpt_dir() / "crash_new"
         expect_error(CheckpointError, lambda: save_checkpoint(fresh_path, model, opt), str(fresh_path))
     finally:
         FileSystemWriter.write_data = original
     dist.barrier()
     assert tree_digest(path) == digest, "the earlier checkpoint was modified by the failed save"
     assert not fresh_path.exists(), f"{fresh_path} exists after a failed save"
-    left = [p.name for p in CKPT.iterdir() if p.name.startswith((".crash", "crash"))]
+    left = [p.name for p in ckpt_dir().iterdir() if p.name.startswith((".crash", "crash"))]
     assert sorted(left) == ["crash"], f"left behind: {left}"
     target = wrapped(seed=4)
     assert load_checkpoint(path, target) == {"step": 1}
@@ -369,12 +332,29 @@ def crash_mid_save_leaves_earlier_checkpoint():
 
 
 @case
+def interrupted_overwrite_recovers_on_every_rank():
+    """A save killed between its two renames: every rank loads the new checkpoint (racing to put it back)."""
+    _, _, path = trained_and_saved("swap", 1, extra={"step": 1})
+    new, _, staged = trained_and_saved("swap_new", 2, extra={"step": 2})
+
+    def killed_between_renames():
+        path.rename(ckpt_dir() / ".swap.replaced")  # the previous checkpoint, moved aside
+        staged.rename(ckpt_dir() / ".swap.incomplete")  # the new one, complete, not yet in place
+
+    on_rank0(killed_between_renames)
+    target = wrapped(seed=4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "restored the new checkpoint", from the rank that did it
+        assert load_checkpoint(path, target) == {"step": 2}
+    assert_equal_dicts("recovered checkpoint", full_params(target), full_params(new))
+    dist.barrier()
+    left = sorted(p.name for p in ckpt_dir().iterdir() if "swap" in p.name)
+    assert left == ["swap"], f"left behind: {left}"
+
+
+@case
 def bad_inputs_raise_before_touching():
-    model = wrapped()
-    opt = adamw(model)
-    train(model, opt, range(2))
-    good = CKPT / "good"
-    save_checkpoint(good, model, opt)
+    model, opt, good = trained_and_saved("good", 2)
     train(model, opt, [2])  # live values now differ from the checkpoint's
     params, optim = full_params(model), full_optim(model, opt)
 
@@ -385,12 +365,12 @@ def bad_inputs_raise_before_touching():
     def load(path):
         return lambda: load_checkpoint(path, model, opt)
 
-    missing = CKPT / "does_not_exist"
+    missing = ckpt_dir() / "does_not_exist"
     expect_error(FileNotFoundError, load(missing), str(missing), "does not exist")
     unchanged("missing path")
 
-    not_ckpt = CKPT / "not_a_checkpoint"
-    a_file = CKPT / "a_file.bin"
+    not_ckpt = ckpt_dir() / "not_a_checkpoint"
+    a_file = ckpt_dir() / "a_file.bin"
 
     def make_junk():
         not_ckpt.mkdir(exist_ok=True)
@@ -403,7 +383,7 @@ def bad_inputs_raise_before_touching():
     unchanged("not a checkpoint")
 
     def damaged(name: str, damage) -> Path:
-        path = CKPT / name
+        path = ckpt_dir() / name
 
         def make():
             import shutil
@@ -443,7 +423,7 @@ def bad_inputs_raise_before_touching():
     bad_md = damaged("bad_metadata", garbage_metadata)
     expect_error(CheckpointError, load(bad_md), str(bad_md / ".metadata"), "corrupted")
 
-    marker = CKPT / "pwned"
+    marker = ckpt_dir() / "pwned"
 
     def evil_metadata(path):
         class Evil:
@@ -465,16 +445,16 @@ def bad_inputs_raise_before_touching():
         ("shallower", {"n_layers": 2}, ["missing keys", "blocks.2.attn.qkv.weight"]),
         ("deeper", {"n_layers": 4}, ["unexpected keys", "blocks.3.attn.qkv.weight"]),
     ]:
-        save_checkpoint(CKPT / name, wrapped(**overrides))  # the model check comes first: no optimizer needed
-        expect_error(CheckpointError, load(CKPT / name), str(CKPT / name), *needles)
+        save_checkpoint(ckpt_dir() / name, wrapped(**overrides))  # the model check comes first: no optimizer needed
+        expect_error(CheckpointError, load(ckpt_dir() / name), str(ckpt_dir() / name), *needles)
         unchanged(f"{name} model")
 
     # an optimizer of another kind, and a checkpoint without optimizer state
     sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     expect_error(CheckpointError, lambda: load_checkpoint(good, model, sgd), "momentum_buffer", str(good))
     assert not sgd.state, "a failed load left state in the fresh SGD optimizer"
-    save_checkpoint(CKPT / "model_only", model)
-    expect_error(CheckpointError, load(CKPT / "model_only"), "no optimizer state")
+    save_checkpoint(ckpt_dir() / "model_only", model)
+    expect_error(CheckpointError, load(ckpt_dir() / "model_only"), "no optimizer state")
     unchanged("optimizer mismatch")
 
     # full state dicts of other models
@@ -493,9 +473,9 @@ def bad_inputs_raise_before_touching():
         pass
 
     expect_error(
-        TypeError, lambda: save_checkpoint(CKPT / "bad_extra", model, opt, extra={"x": Custom()}), "weights_only"
+        TypeError, lambda: save_checkpoint(ckpt_dir() / "bad_extra", model, opt, extra={"x": Custom()}), "weights_only"
     )
-    assert not (CKPT / "bad_extra").exists() and not (CKPT / ".bad_extra.incomplete").exists()
+    assert not (ckpt_dir() / "bad_extra").exists() and not (ckpt_dir() / ".bad_extra.incomplete").exists()
     unchanged("refused saves")
 
 
@@ -505,10 +485,10 @@ def bad_inputs_raise_before_touching():
 @case
 def resume_continue_identical():
     """Fresh processes and group: load the step-3 checkpoint, train 3 more -> identical to the reference."""
-    reference = torch.load(CKPT / "resume_reference.pt", weights_only=True)
+    reference = torch.load(ckpt_dir() / "resume_reference.pt", weights_only=True)
     model = wrapped(seed=123)  # different initial values: only the load can make them right
     opt = adamw(model)
-    extra = load_checkpoint(CKPT / "resume", model, opt)
+    extra = load_checkpoint(ckpt_dir() / "resume", model, opt)
     assert extra["step"] == 3 and extra["epoch"] == 0 and extra["lr_history"] == [1e-2] * 3
     assert torch.equal(extra["rng"], reference["rng"]), "extra comes from rank 0 on every rank"
     losses = train(model, opt, range(3, 6))
@@ -521,7 +501,7 @@ def resume_continue_identical():
     # Control: the same weights with a restarted optimizer do NOT reproduce the reference,
     # so the equality above really depends on the restored AdamW state.
     control = wrapped(seed=123)
-    load_checkpoint(CKPT / "resume", control)
+    load_checkpoint(ckpt_dir() / "resume", control)
     restarted = train(control, adamw(control), range(3, 6))
     assert restarted != reference["losses"], "a restarted optimizer matched: the resume test proves nothing"
 
@@ -542,22 +522,22 @@ def load_and_compare(path: Path, strategy: str, expected: dict) -> None:
 
 
 def expected_step3() -> dict:
-    return torch.load(CKPT / "expected_step3.pt", weights_only=True)
+    return torch.load(ckpt_dir() / "expected_step3.pt", weights_only=True)
 
 
 @case
 def load_2rank_checkpoint_full_shard():
-    load_and_compare(CKPT / "resume", "FULL_SHARD", expected_step3())
+    load_and_compare(ckpt_dir() / "resume", "FULL_SHARD", expected_step3())
 
 
 @case
 def load_2rank_checkpoint_no_shard():
-    load_and_compare(CKPT / "resume", "NO_SHARD", expected_step3())
+    load_and_compare(ckpt_dir() / "resume", "NO_SHARD", expected_step3())
 
 
 @case
 def load_2rank_checkpoint_hybrid():
-    load_and_compare(CKPT / "resume", "HYBRID_SHARD", expected_step3())
+    load_and_compare(ckpt_dir() / "resume", "HYBRID_SHARD", expected_step3())
 
 
 # --------------------------------------------------------------------------- a rank dies mid-save
@@ -565,15 +545,11 @@ def load_2rank_checkpoint_hybrid():
 
 def kill_rank_mid_save() -> None:
     """Save a good checkpoint, then overwrite it while rank 1 dies inside its writer (no cleanup)."""
-    model = wrapped()
-    opt = adamw(model)
-    train(model, opt, range(1))
-    path = CKPT / "killed"
-    save_checkpoint(path, model, opt, extra={"step": 1})
+    model, opt, path = trained_and_saved("killed", 1, extra={"step": 1})
     sd = get_full_state_dict(model)
     if rank() == 0:
-        torch.save(sd, CKPT / "killed_expected.pt")
-        (CKPT / "killed_digest.json").write_text(json.dumps(tree_digest(path)))
+        torch.save(sd, ckpt_dir() / "killed_expected.pt")
+        (ckpt_dir() / "killed_digest.json").write_text(json.dumps(tree_digest(path)))
     train(model, opt, range(1, 2))
     original = FileSystemWriter.write_data
 
@@ -582,7 +558,7 @@ def kill_rank_mid_save() -> None:
         if dist.get_rank() == 1:
             # Evidence for the test that this is mid-save: this rank's shard is on disk, no metadata yet.
             written = sorted(p.name for p in Path(self.path).iterdir())
-            (CKPT / "killed_marker.json").write_text(json.dumps(written))
+            (ckpt_dir() / "killed_marker.json").write_text(json.dumps(written))
             os._exit(17)  # no exception, no cleanup: the process is gone
         return result
 
@@ -595,42 +571,16 @@ def kill_rank_mid_save() -> None:
     os._exit(18)
 
 
-def main() -> None:
-    global CKPT
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--cases", required=True)
-    parser.add_argument("--ckpt-dir", required=True)
+def add_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--ckpt-dir", type=Path, required=True)
     parser.add_argument("--kill-save", action="store_true")
-    args = parser.parse_args()
-    CKPT = Path(args.ckpt_dir)
-    torch.set_num_threads(1)
-    if "RANK" in os.environ:
-        dist.init_process_group("gloo", timeout=timedelta(seconds=120))
-    else:  # started with plain `python`: one rank, the group fsdp() would start in a notebook
-        ensure_process_group(torch.device("cpu"))
-    results = {}
-    for name in [c for c in args.cases.split(",") if c]:
-        try:
-            import time as _t
 
-            _s = _t.perf_counter()
-            CASES[name]()
-            results[name] = "ok"
-            if rank() == 0:
-                print(f"TIME {name} {_t.perf_counter() - _s:.2f}", flush=True)
-        except Exception:
-            results[name] = traceback.format_exc()
-        dist.barrier()
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"rank{rank()}.json").write_text(json.dumps(results))
-    if args.kill_save:
+
+def after_results() -> None:
+    if ARGS.kill_save:
         dist.barrier()
         kill_rank_mid_save()
-    shutdown(force=True)
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    main()
+    run_cases(CASES, extra_args=add_args, after_results=after_results)

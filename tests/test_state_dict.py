@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, rank_env, torchrun
+from conftest import ROOT, check_case, launch_worker, merge_ranks, rank_env
 
 from examples.gpt import small
 from zeta_fsdp import cli
@@ -38,6 +38,7 @@ SAVE_CASES = [
     "step0_checkpoint_keeps_optimizer_fresh",
     "reshard_between_strategies_2_ranks",
     "crash_mid_save_leaves_earlier_checkpoint",
+    "interrupted_overwrite_recovers_on_every_rank",
     "bad_inputs_raise_before_touching",
 ]
 RESUME_CASES = ["resume_continue_identical"]
@@ -52,27 +53,14 @@ FOUR_RANK_CASES = [
 def launch(
     out: Path, nproc: int, cases: list[str], ckpt: Path, *extra: str
 ) -> tuple[dict, subprocess.CompletedProcess]:
-    """One launch of ``ckpt_cases.py``; returns ({case: "ok" | failures}, the process).
+    """One launch of ``ckpt_cases.py`` (1 rank: plain ``python``); returns ({case: "ok" | failures}, the process).
 
-    One rank runs as a plain ``python`` process (the one-process group ``fsdp()`` starts in a
-    notebook, and no launcher to pay for); more ranks go through ``torchrun``.
+    ``extra`` (``--kill-save``) ends the launch with a rank killed on purpose: its exit code is not checked.
     """
-    worker = str(ROOT / "tests" / "ckpt_cases.py")
-    args = ["--out", str(out), "--cases", ",".join(cases), "--ckpt-dir", str(ckpt), *extra]
-    if nproc == 1:
-        cmd = [sys.executable, worker, *args]
-        proc = subprocess.run(cmd, cwd=ROOT, env=rank_env(), capture_output=True, text=True, timeout=300)
-    else:
-        proc = torchrun(nproc, worker, *args, timeout=300)
-    files = sorted(out.glob("rank*.json")) if out.exists() else []
-    if len(files) != nproc or (proc.returncode != 0 and not extra):
-        raise AssertionError(f"launch failed (rc={proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
-    per_rank = [json.loads(f.read_text()) for f in files]
-    results = {}
-    for name in cases:
-        failures = [f"rank {r}: {res[name]}" for r, res in enumerate(per_rank) if res[name] != "ok"]
-        results[name] = "ok" if not failures else "\n".join(failures)
-    return results, proc
+    per_rank, proc = launch_worker(
+        out, nproc, "ckpt_cases.py", cases, "--ckpt-dir", str(ckpt), *extra, timeout=300, allow_exit_code=bool(extra)
+    )
+    return merge_ranks(per_rank, cases), proc
 
 
 @pytest.fixture(scope="module")
@@ -105,22 +93,21 @@ def four_ranks(saved, ckpt, tmp_path_factory) -> dict:
 
 @pytest.mark.parametrize("case", SAVE_CASES)
 def test_two_ranks(saved, case):
-    assert saved[case] == "ok", saved[case]
+    check_case(saved, case)
 
 
 def test_resume_in_fresh_process_group_is_identical(resumed):
-    results, _ = resumed
-    assert results["resume_continue_identical"] == "ok", results["resume_continue_identical"]
+    check_case(resumed[0], "resume_continue_identical")
 
 
 @pytest.mark.parametrize("case", ONE_RANK_CASES)
 def test_saved_at_2_loaded_at_1(one_rank, case):
-    assert one_rank[case] == "ok", one_rank[case]
+    check_case(one_rank, case)
 
 
 @pytest.mark.parametrize("case", FOUR_RANK_CASES)
 def test_saved_at_2_loaded_at_4(four_ranks, case):
-    assert four_ranks[case] == "ok", four_ranks[case]
+    check_case(four_ranks, case)
 
 
 def test_rank_killed_mid_save_leaves_earlier_checkpoint(resumed, ckpt, tmp_path):
@@ -247,3 +234,164 @@ def test_without_process_group_plain_model(tmp_path):
     load_full_state_dict(third, prefixed)
     for (name, p), q in zip(model.named_parameters(), third.parameters()):
         assert torch.equal(p, q), name
+
+
+# --------------------------------------------------------------------------- failed and interrupted writes, offline
+
+
+def plain_checkpoint(path: Path, step: int) -> dict[str, torch.Tensor]:
+    """Save an unwrapped ``small()`` (seeded by ``step``) with no process group; return its weights."""
+    torch.manual_seed(step)
+    model = small()
+    save_checkpoint(path, model, extra={"step": step}, overwrite=True)
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def assert_holds(path: Path, step: int, weights: dict[str, torch.Tensor]) -> None:
+    model = small()
+    assert load_checkpoint(path, model) == {"step": step}
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in weights.items())
+
+
+def names(directory: Path) -> list[str]:
+    return sorted(p.name for p in directory.iterdir())
+
+
+def flip_a_model_byte(path: Path) -> None:
+    """Flip one bit inside the tensor bytes of the largest model record (only its CRC-32 can tell)."""
+    from zeta_fsdp.state_dict import _read_metadata
+
+    md = _read_metadata(path, "test")
+    records = [(i, info) for i, info in md.storage_data.items() if i.fqn.startswith("model.")]
+    _, info = max(records, key=lambda r: r[1].length)
+    shard = path / info.relative_path
+    data = bytearray(shard.read_bytes())
+    data[info.offset + info.length // 2] ^= 0x40
+    shard.write_bytes(bytes(data))
+
+
+def test_consolidate_corrupted_record_is_one_line_error(tmp_path, capsys):
+    path, out = tmp_path / "c", tmp_path / "model.pt"
+    plain_checkpoint(path, 1)
+    flip_a_model_byte(path)
+    # DCP raises CheckpointException, a BaseException: it must come out as a CheckpointError
+    with pytest.raises(CheckpointError) as info:
+        consolidate_checkpoint(path, out)
+    message = str(info.value)
+    assert str(path) in message and "CRC-32" in message and "\n" not in message, message
+    assert names(tmp_path) == ["c"], "consolidation of a corrupted checkpoint left files behind"
+    assert cli.main(["consolidate", str(path), str(out)]) == 2
+    err = capsys.readouterr().err
+    assert str(path) in err and "CRC-32" in err and err.count("\n") == 1, err
+    assert names(tmp_path) == ["c"]
+
+
+@pytest.mark.parametrize("suffix", [".pt", ".safetensors"])
+def test_consolidate_write_failure_leaves_no_temp_file(tmp_path, monkeypatch, capsys, suffix):
+    path, out = tmp_path / "c", tmp_path / f"model{suffix}"
+    plain_checkpoint(path, 1)
+
+    def half_written(obj, f, *args, **kwargs):
+        Path(f).write_bytes(b"partial")
+        raise OSError(28, "No space left on device")
+
+    if suffix == ".safetensors":
+        monkeypatch.setattr(pytest.importorskip("safetensors.torch"), "save_file", half_written)
+    else:
+        monkeypatch.setattr(torch, "save", half_written)
+    with pytest.raises(OSError, match="No space left"):
+        consolidate_checkpoint(path, out)
+    assert names(tmp_path) == ["c"], "a failed consolidation left a temporary file"
+    assert cli.main(["consolidate", str(path), str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "No space left" in err and err.count("\n") == 1, err
+    assert names(tmp_path) == ["c"]
+
+
+# A save killed between its two renames: the previous checkpoint has been moved aside, the new one
+# (complete) is not yet in place. os._exit: no exception handler or clean-up runs, as after a kill.
+KILLED_BETWEEN_RENAMES = """
+import os, sys
+from pathlib import Path
+import torch
+from examples.gpt import small
+from zeta_fsdp.state_dict import save_checkpoint
+
+path = Path(sys.argv[1])
+torch.manual_seed(1)
+save_checkpoint(path, small(), extra={"step": 1})
+rename = Path.rename
+
+def killed(self, target):
+    if self.name == f".{path.name}.incomplete" and Path(target) == path:
+        os._exit(3)
+    return rename(self, target)
+
+Path.rename = killed
+torch.manual_seed(2)
+save_checkpoint(path, small(), extra={"step": 2}, overwrite=True)
+"""
+
+
+def test_overwrite_killed_between_renames_recovers(tmp_path):
+    path = tmp_path / "c"
+    cmd = [sys.executable, "-c", KILLED_BETWEEN_RENAMES, str(path)]
+    proc = subprocess.run(cmd, cwd=ROOT, env=rank_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 3, proc.stderr[-3000:]
+    assert names(tmp_path) == [".c.incomplete", ".c.replaced"], "not the state between the two renames"
+    torch.manual_seed(2)
+    new = small().state_dict()
+    with pytest.warns(UserWarning, match="interrupted"):
+        assert is_checkpoint(path)  # the usual `if is_checkpoint(p): load_checkpoint(p, ...)` finds it
+    assert names(tmp_path) == ["c"]
+    assert_holds(path, 2, new)
+
+
+def test_overwrite_interrupted_before_new_was_complete_restores_previous(tmp_path, monkeypatch):
+    path = tmp_path / "c"
+    weights = plain_checkpoint(path, 1)
+    path.rename(tmp_path / ".c.replaced")
+    (tmp_path / ".c.incomplete").mkdir()
+    (tmp_path / ".c.incomplete" / "__0_0.distcp").write_bytes(b"partial")
+
+    def refused(self, target):
+        raise PermissionError(13, "Permission denied")
+
+    with monkeypatch.context() as m:  # recovery impossible: the error says where the data is
+        m.setattr(Path, "rename", refused)
+        with pytest.raises(FileNotFoundError, match=r"previous checkpoint is in .*\.c\.replaced"):
+            load_checkpoint(path, small())
+        with pytest.raises(FileNotFoundError, match=r"partial data is in .*\.c\.incomplete"):
+            consolidate_checkpoint(path, tmp_path / "x.pt")
+    with pytest.warns(UserWarning, match="restored the previous checkpoint"):
+        assert_holds(path, 1, weights)
+    assert names(tmp_path) == [".c.incomplete", "c"]  # the partial save is removed by the next save
+    plain_checkpoint(path, 3)
+    assert names(tmp_path) == ["c"]
+
+
+@pytest.mark.parametrize("error", [OSError(5, "Input/output error"), KeyboardInterrupt()])
+def test_overwrite_failing_rename_puts_previous_back(tmp_path, monkeypatch, error):
+    path = tmp_path / "c"
+    weights = plain_checkpoint(path, 1)
+    rename = Path.rename
+
+    def failing(self, target):
+        if self.name == ".c.incomplete":
+            raise error
+        return rename(self, target)
+
+    monkeypatch.setattr(Path, "rename", failing)
+    expected = CheckpointError if isinstance(error, OSError) else KeyboardInterrupt
+    with pytest.raises(expected, match="untouched" if expected is CheckpointError else None):
+        plain_checkpoint(path, 2)
+    monkeypatch.undo()
+    assert names(tmp_path) == ["c"], "a failed overwrite left files behind"
+    assert_holds(path, 1, weights)
+
+
+def test_save_failing_before_writing_leaves_no_temp_dir(tmp_path):
+    other = torch.optim.AdamW(small().parameters())  # the optimizer of another model
+    with pytest.raises(CheckpointError, match="not in the model"):
+        save_checkpoint(tmp_path / "c", small(), other)
+    assert names(tmp_path) == [], "a failed save left a temporary directory"

@@ -25,7 +25,9 @@ def _run(args: argparse.Namespace) -> int:
         out = consolidate_checkpoint(args.dcp_dir, args.out, overwrite=args.overwrite)
     except FileExistsError as e:
         raise cli.UsageError(f"{args.out} already exists; pass --overwrite to replace it.") from e
-    except (FileNotFoundError, CheckpointError, ImportError) as e:
+    except (FileNotFoundError, CheckpointError, ImportError) as e:  # a corrupted checkpoint too: one line
+        raise cli.UsageError(str(e)) from e
+    except OSError as e:  # reading DIR or writing OUT failed (permissions, full disk); the error names the file
         raise cli.UsageError(str(e)) from e
     print(f"wrote {out} ({out.stat().st_size / 2**20:.1f} MiB)")
     return 0

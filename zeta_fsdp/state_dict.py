@@ -716,22 +716,84 @@ class _MetadataUnpickler(pickle.Unpickler):
 def is_checkpoint(path: PathLike) -> bool:
     """``True`` if ``path`` is a complete checkpoint (an interrupted save never leaves one).
 
+    An overwrite that stopped between its two renames (see ``save_checkpoint``) is finished first,
+    so the checkpoint is found again at ``path``.
+
     Example:
         >>> if is_checkpoint("ckpt/last"):
         ...     extra = load_checkpoint("ckpt/last", model, optimizer)
     """
+    _recover(Path(path))
     return (Path(path) / _METADATA_FILE).is_file()
 
 
+def _incomplete_dir(path: Path) -> Path:
+    """Where ``save_checkpoint`` writes before renaming into place."""
+    return path.parent / f".{path.name}.incomplete"
+
+
+def _replaced_dir(path: Path) -> Path:
+    """Where ``save_checkpoint(overwrite=True)`` moves the previous checkpoint until the new one is in place."""
+    return path.parent / f".{path.name}.replaced"
+
+
+def _discard(path: Path) -> None:
+    """Delete a checkpoint directory, its ``.metadata`` first: an interrupted delete never looks complete."""
+    try:
+        (path / _METADATA_FILE).unlink()
+    except OSError:
+        pass
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def _recover(path: Path) -> None:
+    """Finish an overwrite that stopped between its two renames (``save_checkpoint``'s last step).
+
+    Then ``path`` is missing and ``.<name>.replaced`` holds what was there: the new checkpoint is
+    renamed into place if ``.<name>.incomplete`` holds it complete, else the previous one is put back.
+    Ranks and processes may race here: a rename that loses fails and changes nothing.
+    """
+    old, tmp = _replaced_dir(path), _incomplete_dir(path)
+    if path.exists() or not old.is_dir():
+        return
+    if (tmp / _METADATA_FILE).is_file():
+        source = tmp
+    elif (old / _METADATA_FILE).is_file():
+        source = old
+    else:
+        return
+    try:
+        source.rename(path)
+    except OSError:
+        return  # another process was first, or no permission: the errors then say where the data is
+    if source == tmp:
+        _discard(old)
+    which = "new" if source == tmp else "previous"
+    warnings.warn(
+        f"an overwrite of {path} was interrupted; restored the {which} checkpoint from {source}.", stacklevel=3
+    )
+
+
+def _leftovers(path: Path) -> str:
+    """What an interrupted save or overwrite of ``path`` left next to it, for error messages."""
+    old, tmp = _replaced_dir(path), _incomplete_dir(path)
+    hint = ""
+    if old.exists():
+        hint += f" An overwrite of it was interrupted: the previous checkpoint is in {old}."
+    if tmp.exists():
+        state = "complete" if (tmp / _METADATA_FILE).is_file() else "partial"
+        hint += f" A save to it was interrupted ({state} data is in {tmp})."
+    return hint
+
+
 def _read_metadata(path: Path, caller: str) -> Metadata:
+    _recover(path)
     if not path.exists():
-        raise FileNotFoundError(f"{caller}: {path} does not exist.")
+        raise FileNotFoundError(f"{caller}: {path} does not exist.{_leftovers(path)}")
     if not path.is_dir():
         raise CheckpointError(f"{caller}: {path} is a file, not a checkpoint directory.")
     if not is_checkpoint(path):
-        hint = ""
-        if (path.parent / f".{path.name}.incomplete").exists():
-            hint = f" A save to it was interrupted (partial data is in {path.parent / f'.{path.name}.incomplete'})."
+        hint = _leftovers(path)
         raise CheckpointError(f"{caller}: {path} is not a checkpoint (it has no {_METADATA_FILE} file).{hint}")
     try:
         with open(path / _METADATA_FILE, "rb") as f:
@@ -872,22 +934,27 @@ def save_checkpoint(
     accepts; saved once, from rank 0). It is written to a hidden ``.<name>.incomplete`` directory
     next to ``path`` and renamed into place, so a crash never leaves a complete-looking checkpoint.
     An existing checkpoint at ``path`` is refused unless ``overwrite=True``; it is replaced only
-    after the new one is complete. Returns ``path``.
+    after the new one is complete (it waits in ``.<name>.replaced`` until the new one is in place;
+    after a crash between those two renames, the next ``is_checkpoint``, load or save of ``path``
+    puts the new checkpoint, or if it is incomplete the previous one, back at ``path``). A failed
+    save removes what it wrote. Returns ``path``.
 
     Example:
         >>> save_checkpoint(f"ckpt/step_{step}", model, optimizer,
         ...                 extra={"step": step, "rng": torch.get_rng_state()})
     """
     path = Path(path)
-    tmp = path.parent / f".{path.name}.incomplete"
-    old = path.parent / f".{path.name}.replaced"
+    tmp, old = _incomplete_dir(path), _replaced_dir(path)
+    made_tmp = False  # rank 0, once prepare() made tmp: then it is ours to remove if the save fails
 
     def prepare() -> None:
+        nonlocal made_tmp
         _check_loadable(extra, "extra")
         if optimizer is not None:
             _check_loadable([g for g in optimizer.param_groups], "the optimizer's param_groups")
         if _rank() != 0:
             return
+        _recover(path)
         if path.exists():
             empty_dir = path.is_dir() and not any(path.iterdir())
             if not empty_dir and not is_checkpoint(path):
@@ -902,47 +969,63 @@ def save_checkpoint(
         if tmp.exists():  # left by an interrupted save
             shutil.rmtree(tmp)
         tmp.mkdir()
+        made_tmp = True
 
-    _on_all_ranks(prepare)
-    model_sd = get_sharded_state_dict(model)
-    tied = {alias: source for alias, source in _tied_aliases(model).items() if alias in model_sd}
-    state: dict[str, Any] = {_MODEL + k: v for k, v in model_sd.items() if k not in tied}
-    if _rank() == 0:
-        state[_LAYOUT] = {"keys": list(model_sd), "tied": tied}
-    if optimizer is not None:
-        flat = _flat_optimizer_state(model, optimizer)
-        state.update({_OPTIM + k: v for k, v in flat.items() if not k.startswith(_GROUPS)})
-        if _rank() == 0:
-            state[_PACKED_GROUPS] = {k: v for k, v in flat.items() if k.startswith(_GROUPS)}
-    if extra is not None and _rank() == 0:
-        state[_EXTRA] = extra
-
-    def write() -> None:
+    def write(state: dict[str, Any]) -> None:
         planner = DefaultSavePlanner(flatten_state_dict=False)
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             dcp.save(state, storage_writer=FileSystemWriter(tmp), planner=planner, no_dist=not _dist_on())
 
-    try:
-        _on_all_ranks(write)
-    except _FAILURES as e:
-        if _rank() == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-        kept = " The checkpoint already there is untouched." if is_checkpoint(path) else ""
-        raise CheckpointError(f"save_checkpoint(): writing {path} failed; nothing was saved.{kept} {_reason(e)}") from e
-
     def publish() -> None:
         if _rank() != 0:
             return
-        if path.exists():
-            if old.exists():
-                shutil.rmtree(old)
+        replacing = path.exists()
+        if replacing:
+            _discard(old)  # left by an interrupted clean-up: the checkpoint at path is the complete one
             path.rename(old)
-        tmp.rename(path)
+        # A crash right here leaves the previous checkpoint in old and the new one, complete, in tmp:
+        # the next is_checkpoint(), load or save of path finishes the job (_recover).
+        try:
+            tmp.rename(path)
+        except BaseException:
+            if replacing and not path.exists():
+                old.rename(path)  # put the previous checkpoint back
+            raise
         _fsync_dir(path.parent)
-        shutil.rmtree(old, ignore_errors=True)
+        _discard(old)  # only now: the new checkpoint is in place
 
-    _on_all_ranks(publish)  # no rank returns before the checkpoint is in place
+    def failure(what: str, e: BaseException) -> CheckpointError:
+        kept = " The checkpoint already there is untouched." if is_checkpoint(path) else ""
+        return CheckpointError(f"save_checkpoint(): {what} failed; nothing was saved.{kept} {_reason(e)}")
+
+    published = False
+    try:
+        _on_all_ranks(prepare)
+        model_sd = get_sharded_state_dict(model)
+        tied = {alias: source for alias, source in _tied_aliases(model).items() if alias in model_sd}
+        state: dict[str, Any] = {_MODEL + k: v for k, v in model_sd.items() if k not in tied}
+        if _rank() == 0:
+            state[_LAYOUT] = {"keys": list(model_sd), "tied": tied}
+        if optimizer is not None:
+            flat = _flat_optimizer_state(model, optimizer)
+            state.update({_OPTIM + k: v for k, v in flat.items() if not k.startswith(_GROUPS)})
+            if _rank() == 0:
+                state[_PACKED_GROUPS] = {k: v for k, v in flat.items() if k.startswith(_GROUPS)}
+        if extra is not None and _rank() == 0:
+            state[_EXTRA] = extra
+        try:
+            _on_all_ranks(lambda: write(state))
+        except _FAILURES as e:
+            raise failure(f"writing {path}", e) from e
+        try:
+            _on_all_ranks(publish)  # no rank returns before the checkpoint is in place
+        except _FAILURES as e:
+            raise failure(f"renaming {tmp} to {path}", e) from e
+        published = True
+    finally:
+        if made_tmp and not published:
+            shutil.rmtree(tmp, ignore_errors=True)
     return path
 
 
@@ -952,6 +1035,7 @@ def load_checkpoint(
     optimizer: Optional[torch.optim.Optimizer] = None,
     *,
     strict: bool = True,
+    model_weights: bool = True,
 ) -> Any:
     """Restore ``model`` (and ``optimizer``) in place from ``save_checkpoint``; return the saved ``extra``.
 
@@ -962,6 +1046,10 @@ def load_checkpoint(
     record's CRC-32 checked; only then are model and optimizer updated. That costs one extra
     sharded copy while loading. Returns ``None`` when no ``extra`` was saved.
 
+    ``model_weights=False`` restores the optimizer only: the model's weights are neither read nor
+    changed (the model is still checked against the checkpoint: its parameter names key the optimizer state).
+    Use it when the weights were loaded already and may have changed since.
+
     Raises:
         FileNotFoundError: ``path`` does not exist.
         CheckpointError: not a checkpoint, corrupted or truncated, or of another model/optimizer.
@@ -969,6 +1057,7 @@ def load_checkpoint(
     Example:
         >>> extra = load_checkpoint("ckpt/step_100", model, optimizer)
         >>> start_step = extra["step"]
+        >>> load_checkpoint("ckpt/step_100", model, optimizer, model_weights=False)  # optimizer only
     """
     path = Path(path)
     caller = "load_checkpoint()"
@@ -991,7 +1080,7 @@ def load_checkpoint(
 
     _on_all_ranks(check_model)
     scratch: dict[str, Any] = {}
-    for key, value in live.items():
+    for key, value in live.items() if model_weights else ():
         if key in stored and stored[key] not in scratch:
             scratch[stored[key]] = torch.empty_like(value)
     was_fresh = optimizer is not None and not optimizer.state
@@ -1020,8 +1109,9 @@ def load_checkpoint(
             optimizer.state.clear()  # validation created its state: back to the fresh optimizer we were given
         raise
     # Commit: everything is read and checked.
-    model_sd = {k: scratch[stored[k]] for k in live if k in stored}
-    set_model_state_dict(model, model_sd, options=StateDictOptions(strict=strict))
+    if model_weights:
+        model_sd = {k: scratch[stored[k]] for k in live if k in stored}
+        set_model_state_dict(model, model_sd, options=StateDictOptions(strict=strict))
     if optimizer is not None:
         _set_flat_optimizer_state(model, optimizer, flat_optim)
     return objects.get(_EXTRA)
@@ -1084,7 +1174,12 @@ def consolidate_checkpoint(dcp_dir: PathLike, out_file: PathLike, *, overwrite: 
         raise CheckpointError(f"{caller}: {src} holds no model weights (no '{_MODEL}*' entries).")
     if _LAYOUT in metadata.state_dict_metadata:
         state[_LAYOUT] = None
-    _dcp_load(state, src, alone=True)
+    try:
+        _dcp_load(state, src, alone=True)
+    except _FAILURES as e:  # DCP's CheckpointException is a BaseException: one readable line instead
+        failures = getattr(e, "failures", None) or {}
+        reason = _reason(next(iter(failures.values()))[0] if len(failures) == 1 else e)
+        raise CheckpointError(f"{caller}: reading {src} failed: {reason}") from e
     layout = state.pop(_LAYOUT, None) or {}
     weights = {k[len(_MODEL) :]: v for k, v in state.items()}
     for alias, source in layout.get("tied", {}).items():
@@ -1095,13 +1190,17 @@ def consolidate_checkpoint(dcp_dir: PathLike, out_file: PathLike, *, overwrite: 
     listed = set(order)
     weights = {k: weights[k] for k in order + [k for k in weights if k not in listed]}
     tmp = out.parent / f".{out.name}.incomplete"
-    out.parent.mkdir(parents=True, exist_ok=True)
     if use_safetensors:
         odd = [k for k, v in weights.items() if not isinstance(v, torch.Tensor)]
         if odd:
             raise CheckpointError(f"{caller}: safetensors holds tensors only; these entries are not: {_short(odd)}")
-        save_file({k: v.contiguous() for k, v in weights.items()}, str(tmp))
-    else:
-        torch.save(weights, tmp)
-    os.replace(tmp, out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        if use_safetensors:
+            save_file({k: v.contiguous() for k, v in weights.items()}, str(tmp))
+        else:
+            torch.save(weights, tmp)
+        os.replace(tmp, out)
+    finally:
+        tmp.unlink(missing_ok=True)  # after a failure: no half-written file left next to out
     return out
