@@ -1,6 +1,6 @@
 """Multi-rank cases for ``zeta_fsdp.strategy.FSDP2Strategy``, run by ``torchrun``.
 
-Same pattern as ``dist_cases.py`` (see ``training_cases.run_cases``). The reference is a
+Same pattern as ``dist_cases.py`` (helpers and main loop from ``worker.py``). The reference is a
 ``copy.deepcopy`` made before the strategy shards the model, trained on one process over the
 global batch with the global token-weighted loss. Regression cases (names start with
 ``regression_``) each fail on a version with the bug they are named after.
@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import copy
 import gc
-import os
-import sys
 import tempfile
 import weakref
 from pathlib import Path
@@ -21,27 +19,20 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.tensor import DTensor, Shard
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
+from training_cases import TPNet, tp_plan
+from worker import ARGS, SEQ, Cases, assert_close, expect_error, full, rank, run_cases, world
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from examples.gpt import Block, small
+from zeta_fsdp import fsdp
+from zeta_fsdp.loss import MaskedTokenLossReduction
+from zeta_fsdp.strategy import EpochStep, FSDP2Strategy
 
-from torch.distributed.fsdp import FSDPModule  # noqa: E402
-from torch.distributed.tensor import DTensor, Shard  # noqa: E402
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler  # noqa: E402
-from training_cases import TPNet, assert_close, full, rank, run_cases, tp_plan, world  # noqa: E402
-
-from examples.gpt import Block, small  # noqa: E402
-from zeta_fsdp import fsdp  # noqa: E402
-from zeta_fsdp.loss import MaskedTokenLossReduction  # noqa: E402
-from zeta_fsdp.strategy import EpochStep, FSDP2Strategy  # noqa: E402
-
-CASES: dict[str, Callable[[], None]] = {}
-SEQ, PER_RANK = 11, 2
-
-
-def case(fn):
-    CASES[fn.__name__] = fn
-    return fn
+CASES = Cases()
+case = CASES.case
+PER_RANK = 2
 
 
 # ---------------------------------------------------------------------------------------------
@@ -120,6 +111,26 @@ def assert_params_match(model: nn.Module, ref: nn.Module, atol: float) -> None:
         assert_close(name, param, full(ref_params[name]), atol)
 
 
+def assert_losses_match(
+    got: list[float], want: list[float], atol: float, *, first_step: int = 0, against: str = "reference"
+) -> None:
+    """Step by step (as many steps as both have), ``got`` is within ``atol`` of ``want``."""
+    for step, (g, w) in enumerate(zip(got, want), start=first_step):
+        assert abs(g - w) <= atol, f"step {step}: {g} vs {against} {w}"
+
+
+def assert_trains_like_reference(
+    strategy: FSDP2Strategy, ref: nn.Module, steps: int, dp: int, *, atol: float, max_norm=None, data=None
+) -> None:
+    """``steps`` steps through the strategy: each reduced loss within ``atol`` of the single-process
+    reference's on the global batch (lr 1e-3), and the parameters within 1e-5 afterwards."""
+    data = MaskedLM() if data is None else data
+    want = reference_losses(ref, data, steps, dp, lr=1e-3, max_norm=max_norm)
+    got = train(strategy, strategy.process_dataloader(DataLoader(data, batch_size=PER_RANK)), steps, max_norm=max_norm)
+    assert_losses_match(got, want, atol)
+    assert_params_match(strategy.model, ref, atol=1e-5)
+
+
 def optimizer_state(strategy: FSDP2Strategy) -> dict[str, torch.Tensor]:
     """Full (gathered) optimizer state tensors keyed ``<fqn>.<name>``, on every rank."""
     names = {id(p): n for n, p in strategy.model.named_parameters()}
@@ -134,7 +145,7 @@ def optimizer_state(strategy: FSDP2Strategy) -> dict[str, torch.Tensor]:
 def shared_tmp() -> Path:
     """A new directory for all ranks (rank 0 makes it, everyone gets its name), under the launch's
     pytest temporary folder so checkpoints never pile up in /tmp."""
-    base = Path(sys.argv[sys.argv.index("--out") + 1]).parent / "ckpt"
+    base = Path(ARGS.out).parent / "ckpt"
     if rank() == 0:
         base.mkdir(parents=True, exist_ok=True)
     box = [tempfile.mkdtemp(prefix="case_", dir=base) if rank() == 0 else None]
@@ -150,16 +161,6 @@ def gpt_strategy(seed: int = 0, **kwargs) -> tuple[FSDP2Strategy, nn.Module]:
     strategy.connect(model)
     strategy.setup_optimizers(adamw())
     return strategy, ref
-
-
-def expect_error(kind: type, fn: Callable[[], Any], *words: str) -> str:
-    try:
-        fn()
-    except kind as e:
-        for word in words:
-            assert word in str(e), f"{word!r} not in: {e}"
-        return str(e)
-    raise AssertionError(f"no {kind.__name__} raised")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -244,6 +245,28 @@ def tensor_init_context_meta_then_materialized():
         assert not nn.Linear(2, 2).weight.is_meta
 
 
+@case
+def regression_parallelize_fn_meta_model_keeps_ties():
+    """A custom parallelize_fn that shards the blocks only and leaves a meta model for the strategy
+    to materialize: the tied embedding/head (plain parameters, outside any FSDP unit) must still be
+    one parameter. materialize_meta_model was given no ties, and to_empty() split them."""
+
+    def blocks_only(module, device_mesh, mp_policy, **kwargs):
+        for block in module.blocks:
+            fully_shard(block, mesh=device_mesh["dp"], mp_policy=mp_policy)
+        return module
+
+    strategy = FSDP2Strategy(parallelize_fn=blocks_only)
+    with strategy.tensor_init_context():
+        model = small()
+    assert model.head.weight is model.tok_emb.weight
+    strategy.connect(model)
+    strategy.parallelize()
+    assert not any(p.is_meta for p in model.parameters()), "a parameter stayed on meta"
+    assert model.head.weight is model.tok_emb.weight, "tie lost: head and embedding are two parameters"
+    assert isinstance(model.blocks[0].attn.qkv.weight, DTensor) and not isinstance(model.head.weight, DTensor)
+
+
 # ---------------------------------------------------------------------------------------------
 # steps and loss
 
@@ -257,12 +280,7 @@ def regression_token_weighted_training_parity():
     data = MaskedLM()
     counts = [int(data.mask[i].sum()) for i in range(4)]
     assert counts[0] + counts[2] > 3 * (counts[1] + counts[3]), counts
-    want = reference_losses(ref, data, 3, world(), lr=1e-3, max_norm=0.5)
-    loader = strategy.process_dataloader(DataLoader(data, batch_size=PER_RANK))
-    got = train(strategy, loader, 3, max_norm=0.5)
-    for step, (g, w) in enumerate(zip(got, want)):
-        assert abs(g - w) <= 1e-6, f"step {step}: reduced loss {g} vs reference {w}"
-    assert_params_match(strategy.model, ref, atol=1e-5)
+    assert_trains_like_reference(strategy, ref, 3, world(), atol=1e-6, max_norm=0.5, data=data)
     assert strategy.current_epoch_step == EpochStep(0, 3)
 
 
@@ -471,8 +489,7 @@ def _resume_and_check(path: Path, saved_state: dict, later: list[float], trained
     strategy.optimizer_step()
     got = [strategy.reduced_loss().item()]
     got += train(strategy, iter(batches[1:]), 1)  # a re-applied restore here would change step 4
-    for step, (g, w) in enumerate(zip(got, later)):
-        assert abs(g - w) <= 1e-6, f"step {step + 3}: {g} vs uninterrupted {w}"
+    assert_losses_match(got, later, 1e-6, first_step=3, against="uninterrupted")
     assert_params_match(strategy.model, trained, atol=1e-6)
     return strategy
 
@@ -523,6 +540,59 @@ def checkpoint_sharded_format_roundtrip():
     assert path.is_dir() and (path / ".metadata").is_file()
     assert len(list(path.glob("*.distcp"))) == world(), "every rank writes its own shards"
     _resume_and_check(path, saved_state, later, trained, data, checkpoint_format="sharded")
+
+
+@case
+def regression_sharded_optimizer_restore_keeps_later_weights():
+    """Sharded format: the deferred optimizer restore (at the first training step) must restore the
+    optimizer only. It used to re-read the checkpoint's weights over a load_model_state_dict
+    made in between."""
+    tmp = shared_tmp()
+    path, saved_state, _, _, data = _save_then_continue(tmp, "sharded_then_weights", checkpoint_format="sharded")
+    strategy, _ = gpt_strategy(seed=1, checkpoint_format="sharded")
+    strategy.load_checkpoint(path)
+    assert strategy._optimizer_state_to_restore is not None
+    torch.manual_seed(7)
+    other = small()
+    strategy.load_model_state_dict({"state_dict": other.state_dict()})  # after load_checkpoint
+    batch = next(iter(strategy.process_dataloader(DataLoader(data, batch_size=PER_RANK))))
+    strategy.training_step(batch, 0)  # applies the deferred optimizer state; no optimizer step
+    assert strategy._optimizer_state_to_restore is None
+    assert_params_match(strategy.model, other, atol=0.0)
+    restored = optimizer_state(strategy)
+    assert set(restored) == set(saved_state)
+    for key, value in saved_state.items():
+        assert_close(f"optimizer state {key}", restored[key], value, 0.0)
+
+
+@case
+def regression_full_save_failure_leaves_no_temp_file():
+    """A full-format write that fails midway (disk full, an object torch.save cannot write) raises
+    on every rank, removes its temporary file and leaves the checkpoint already at the path alone."""
+    tmp = shared_tmp()
+    strategy, _ = gpt_strategy()
+    path = tmp / "kept.ckpt"
+    strategy.save_checkpoint({"version": 1}, path)
+    before = path.read_bytes()
+    temp = tmp / f".{path.name}.incomplete"
+    real_save = torch.save
+
+    def failing_save(obj, f, *args, **kwargs):
+        if isinstance(f, (str, Path)):  # the checkpoint file, not the in-memory validation buffer
+            Path(f).write_bytes(b"half a checkpoint")
+            raise OSError(28, "No space left on device")
+        return real_save(obj, f, *args, **kwargs)
+
+    torch.save = failing_save
+    try:
+        expect_error(Exception, lambda: strategy.save_checkpoint({"version": 2}, path), "No space left")
+    finally:
+        torch.save = real_save
+    dist.barrier()
+    assert not temp.exists(), f"{temp.name} left behind"
+    assert path.read_bytes() == before, "the earlier checkpoint was changed"
+    assert sorted(p.name for p in tmp.iterdir()) == [path.name]
+    assert torch.load(path, weights_only=True)["version"] == 1
 
 
 @case
@@ -631,12 +701,7 @@ def _tp_parity(tp: int) -> FSDP2Strategy:
     up = strategy.model.layers[0].up.weight
     assert up.device_mesh.mesh_dim_names == ("dp", "tp"), up.device_mesh
     assert up.to_local().numel() == up.numel() // world(), "up projection not split over dp x tp"
-    data = MaskedLM()
-    want = reference_losses(ref, data, 3, dp, lr=1e-3, max_norm=0.5)
-    got = train(strategy, strategy.process_dataloader(DataLoader(data, batch_size=PER_RANK)), 3, max_norm=0.5)
-    for step, (g, w) in enumerate(zip(got, want)):
-        assert abs(g - w) <= 1e-5, f"step {step}: {g} vs reference {w}"
-    assert_params_match(strategy.model, ref, atol=1e-5)
+    assert_trains_like_reference(strategy, ref, 3, dp, atol=1e-5, max_norm=0.5)
     return strategy
 
 
@@ -671,12 +736,7 @@ def hybrid_shard_strategy_training_parity():
     strategy, ref = gpt_strategy(shard_strat="HYBRID_SHARD", replicate_size=2)
     qkv = strategy.model.blocks[0].attn.qkv.weight
     assert tuple(qkv.device_mesh.shape) == (2, world() // 2), qkv.device_mesh
-    data = MaskedLM()
-    want = reference_losses(ref, data, 2, world(), lr=1e-3)
-    got = train(strategy, strategy.process_dataloader(DataLoader(data, batch_size=PER_RANK)), 2)
-    for step, (g, w) in enumerate(zip(got, want)):
-        assert abs(g - w) <= 1e-6, f"step {step}: {g} vs reference {w}"
-    assert_params_match(strategy.model, ref, atol=1e-5)
+    assert_trains_like_reference(strategy, ref, 2, world(), atol=1e-6)
 
 
 @case
@@ -693,7 +753,7 @@ def tp_without_plan_is_an_error():
 
 def example_dir() -> Path:
     """Next to this launch's results, so test_strategy.py can resume from it on one process."""
-    return Path(sys.argv[sys.argv.index("--out") + 1]).parent / "example_loop"
+    return Path(ARGS.out).parent / "example_loop"
 
 
 @case
@@ -715,11 +775,9 @@ def example_strategy_loop_trains_checkpoints_and_resumes():
     dist.barrier()
     resumed = main([*args, "--resume"])  # from step 4: steps 5 and 6 again
     assert len(resumed) == 2, resumed
-    for step, (got, want) in enumerate(zip(resumed, losses[4:]), start=5):
-        assert abs(got - want) <= 1e-6, f"step {step}: resumed {got} vs uninterrupted {want}"
+    assert_losses_match(resumed, losses[4:], 1e-6, first_step=5, against="uninterrupted")
     assert dist.is_initialized(), "the example tore down a process group it did not start"
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
     run_cases(CASES)

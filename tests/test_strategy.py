@@ -10,12 +10,13 @@ import sys
 
 import pytest
 import torch
-from conftest import ROOT, rank_env, run_dist
+from conftest import ROOT, check_case, dist_test, rank_env
 
 TWO_RANK_CASES = [
     "setup_environment_mesh_and_sizes",
     "regression_parallelize_fn_none_still_shards",
     "tensor_init_context_meta_then_materialized",
+    "regression_parallelize_fn_meta_model_keeps_ties",
     "regression_token_weighted_training_parity",
     "process_dataloader_sampler_and_epochs",
     "lightning_style_module_hooks",
@@ -23,6 +24,8 @@ TWO_RANK_CASES = [
     "regression_deferred_optimizer_restore_full_format",
     "regression_every_rank_optimizer_shard_saved",
     "checkpoint_sharded_format_roundtrip",
+    "regression_sharded_optimizer_restore_keeps_later_weights",
+    "regression_full_save_failure_leaves_no_temp_file",
     "checkpoint_loads_into_other_sharding_and_model_state_dict",
     "checkpoint_io_and_remove_checkpoint",
     "regression_tp2_training_parity",
@@ -36,24 +39,8 @@ FOUR_RANK_CASES = [
 ]
 
 
-@pytest.fixture(scope="module")
-def two_rank_results(session_tmp):
-    return run_dist(session_tmp / "strategy", 2, "strategy_cases.py", TWO_RANK_CASES)
-
-
-@pytest.fixture(scope="module")
-def four_rank_results(session_tmp):
-    return run_dist(session_tmp / "strategy", 4, "strategy_cases.py", FOUR_RANK_CASES)
-
-
-@pytest.mark.parametrize("case", TWO_RANK_CASES)
-def test_two_ranks(two_rank_results, case):
-    assert two_rank_results[case] == "ok", two_rank_results[case]
-
-
-@pytest.mark.parametrize("case", FOUR_RANK_CASES)
-def test_four_ranks(four_rank_results, case):
-    assert four_rank_results[case] == "ok", four_rank_results[case]
+test_two_ranks = dist_test("strategy_cases.py", 2, TWO_RANK_CASES)
+test_four_ranks = dist_test("strategy_cases.py", 4, FOUR_RANK_CASES)
 
 
 # ----------------------------------------------------------------------------- the seed API, in-process
@@ -136,6 +123,57 @@ def test_constructor_validates_before_any_process_group():
     assert strategy.fsdp_kwargs == {"shard_strat": "SHARD_GRAD", "TransformerBlock": "Block"}
 
 
+def test_unknown_fsdp_kwarg_is_an_error_at_construction():
+    """A misspelt fsdp() option used to surface as a TypeError inside parallelize(), after the
+    process group had started; it must be a ValueError naming it (and the accepted names) at once."""
+    import torch.distributed as dist
+
+    from zeta_fsdp.strategy import FSDP2Strategy
+
+    with pytest.raises(ValueError, match=r"'TransformerBlok'.*Accepted.*'TransformerBlock'.*'cpu_offload'") as info:
+        FSDP2Strategy(TransformerBlok=torch.nn.Module)
+    assert "'model'" not in str(info.value), "fsdp()'s model is not an option"
+    with pytest.raises(ValueError, match="auto_wrapp"):
+        FSDP2Strategy(shard_strat="FULL_SHARD", auto_wrapp=True)
+    assert not dist.is_initialized(), "validation started a process group"
+    # every fsdp() option except the model (mp and device are the strategy's own) is accepted
+    names = [n for n in inspect.signature(__import__("zeta_fsdp").fsdp).parameters if n not in ("model", "mp")]
+    options = {n: None for n in names if n not in ("shard_strat",)}
+    assert set(FSDP2Strategy(**options).fsdp_kwargs) == set(options) - {"device"}
+    # a custom parallelize_fn may take options of its own; a typo is still caught
+
+    def custom(module, device_mesh, mp_policy, *, float8=False, **kwargs):
+        return module
+
+    assert FSDP2Strategy(parallelize_fn=custom, float8=True).fsdp_kwargs == {"float8": True}
+    with pytest.raises(ValueError, match="float9"):
+        FSDP2Strategy(parallelize_fn=custom, float9=True)
+
+
+def test_every_public_name_has_a_docstring_example():
+    """Properties and methods of FSDP2Strategy, and the public API of loss.py / training.py."""
+    from zeta_fsdp import loss, strategy, training
+
+    lacking = []
+    owners = [strategy.FSDP2Strategy, strategy.EpochStep, training.MemoryReport]
+    owners += [getattr(loss, n) for n in loss.__all__]
+    for owner in owners:
+        for name, value in vars(owner).items():
+            if name.startswith("_") or not (callable(value) or isinstance(value, property)):
+                continue
+            doc = (value.fget if isinstance(value, property) else value).__doc__
+            if "Example:" not in (doc or ""):
+                lacking.append(f"{owner.__name__}.{name}")
+    for module in (loss, strategy, training):
+        lacking += [
+            f"{module.__name__}.{n}" for n in module.__all__ if "Example:" not in (getattr(module, n).__doc__ or "")
+        ]
+    for name in ("forward", "reduce"):  # inherited by both reductions
+        if "Example:" not in (getattr(loss.MaskedTokenLossReduction, name).__doc__ or ""):
+            lacking.append(f"MaskedTokenLossReduction.{name}")
+    assert not lacking, f"public names without an Example: in their docstring: {lacking}"
+
+
 def test_resolve_sizes_and_optimizer_forms():
     from zeta_fsdp.strategy import _parse_optimizers, _resolve_sizes
 
@@ -165,12 +203,14 @@ def _losses(stdout: str) -> dict[int, float]:
     return {int(s): float(v) for s, v, _ in LOSS_LINE.findall(stdout)}
 
 
-def test_example_resumes_on_one_process(two_rank_results, session_tmp):
+def test_example_resumes_on_one_process(dist_results, session_tmp):
     """The 2-rank example run (case above) left a step-4 checkpoint; plain ``python`` resumes it on
     ONE process (notebook-style group, clean exit): the full checkpoint loads at any world size,
     the data order and optimizer state carry over, so steps 5 and 6 reproduce the 2-rank run."""
-    assert two_rank_results["example_strategy_loop_trains_checkpoints_and_resumes"] == "ok"
-    example = session_tmp / "strategy" / "example_loop"
+    check_case(
+        dist_results("strategy_cases.py", 2, TWO_RANK_CASES), "example_strategy_loop_trains_checkpoints_and_resumes"
+    )
+    example = session_tmp / "strategy_cases" / "example_loop"  # dist_results launched it there
     losses = json.loads((example / "losses.json").read_text())
     ckpt = example / "ckpt"
     (ckpt / "step_000006.ckpt").unlink()  # the 2-rank resume wrote it again

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import run_dist
+from conftest import dist_test
 
 TWO_RANK_CASES = [
     "no_sync_full_shard_accumulation",
     "no_sync_hybrid_accumulation",
     "no_sync_restores_on_exception_and_nesting",
+    "regression_no_sync_on_other_torch_state_layouts",
     "clip_grad_norm_full_shard",
     "clip_grad_norm_across_meshes_tp",
     "memory_report_values",
@@ -25,24 +26,8 @@ FOUR_RANK_CASES = [
 ]
 
 
-@pytest.fixture(scope="module")
-def two_rank_results(session_tmp):
-    return run_dist(session_tmp / "training", 2, "training_cases.py", TWO_RANK_CASES)
-
-
-@pytest.fixture(scope="module")
-def four_rank_results(session_tmp):
-    return run_dist(session_tmp / "training", 4, "training_cases.py", FOUR_RANK_CASES)
-
-
-@pytest.mark.parametrize("case", TWO_RANK_CASES)
-def test_two_ranks(two_rank_results, case):
-    assert two_rank_results[case] == "ok", two_rank_results[case]
-
-
-@pytest.mark.parametrize("case", FOUR_RANK_CASES)
-def test_four_ranks(four_rank_results, case):
-    assert four_rank_results[case] == "ok", four_rank_results[case]
+test_two_ranks = dist_test("training_cases.py", 2, TWO_RANK_CASES)
+test_four_ranks = dist_test("training_cases.py", 4, FOUR_RANK_CASES)
 
 
 # single-process checks: no process group needed
@@ -103,3 +88,46 @@ def test_loss_reduction_single_process_values():
     assert torch.allclose(reduction.forward({"loss_mask": mask}, ce_inf)[0], want)
     sample = PerSampleLossReduction().forward({"labels": labels, "loss_mask": mask}, logits)[0]
     assert torch.allclose(sample, ((ce * mask).sum(1) / mask.sum(1)).mean())
+
+
+def test_clip_grad_norm_rejects_bad_norm_type_by_name():
+    """``norm_type="fro"`` used to fail inside float() with a bare "could not convert string"."""
+    from zeta_fsdp.training import clip_grad_norm_
+
+    net = torch.nn.Linear(3, 2)
+    net(torch.randn(4, 3)).sum().backward()
+    for bad in ("fro", "nuc", 0, -2.0, float("nan"), float("-inf"), True, None, "2"):
+        with pytest.raises(ValueError, match=r"norm_type=.*not accepted. Accepted: a positive float.*'inf'") as info:
+            clip_grad_norm_(net, 1.0, norm_type=bad)
+        assert repr(bad) in str(info.value), str(info.value)
+    want = torch.linalg.vector_norm(torch.cat([p.grad.flatten() for p in net.parameters()]), float("inf"))
+    assert abs(clip_grad_norm_(net, 1e9, norm_type="inf") - want.item()) <= 1e-6
+    assert abs(clip_grad_norm_(net, 1e9, norm_type="INF") - want.item()) <= 1e-6
+    assert clip_grad_norm_(net, 1e9, norm_type=3) > 0
+
+
+def test_loss_collective_buffers_on_the_communication_device(monkeypatch):
+    """``reduce([])`` (a rank with no records, e.g. ``reduced_loss`` before any step) all-reduced a
+    CPU tensor, which NCCL refuses: the buffer must be on the group's communication device."""
+    import torch.distributed as dist
+
+    from zeta_fsdp.loss import MaskedTokenLossReduction
+
+    reduction = MaskedTokenLossReduction()
+    assert reduction._comm_device() == torch.device("cpu")  # no process group
+    backend = {"name": "nccl"}
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: backend["name"])
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    assert reduction._comm_device() == torch.device("cuda", 3)
+    backend["name"] = "cpu:gloo,cuda:nccl"
+    assert reduction._comm_device() == torch.device("cpu")
+    backend["name"] = "gloo"
+    assert reduction._comm_device() == torch.device("cpu")
+    # the buffer of reduce([]) is allocated on that device: "meta" stands in for cuda here
+    seen = []
+    monkeypatch.setattr(reduction, "_dp_size", lambda: 2)
+    monkeypatch.setattr(reduction, "_comm_device", lambda: torch.device("meta"))
+    monkeypatch.setattr(dist, "all_reduce", lambda tensor, *args, **kwargs: seen.append(tensor.device))
+    reduction.reduce([])
+    assert seen == [torch.device("meta")], seen

@@ -1,85 +1,38 @@
 """Multi-rank cases for ``zeta_fsdp.training`` and ``zeta_fsdp.loss``, run by ``torchrun``.
 
-Same pattern as ``dist_cases.py``: one launch runs many named cases; every rank writes
-``{case: "ok" | traceback}`` to ``--out``/rank{N}.json. The reference is a ``copy.deepcopy`` made
-before wrapping, run on one process over the global (concatenated) batch.
+Same pattern as ``dist_cases.py`` (helpers and main loop from ``worker.py``). The reference is a
+``copy.deepcopy`` made before wrapping, run on one process over the global (concatenated) batch.
 
-``run_cases`` and ``TPNet`` are shared with ``strategy_cases.py``.
+``TPNet`` and ``tp_plan`` are shared with ``strategy_cases.py``.
 """
 
 from __future__ import annotations
 
-import argparse
+import contextlib
 import copy
-import json
-import os
-import sys
-import traceback
-from datetime import timedelta
-from pathlib import Path
+from collections import Counter
 from typing import Callable
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import Replicate
+from worker import SEQ, VOCAB, Cases, assert_close, full, local_slice, rank, run_cases, tokens, world
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from examples.gpt import Block, lm_loss, small
+from zeta_fsdp import fsdp
+from zeta_fsdp._measure import collectives_per_step
+from zeta_fsdp.loss import MaskedTokenLossReduction, PerSampleLossReduction
+from zeta_fsdp.training import clip_grad_norm_, memory_report, no_sync
 
-from torch.distributed.tensor import DTensor, Replicate  # noqa: E402
-from torch.distributed.tensor.debug import CommDebugMode  # noqa: E402
-
-from examples.gpt import Block, GPTConfig, lm_loss, small  # noqa: E402
-from zeta_fsdp import fsdp, shutdown  # noqa: E402
-from zeta_fsdp.loss import MaskedTokenLossReduction, PerSampleLossReduction  # noqa: E402
-from zeta_fsdp.training import clip_grad_norm_, memory_report, no_sync  # noqa: E402
-
-CASES: dict[str, Callable[[], None]] = {}
-VOCAB, SEQ = GPTConfig().vocab_size, 11
-
-
-def case(fn):
-    CASES[fn.__name__] = fn
-    return fn
+CASES = Cases()
+case = CASES.case
 
 
 # ---------------------------------------------------------------------------------------------
 # shared helpers
-
-
-def rank() -> int:
-    return dist.get_rank()
-
-
-def world() -> int:
-    return dist.get_world_size()
-
-
-def tokens(n: int, seed: int, vocab: int = VOCAB, seq: int = SEQ) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    t = torch.randint(0, vocab, (n, seq + 1), generator=g)
-    return t[:, :-1], t[:, 1:]
-
-
-def local_slice(t: torch.Tensor, index: int | None = None, parts: int | None = None) -> torch.Tensor:
-    index = rank() if index is None else index
-    parts = world() if parts is None else parts
-    per = t.shape[0] // parts
-    return t[index * per : (index + 1) * per]
-
-
-def full(t: torch.Tensor) -> torch.Tensor:
-    return t.full_tensor() if isinstance(t, DTensor) else t
-
-
-def max_diff(got: torch.Tensor, want: torch.Tensor) -> float:
-    return (full(got).detach().double() - want.detach().double()).abs().max().item()
-
-
-def assert_close(name: str, got: torch.Tensor, want: torch.Tensor, atol: float) -> None:
-    err = max_diff(got, want)
-    assert err <= atol, f"{name}: max abs diff {err:.3e} > {atol:.0e}"
 
 
 def assert_grads_match(model: nn.Module, ref: nn.Module, atol: float) -> None:
@@ -97,14 +50,13 @@ def assert_grads_match(model: nn.Module, ref: nn.Module, atol: float) -> None:
 
 
 def comm_counts(fn: Callable[[], object]) -> dict[str, int]:
-    comm = CommDebugMode()
-    with comm:
-        fn()
-    counts: dict[str, int] = {}
-    for op, n in comm.get_comm_counts().items():
-        name = str(op).split(".")[-1].strip("_")
-        counts[name] = counts.get(name, 0) + int(n)
-    return counts
+    """``collectives_per_step(fn)`` keyed without the ops' underscores (``"_allgather_base_"`` ->
+    ``"allgather_base"``). One forward/backward per call: CommDebugMode (torch 2.13) breaks when one
+    context spans several passes of multi-module FSDP units, so callers count phase by phase."""
+    counts: Counter[str] = Counter()
+    for op, n in collectives_per_step(fn).items():
+        counts[op.strip("_")] += n
+    return dict(counts)
 
 
 class TPBlock(nn.Module):
@@ -145,29 +97,6 @@ def tp_plan() -> dict:
     }
 
 
-def run_cases(cases: dict[str, Callable[[], None]]) -> None:
-    """The worker's main: run the requested cases, write this rank's results, leave cleanly."""
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--cases", required=True)
-    args = parser.parse_args()
-    torch.set_num_threads(1)
-    # A short timeout: a case failing on one rank must not hang its peers for 30 minutes.
-    dist.init_process_group("gloo", timeout=timedelta(seconds=int(os.environ.get("ZETA_TEST_TIMEOUT", 120))))
-    results = {}
-    for name in args.cases.split(","):
-        try:
-            cases[name]()
-            results[name] = "ok"
-        except Exception:
-            results[name] = traceback.format_exc()
-        dist.barrier()
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"rank{rank()}.json").write_text(json.dumps(results))
-    shutdown(force=True)
-
-
 def sharded_gpt(**fsdp_kwargs) -> tuple[nn.Module, nn.Module]:
     torch.manual_seed(0)
     model = small()
@@ -177,9 +106,62 @@ def sharded_gpt(**fsdp_kwargs) -> tuple[nn.Module, nn.Module]:
 
 
 def sync_flags(model: nn.Module) -> list[tuple[bool, bool]]:
-    from zeta_fsdp.training import _fsdp_param_groups
+    """(reduce_grads, all_reduce_grads) of every FSDP parameter group, read from torch's own state."""
+    from torch.distributed.fsdp._fully_shard._fsdp_state import _get_module_fsdp_state
 
-    return [(g.reduce_grads, g.all_reduce_grads) for g in _fsdp_param_groups(model)]
+    groups = {}
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            for group in _get_module_fsdp_state(module)._fsdp_param_groups:
+                groups[id(group)] = group
+    return [(g.reduce_grads, g.all_reduce_grads) for g in groups.values()]
+
+
+class _OtherTorchState:
+    """An FSDP state as another torch release shows it: no ``_fsdp_param_groups`` (torch < 2.10 had
+    one ``_fsdp_param_group``), and with ``singular=False`` neither name (a future layout)."""
+
+    def __init__(self, state: object, singular: bool):
+        self._state, self._singular = state, singular
+
+    def __getattr__(self, name: str):
+        if name == "_fsdp_param_groups" or (name == "_fsdp_param_group" and not self._singular):
+            raise AttributeError(name)
+        return getattr(self._state, name)
+
+
+@contextlib.contextmanager
+def other_torch_state_layout(singular: bool):
+    """``FSDPModule._get_fsdp_state()`` returns ``_OtherTorchState``; the public
+    ``set_requires_gradient_sync`` / ``set_requires_all_reduce`` still work, as they do on any torch."""
+    from torch.distributed.fsdp._fully_shard._fsdp_state import _get_module_fsdp_state
+
+    def groups(module, recurse):
+        for m in module.modules() if recurse else [module]:
+            if isinstance(m, FSDPModule):
+                yield from _get_module_fsdp_state(m)._fsdp_param_groups
+
+    def set_requires_gradient_sync(self, requires_gradient_sync, *, recurse=True):
+        for group in groups(self, recurse):
+            group.reduce_grads = group.all_reduce_grads = requires_gradient_sync
+
+    def set_requires_all_reduce(self, requires_all_reduce, *, recurse=True):
+        for group in groups(self, recurse):
+            group.all_reduce_grads = requires_all_reduce
+
+    patches = {
+        "_get_fsdp_state": lambda self: _OtherTorchState(_get_module_fsdp_state(self), singular),
+        "set_requires_gradient_sync": set_requires_gradient_sync,
+        "set_requires_all_reduce": set_requires_all_reduce,
+    }
+    originals = {name: FSDPModule.__dict__[name] for name in patches}
+    for name, fn in patches.items():
+        setattr(FSDPModule, name, fn)
+    try:
+        yield
+    finally:
+        for name, fn in originals.items():
+            setattr(FSDPModule, name, fn)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -256,6 +238,34 @@ def no_sync_restores_on_exception_and_nesting():
     # a plain (unwrapped) module is accepted and left alone
     with no_sync(nn.Linear(2, 2)):
         pass
+
+
+@case
+def regression_no_sync_on_other_torch_state_layouts():
+    """no_sync read torch's private ``_fsdp_param_groups``; where a torch release lacks it, it found
+    no groups, treated the model as unsharded and gradients kept syncing without a word. It must
+    disable sync through the public API, and restore each unit's setting read from whichever name
+    exists (``_fsdp_param_group`` on older torch), or to sync when neither can be read."""
+    x, y = tokens(4, seed=1)
+    for singular in (True, False):
+        model, _ = sharded_gpt(shard_strat="HYBRID_SHARD", replicate_size=world())
+        model.blocks[1].set_requires_gradient_sync(False, recurse=False)  # the user's own setting
+        before = sync_flags(model)
+        assert (False, False) in before and (True, True) in before
+
+        def micro_step(model=model):
+            lm_loss(model(local_slice(x)), local_slice(y)).backward()
+
+        with other_torch_state_layout(singular):
+            with no_sync(model):
+                assert all(f == (False, False) for f in sync_flags(model)), f"sync still on: {sync_flags(model)}"
+                counts = comm_counts(micro_step)
+            after = sync_flags(model)
+        assert counts.get("reduce_scatter_base", 0) == 0 and counts.get("allreduce", 0) == 0, counts
+        if singular:
+            assert after == before, f"{after} != {before}"
+        else:  # nothing readable: back to FSDP's default, sync on every unit
+            assert all(f == (True, True) for f in after), after
 
 
 # ---------------------------------------------------------------------------------------------
@@ -517,5 +527,4 @@ def per_sample_mean_uneven_batches():
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
     run_cases(CASES)

@@ -70,9 +70,25 @@ class _GlobalMeanReduction:
             return 1
         return dist.get_world_size(self._process_group())
 
+    def _comm_device(self) -> torch.device:
+        """Where a tensor must be for a collective of the group: the current CUDA device under
+        NCCL (which has no CPU tensors), else the CPU."""
+        if not (dist.is_available() and dist.is_initialized()):
+            return torch.device("cpu")
+        backend = str(dist.get_backend(self._process_group()))
+        if "nccl" in backend and "cpu:" not in backend:
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
     def _all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum ``tensor`` over the group, in place when it already lives on the communication
+        device; the result is on ``tensor``'s device either way."""
         if self._dp_size() > 1:
-            dist.all_reduce(tensor, group=self._process_group())
+            device = self._comm_device()
+            buffer = tensor.to(device)
+            dist.all_reduce(buffer, group=self._process_group())
+            if buffer is not tensor:
+                tensor = buffer.to(tensor.device)
         return tensor
 
     # -- what subclasses define --------------------------------------------------------------
@@ -111,6 +127,12 @@ class _GlobalMeanReduction:
         (it depends only on the batch, not on the model). With ``validation_step=True`` there is
         no backward, so the loss is this rank's own mean and nothing is communicated.
         A rank whose tokens are all masked contributes a zero loss (never NaN).
+
+        Example:
+            >>> reduction = MaskedTokenLossReduction(validation_step=True)
+            >>> loss, record = reduction.forward({"loss_mask": torch.tensor([1, 1, 0])}, torch.tensor([1.0, 3.0, 7.0]))
+            >>> loss.item(), record["loss_sum_and_ub_size"].tolist()
+            (2.0, [4.0, 2.0])
         """
         loss_sum, count = self._sum_and_count(batch, forward_out)
         record = {RECORD_KEY: torch.stack([loss_sum.detach().double(), count.detach().double()])}
@@ -126,14 +148,22 @@ class _GlobalMeanReduction:
         """The global mean over ``records`` (one per micro-batch): one all-reduce of two numbers.
 
         Returns ``sum of losses / count`` over every rank of the data-parallel group and every
-        record, as a float32 scalar tensor; ``0.0`` when nothing was counted anywhere.
+        record, as a float32 scalar tensor; ``0.0`` when nothing was counted anywhere. A rank
+        with no records (``[]``) still takes part, with zeros on the communication device.
+
+        Example:
+            >>> reduction = MaskedTokenLossReduction()
+            >>> _, record = reduction.forward({"labels": torch.tensor([[1, -100]])}, torch.tensor([[2.0, 9.0]]))
+            >>> reduction.reduce([record]).item(), reduction.reduce([]).item()
+            (2.0, 0.0)
         """
         if isinstance(records, Mapping):
             records = [records]
         if records:
             total = torch.stack([r[RECORD_KEY] for r in records]).sum(dim=0)
         else:
-            total = torch.zeros(2, dtype=torch.float64)
+            # nothing recorded on this rank: its zeros still join the collective, on its device
+            total = torch.zeros(2, dtype=torch.float64, device=self._comm_device())
         total = self._all_reduce(total.clone())
         return (total[0] / total[1].clamp(min=1)).float()
 

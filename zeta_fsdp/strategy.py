@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import io
 import os
 import shutil
 import warnings
@@ -34,17 +33,18 @@ from typing import Any, Callable, Literal, Mapping, NamedTuple, Optional, Union
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, RandomSampler, Sampler
 
 from . import state_dict as sd
-from .distributed import choose_device, ensure_process_group, expected_world_size, shutdown
+from .distributed import build_dp_tp_mesh, choose_device, ensure_process_group, expected_world_size, shutdown
 from .fsdp import fsdp, is_fsdp_wrapped, materialize_meta_model
 from .loss import MaskedTokenLossReduction
 from .options import resolve_mixed_precision, resolve_sharding
 from .training import clip_grad_norm_, no_sync
+from .wrapping import _tied_groups
 
 __all__ = ["EpochStep", "FSDP2Strategy"]
 
@@ -105,20 +105,6 @@ def _tp_style(style: Any) -> Any:
     return styles[style.lower()]()
 
 
-def _weights_only_safe(obj: Any, what: str) -> None:
-    """Refuse, on every rank and before writing, what ``torch.load(weights_only=True)`` would not read."""
-    buffer = io.BytesIO()
-    try:
-        torch.save(obj, buffer)
-        buffer.seek(0)
-        torch.load(buffer, weights_only=True)
-    except Exception as e:  # noqa: BLE001 - reported with torch's reason
-        raise TypeError(
-            f"FSDP2Strategy.save_checkpoint(): {what} must be loadable with torch.load(weights_only=True) "
-            f"(tensors, numbers, strings, None, and lists/tuples/dicts of them). {type(e).__name__}: {e}"
-        ) from e
-
-
 class FSDP2Strategy:
     """Fully sharded data parallel (FSDP2) training with optional tensor parallel: NeMo's API.
 
@@ -140,6 +126,9 @@ class FSDP2Strategy:
         **kwargs: passed to ``fsdp()`` (``shard_strat``, ``TransformerBlock``, ``mp``,
             ``activation_checkpointing``, ``cpu_offload``, ...), except the strategy's own:
             ``checkpoint_format`` (``"full"`` default, or ``"sharded"``: DCP), ``tp_plan``, ``device``.
+            With a custom ``parallelize_fn``, its own keyword parameters are accepted too. Any other
+            name (a typo such as ``TransformerBlok``), a bad ``mp`` or ``shard_strat`` is a
+            ``ValueError`` here, before any process group starts.
 
     Example:
         >>> strategy = FSDP2Strategy(mp_policy="bf16", TransformerBlock=Block)  # doctest: +SKIP
@@ -182,10 +171,17 @@ class FSDP2Strategy:
             raise ValueError("FSDP2Strategy: pass mixed precision once, as mp_policy or as mp, not both.")
         self.mp_policy = resolve_mixed_precision(mp_policy if mp_policy is not None else kwargs.pop("mp", None))
         kwargs.pop("mp", None)
-        if "shard_strat" in kwargs:
-            resolve_sharding(kwargs["shard_strat"])  # ValueError now, not at parallelize()
         if parallelize_fn is not None and not callable(parallelize_fn):
             raise ValueError(f"FSDP2Strategy: parallelize_fn={parallelize_fn!r} is not callable.")
+        accepted = _fsdp_option_names(parallelize_fn)
+        unknown = [k for k in kwargs if k not in accepted]
+        if unknown:
+            raise ValueError(
+                f"FSDP2Strategy: unknown keyword argument(s) {unknown}. Accepted: the strategy's own "
+                f"{list(_STRATEGY_KWARGS)} and mp, and fsdp()'s options {accepted}."
+            )
+        if "shard_strat" in kwargs:
+            resolve_sharding(kwargs["shard_strat"])  # ValueError now, not at parallelize()
         self.data_sampler = data_sampler
         self.checkpoint_io = checkpoint_io
         self.parallelize_fn = parallelize_fn
@@ -223,12 +219,22 @@ class FSDP2Strategy:
 
     @property
     def lightning_module(self) -> Optional[nn.Module]:
-        """The connected module (sharded in place by ``parallelize()``)."""
+        """The connected module (sharded in place by ``parallelize()``).
+
+        Example:
+            >>> strategy.connect(model); strategy.lightning_module is model  # doctest: +SKIP
+            True
+        """
         return self._module
 
     @property
     def model(self) -> Optional[nn.Module]:
-        """The connected module; after ``parallelize()`` it is the sharded ``FSDPModule``."""
+        """The connected module; after ``parallelize()`` it is the sharded ``FSDPModule``.
+
+        Example:
+            >>> strategy.parallelize(); isinstance(strategy.model, FSDPModule)  # doctest: +SKIP
+            True
+        """
         return self._module
 
     def _require_module(self) -> nn.Module:
@@ -255,38 +261,67 @@ class FSDP2Strategy:
         self._device = choose_device(self._module, self._device_arg)
         ensure_process_group(self._device, cpu_offload=bool(self.fsdp_kwargs.get("cpu_offload", False)))
         dp, tp = _resolve_sizes(self._dp_arg, self._tp_arg, dist.get_world_size())
-        self._device_mesh = init_device_mesh(self._device.type, (dp, tp), mesh_dim_names=("dp", "tp"))
+        self._device_mesh = build_dp_tp_mesh(self._device, dp, tp)
 
     @property
     def device_mesh(self) -> DeviceMesh:
-        """The ``(dp, tp)`` mesh (set up on first use)."""
+        """The ``(dp, tp)`` mesh (set up on first use).
+
+        Example:
+            >>> strategy.device_mesh.mesh_dim_names  # doctest: +SKIP
+            ('dp', 'tp')
+        """
         self.setup_environment()
         return self._device_mesh
 
     @property
     def root_device(self) -> torch.device:
-        """The device this rank computes on."""
+        """The device this rank computes on.
+
+        Example:
+            >>> batch = {k: v.to(strategy.root_device) for k, v in batch.items()}  # doctest: +SKIP
+        """
         self.setup_environment()
         return self._device
 
     @property
     def data_parallel_size(self) -> int:
-        """Number of data-parallel replicas (ranks that see different data)."""
+        """Number of data-parallel replicas (ranks that see different data).
+
+        Example:
+            >>> strategy.data_parallel_size  # 4 ranks, tensor_parallel_size=2  # doctest: +SKIP
+            2
+        """
         return self.device_mesh["dp"].size()
 
     @property
     def tensor_parallel_size(self) -> int:
-        """Number of ranks one tensor-parallel layer is split over."""
+        """Number of ranks one tensor-parallel layer is split over.
+
+        Example:
+            >>> FSDP2Strategy(tensor_parallel_size=2).tensor_parallel_size  # doctest: +SKIP
+            2
+        """
         return self.device_mesh["tp"].size()
 
     @property
     def data_parallel_rank(self) -> int:
-        """This rank's index in its data-parallel group (which data shard it reads)."""
+        """This rank's index in its data-parallel group (which data shard it reads).
+
+        Example:
+            >>> strategy.data_parallel_rank  # rank 3 of 4 with tensor_parallel_size=2  # doctest: +SKIP
+            1
+        """
         return self.device_mesh["dp"].get_local_rank()
 
     @property
     def is_global_zero(self) -> bool:
-        """``True`` on global rank 0."""
+        """``True`` on global rank 0 (and without a process group).
+
+        Example:
+            >>> if strategy.is_global_zero:  # doctest: +SKIP
+            ...     print(f"step {step}: loss {loss:.4f}")
+        """
         return not dist.is_initialized() or dist.get_rank() == 0
 
     # ----------------------------------------------------------------------------- sharding
@@ -353,6 +388,7 @@ class FSDP2Strategy:
         module = self._require_module()
         self.setup_environment()
         fn = self.parallelize_fn or self._default_parallelize
+        tied = _tied_groups(module)
         result = fn(module, device_mesh=self._device_mesh, mp_policy=self.mp_policy, **self.fsdp_kwargs)
         if result is not None and result is not module:
             module = self._module = result
@@ -363,7 +399,8 @@ class FSDP2Strategy:
                 "for the default (tensor parallel when configured, then fsdp())."
             )
         if any(t.is_meta for t in list(module.parameters()) + list(module.buffers())):
-            materialize_meta_model(module, self._device, [])
+            # ties as they were before parallelize_fn ran: sharding may replace the shared parameter
+            materialize_meta_model(module, self._device, _current_ties(module, tied))
         self._parallelized = True
         if not self.optimizers:
             self._create_optimizers()
@@ -750,7 +787,9 @@ class FSDP2Strategy:
         module = self._require_module()
         for optimizer, state in zip(self.optimizers, pending):
             if isinstance(state, Mapping) and _SHARDED_REF in state:
-                sd.load_checkpoint(state[_SHARDED_REF], module, optimizer)
+                # the optimizer only: the weights were restored by load_checkpoint(), and anything
+                # loaded since (load_model_state_dict) must not be overwritten by the old weights
+                sd.load_checkpoint(state[_SHARDED_REF], module, optimizer, model_weights=False)
             else:
                 sd.load_optimizer_state_dict(module, optimizer, state, full=True, broadcast_from_rank0=True)
         self._optimizer_state_to_restore = None  # applied once; drop the checkpoint's tensors
@@ -770,7 +809,8 @@ class FSDP2Strategy:
         ``checkpoint_format="full"`` (default): one ``torch.save`` file written by rank 0
         (atomically: temporary file, then rename) holding ``state_dict`` (full tensors keyed by
         FQN) and ``optimizer_states`` (full, keyed by FQN); ``checkpoint_io`` replaces the writer.
-        ``"sharded"``: a DCP directory, every rank writing its own shards.
+        ``"sharded"``: a DCP directory, every rank writing its own shards. If the write fails,
+        every rank raises, no temporary file is left and a checkpoint already at ``filepath`` is kept.
 
         Example:
             >>> strategy.save_checkpoint({"note": "nightly"}, "ckpt/step_100.ckpt")  # doctest: +SKIP
@@ -789,7 +829,7 @@ class FSDP2Strategy:
             "data_parallel_size": self.data_parallel_size,
             "tensor_parallel_size": self.tensor_parallel_size,
         }
-        _everywhere(lambda: _weights_only_safe(extras, "the checkpoint's entries"))
+        sd._on_all_ranks(lambda: sd._check_loadable(extras, "the checkpoint's entries"))
         path = Path(filepath)
         if self.checkpoint_format == "sharded":
             if len(self.optimizers) > 1:
@@ -808,8 +848,12 @@ class FSDP2Strategy:
                 return
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp = path.parent / f".{path.name}.incomplete"
-            torch.save(payload, tmp)
-            os.replace(tmp, path)
+            try:
+                torch.save(payload, tmp)
+                os.replace(tmp, path)
+            finally:
+                # a failed write leaves no temporary file; a file already at ``path`` is untouched
+                tmp.unlink(missing_ok=True)
 
         _on_rank0(write)
 
@@ -964,40 +1008,31 @@ def _parse_optimizers(result: Any) -> tuple[list[torch.optim.Optimizer], list[An
     raise ValueError(f"FSDP2Strategy: configure_optimizers returned {type(result).__name__}, not an optimizer.")
 
 
-def _everywhere(fn: Callable[[], Any]) -> Any:
-    """Run ``fn`` on every rank; if it raised on any rank, raise on all (a lone failure would hang peers)."""
-    try:
-        result, error = fn(), None
-    except Exception as e:  # noqa: BLE001 - re-raised below, on every rank
-        result, error = None, e
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        reports: list = [None] * dist.get_world_size()
-        dist.all_gather_object(reports, None if error is None else (type(error).__name__, str(error)))
-        failed = [(r, item) for r, item in enumerate(reports) if item is not None]
-        if failed and error is None:
-            rank, (kind, message) = failed[0]
-            kinds = {"TypeError": TypeError, "ValueError": ValueError}
-            raise kinds.get(kind, RuntimeError)(f"{message} (on rank {rank})")
-    if error is not None:
-        raise error
-    return result
+def _current_ties(module: nn.Module, before: list[list[str]]) -> list[list[str]]:
+    """Tie groups to restore: those recorded before ``parallelize_fn`` whose names still exist, plus
+    ties the module still shows under names a wrapper may have changed."""
+    names = {n for n, _ in module.named_parameters(remove_duplicate=False)}
+    ties = [group for group in before if all(n in names for n in group)]
+    covered = {n for group in ties for n in group}
+    return ties + [group for group in _tied_groups(module) if not covered.intersection(group)]
+
+
+def _fsdp_option_names(parallelize_fn: Optional[Callable[..., Any]]) -> list[str]:
+    """The ``**kwargs`` names the strategy accepts: ``fsdp()``'s options (not the model, nor the
+    strategy's own ``mp``/``device``), plus a custom ``parallelize_fn``'s own keyword parameters."""
+    names = [n for n in inspect.signature(fsdp).parameters if n not in ("model", "mp", "device")]
+    if parallelize_fn is not None:
+        try:
+            params = inspect.signature(parallelize_fn).parameters.values()
+        except (TypeError, ValueError):  # a builtin without a signature: fsdp()'s names only
+            params = []
+        skip = ("module", "device_mesh", "mp_policy")
+        kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+        names += [p.name for p in params if p.kind in kinds and p.name not in skip and p.name not in names]
+    return names
 
 
 def _on_rank0(fn: Callable[[], Any]) -> Any:
-    """Run ``fn`` on rank 0; every rank raises if it failed, so no peer waits in a collective forever."""
-    if not (dist.is_initialized() and dist.get_world_size() > 1):
-        return fn()
-    result, error = None, None
-    if dist.get_rank() == 0:
-        try:
-            result = fn()
-        except Exception as e:  # noqa: BLE001 - re-raised below, on every rank
-            error = e
-    box = [None if error is None else (type(error).__name__, str(error))]
-    dist.broadcast_object_list(box, src=0)
-    if error is not None:
-        raise error
-    if box[0] is not None:
-        kinds = {"FileNotFoundError": FileNotFoundError, "TypeError": TypeError, "ValueError": ValueError}
-        raise kinds.get(box[0][0], RuntimeError)(f"{box[0][1]} (on rank 0)")
-    return result
+    """Run ``fn`` on rank 0 only; every rank raises if it failed (``state_dict._on_all_ranks``), so no
+    peer waits in a collective forever. Other ranks return ``None``."""
+    return sd._on_all_ranks(lambda: fn() if sd._rank() == 0 else None)

@@ -18,6 +18,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import numbers
 from typing import Iterable, Iterator, Optional, Union
 
 import torch
@@ -29,15 +30,60 @@ from torch.distributed.tensor import DTensor
 __all__ = ["MemoryReport", "clip_grad_norm_", "memory_report", "no_sync"]
 
 
+def _fsdp_modules(model: nn.Module) -> list[FSDPModule]:
+    return [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+
+def _param_groups_of(module: FSDPModule) -> Optional[list]:
+    """The FSDP parameter groups of one module's state, or ``None`` when they cannot be read.
+
+    Private torch attributes: ``_fsdp_param_groups`` (a list, newer torch) or
+    ``_fsdp_param_group`` (one group or ``None``, older torch; in newer torch a property that
+    raises when a unit has several groups).
+    """
+    try:
+        state = module._get_fsdp_state()
+    except Exception:  # noqa: BLE001 - an unreadable state: the caller falls back to defaults
+        return None
+    for name in ("_fsdp_param_groups", "_fsdp_param_group"):
+        try:
+            groups = getattr(state, name)
+        except Exception:  # noqa: BLE001 - absent, or the property refused: try the other name
+            continue
+        if groups is None:
+            return []
+        return list(groups) if isinstance(groups, (list, tuple)) else [groups]
+    return None
+
+
 def _fsdp_param_groups(model: nn.Module) -> list:
-    """Every FSDP parameter group of ``model`` once (a multi-module unit shares one state)."""
+    """Every readable FSDP parameter group of ``model`` once (a multi-module unit shares one state)."""
     groups: dict[int, object] = {}
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            state = module._get_fsdp_state()
-            for group in getattr(state, "_fsdp_param_groups", ()):
-                groups[id(group)] = group
+    for module in _fsdp_modules(model):
+        for group in _param_groups_of(module) or ():
+            groups[id(group)] = group
     return list(groups.values())
+
+
+def _sync_setting(module: FSDPModule) -> tuple[bool, bool]:
+    """``(requires_gradient_sync, requires_all_reduce)`` of one unit; ``(True, True)`` (FSDP's
+    default) when its state cannot be read."""
+    groups = _param_groups_of(module)
+    if not groups:
+        return True, True
+    return (
+        all(getattr(g, "reduce_grads", True) for g in groups),
+        all(getattr(g, "all_reduce_grads", True) for g in groups),
+    )
+
+
+def _set_sync(module: FSDPModule, reduce: bool, all_reduce: bool) -> None:
+    """Public FSDP2 API only: gradient sync (reduce-scatter, and HSDP's all-reduce) then the
+    all-reduce on its own, where this torch has ``set_requires_all_reduce``."""
+    module.set_requires_gradient_sync(reduce, recurse=False)
+    set_all_reduce = getattr(module, "set_requires_all_reduce", None)
+    if callable(set_all_reduce):
+        set_all_reduce(all_reduce, recurse=False)
 
 
 @contextlib.contextmanager
@@ -47,32 +93,33 @@ def no_sync(model: nn.Module) -> Iterator[nn.Module]:
     Gradients accumulate unreduced on each rank; the first backward outside the block reduces
     the sum of all accumulated micro-batches in one go, so K micro-batches cost one reduction.
     Divide each micro-batch loss by K to get the mean over the K micro-batches. The previous
-    per-unit settings are restored on exit, also when the body raises. A model without FSDP
-    units is left alone (a DDP model uses its own ``no_sync``).
+    per-unit settings are restored on exit, also when the body raises (a unit whose setting
+    cannot be read, on a torch without the private state this reads, is restored to sync). A
+    model without FSDP units is left alone (a DDP model uses its own ``no_sync``).
 
     Example:
         >>> with no_sync(model):  # doctest: +SKIP
         ...     (loss_fn(model(batch0)) / 2).backward()  # no collective for gradients
         >>> (loss_fn(model(batch1)) / 2).backward()  # reduces both micro-batches  # doctest: +SKIP
     """
-    groups = _fsdp_param_groups(model)
-    if not groups:
+    modules = _fsdp_modules(model)
+    if not modules:
         ddp_no_sync = getattr(model, "no_sync", None)
         with ddp_no_sync() if callable(ddp_no_sync) else contextlib.nullcontext():
             yield model
         return
-    # Save the exact flags so nesting, or a user who already disabled sync on some units, is
-    # restored as it was rather than forced back to True.
-    saved = [(g, g.reduce_grads, g.all_reduce_grads) for g in groups]
+    # Save each unit's exact setting so nesting, or a user who already disabled sync on some
+    # units, is restored as it was rather than forced back to True.
+    saved = [(module, _sync_setting(module)) for module in modules]
     try:
-        for module in model.modules():
-            if isinstance(module, FSDPModule):
-                module.set_requires_gradient_sync(False, recurse=False)
+        for module in modules:
+            # torch >= 2.4: also turns off HSDP's replica all-reduce; set_requires_all_reduce makes
+            # sure of it on any version that has it.
+            _set_sync(module, False, False)
         yield model
     finally:
-        for group, reduce_grads, all_reduce_grads in saved:
-            group.reduce_grads = reduce_grads
-            group.all_reduce_grads = all_reduce_grads
+        for module, (reduce, all_reduce) in saved:
+            _set_sync(module, reduce, all_reduce)
 
 
 def _parameters(model_or_params: Union[nn.Module, torch.Tensor, Iterable[torch.Tensor]]) -> list[torch.Tensor]:
@@ -110,6 +157,18 @@ def _total_norm(groups: list[list[torch.Tensor]], norm_type: float) -> torch.Ten
     return torch.linalg.vector_norm(stacked, norm_type)
 
 
+def _norm_order(norm_type: Union[float, str]) -> float:
+    """``norm_type`` as a float: a positive number, ``float("inf")`` or ``"inf"``; else ``ValueError``."""
+    if isinstance(norm_type, str) and norm_type.strip().lower() == "inf":
+        return float("inf")
+    if isinstance(norm_type, numbers.Real) and not isinstance(norm_type, bool) and norm_type > 0:
+        return float(norm_type)  # nan fails "> 0"
+    raise ValueError(
+        f"clip_grad_norm_: norm_type={norm_type!r} is not accepted. Accepted: a positive float "
+        "(e.g. 2.0 for the Euclidean norm, 1.0), float('inf') or 'inf' (largest magnitude)."
+    )
+
+
 def clip_grad_norm_(
     model_or_params: Union[nn.Module, torch.Tensor, Iterable[torch.Tensor]],
     max_norm: float,
@@ -122,14 +181,15 @@ def clip_grad_norm_(
     Works on sharded models: DTensor gradients on one or several meshes (FSDP, FSDP+TP, HSDP),
     plain gradients, and parameters without a gradient (skipped). The returned norm is a plain
     ``float``, identical on every rank and equal to ``torch.nn.utils.clip_grad_norm_`` on the
-    unsharded model. ``norm_type`` may be ``float("inf")`` or ``"inf"`` (largest magnitude).
+    unsharded model. ``norm_type`` is a positive float, or ``float("inf")`` / ``"inf"`` (largest
+    magnitude); anything else is a ``ValueError`` naming it.
 
     Example:
         >>> loss.backward()  # doctest: +SKIP
         >>> norm = clip_grad_norm_(model, max_norm=1.0)  # doctest: +SKIP
         >>> optimizer.step()  # doctest: +SKIP
     """
-    norm_type = float(norm_type)
+    norm_type = _norm_order(norm_type)
     params = _parameters(model_or_params)
     grads = [p.grad for p in params if p.grad is not None]
     if not grads:
@@ -174,7 +234,12 @@ class MemoryReport(dict):
     )
 
     def table(self) -> str:
-        """A fixed-width table: one row per category, local vs full bytes and their ratio."""
+        """A fixed-width table: one row per category, local vs full bytes and their ratio.
+
+        Example:
+            >>> memory_report(torch.nn.Linear(10, 10)).table().splitlines()[2].split()
+            ['parameters', '440', 'B', '440', 'B', '1.000']
+        """
         head = f"rank {self['rank']}/{self['world_size']}"
         rows = [(head, "this rank", "unsharded", "local/full")]
         for key, label in self.ROWS:
