@@ -117,4 +117,3 @@ def test_notebook_example_runs_without_group_setup():
     assert last < first, steps
     assert "FSDPGPT | tied: True" in proc.stdout
     assert "Sharded Param" in proc.stdout and "OptState" in proc.stdout
-
