@@ -10,7 +10,9 @@ setup(
     long_description_content_type="text/markdown",
     packages=find_packages(include=["zeta_fsdp", "zeta_fsdp.*"]),
     python_requires=">=3.9",
-    install_requires=["torch>=2.6", "einops", "typing-extensions"],
+    # numpy: torch.distributed.tensor.debug (CommDebugMode, used by the demo and measurements)
+    # imports it, and torch itself does not depend on it.
+    install_requires=["torch>=2.6", "einops", "typing-extensions", "numpy"],
     extras_require={
         "test": ["pytest"],
         "dev": ["ruff==0.17.6", "pytest"],
