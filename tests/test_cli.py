@@ -1,9 +1,11 @@
-"""`python -m zeta_fsdp demo | plan`: the demo end to end, bad input, Ctrl-C with no orphan rank."""
+"""`python -m zeta_fsdp demo | plan | bench`: the demo end to end, bad input, Ctrl-C with no orphan rank."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -79,6 +81,63 @@ def test_demo_memory_and_collectives(demo):
     # ZeRO-3 re-gathers in backward what ZeRO-2 kept: more all-gathers per step.
     ag = {n: int(re.search(r"(\d+) AG", c).group(1)) for n, c in collectives.items() if "AG" in c}
     assert ag["FULL_SHARD"] > ag["SHARD_GRAD"], collectives
+
+
+def test_demo_says_where_it_runs_and_what_strategies_are(demo):
+    proc, _, _ = demo
+    import torch
+
+    device, backend = (
+        ("CUDA", "nccl") if torch.cuda.is_available() and torch.cuda.device_count() >= 2 else ("CPU", "gloo")
+    )
+    assert f"launching 2 rank(s) on {device} ({backend})" in proc.stderr, proc.stderr
+    assert f"on 2 {device} rank(s) ({backend})" in proc.stdout, proc.stdout
+    assert "(FULL_SHARD = ZeRO-3, SHARD_GRAD = ZeRO-2, NO_SHARD = DDP-like)" in proc.stdout, proc.stdout
+
+
+@pytest.mark.parametrize(
+    "available, count, nproc, expected",
+    [
+        (False, 0, 2, ("cpu", "gloo")),
+        (True, 2, 2, ("cuda", "nccl")),
+        (True, 8, 1, ("cuda", "nccl")),
+        (True, 1, 2, ("cpu", "gloo")),  # fewer GPUs than ranks: CPU
+    ],
+)
+def test_demo_device_choice(monkeypatch, available, count, nproc, expected):
+    import torch
+
+    from zeta_fsdp.demo import demo_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: available)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+    assert demo_device(nproc) == expected
+
+
+def test_demo_ranks_get_the_chosen_device(monkeypatch):
+    """On a GPU machine the launcher hands ``--device cuda`` to the ranks and says so (no GPU needed)."""
+    import io
+
+    import zeta_fsdp.demo as demo
+
+    launched = []
+
+    def fake_launch(cmd, workdir, timeout_s):
+        launched.append(cmd)
+        shutil.rmtree(workdir)  # a failed run keeps its folder for the log: leave nothing behind
+        return 1  # as if the ranks failed: nothing runs
+
+    monkeypatch.setattr(demo, "demo_device", lambda nproc: ("cuda", "nccl"))
+    monkeypatch.setattr(demo, "_launch_and_wait", fake_launch)
+    log = io.StringIO()
+    with pytest.raises(demo.DemoError):
+        demo.run_demo(nproc=2, steps=1, log=log)
+    assert launched[0][-2:] == ["--device", "cuda"], launched[0]
+    assert "launching 2 rank(s) on CUDA (nccl)" in log.getvalue()
+    row = {"strategy": "FULL_SHARD", "loss_first": 1.0, "loss_final": 0.5, "memory": {}, "step_seconds": 0.1}
+    result = {"model": "GPT", "nproc": 2, "steps": 1, "mp": "fp32", "device": "cuda", "backend": "nccl"}
+    table = demo.format_table({**result, "rows": [{**row, "collectives": {}}]})
+    assert "on 2 CUDA rank(s) (nccl)" in table
 
 
 def test_demo_output_is_clean_without_a_tty(demo):
@@ -159,6 +218,9 @@ BAD_INPUT = [
     (["plan", "examples.gpt:small", "--world-size", "2", "--rank", "2"], "Accepted: an int in [0, 1]"),
     (["plan", "examples.gpt:small", "--block", "Nope"], "matches no submodule"),
     (["plan", "/no/such/config.json"], "no config file"),
+    (["bench", "nope"], "unknown benchmark 'nope'; accepted: facade, memory, step_time, accelerate, gpu, checkpoint,"),
+    (["bench", "step_time", "facade", "bogus"], "unknown benchmark 'bogus'"),
+    (["bench", "checkpoint", "--out", "/tmp/x"], "(it has no --out)"),
 ]
 
 
@@ -294,3 +356,49 @@ def test_demo_without_examples_is_one_line(monkeypatch, capsys, tmp_path):
     out, err = capsys.readouterr()
     assert out == "" and len(err.strip().splitlines()) == 1
     assert "needs the repository's examples/gpt.py" in err and "launching" not in err
+
+
+# ------------------------------------------------------------------ bench: the repository's benchmark scripts
+
+BENCH_NAMES = ["facade", "memory", "step_time", "accelerate", "gpu", "checkpoint", "training"]
+
+
+def test_bench_lists_every_benchmark(capsys):
+    assert main(["bench"]) == 0
+    out, err = capsys.readouterr()
+    listed = [line.split()[0] for line in out.splitlines() if line.startswith("  ")]
+    assert listed == BENCH_NAMES, out
+    assert all(len(line.split()) > 3 for line in out.splitlines() if line.startswith("  ")), "one-line descriptions"
+    assert err == ""
+
+
+def test_bench_names_are_the_scripts():
+    from zeta_fsdp._cmd_bench import BENCHMARKS
+
+    scripts = sorted(p.name for p in (ROOT / "benchmarks").glob("bench_*.py"))
+    assert sorted(script for script, _ in BENCHMARKS.values()) == scripts
+    assert all(script == f"bench_{name}.py" for name, (script, _) in BENCHMARKS.items())
+
+
+def test_bench_without_benchmarks_folder_is_one_line(monkeypatch, capsys, tmp_path):
+    import zeta_fsdp._cmd_bench as bench
+
+    monkeypatch.setattr(bench, "_BENCH_DIR", tmp_path / "benchmarks")
+    assert main(["bench", "step_time", "--quick"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and len(err.strip().splitlines()) == 1
+    assert "benchmarks/ folder, not found at" in err
+
+
+def test_bench_quick_run_writes_its_results(tmp_path):
+    committed = ROOT / "benchmarks" / "results" / "step_time.md"
+    before = committed.read_bytes()
+    proc = run_cli("bench", "step_time", "--quick", "--out", str(tmp_path), timeout=300)
+    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    assert "== step_time: python benchmarks/bench_step_time.py --quick --out" in proc.stderr
+    data = json.loads((tmp_path / "step_time.json").read_text())
+    assert "benchmarks/bench_step_time.py --quick" in data["command"], data["command"]
+    assert sorted(data["timing"]) == ["DDP", "fsdp() FULL_SHARD", "fsdp() NO_SHARD", "hand-written"]
+    assert data["command"] in (tmp_path / "step_time.md").read_text()
+    assert f"wrote {tmp_path / 'step_time.md'}" in proc.stdout
+    assert committed.read_bytes() == before, "a quick run must not touch the committed results"

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import doctest
 import functools
+import inspect
 import json
 
 import pytest
@@ -11,8 +13,11 @@ import torch.distributed as dist
 import torch.nn as nn
 from conftest import launch_worker
 
+import zeta_fsdp.demo
+import zeta_fsdp.planner
 from examples.gpt import small
-from zeta_fsdp.planner import _dry_run_batch, _dry_run_job, dry_run, meta_model_from_spec, plan
+from zeta_fsdp.distributed import fake_process_group
+from zeta_fsdp.planner import MemoryPlan, _dry_run_batch, _dry_run_job, dry_run, meta_model_from_spec, plan
 from zeta_fsdp.wrapping import build_wrap_plan
 
 
@@ -187,8 +192,7 @@ def dry_runs():
     model = meta_gpt(**DRY_RUN_SHAPE)
     # The last rank: its logical shard is shorter than the padded one (often empty).
     jobs = [_dry_run_job(w, s, rank=w - 1, local_world_size=8) for w, s in DRY_RUN_MATRIX]
-    ignoring = _dry_run_job(8, "FULL_SHARD", rank=7)
-    ignoring["ignored_param_names"] = ["pos_emb.weight"]
+    ignoring = _dry_run_job(8, "FULL_SHARD", rank=7, ignored_param_names=["pos_emb.weight"])
     results = _dry_run_batch(model, jobs + [ignoring])
     return {**dict(zip(DRY_RUN_MATRIX, results)), "ignoring pos_emb": results[-1]}
 
@@ -214,6 +218,36 @@ def test_dry_run_with_ignored_params(dry_runs):
     assert dry_runs["ignoring pos_emb"].param_bytes == p.param_bytes
     assert dry_runs["ignoring pos_emb"].local_param_bytes == p.local_param_bytes
     assert p.param_bytes > plan(model, 8, "FULL_SHARD", rank=7).param_bytes, "an ignored parameter stays whole"
+
+
+def test_plan_dry_run_with_ignored_params_matches():
+    """plan(ignored_params=..., dry_run=True) hands the ignored names to the dry run (it used to drop them)."""
+    model = meta_gpt(**DRY_RUN_SHAPE)
+    p = plan(model, 8, "FULL_SHARD", rank=7, ignored_params={model.pos_emb.weight}, dry_run=True)
+    assert p.ignored_param_names == ["pos_emb.weight"]
+    assert (p.dry_run.param_bytes, p.dry_run.local_param_bytes) == (p.param_bytes, p.local_param_bytes)
+    assert p.dry_run_matches is True
+    assert "-> matches the plan" in p.report() and "DOES NOT" not in p.report()
+
+
+def test_dry_run_function_passes_ignored_param_names():
+    model = meta_gpt(**DRY_RUN_SHAPE)
+    d = dry_run(model, 8, rank=7, ignored_param_names=["pos_emb.weight"])
+    p = plan(model, 8, rank=7, ignored_params={model.pos_emb.weight})
+    assert (d.param_bytes, d.local_param_bytes) == (p.param_bytes, p.local_param_bytes)
+
+
+def test_fake_process_group():
+    assert not dist.is_initialized()
+    with fake_process_group(world_size=16, rank=5):
+        assert (dist.get_rank(), dist.get_world_size()) == (5, 16)
+        with pytest.raises(RuntimeError, match="already exists"), fake_process_group(2):
+            pass
+        assert dist.get_world_size() == 16, "the refused nested call must leave the outer group alone"
+    assert not dist.is_initialized(), "the group must be destroyed on exit"
+    # distributed.py owns every torch.distributed set-up call: the planner goes through it.
+    source = inspect.getsource(zeta_fsdp.planner)
+    assert "init_process_group" not in source and "destroy_process_group" not in source
 
 
 def test_dry_run_rejects_classes_in_main():
@@ -306,3 +340,37 @@ def test_tied_unit_really_spans_the_forward(measured_2):
         assert isinstance(results["tied_group_residency"], dict), results["tied_group_residency"]
         seen = results["tied_group_residency"]["current"]
         assert seen == {"head_sharded": False, "block0_sharded": True}, seen
+
+
+# ------------------------------------------------------------------ docstrings: every public name has an example
+
+
+def _public_members(module) -> list[tuple[str, object]]:
+    found = []
+    for name in module.__all__:
+        obj = getattr(module, name)
+        if not (inspect.isclass(obj) or callable(obj)):
+            continue  # constants
+        found.append((name, obj))
+        if inspect.isclass(obj):
+            for attr, member in vars(obj).items():
+                if not attr.startswith("_") and (inspect.isfunction(member) or isinstance(member, property)):
+                    found.append((f"{name}.{attr}", member))
+    return found
+
+
+@pytest.mark.parametrize("module", [zeta_fsdp.planner, zeta_fsdp.demo], ids=lambda m: m.__name__)
+def test_public_api_docstrings_have_an_example(module):
+    lacking = [name for name, obj in _public_members(module) if "Example:" not in (inspect.getdoc(obj) or "")]
+    assert not lacking, f"{module.__name__}: no 'Example:' in the docstring of {lacking}"
+
+
+def test_memory_plan_examples_run():
+    """The examples of MemoryPlan's members, as doctests (``model``: the demo GPT on meta)."""
+    globs = {"plan": plan, "model": meta_gpt(), "torch": torch}
+    finder, runner = doctest.DocTestFinder(), doctest.DocTestRunner(optionflags=doctest.ELLIPSIS)
+    tests = [t for t in finder.find(MemoryPlan, "MemoryPlan", globs=globs) if t.examples]
+    assert len(tests) >= 9, [t.name for t in tests]
+    for test in tests:
+        runner.run(test)
+    assert runner.summarize(verbose=False).failed == 0

@@ -8,7 +8,10 @@ import sys
 from .cli import UsageError, register
 from .options import MIXED_PRECISION_ALIASES
 
-_HELP = "train a small GPT under every sharding strategy on local CPU ranks (gloo) and compare"
+_HELP = (
+    "train a small GPT under every sharding strategy on local ranks and compare "
+    "(CUDA/nccl with a GPU per rank, else CPU/gloo)"
+)
 
 
 def _int_in(low: int, high: int, what: str):

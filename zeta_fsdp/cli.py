@@ -48,7 +48,7 @@ def _build_parser() -> argparse.ArgumentParser:
 
 def _load_commands() -> None:
     # Each subcommand registers itself from its own small module; importing registers it.
-    from . import _cmd_consolidate, _cmd_demo, _cmd_plan  # noqa: F401
+    from . import _cmd_bench, _cmd_consolidate, _cmd_demo, _cmd_plan  # noqa: F401
 
 
 def main(argv: Optional[list[str]] = None) -> int:

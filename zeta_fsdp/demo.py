@@ -1,6 +1,7 @@
 """``python -m zeta_fsdp demo``: train the tiny GPT under every sharding strategy and compare.
 
-The launcher (``run_demo``) starts ``nproc`` local ranks with ``torch.distributed.run``, waits,
+The launcher (``run_demo``) starts ``nproc`` local ranks with ``torch.distributed.run`` (on CUDA
+with nccl when there is a GPU per rank, else on CPU with gloo: ``demo_device``), waits,
 and prints one row per strategy: the loss after N steps (the same for every strategy: same seed,
 same data), per-rank peak memory by category (``FSDPMemTracker``), step time and collectives per
 step (``CommDebugMode``). Each rank (``_worker``) wraps the model with ``fsdp()`` once per
@@ -40,6 +41,7 @@ __all__ = [
     "MAX_NPROC",
     "MAX_STEPS",
     "DemoError",
+    "demo_device",
     "format_table",
     "losses_equal",
     "run_demo",
@@ -57,16 +59,39 @@ PER_RANK_BATCH = 4
 LOSS_TOLERANCE = {"fp32": 1e-4, "bf16": 5e-2, "fp16": 5e-2}
 _REPO_ROOT = Path(__file__).resolve().parents[1]
 _GPT_PATH = _REPO_ROOT / "examples" / "gpt.py"
+# What each strategy is in the terms users know (the legend under the demo's table).
 _STRATEGY_NOTES = {
     "FULL_SHARD": "ZeRO-3",
     "SHARD_GRAD": "ZeRO-2",
     "NO_SHARD": "DDP-like",
-    "HYBRID_SHARD": "2 replicas",
+    "HYBRID_SHARD": "ZeRO-3 in 2 replicas",
 }
 
 
 class DemoError(RuntimeError):
-    """A rank failed or the launcher could not run: the message is one line (plus the log path)."""
+    """A rank failed or the launcher could not run: the message is one line (plus the log path).
+
+    Example:
+        >>> try:  # doctest: +SKIP
+        ...     run_demo(nproc=2)
+        ... except DemoError as e:
+        ...     print(e)  # e.g. "rank1 failed: RuntimeError: ... (full log: /tmp/.../launcher.log)"
+    """
+
+
+def demo_device(nproc: int) -> tuple[str, str]:
+    """(device type, backend) the demo's ``nproc`` ranks use: ``("cuda", "nccl")`` when CUDA is
+    available with a GPU for every rank, else ``("cpu", "gloo")`` (CPU is enough for the demo).
+
+    Example:
+        >>> demo_device(2)  # on a machine without a GPU
+        ('cpu', 'gloo')
+    """
+    import torch
+
+    if torch.cuda.is_available() and nproc <= torch.cuda.device_count():
+        return "cuda", "nccl"
+    return "cpu", "gloo"
 
 
 def strategies_for(nproc: int) -> list[str]:
@@ -251,13 +276,15 @@ def run_demo(
     _validate(nproc, steps, mp, plot)
     mp = MIXED_PRECISION_ALIASES[mp.lower()]
     _load_gpt()  # a missing examples/ is a one-line error here, not a traceback on every rank
+    device, backend = demo_device(nproc)
     workdir = Path(tempfile.mkdtemp(prefix="zeta_fsdp_demo_"))
     tty = _progress_tty() if progress in (None, True) else ""
     if log is not None:
-        log.write(f"launching {nproc} rank(s): {steps} steps per strategy ...\n")
+        log.write(f"launching {nproc} rank(s) on {device.upper()} ({backend}): {steps} steps per strategy ...\n")
         log.flush()
     try:
-        returncode = _launch_and_wait(_rank_command(nproc, steps, mp, workdir, tty), workdir, timeout_s)
+        command = _rank_command(nproc, steps, mp, workdir, tty, device)
+        returncode = _launch_and_wait(command, workdir, timeout_s)
     except BaseException:
         shutil.rmtree(workdir, ignore_errors=True)
         raise
@@ -271,9 +298,10 @@ def run_demo(
     return result
 
 
-def _rank_command(nproc: int, steps: int, mp: str, workdir: Path, tty: str) -> list[str]:
+def _rank_command(nproc: int, steps: int, mp: str, workdir: Path, tty: str, device: str = "cpu") -> list[str]:
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
     worker = ["--module", "zeta_fsdp.demo", "--out", str(workdir), "--steps", str(steps), "--mp", mp]
+    worker += ["--device", device]
     return launcher + worker + (["--tty", tty] if tty else [])
 
 
@@ -372,6 +400,7 @@ def format_table(result: dict[str, Any]) -> str:
         "step ms",
         "collectives/step",
     )
+    device, backend = result.get("device", "cpu"), result.get("backend", "gloo")
     rows = [header]
     for row in result["rows"]:
         mem = row["memory"]
@@ -389,8 +418,8 @@ def format_table(result: dict[str, Any]) -> str:
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
     right = set(range(2, len(header) - 1))
     lines = [
-        f"zeta_fsdp demo: {result['model']} on {result['nproc']} CPU rank(s) (gloo), mp={result['mp']}, "
-        f"{n} AdamW steps from one seed on the same data",
+        f"zeta_fsdp demo: {result['model']} on {result['nproc']} {device.upper()} rank(s) ({backend}), "
+        f"mp={result['mp']}, {n} AdamW steps from one seed on the same data",
         "per-rank memory in KiB at the step's peak (FSDPMemTracker, worst rank); "
         "gathered = unsharded params + all-gather buffers",
         "",
@@ -400,6 +429,8 @@ def format_table(result: dict[str, Any]) -> str:
         lines.append(line.rstrip())
         if i == 0:
             lines.append("  ".join("-" * w for w in widths))
+    names = [row["strategy"] for row in result["rows"]]
+    lines.append("(" + ", ".join(f"{s} = {_STRATEGY_NOTES[s]}" for s in names if s in _STRATEGY_NOTES) + ")")
     equal, spread = losses_equal(result)
     verdict = "equal across strategies" if equal else "NOT equal across strategies"
     lines += ["", f"loss after {n} steps: {verdict} (largest difference {spread:.1e})"]
@@ -478,7 +509,9 @@ def _counting_batch(vocab_size: int, rows: int, seed: int) -> Any:
     return (start + torch.arange(SEQ_LEN + 1)) % vocab_size
 
 
-def _run_strategy(gpt: ModuleType, strategy: str, steps: int, mp: str, progress: _Progress) -> dict[str, Any]:
+def _run_strategy(
+    gpt: ModuleType, strategy: str, steps: int, mp: str, progress: _Progress, device: Any
+) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
     from torch.distributed.fsdp import FSDPModule
@@ -491,12 +524,11 @@ def _run_strategy(gpt: ModuleType, strategy: str, steps: int, mp: str, progress:
     model = gpt.small()
     vocab = model.cfg.vocab_size
     extra = {"replicate_size": 2} if strategy.startswith("HYBRID") else {}
-    # CPU ranks on gloo on every machine (a GPU box included): the same numbers everywhere.
-    fsdp(model, auto_wrap=True, mp=mp, shard_strat=strategy, TransformerBlock=gpt.Block, device="cpu", **extra)
+    fsdp(model, auto_wrap=True, mp=mp, shard_strat=strategy, TransformerBlock=gpt.Block, device=device, **extra)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE)
 
     def local(tokens: torch.Tensor) -> torch.Tensor:
-        return tokens[rank * PER_RANK_BATCH : (rank + 1) * PER_RANK_BATCH]
+        return tokens[rank * PER_RANK_BATCH : (rank + 1) * PER_RANK_BATCH].to(device)
 
     def mean_loss(loss: torch.Tensor) -> float:
         value = loss.detach().float().clone()
@@ -508,6 +540,8 @@ def _run_strategy(gpt: ModuleType, strategy: str, steps: int, mp: str, progress:
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)  # step times are wall times of finished steps
         return loss
 
     first = None
@@ -549,23 +583,25 @@ def _worker(argv: list[str]) -> None:
     parser.add_argument("--steps", type=int, required=True)
     parser.add_argument("--mp", required=True)
     parser.add_argument("--tty", default="")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     args = parser.parse_args(argv)
     out = Path(args.out)
     rank = int(os.environ.get("RANK", "0"))
     try:
         import torch
 
-        from .distributed import ensure_process_group, shutdown
+        from .distributed import choose_device, default_backend, ensure_process_group, shutdown
 
         torch.set_num_threads(1)
-        ensure_process_group(torch.device("cpu"), timeout_s=120)
+        device = choose_device(device=args.device)  # "cuda" -> cuda:LOCAL_RANK
+        ensure_process_group(device, timeout_s=120)  # nccl on CUDA, gloo on CPU
         gpt = _load_gpt()
         world = int(os.environ.get("WORLD_SIZE", "1"))
         strategies = strategies_for(world)
         stream = open(args.tty, "w") if args.tty and rank == 0 else None  # noqa: SIM115 - closed below
         progress = _Progress(args.steps * len(strategies), stream)
         try:
-            rows = [_run_strategy(gpt, s, args.steps, args.mp, progress) for s in strategies]
+            rows = [_run_strategy(gpt, s, args.steps, args.mp, progress, device) for s in strategies]
         finally:
             progress.close()
             if stream is not None:
@@ -576,6 +612,7 @@ def _worker(argv: list[str]) -> None:
             tied = ", tied embedding/head" if reference.cfg.tie_weights else ""
             model = f"GPT ({numel:,} parameters, {reference.cfg.n_layers} blocks{tied})"
             result = {"model": model, "nproc": world, "steps": args.steps, "mp": args.mp}
+            result.update(device=device.type, backend=default_backend(device))
             result["rows"] = rows
             (out / "result.json").write_text(json.dumps(result))
         shutdown()

@@ -16,11 +16,12 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 import warnings
 from datetime import timedelta
-from typing import Any, Optional, Union
+from typing import Any, Iterator, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -34,6 +35,7 @@ __all__ = [
     "default_backend",
     "ensure_process_group",
     "expected_world_size",
+    "fake_process_group",
     "mesh_shape",
     "build_mesh",
     "build_dp_tp_mesh",
@@ -157,6 +159,30 @@ def ensure_process_group(device: torch.device, *, cpu_offload: bool = False, tim
         dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1, **kwargs)
     _CREATED_BY_US["group"] = dist.group.WORLD
     return True
+
+
+@contextlib.contextmanager
+def fake_process_group(world_size: int, rank: int = 0) -> Iterator[None]:
+    """Be ``rank`` of a simulated ``world_size``-rank job for the ``with`` block, then leave it.
+
+    PyTorch's ``"fake"`` backend on a ``FakeStore``: collectives return at once and move no data,
+    so ``fsdp()`` can shard a ``meta`` model as any rank of any world size in one process (what
+    ``planner.dry_run`` does). Refuses to run when a process group already exists.
+
+    Example:
+        >>> with fake_process_group(world_size=1024, rank=7):  # doctest: +SKIP
+        ...     fsdp(meta_model, materialize=False)
+    """
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
+
+    if dist.is_initialized():
+        raise RuntimeError("fake_process_group(): a process group already exists; it would be replaced.")
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        yield
+    finally:
+        # No peers to wait for (shutdown()'s store counter does not exist on a FakeStore).
+        dist.destroy_process_group()
 
 
 def mesh_shape(

@@ -46,7 +46,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
-from .distributed import expected_world_size, mesh_shape
+from .distributed import expected_world_size, fake_process_group, mesh_shape
 from .options import resolve_mixed_precision, resolve_sharding
 from .wrapping import BlockSpec, build_wrap_plan
 
@@ -124,14 +124,21 @@ class DryRunResult:
     load_seconds: float
 
 
-def _units_total(attribute: str, doc: str, plus: str = "") -> property:
+def _units_total(attribute: str, doc: str, example: int, plus: str = "") -> property:
     """A read-only ``int`` property of ``MemoryPlan``: ``attribute`` summed over its units, plus its
-    own attribute ``plus`` if named (the bytes of ignored parameters, which stay whole)."""
+    own attribute ``plus`` if named (the bytes of ignored parameters, which stay whole).
+    ``example``: its value for the demo GPT at 2 ranks (shown in the property's docstring)."""
 
     def total(self: MemoryPlan) -> int:
         return sum(getattr(u, attribute) for u in self.units) + (getattr(self, plus) if plus else 0)
 
     total.__name__ = attribute
+    doc += f"""
+
+        Example:
+            >>> plan(model, world_size=2).{attribute}
+            {example}
+        """
     return property(total, doc=doc)
 
 
@@ -139,7 +146,9 @@ def _units_total(attribute: str, doc: str, plus: str = "") -> property:
 class MemoryPlan:
     """Per-rank memory estimate of ``fsdp(model, ...)`` at ``world_size`` ranks; see ``plan()``.
 
-    The totals exclude activations (they depend on batch size and sequence length).
+    The totals exclude activations (they depend on batch size and sequence length). In the
+    examples of its members, ``model`` is ``examples.gpt.small()`` built on ``meta`` (as in the
+    module's example), planned with the defaults (FULL_SHARD, fp32, AdamW).
 
     Example:
         >>> p = plan(model, world_size=64, shard_strat="HYBRID_SHARD")  # doctest: +SKIP
@@ -165,39 +174,68 @@ class MemoryPlan:
 
     @property
     def shard_size(self) -> int:
-        """Ranks one parameter is sharded over (the last mesh dimension)."""
+        """Ranks one parameter is sharded over (the last mesh dimension).
+
+        Example:
+            >>> plan(model, world_size=64, shard_strat="HYBRID_SHARD").shard_size  # 8 x 8 mesh
+            8
+        """
         return self.mesh_shape[-1]
 
-    numel = _units_total("numel", "Parameters of the model (tied ones once).")
+    numel = _units_total("numel", "Parameters of the model (tied ones once).", 34950)
     param_bytes = _units_total(
-        "param_bytes", "Sharded parameter storage per rank (ignored parameters, kept whole, included).", "ignored_bytes"
+        "param_bytes",
+        "Sharded parameter storage per rank (ignored parameters, kept whole, included).",
+        69960,
+        "ignored_bytes",
     )
     local_param_bytes = _units_total(
         "local_param_bytes",
         "Logical (unpadded) local parameter shards per rank, ignored parameters included.",
+        69960,
         "ignored_bytes",
     )
-    grad_bytes = _units_total("grad_bytes", "Sharded gradient storage per rank.", "ignored_bytes")
+    grad_bytes = _units_total("grad_bytes", "Sharded gradient storage per rank.", 69960, "ignored_bytes")
     optimizer_bytes = _units_total(
         "optimizer_bytes",
         "Optimizer state per rank (ignored parameters' state is whole too).",
+        140068,
         "ignored_optimizer_bytes",
     )
 
     @property
     def total_bytes(self) -> int:
-        """Parameters + gradients + optimizer state + all-gather peak (no activations)."""
+        """Parameters + gradients + optimizer state + all-gather peak (no activations).
+
+        Example:
+            >>> p = plan(model, world_size=2)
+            >>> p.total_bytes == p.param_bytes + p.grad_bytes + p.optimizer_bytes + p.allgather_peak_bytes
+            True
+        """
         return self.param_bytes + self.grad_bytes + self.optimizer_bytes + self.allgather_peak_bytes
 
     @property
     def dry_run_matches(self) -> Optional[bool]:
-        """``True``/``False`` once a dry run is attached: do its parameter bytes equal the plan's?"""
+        """``True``/``False`` once a dry run is attached: do its parameter bytes equal the plan's?
+
+        ``None`` without a dry run (``plan(..., dry_run=False)``, the default).
+
+        Example:
+            >>> plan(model, world_size=8, dry_run=True).dry_run_matches  # doctest: +SKIP
+            True
+        """
         if self.dry_run is None:
             return None
         return (self.dry_run.param_bytes, self.dry_run.local_param_bytes) == (self.param_bytes, self.local_param_bytes)
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain JSON-ready data: every figure in bytes, totals included."""
+        """Plain JSON-ready data: every figure in bytes, totals included.
+
+        Example:
+            >>> data = plan(model, world_size=2).to_dict()
+            >>> data["param_bytes"], data["total_bytes"], data["dry_run"]
+            (69960, 375508, None)
+        """
         data = asdict(self)
         data.update(
             shard_size=self.shard_size,
@@ -212,7 +250,14 @@ class MemoryPlan:
         return data
 
     def report(self) -> str:
-        """A printable report: the job, one row per unit (identical blocks folded), per-rank totals."""
+        """A printable report: the job, one row per unit (identical blocks folded), per-rank totals.
+
+        Example:
+            >>> print(plan(model, world_size=2).report())  # doctest: +ELLIPSIS
+            GPT: 34,950 parameters (136.52 KiB unsharded)
+            FULL_SHARD on 2 ranks: mesh 2 (parameters sharded over 2), mp=fp32 (no casting), optimizer=adamw
+            ...
+        """
         mesh = "x".join(str(s) for s in self.mesh_shape)
         lines = [
             f"{self.model_name}: {self.numel:,} parameters ({_fmt(self.model_bytes)} unsharded)",
@@ -412,18 +457,18 @@ def plan(
             f"dim-0 padding: each rank stores {result.param_bytes:,} parameter bytes; rank {rank}'s logical "
             f"shard is {result.local_param_bytes:,} (optimizer state follows the logical shard)"
         )
-    if dry_run:
-        result.dry_run = _run_dry_run(
-            model,
+    if dry_run:  # (the flag shadows the function dry_run(): call what it calls)
+        job = _dry_run_job(
             world_size,
-            shard_strat=spec.name,
-            mp=policy,
-            auto_wrap=auto_wrap,
-            TransformerBlock=TransformerBlock,
-            rank=rank,
+            spec.name,
+            policy,
+            auto_wrap,
+            TransformerBlock,
+            rank,
             replicate_size=shape[0] if len(shape) == 2 else None,
             ignored_param_names=wrap.ignored_param_names,
         )
+        result.dry_run = _dry_run_batch(model, [job])[0]
     return result
 
 
@@ -550,13 +595,18 @@ def dry_run(
         ...     model = small(dim=4096, n_heads=32, n_layers=32, vocab_size=128256)
         >>> dry_run(model, 1024, "HYBRID_SHARD").param_bytes  # doctest: +SKIP
     """
-    job = _dry_run_job(world_size, shard_strat, mp, auto_wrap, TransformerBlock, rank, replicate_size, local_world_size)
+    job = _dry_run_job(
+        world_size,
+        shard_strat,
+        mp,
+        auto_wrap,
+        TransformerBlock,
+        rank,
+        replicate_size,
+        local_world_size,
+        ignored_param_names=ignored_param_names,
+    )
     return _dry_run_batch(model, [job], timeout_s=timeout_s)[0]
-
-
-def _run_dry_run(*args: Any, **kwargs: Any) -> DryRunResult:
-    # plan()'s ``dry_run`` flag shadows the function's name inside plan().
-    return dry_run(*args, **kwargs)
 
 
 def _dry_run_job(
@@ -568,6 +618,7 @@ def _dry_run_job(
     rank: int = 0,
     replicate_size: Optional[int] = None,
     local_world_size: Optional[int] = None,
+    ignored_param_names: Iterable[str] = (),
 ) -> dict[str, Any]:
     """Validate one dry-run configuration and turn it into plain JSON for the subprocess."""
     policy = resolve_mixed_precision(mp)
@@ -584,7 +635,7 @@ def _dry_run_job(
         "reduce_dtype": _dtype_name(policy.reduce_dtype),
         "auto_wrap": auto_wrap,
         "transformer_block": _block_spec_names(transformer_block),
-        "ignored_param_names": [],
+        "ignored_param_names": list(ignored_param_names),
     }
 
 
@@ -613,24 +664,16 @@ def _dry_run_batch(model: nn.Module, jobs: list[dict[str, Any]], *, timeout_s: f
 
 def _dry_run_child(workdir: str) -> None:
     """Body of the dry-run subprocess (``python -c``): per job, a fake group, the real ``fsdp()``, measure."""
-    import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
+    from .fsdp import fsdp
 
-    from . import fsdp as _fsdp_function  # noqa: F401 - import the package first
-
-    fsdp_module = sys.modules["zeta_fsdp.fsdp"]  # the package's ``fsdp`` attribute is the function
     torch.set_num_threads(1)
     results = []
     for job in json.loads((Path(workdir) / "jobs.json").read_text()):
         start = time.perf_counter()
         model = torch.load(Path(workdir) / "model.pt", weights_only=False)
         load_seconds = time.perf_counter() - start
-        dist.init_process_group("fake", store=FakeStore(), rank=job["rank"], world_size=job["world_size"])
-        try:
-            results.append(_dry_run_one(fsdp_module.fsdp, model, job, load_seconds))
-        finally:
-            # No peers to wait for (zeta_fsdp.shutdown's store counter does not exist on a FakeStore).
-            dist.destroy_process_group()
+        with fake_process_group(job["world_size"], job["rank"]):
+            results.append(_dry_run_one(fsdp, model, job, load_seconds))
     (Path(workdir) / "results.json").write_text(json.dumps(results))
 
 
