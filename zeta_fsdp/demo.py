@@ -137,13 +137,14 @@ def _validate(nproc: int, steps: int, mp: str, plot: Optional[str]) -> None:
     if MIXED_PRECISION_ALIASES.get(str(mp).lower()) not in LOSS_TOLERANCE:
         raise ValueError(f"mp={mp!r} is not accepted. Accepted: {', '.join(map(repr, MIXED_PRECISION_ALIASES))}.")
     if plot is not None:
+        # The target is checked first: that error does not depend on what is installed.
+        parent = Path(plot).resolve().parent
+        if not parent.is_dir():
+            raise ValueError(f"cannot write the plot to {plot!r}: folder {str(parent)!r} does not exist.")
         try:
             import matplotlib  # noqa: F401
         except ImportError:
             raise ValueError("--plot needs matplotlib, which is not installed (pip install matplotlib).") from None
-        parent = Path(plot).resolve().parent
-        if not parent.is_dir():
-            raise ValueError(f"cannot write the plot to {plot!r}: folder {str(parent)!r} does not exist.")
 
 
 def _rank_env() -> dict[str, str]:
