@@ -14,7 +14,8 @@ setup(
     # imports it, and torch itself does not depend on it.
     install_requires=["torch>=2.6", "einops", "typing-extensions", "numpy"],
     extras_require={
-        "test": ["pytest"],
+        # safetensors and matplotlib let the suite cover the .safetensors export and the demo plot
+        "test": ["pytest", "safetensors", "matplotlib"],
         "dev": ["ruff==0.17.6", "pytest"],
         "bench": ["matplotlib", "accelerate"],
         "demo": ["tqdm", "matplotlib"],
