@@ -46,10 +46,10 @@ import torch.nn as nn  # noqa: E402
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 from torch.distributed.fsdp import fully_shard  # noqa: E402
 
-from examples.gpt import GPT, Block, GPTConfig, lm_loss  # noqa: E402
 from zeta_fsdp import shutdown  # noqa: E402
 from zeta_fsdp._measure import median_step_seconds  # noqa: E402
 from zeta_fsdp.distributed import ensure_process_group  # noqa: E402
+from zeta_fsdp.models.gpt import GPT, Block, GPTConfig, lm_loss  # noqa: E402
 from zeta_fsdp.options import resolve_mixed_precision  # noqa: E402
 
 __all__ = [

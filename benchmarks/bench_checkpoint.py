@@ -42,8 +42,8 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.distributed.checkpoint as dcp  # noqa: E402
 
-from examples.gpt import GPT, Block, GPTConfig  # noqa: E402
 from zeta_fsdp import fsdp, shutdown  # noqa: E402
+from zeta_fsdp.models.gpt import GPT, Block, GPTConfig  # noqa: E402
 from zeta_fsdp.state_dict import get_full_state_dict, get_sharded_state_dict, load_checkpoint, save_checkpoint  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results" / "checkpoint.md"

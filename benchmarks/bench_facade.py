@@ -47,9 +47,9 @@ from _common import (
     train_step,
 )
 
-from examples.gpt import llama_1b_config
 from zeta_fsdp import fsdp
 from zeta_fsdp._measure import collectives_per_step, peak_memory_by_category
+from zeta_fsdp.models.gpt import llama_1b_config
 
 QUICK_WRAP_CONFIG = GPTConfig(vocab_size=1024, dim=128, n_heads=4, n_layers=2, max_seq_len=128)
 

@@ -13,8 +13,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path.cwd() if (Path.cwd() / "examples").is_dir() else Path(__file__).resolve().parents[1]))
-from examples.gpt import Block, lm_loss, small  # noqa: E402
 from zeta_fsdp import build_wrap_plan, fsdp  # noqa: E402
+from zeta_fsdp.models.gpt import Block, lm_loss, small  # noqa: E402
 
 torch.manual_seed(0)
 model = small()

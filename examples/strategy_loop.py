@@ -27,7 +27,7 @@ from torch.utils.data import DataLoader, Dataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from examples.gpt import Block, small  # noqa: E402
+from zeta_fsdp.models.gpt import Block, small  # noqa: E402
 from zeta_fsdp.strategy import FSDP2Strategy  # noqa: E402
 
 

@@ -25,8 +25,8 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.tensor import DTensor
 from worker import ARGS, Cases, expect_error, full, global_batch, local_slice, mean_over_ranks, rank, run_cases, world
 
-from examples.gpt import Block, lm_loss, small
 from zeta_fsdp import fsdp
+from zeta_fsdp.models.gpt import Block, lm_loss, small
 from zeta_fsdp.state_dict import (
     CheckpointError,
     get_full_state_dict,

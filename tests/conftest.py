@@ -12,7 +12,7 @@ from typing import Callable
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # tests import examples.gpt, as users run them from the repo root
+sys.path.insert(0, str(ROOT))  # tests import zeta_fsdp.models.gpt, as users run them from the repo root
 
 
 def rank_env() -> dict[str, str]:

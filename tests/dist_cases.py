@@ -16,9 +16,9 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from worker import Cases, assert_close, full, global_batch, local_slice, mean_over_ranks, run_cases, world
 
-from examples.gpt import GPT, Block, GPTConfig, lm_loss, small
 from zeta_fsdp import fsdp
 from zeta_fsdp.distributed import build_mesh
+from zeta_fsdp.models.gpt import GPT, Block, GPTConfig, lm_loss, small
 from zeta_fsdp.options import resolve_sharding
 
 CASES = Cases()

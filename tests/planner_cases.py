@@ -18,9 +18,9 @@ import torch
 from torch.distributed.tensor import DTensor
 from worker import SEQ, Cases, rank, run_cases
 
-from examples.gpt import lm_loss, small
 from zeta_fsdp import fsdp
 from zeta_fsdp._measure import _restore_fsdp_hooks
+from zeta_fsdp.models.gpt import lm_loss, small
 
 BATCH = 4
 

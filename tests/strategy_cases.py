@@ -25,9 +25,9 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 from training_cases import TPNet, tp_plan
 from worker import ARGS, SEQ, Cases, assert_close, expect_error, full, rank, run_cases, world
 
-from examples.gpt import Block, small
 from zeta_fsdp import fsdp
 from zeta_fsdp.loss import MaskedTokenLossReduction
+from zeta_fsdp.models.gpt import Block, small
 from zeta_fsdp.strategy import EpochStep, FSDP2Strategy
 
 CASES = Cases()

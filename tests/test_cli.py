@@ -159,7 +159,7 @@ def test_plan_cli_dry_run_matches_at_1024_ranks(capsys):
     code = main(
         [
             "plan",
-            "examples.gpt:small",
+            "zeta_fsdp.models.gpt:small",
             "dim=512",
             "n_heads=8",
             "n_layers=4",
@@ -191,7 +191,7 @@ def test_plan_cli_dry_run_matches_at_1024_ranks(capsys):
 def test_plan_cli_json(capsys):
     import json
 
-    assert main(["plan", "examples.gpt:small", "--world-size", "2", "--no-dry-run", "--json"]) == 0
+    assert main(["plan", "zeta_fsdp.models.gpt:small", "--world-size", "2", "--no-dry-run", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["param_bytes"] == 69960 and data["world_size"] == 2 and data["dry_run"] is None
 
@@ -208,15 +208,15 @@ BAD_INPUT = [
     (["demo", "--mp", "int8"], "accepted (case-insensitive): fp32,"),
     (["demo", "--plot", "/no/such/folder/x.png"], "does not exist"),
     (["plan", "examples.nope:small"], "cannot import 'examples.nope'"),
-    (["plan", "examples.gpt:nope"], "has no attribute 'nope'"),
+    (["plan", "zeta_fsdp.models.gpt:nope"], "has no attribute 'nope'"),
     (["plan", "no.colon.or.config"], "MODEL is 'package.module:factory'"),
-    (["plan", "examples.gpt:small", "bogus=1"], "unexpected keyword argument 'bogus'"),
-    (["plan", "examples.gpt:small", "notkeyvalue"], "is not KEY=VALUE"),
-    (["plan", "examples.gpt:small", "--shard-strat", "ZERO4"], "accepted (case-insensitive): FULL_SHARD,"),
-    (["plan", "examples.gpt:small", "--mp", "int8"], "accepted (case-insensitive): fp32,"),
-    (["plan", "examples.gpt:small", "--world-size", "0"], "--world-size must be an int from 1 to"),
-    (["plan", "examples.gpt:small", "--world-size", "2", "--rank", "2"], "Accepted: an int in [0, 1]"),
-    (["plan", "examples.gpt:small", "--block", "Nope"], "matches no submodule"),
+    (["plan", "zeta_fsdp.models.gpt:small", "bogus=1"], "unexpected keyword argument 'bogus'"),
+    (["plan", "zeta_fsdp.models.gpt:small", "notkeyvalue"], "is not KEY=VALUE"),
+    (["plan", "zeta_fsdp.models.gpt:small", "--shard-strat", "ZERO4"], "accepted (case-insensitive): FULL_SHARD,"),
+    (["plan", "zeta_fsdp.models.gpt:small", "--mp", "int8"], "accepted (case-insensitive): fp32,"),
+    (["plan", "zeta_fsdp.models.gpt:small", "--world-size", "0"], "--world-size must be an int from 1 to"),
+    (["plan", "zeta_fsdp.models.gpt:small", "--world-size", "2", "--rank", "2"], "Accepted: an int in [0, 1]"),
+    (["plan", "zeta_fsdp.models.gpt:small", "--block", "Nope"], "matches no submodule"),
     (["plan", "/no/such/config.json"], "no config file"),
     (["bench", "nope"], "unknown benchmark 'nope'; accepted: facade, memory, step_time, accelerate, gpu, checkpoint,"),
     (["bench", "step_time", "facade", "bogus"], "unknown benchmark 'bogus'"),
@@ -345,17 +345,6 @@ def test_a_failing_rank_is_reported_in_one_line(tmp_path):
     assert line == f"rank1 failed: RuntimeError: boom (full log: {tmp_path / 'launcher.log'})"
     (tmp_path / "error_rank1.txt").unlink()
     assert _failure_summary(tmp_path, -15).startswith("the ranks exited with code -15")
-
-
-def test_demo_without_examples_is_one_line(monkeypatch, capsys, tmp_path):
-    import zeta_fsdp.demo as demo
-
-    monkeypatch.setattr(demo, "_GPT_PATH", tmp_path / "examples" / "gpt.py")
-    monkeypatch.delitem(sys.modules, "_zeta_fsdp_demo_gpt", raising=False)
-    assert main(["demo"]) == 2
-    out, err = capsys.readouterr()
-    assert out == "" and len(err.strip().splitlines()) == 1
-    assert "needs the repository's examples/gpt.py" in err and "launching" not in err
 
 
 # ------------------------------------------------------------------ bench: the repository's benchmark scripts

@@ -10,9 +10,9 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, ShardingStrategy
 
-from examples.gpt import Block, small
 from zeta_fsdp import fsdp, resolve_mixed_precision, resolve_sharding
 from zeta_fsdp.distributed import mesh_shape
+from zeta_fsdp.models.gpt import Block, small
 from zeta_fsdp.options import validate_reshard_after_forward
 
 

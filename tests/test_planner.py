@@ -15,8 +15,8 @@ from conftest import launch_worker
 
 import zeta_fsdp.demo
 import zeta_fsdp.planner
-from examples.gpt import small
 from zeta_fsdp.distributed import fake_process_group
+from zeta_fsdp.models.gpt import small
 from zeta_fsdp.planner import MemoryPlan, _dry_run_batch, _dry_run_job, dry_run, meta_model_from_spec, plan
 from zeta_fsdp.wrapping import build_wrap_plan
 
@@ -129,17 +129,17 @@ def test_bad_arguments_name_accepted_values(kwargs, message):
 
 
 def test_meta_model_from_spec():
-    model = meta_model_from_spec("examples.gpt:small", {"n_layers": 5})
+    model = meta_model_from_spec("zeta_fsdp.models.gpt:small", {"n_layers": 5})
     assert next(model.parameters()).is_meta and len(model.blocks) == 5
     for spec, message in [
         ("examples.nope:small", "cannot import 'examples.nope'"),
-        ("examples.gpt:nope", "has no attribute 'nope'"),
+        ("zeta_fsdp.models.gpt:nope", "has no attribute 'nope'"),
         ("not a model", "MODEL is"),
     ]:
         with pytest.raises(ValueError, match=message):
             meta_model_from_spec(spec)
     with pytest.raises(ValueError, match="unexpected keyword"):
-        meta_model_from_spec("examples.gpt:small", {"bogus": 1})
+        meta_model_from_spec("zeta_fsdp.models.gpt:small", {"bogus": 1})
 
 
 # ------------------------------------------------------------------ Hugging Face configs (optional)

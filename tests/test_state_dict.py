@@ -17,8 +17,8 @@ import pytest
 import torch
 from conftest import ROOT, check_case, launch_worker, merge_ranks, rank_env
 
-from examples.gpt import small
 from zeta_fsdp import cli
+from zeta_fsdp.models.gpt import small
 from zeta_fsdp.state_dict import (
     CheckpointError,
     consolidate_checkpoint,
@@ -314,7 +314,7 @@ KILLED_BETWEEN_RENAMES = """
 import os, sys
 from pathlib import Path
 import torch
-from examples.gpt import small
+from zeta_fsdp.models.gpt import small
 from zeta_fsdp.state_dict import save_checkpoint
 
 path = Path(sys.argv[1])

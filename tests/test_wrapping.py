@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from examples.gpt import Block, GPTConfig, small
+from zeta_fsdp.models.gpt import Block, GPTConfig, small
 from zeta_fsdp.wrapping import build_wrap_plan, detect_block_classes
 
 

@@ -28,9 +28,9 @@ if str(ROOT) not in sys.path:
 
 from torch.distributed.tensor import DTensor  # noqa: E402
 
-from examples.gpt import GPTConfig  # noqa: E402
 from zeta_fsdp import shutdown  # noqa: E402
 from zeta_fsdp.distributed import ensure_process_group  # noqa: E402
+from zeta_fsdp.models.gpt import GPTConfig  # noqa: E402
 
 GLOBAL_BATCH, SEQ, VOCAB = 8, 11, GPTConfig().vocab_size
 ARGS = argparse.Namespace()  # the worker's parsed command line, for cases that need extra arguments

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib.util
 import json
 import os
 import shutil
@@ -57,8 +56,6 @@ SEQ_LEN = 12  # tokens per sample; the demo GPT has max_seq_len 16
 PER_RANK_BATCH = 4
 # Same seed and data everywhere: strategies differ only in reduction order (~1e-7 in fp32).
 LOSS_TOLERANCE = {"fp32": 1e-4, "bf16": 5e-2, "fp16": 5e-2}
-_REPO_ROOT = Path(__file__).resolve().parents[1]
-_GPT_PATH = _REPO_ROOT / "examples" / "gpt.py"
 # What each strategy is in the terms users know (the legend under the demo's table).
 _STRATEGY_NOTES = {
     "FULL_SHARD": "ZeRO-3",
@@ -108,20 +105,10 @@ def strategies_for(nproc: int) -> list[str]:
 
 
 def _load_gpt() -> ModuleType:
-    """Import the repository's ``examples/gpt.py`` by path (no reliance on the current folder)."""
-    if not _GPT_PATH.is_file():
-        raise ValueError(
-            f"the demo needs the repository's examples/gpt.py, not found at {_GPT_PATH}; "
-            "run it from a source checkout of zeta_fsdp."
-        )
-    name = "_zeta_fsdp_demo_gpt"
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, _GPT_PATH)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses look their module up while the file executes
-    spec.loader.exec_module(module)
-    return module
+    """The demo's model: the tiny GPT shipped in ``zeta_fsdp.models.gpt``."""
+    from .models import gpt
+
+    return gpt
 
 
 # --------------------------------------------------------------------------------------------
@@ -150,7 +137,6 @@ def _validate(nproc: int, steps: int, mp: str, plot: Optional[str]) -> None:
 def _rank_env() -> dict[str, str]:
     env = dict(os.environ)
     env["OMP_NUM_THREADS"] = "1"  # ranks share the cores: one intra-op thread each
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(_REPO_ROOT), env.get("PYTHONPATH", "")) if p)
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(var, None)
     return env
@@ -276,7 +262,6 @@ def run_demo(
     """
     _validate(nproc, steps, mp, plot)
     mp = MIXED_PRECISION_ALIASES[mp.lower()]
-    _load_gpt()  # a missing examples/ is a one-line error here, not a traceback on every rank
     device, backend = demo_device(nproc)
     workdir = Path(tempfile.mkdtemp(prefix="zeta_fsdp_demo_"))
     tty = _progress_tty() if progress in (None, True) else ""

@@ -17,7 +17,7 @@ meta copy under PyTorch's fake process group, in a subprocess (the caller never 
 
 Example:
     >>> import torch
-    >>> from examples.gpt import small
+    >>> from zeta_fsdp.models.gpt import small
     >>> from zeta_fsdp.planner import plan
     >>> with torch.device("meta"):
     ...     model = small()
@@ -147,7 +147,7 @@ class MemoryPlan:
     """Per-rank memory estimate of ``fsdp(model, ...)`` at ``world_size`` ranks; see ``plan()``.
 
     The totals exclude activations (they depend on batch size and sequence length). In the
-    examples of its members, ``model`` is ``examples.gpt.small()`` built on ``meta`` (as in the
+    examples of its members, ``model`` is ``zeta_fsdp.models.gpt.small()`` built on ``meta`` (as in the
     module's example), planned with the defaults (FULL_SHARD, fp32, AdamW).
 
     Example:
@@ -729,7 +729,7 @@ def _dry_run_one(fsdp: Any, model: nn.Module, job: dict[str, Any], load_seconds:
 # --------------------------------------------------------------------------------------------
 
 MODEL_SPEC_HELP = (
-    "'package.module:factory' (e.g. examples.gpt:small), a local Hugging Face config.json (or its folder), "
+    "'package.module:factory' (e.g. zeta_fsdp.models.gpt:small), a local Hugging Face config.json (or its folder), "
     "or a transformers config class name (e.g. LlamaConfig)"
 )
 
@@ -742,7 +742,7 @@ def meta_model_from_spec(spec: str, overrides: Optional[dict[str, Any]] = None) 
     Never downloads. Raises ``ValueError`` with a one-line reason when the spec cannot be used.
 
     Example:
-        >>> model = meta_model_from_spec("examples.gpt:small", {"n_layers": 4})
+        >>> model = meta_model_from_spec("zeta_fsdp.models.gpt:small", {"n_layers": 4})
         >>> next(model.parameters()).device
         device(type='meta')
     """
