@@ -153,14 +153,25 @@ def test_incomplete_launcher_environment_is_a_clear_error(monkeypatch):
 
 
 def test_mixed_dtypes_in_one_unit_is_a_clear_error():
+    # Only when the user keeps each parameter's dtype (master_dtype=None): by default the
+    # floating-point parameters are all stored in fp32 and the unit is uniform.
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4).to(torch.bfloat16))
     reference = copy.deepcopy(model)
     with pytest.raises(
         ValueError, match=r"mixes parameter dtypes \(float32: 0.weight, 0.bias; bfloat16: 1.weight, 1.bias\)"
     ):
-        fsdp(model, shard_strat="FULL_SHARD")
+        fsdp(model, shard_strat="FULL_SHARD", master_dtype=None)
     assert not dist.is_initialized()
-    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), reference.parameters()))
+    assert all(a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(model.parameters(), reference.parameters()))
+
+
+@pytest.mark.parametrize("bad", ["int8", torch.int32, 3])
+def test_bad_master_dtype_is_refused_before_anything_changes(bad):
+    model = nn.Sequential(nn.Linear(4, 4)).to(torch.bfloat16)
+    with pytest.raises(ValueError, match=r"master_dtype=.*Accepted"):
+        fsdp(model, shard_strat="FULL_SHARD", master_dtype=bad)
+    assert not dist.is_initialized()
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters())
 
 
 def test_transformer_block_without_auto_wrap_warns():

@@ -61,8 +61,9 @@ def test_memory_report_plain_module():
 
     net = torch.nn.Linear(10, 10)
     report = memory_report(net)
-    assert report["params"] == {"local_bytes": 440, "full_bytes": 440, "tensors": 2}
+    assert report["params"] == {"local_bytes": 440, "full_bytes": 440, "tensors": 2, "dtypes": ["float32"]}
     assert report["world_size"] == 1 and "1.000" in report.table()
+    assert "master weights float32; optimizer state -" in report.table()
 
 
 def test_loss_reduction_single_process_values():

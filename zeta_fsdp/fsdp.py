@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import warnings
 from typing import Any, Iterable, Optional, Union
 
 import torch
@@ -33,10 +32,15 @@ from .distributed import (
     shard_group_size,
     validate_mesh,
 )
-from .options import resolve_mixed_precision, resolve_sharding, validate_reshard_after_forward
+from .options import (
+    resolve_master_dtype,
+    resolve_mixed_precision,
+    resolve_sharding,
+    validate_reshard_after_forward,
+)
 from .wrapping import BlockSpec, WrapPlan, build_wrap_plan
 
-__all__ = ["fsdp", "get_wrap_plan", "is_fsdp_wrapped"]
+__all__ = ["average_replicated_grads", "fsdp", "get_wrap_plan", "is_fsdp_wrapped"]
 
 _PLAN_ATTR = "_zeta_fsdp_plan"
 
@@ -111,23 +115,72 @@ def _ignored_parameters(
     return ignored
 
 
-def _check_uniform_dtypes(plan: WrapPlan, model: nn.Module) -> None:
-    """FSDP2 all-gathers one flat buffer per unit, so a unit's parameters must share one dtype."""
+def _dtype_after_cast(param: torch.Tensor, master: Optional[torch.dtype]) -> torch.dtype:
+    return master if master is not None and param.is_floating_point() else param.dtype
+
+
+def _check_uniform_dtypes(plan: WrapPlan, model: nn.Module, master: Optional[torch.dtype]) -> None:
+    """FSDP2 all-gathers one flat buffer per unit, so a unit's parameters must share one dtype.
+
+    Checked on the dtypes the parameters WILL have (floating ones cast to ``master``), before
+    anything is cast: a bad model is refused with the model untouched.
+    """
     dtype_of = dict(model.named_parameters())
     for unit in plan.units:
-        if len(unit.dtypes) > 1:
-            by_dtype: dict[torch.dtype, list[str]] = {}
-            for name in unit.param_names:
-                by_dtype.setdefault(dtype_of[name].dtype, []).append(name)
+        by_dtype: dict[torch.dtype, list[str]] = {}
+        for name in unit.param_names:
+            by_dtype.setdefault(_dtype_after_cast(dtype_of[name], master), []).append(name)
+        if len(by_dtype) > 1:
             detail = "; ".join(
                 f"{str(d).replace('torch.', '')}: {', '.join(n[:3])}{' ...' if len(n) > 3 else ''}"
-                for d, n in ((d, names) for d, names in by_dtype.items())
+                for d, n in by_dtype.items()
             )
             raise ValueError(
                 f"fsdp(): FSDP unit {unit.name} mixes parameter dtypes ({detail}). FSDP2 needs one "
-                "dtype per unit: cast the model to one dtype first (e.g. model.float()) and use "
-                "mp='bf16'/'fp16' for low-precision compute, or pass the odd ones in ignored_params."
+                "dtype per unit: keep master_dtype='fp32' (the default: floating parameters are "
+                "sharded in fp32), cast the model to one dtype first, or pass the odd ones in ignored_params."
             )
+
+
+def _cast_to_master(model: nn.Module, master: Optional[torch.dtype]) -> list[str]:
+    """Store every floating-point parameter in ``master`` (in place; ties stay one object)."""
+    cast = []
+    if master is None:
+        return cast
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if param.is_floating_point() and param.dtype != master:
+                param.data = param.data.to(master)
+                cast.append(name)
+    return cast
+
+
+def average_replicated_grads(params: Iterable[nn.Parameter], mesh: DeviceMesh) -> list[Any]:
+    """Average the gradients of parameters kept whole on every rank over ``mesh``, as FSDP does.
+
+    ``fully_shard`` cannot shard a 0-dim parameter (CLIP's ``logit_scale``), so ``fsdp()`` keeps
+    those whole on every rank and trains them with this hook: after each backward accumulates
+    into ``.grad``, the gradient is summed over every mesh dimension and divided by the mesh size
+    (the mean FSDP's reduce-scatter takes). Under ``no_sync`` the mean is taken each micro-batch:
+    the already-averaged part is equal on every rank, so the result is the same mean. Returns the
+    hook handles.
+
+    Example:
+        >>> handles = average_replicated_grads([model.logit_scale], mesh)  # doctest: +SKIP
+    """
+    import torch.distributed as dist
+
+    groups = [mesh.get_group(d) for d in range(mesh.ndim) if mesh.size(d) > 1]
+    size = mesh.size()
+
+    def hook(param: torch.Tensor) -> None:
+        if param.grad is None or not groups:
+            return
+        for group in groups:
+            dist.all_reduce(param.grad, group=group)
+        param.grad.div_(size)
+
+    return [p.register_post_accumulate_grad_hook(hook) for p in params if p.requires_grad]
 
 
 def _checkpointed_forward(forward: Any, *args: Any, **kwargs: Any) -> Any:
@@ -192,16 +245,44 @@ def _retie(model: nn.Module, tied_params: list[list[str]]) -> None:
                 owner.register_parameter(attr, first)
 
 
-def _unrefilled_modules(model: nn.Module) -> list[str]:
-    """Modules owning tensors that no ``init_weights()``/``reset_parameters()`` will refill."""
-    if callable(getattr(model, "init_weights", None)):
-        return []  # the model's own init is trusted to cover everything
-    return [
-        name or "<root>"
-        for name, module in model.named_modules()
-        if (any(True for _ in module.parameters(recurse=False)) or any(True for _ in module.buffers(recurse=False)))
-        and not callable(getattr(module, "reset_parameters", None))
-    ]
+# Written into every floating-point tensor (and the most negative value into integer ones) after
+# ``to_empty``: whatever still holds it after initialisation was not initialised.
+_SENTINEL = float("nan")
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _fill_sentinel(tensors: dict[str, torch.Tensor]) -> None:
+    for t in tensors.values():
+        local = _local(t)
+        if local.is_floating_point() or local.is_complex():
+            local.fill_(_SENTINEL)
+        elif local.dtype != torch.bool:
+            local.fill_(torch.iinfo(local.dtype).min)
+
+
+def _still_sentinel(t: torch.Tensor) -> bool:
+    local = _local(t)
+    if local.numel() == 0 or local.dtype == torch.bool:
+        return False
+    if local.is_floating_point() or local.is_complex():
+        return bool(torch.isnan(local).any())
+    return bool((local == torch.iinfo(local.dtype).min).any())
+
+
+def _agree_on_names(names: list[str], all_names: list[str], mesh: Optional[DeviceMesh]) -> list[str]:
+    """The union over the mesh of ``names`` (each rank only sees its own shards), in model order."""
+    if mesh is None:
+        return names
+    import torch.distributed as dist
+
+    flags = torch.tensor([n in names for n in all_names], dtype=torch.int32)
+    for d in range(mesh.ndim):
+        if mesh.size(d) > 1:
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=mesh.get_group(d))
+    return [n for n, f in zip(all_names, flags.tolist()) if f]
 
 
 def materialize_meta_model(
@@ -211,13 +292,21 @@ def materialize_meta_model(
     *,
     shard_index: int = 0,
     offload_to_cpu: bool = False,
+    mesh: Optional[DeviceMesh] = None,
 ) -> bool:
     """Allocate a sharded ``meta`` model on ``device`` and initialise it. Returns ``True`` if it did.
 
-    Each rank allocates only its shards (``to_empty``), then the model's own initialisation runs:
-    ``init_weights()`` on the root when defined, else ``reset_parameters()`` on every module that
-    has one (buffers included, when those methods refill them). Ties are restored and nothing is
-    allowed to stay on ``meta``.
+    Each rank allocates only its shards (``to_empty``), then initialises, in this order:
+
+    1. every module's ``reset_parameters()`` (``nn.Linear``, ``nn.LayerNorm``, ... and yours),
+    2. then the root's ``init_weights()``, if it defines one, on top (a model-wide scheme such
+       as ``normal(0, 0.02)``, buffers such as a causal mask or RoPE tables),
+    3. then ties are restored.
+
+    Every floating-point tensor is filled with NaN (integer ones with their dtype's minimum)
+    right after ``to_empty``; any parameter or buffer that still holds that marker after steps
+    1-2 was initialised by nobody, and the call raises ``RuntimeError`` naming it, on every rank
+    (``mesh`` given: the ranks agree). Boolean buffers cannot be checked this way. Nothing may stay on ``meta``.
 
     ``shard_index`` is this rank's coordinate on the shard dimension of the mesh. On CUDA, DTensor
     random ops keep shards of one parameter distinct by themselves; on CPU they draw from each
@@ -234,7 +323,7 @@ def materialize_meta_model(
     tensors.update(model.named_buffers())
     if not any(t.is_meta for t in tensors.values()):
         return False
-    unrefilled = _unrefilled_modules(model)
+    meta_names = [n for n, t in tensors.items() if t.is_meta]
     # FSDP2's CPU offload expects the sharded parameters on CPU; buffers stay on the compute device.
     model.to_empty(device="cpu" if offload_to_cpu else device)
     if offload_to_cpu and device.type != "cpu":
@@ -244,26 +333,30 @@ def materialize_meta_model(
                     name, buffer.to(device), persistent=name not in module._non_persistent_buffers_set
                 )
     with torch.no_grad(), torch.random.fork_rng(devices=[]):
+        fresh = dict(model.named_parameters())
+        fresh.update(model.named_buffers())
+        _fill_sentinel({n: fresh[n] for n in meta_names})
         if device.type == "cpu":
             base_seed = int(torch.randint(0, 2**31 - 1, ()).item())  # same on every rank seeded alike
             torch.manual_seed(base_seed + 7919 * shard_index)
+        for module in model.modules():
+            if callable(getattr(module, "reset_parameters", None)):
+                module.reset_parameters()
         if callable(getattr(model, "init_weights", None)):
             model.init_weights()
-        else:
-            for module in model.modules():
-                if callable(getattr(module, "reset_parameters", None)):
-                    module.reset_parameters()
     _retie(model, tied_params)
     left = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
     if left:
         raise RuntimeError(f"fsdp(): these tensors are still on the meta device after materialization: {left[:10]}")
-    if unrefilled:
-        warnings.warn(
-            "fsdp(): these meta-built modules hold parameters or buffers that nothing initialised "
-            f"(no init_weights() on the model, no reset_parameters() on them), so they contain "
-            f"uninitialised memory: {unrefilled[:10]}. Define init_weights() on the model, or load "
-            "weights with zeta_fsdp.load_full_state_dict().",
-            stacklevel=3,
+    now = dict(model.named_parameters())
+    now.update(model.named_buffers())
+    unset = _agree_on_names([n for n in meta_names if _still_sentinel(now[n])], meta_names, mesh)
+    if unset:
+        raise RuntimeError(
+            f"fsdp(): {len(unset)} meta-built parameter(s)/buffer(s) were initialised by nothing: "
+            f"{unset[:10]}{' ...' if len(unset) > 10 else ''}. fsdp() runs every module's "
+            "reset_parameters(), then the model's init_weights(); make one of them fill these "
+            "(or load weights into the model built on meta with materialize=False)."
         )
     return True
 
@@ -285,6 +378,7 @@ def fsdp(
     ignored_modules: Optional[Iterable[nn.Module]] = None,
     replicate_size: Optional[int] = None,
     materialize: bool = True,
+    master_dtype: Union[str, torch.dtype, None] = "fp32",
 ) -> nn.Module:
     """Shard ``model`` with FSDP2 (``fully_shard``) and return the same object, now an ``FSDPModule``.
 
@@ -294,6 +388,7 @@ def fsdp(
             the whole model is one unit.
         mp: ``"fp32"`` (default), ``"bf16"`` or ``"fp16"`` (compute in the low dtype, reduce
             gradients in fp32; fp16 needs ``torch.amp.GradScaler``), or a ``MixedPrecisionPolicy``.
+            ``mp`` is the compute precision only; the stored weights follow ``master_dtype``.
         shard_strat: ``"FULL_SHARD"`` (ZeRO-3), ``"SHARD_GRAD"`` (ZeRO-2), ``"NO_SHARD"`` (DDP-like,
             default), ``"HYBRID_SHARD"``, ``"HYBRID_SHARD_ZERO2"``, or an FSDP1 ``ShardingStrategy``.
         TransformerBlock: block class, tuple of classes, or class name. Detected when ``None``.
@@ -305,8 +400,18 @@ def fsdp(
         compile: ``torch.compile`` each block (``True`` or a dict of compile options).
         ignored_params / ignored_modules: parameters FSDP leaves alone (not sharded).
         replicate_size: number of replicas for HYBRID (default: number of nodes).
-        materialize: allocate and initialise a ``meta``-built model after sharding (default).
-            ``False`` leaves it on ``meta``: for dry runs that only inspect the sharding.
+        materialize: allocate and initialise a ``meta``-built model after sharding (default):
+            every module's ``reset_parameters()``, then the root's ``init_weights()`` on top; a
+            tensor neither refilled raises. ``False`` leaves it on ``meta`` (dry runs, or
+            loading weights next).
+        master_dtype: the dtype sharded floating-point parameters (and so the optimizer state)
+            are stored in. Default ``"fp32"``: a bf16/fp16-loaded model (``from_pretrained``)
+            is sharded in fp32 and computes per ``mp`` (``mp="fp32"`` then computes in fp32 too).
+            ``None`` keeps each parameter's dtype: pure low-precision training, opt-in.
+
+    0-dim parameters (CLIP's ``logit_scale``), which ``fully_shard`` cannot shard, are kept whole
+    on every rank in ``master_dtype`` and their gradient is averaged across ranks
+    (``average_replicated_grads``): they train exactly like sharded ones.
 
     Raises:
         ValueError: for any bad argument, before a process group starts or the model changes.
@@ -329,6 +434,7 @@ def fsdp(
     _require_bool("materialize", materialize)
     _check_compile_options(compile)
     mp_policy = resolve_mixed_precision(mp)
+    master = resolve_master_dtype(master_dtype)
     spec = resolve_sharding(shard_strat)
     if mesh is not None:
         validate_mesh(spec, mesh)
@@ -344,8 +450,9 @@ def fsdp(
         reshard = spec.reshard_after_forward
     ignored = _ignored_parameters(model, ignored_params, ignored_modules)
     plan = build_wrap_plan(model, auto_wrap=auto_wrap, transformer_block=TransformerBlock, ignored_params=ignored)
-    _check_uniform_dtypes(plan, model)
+    _check_uniform_dtypes(plan, model, master)
     compute_device = _check_device(model, device)
+    scalars = [model.get_parameter(n) for n in plan.scalar_param_names]
 
     # 2. Environment: a process group (ours only if none exists) and the mesh.
     ensure_process_group(compute_device, cpu_offload=cpu_offload)
@@ -359,11 +466,18 @@ def fsdp(
         apply_compile(plan, compile)
     # Pinned host memory needs an accelerator; on a CPU-only run offloading is a no-op anyway.
     offload = CPUOffloadPolicy(pin_memory=compute_device.type != "cpu") if cpu_offload else OffloadPolicy()
-    shard_units(plan, mesh, mp_policy, reshard, offload, ignored)
+    if _cast_to_master(model, master):
+        plan.recount(model)
+    shard_units(plan, mesh, mp_policy, reshard, offload, ignored | set(scalars))
+    # 0-dim parameters stay whole on every rank (FSDP does not move them): put them on the device.
+    for scalar in scalars:
+        if not scalar.is_meta and scalar.device != compute_device:
+            scalar.data = scalar.data.to(compute_device)
+    average_replicated_grads(scalars, mesh)
     if materialize:
         shard_index = mesh.get_local_rank(mesh.ndim - 1) if mesh.size(mesh.ndim - 1) > 1 else 0
         materialize_meta_model(
-            model, compute_device, plan.tied_params, shard_index=shard_index, offload_to_cpu=cpu_offload
+            model, compute_device, plan.tied_params, shard_index=shard_index, offload_to_cpu=cpu_offload, mesh=mesh
         )
     model.__dict__[_PLAN_ATTR] = plan  # so get_wrap_plan() can show what was done
     return model

@@ -21,9 +21,11 @@ import torch
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 __all__ = [
+    "MASTER_DTYPE_ALIASES",
     "MIXED_PRECISION_ALIASES",
     "SHARDING_ALIASES",
     "ShardingSpec",
+    "resolve_master_dtype",
     "resolve_mixed_precision",
     "resolve_sharding",
     "validate_reshard_after_forward",
@@ -51,6 +53,25 @@ MIXED_PRECISION_ALIASES: dict[str, str] = {
     "half": "fp16",
     "16": "fp16",
     "16-mixed": "fp16",
+}
+
+
+# ``master_dtype`` names -> the dtype sharded floating-point parameters are stored (and updated) in.
+# ``None`` keeps every parameter's own dtype: pure low-precision training, on purpose.
+MASTER_DTYPE_ALIASES: dict[str, Optional[torch.dtype]] = {
+    "fp32": torch.float32,
+    "float32": torch.float32,
+    "float": torch.float32,
+    "fp64": torch.float64,
+    "float64": torch.float64,
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "param": None,
+    "keep": None,
+    "none": None,
 }
 
 
@@ -182,3 +203,38 @@ def validate_reshard_after_forward(
             f"shard group size{group}, or None/True/False.{divisors}"
         )
     return value
+
+
+def resolve_master_dtype(master_dtype: Union[str, torch.dtype, None]) -> Optional[torch.dtype]:
+    """Turn ``fsdp(master_dtype=...)`` into the dtype of the sharded (master) parameters, or ``None``.
+
+    The master copy is what the optimizer reads and updates, so its dtype is the optimizer
+    state's dtype too. ``"fp32"`` (the default of ``fsdp``) stores every floating-point parameter
+    in fp32 whatever dtype the model was loaded in (a ``from_pretrained`` bf16 model included);
+    ``mp`` only sets the compute and reduction dtypes. ``None`` (or ``"param"``/``"keep"``) keeps
+    each parameter's own dtype: pure bf16/fp16 training, AdamW state in that dtype too.
+    Case-insensitive; a floating ``torch.dtype`` is accepted as well.
+
+    Example:
+        >>> resolve_master_dtype("FP32")
+        torch.float32
+        >>> resolve_master_dtype(None) is None
+        True
+    """
+    if master_dtype is None:
+        return None
+    if isinstance(master_dtype, torch.dtype):
+        if not master_dtype.is_floating_point:
+            raise ValueError(
+                f"fsdp(): master_dtype={master_dtype} is not a floating-point dtype. Accepted: "
+                "torch.float32, torch.float64, torch.bfloat16, torch.float16, their names, or None."
+            )
+        return master_dtype
+    key = master_dtype.strip().lower() if isinstance(master_dtype, str) else None
+    if key not in MASTER_DTYPE_ALIASES:
+        accepted = ", ".join(repr(a) for a in MASTER_DTYPE_ALIASES)
+        raise ValueError(
+            f"fsdp(): unknown master_dtype={master_dtype!r}. Accepted (case-insensitive): {accepted}, "
+            "None (keep each parameter's dtype), or a floating torch.dtype."
+        )
+    return MASTER_DTYPE_ALIASES[key]

@@ -47,7 +47,7 @@ import torch.nn as nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from .distributed import expected_world_size, fake_process_group, mesh_shape
-from .options import resolve_mixed_precision, resolve_sharding
+from .options import resolve_master_dtype, resolve_mixed_precision, resolve_sharding
 from .wrapping import BlockSpec, build_wrap_plan
 
 __all__ = [
@@ -171,6 +171,10 @@ class MemoryPlan:
     allgather_peak_bytes: int
     dry_run: Optional[DryRunResult] = None
     notes: list[str] = field(default_factory=list)
+    # What the sharded floating-point parameters are stored in (``fsdp(master_dtype=)``) and so
+    # what AdamW's state is kept in; "mixed: ..." when the model keeps several dtypes.
+    master_dtype: str = "float32"
+    optimizer_state_dtype: str = "float32"
 
     @property
     def shard_size(self) -> int:
@@ -263,6 +267,8 @@ class MemoryPlan:
             f"{self.model_name}: {self.numel:,} parameters ({_fmt(self.model_bytes)} unsharded)",
             f"{self.strategy} on {self.world_size} ranks: mesh {mesh} (parameters sharded over {self.shard_size}), "
             f"mp={self.mp}, optimizer={self.optimizer}",
+            f"master weights {self.master_dtype}, optimizer state "
+            + (self.optimizer_state_dtype if self.optimizer != "none" else "none"),
             f"per-rank figures for rank {self.rank}"
             + (" (the largest shard: FSDP2 pads dim 0 to ceil(dim0 / shard size) rows)" if self.rank == 0 else ""),
             "",
@@ -395,6 +401,7 @@ def plan(
     optimizer: str = "adamw",
     ignored_params: Optional[Iterable[nn.Parameter]] = None,
     dry_run: bool = False,
+    master_dtype: Union[str, torch.dtype, None] = "fp32",
 ) -> MemoryPlan:
     """Plan ``fsdp(model, auto_wrap, mp, shard_strat, TransformerBlock)`` at ``world_size`` ranks.
 
@@ -404,6 +411,8 @@ def plan(
     ``local_world_size`` ranks (default ``min(world_size, 8)``). ``optimizer`` is ``"adamw"``,
     ``"adam"`` or ``"none"``. ``dry_run=True`` also runs the real ``fsdp()`` on a meta copy under
     a fake process group in a subprocess and attaches the result (``MemoryPlan.dry_run``).
+    ``master_dtype`` is ``fsdp()``'s: floating-point parameters, gradients and optimizer state are
+    counted in it (default fp32, whatever dtype the meta model was built in).
 
     Raises ``ValueError`` for a bad argument (the message lists the accepted values).
 
@@ -418,6 +427,7 @@ def plan(
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"plan(): unknown optimizer={optimizer!r}. Accepted: {', '.join(map(repr, OPTIMIZERS))}.")
     policy = resolve_mixed_precision(mp)
+    master = resolve_master_dtype(master_dtype)
     spec = resolve_sharding(shard_strat)
     world_size, shape = _resolve_world_and_mesh(spec, world_size, replicate_size, local_world_size)
     if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
@@ -429,9 +439,11 @@ def plan(
     params = dict(model.named_parameters())
     n_state = OPTIMIZERS[optimizer]
 
-    units = [_estimate_unit(u, params, policy, shard_size, shard_rank, n_state) for u in wrap.units]
+    units = [_estimate_unit(u, params, policy, shard_size, shard_rank, n_state, master) for u in wrap.units]
     # Ignored parameters stay whole (and unsharded) on every rank, as do their gradients.
-    ignored_bytes = sum(params[n].numel() * params[n].element_size() for n in wrap.ignored_param_names)
+    ignored_bytes = sum(params[n].numel() * _stored_size(params[n], master) for n in wrap.ignored_param_names)
+    stored = sorted({_dtype_name(_stored_dtype(p, master)) for p in params.values() if p.is_floating_point()})
+    stored_label = stored[0] if len(stored) == 1 else ("mixed: " + ", ".join(stored) if stored else "none")
     result = MemoryPlan(
         model_name=type(model).__name__,
         model_bytes=wrap.nbytes + ignored_bytes,
@@ -446,11 +458,13 @@ def plan(
         ignored_param_names=list(wrap.ignored_param_names),
         ignored_bytes=ignored_bytes,
         ignored_optimizer_bytes=sum(
-            n_state * params[n].numel() * params[n].element_size() + _STEP_BYTES
+            n_state * params[n].numel() * _stored_size(params[n], master) + _STEP_BYTES
             for n in wrap.ignored_param_names
             if n_state and params[n].requires_grad
         ),
         allgather_peak_bytes=_allgather_peak(units, spec.reshard_after_forward, shard_size),
+        master_dtype=stored_label,
+        optimizer_state_dtype=stored_label,  # torch optimizers keep state in the parameter's dtype
     )
     if any(u.param_bytes != u.local_param_bytes for u in units):
         result.notes.append(
@@ -467,9 +481,19 @@ def plan(
             rank,
             replicate_size=shape[0] if len(shape) == 2 else None,
             ignored_param_names=wrap.ignored_param_names,
+            master_dtype=master,
         )
         result.dry_run = _dry_run_batch(model, [job])[0]
     return result
+
+
+def _stored_dtype(param: torch.Tensor, master: Optional[torch.dtype]) -> torch.dtype:
+    """The dtype ``fsdp(master_dtype=master)`` stores ``param`` in."""
+    return master if master is not None and param.is_floating_point() else param.dtype
+
+
+def _stored_size(param: torch.Tensor, master: Optional[torch.dtype]) -> int:
+    return _stored_dtype(param, master).itemsize
 
 
 def _estimate_unit(
@@ -479,14 +503,17 @@ def _estimate_unit(
     shard_size: int,
     shard_rank: int,
     n_state: int,
+    master: Optional[torch.dtype] = torch.float32,
 ) -> UnitEstimate:
     unsharded = padded_bytes = local_bytes = grad = opt = 0
     for name in unit.param_names:
         param = params[name]
         padded, local, gathered = _shard_geometry(param, shard_size, shard_rank)
-        size = param.element_size()
+        size = _stored_size(param, master)
         # FSDP2 casts only floating-point parameters to the compute dtype.
-        compute = policy.param_dtype if policy.param_dtype and param.is_floating_point() else param.dtype
+        compute = (
+            policy.param_dtype if policy.param_dtype and param.is_floating_point() else _stored_dtype(param, master)
+        )
         unsharded += gathered * compute.itemsize
         padded_bytes += padded * size
         local_bytes += local * size
@@ -619,9 +646,11 @@ def _dry_run_job(
     replicate_size: Optional[int] = None,
     local_world_size: Optional[int] = None,
     ignored_param_names: Iterable[str] = (),
+    master_dtype: Union[str, torch.dtype, None] = "fp32",
 ) -> dict[str, Any]:
     """Validate one dry-run configuration and turn it into plain JSON for the subprocess."""
     policy = resolve_mixed_precision(mp)
+    master = resolve_master_dtype(master_dtype)
     spec = resolve_sharding(shard_strat)
     world_size, shape = _resolve_world_and_mesh(spec, world_size, replicate_size, local_world_size)
     if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
@@ -636,6 +665,7 @@ def _dry_run_job(
         "auto_wrap": auto_wrap,
         "transformer_block": _block_spec_names(transformer_block),
         "ignored_param_names": list(ignored_param_names),
+        "master_dtype": _dtype_name(master),
     }
 
 
@@ -680,7 +710,10 @@ def _dry_run_child(workdir: str) -> None:
 def _dry_run_one(fsdp: Any, model: nn.Module, job: dict[str, Any], load_seconds: float) -> dict[str, Any]:
     from torch.distributed.tensor import DTensor
 
-    dtypes = {"none": None, **{_dtype_name(d): d for d in (torch.float32, torch.bfloat16, torch.float16)}}
+    dtypes = {
+        "none": None,
+        **{_dtype_name(d): d for d in (torch.float32, torch.bfloat16, torch.float16, torch.float64)},
+    }
     policy = MixedPrecisionPolicy(param_dtype=dtypes[job["param_dtype"]], reduce_dtype=dtypes[job["reduce_dtype"]])
     block = job["transformer_block"]
     start = time.perf_counter()
@@ -695,6 +728,7 @@ def _dry_run_one(fsdp: Any, model: nn.Module, job: dict[str, Any], load_seconds:
         ignored_params={model.get_parameter(n) for n in job["ignored_param_names"]} or None,
         # allocating every shard would cost gigabytes; the dry run only inspects the sharding
         materialize=False,
+        master_dtype=dtypes[job.get("master_dtype", "float32")],
     )
     wrap_seconds = time.perf_counter() - start
     storage = local = 0

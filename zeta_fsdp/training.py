@@ -241,6 +241,7 @@ class MemoryReport(dict):
             ['parameters', '440', 'B', '440', 'B', '1.000']
         """
         head = f"rank {self['rank']}/{self['world_size']}"
+        dtypes = {key: ", ".join(self[key].get("dtypes", [])) or "-" for key in ("params", "optimizer_state")}
         rows = [(head, "this rank", "unsharded", "local/full")]
         for key, label in self.ROWS:
             entry = self[key]
@@ -253,6 +254,7 @@ class MemoryReport(dict):
             lines.append("  ".join(c.ljust(widths[j]) if j == 0 else c.rjust(widths[j]) for j, c in enumerate(row)))
             if i == 0 or i == len(rows) - 2:
                 lines.append("  ".join("-" * w for w in widths))
+        lines.append(f"master weights {dtypes['params']}; optimizer state {dtypes['optimizer_state']}")
         return "\n".join(lines)
 
     def __str__(self) -> str:
@@ -267,12 +269,16 @@ def _human(n: int) -> str:
     raise AssertionError("unreachable")
 
 
-def _entry(tensors: Iterable[torch.Tensor]) -> dict[str, int]:
+def _entry(tensors: Iterable[torch.Tensor], skip_scalar_dtypes: bool = False) -> dict:
     local = full = count = 0
+    dtypes: set[str] = set()
     for tensor in tensors:
         a, b = _bytes(tensor)
         local, full, count = local + a, full + b, count + 1
-    return {"local_bytes": local, "full_bytes": full, "tensors": count}
+        if tensor.dim() > 0 or not skip_scalar_dtypes:
+            dtypes.add(str(tensor.dtype).replace("torch.", ""))
+    # skip_scalar_dtypes: Adam's 0-dim ``step`` counters (always fp32) say nothing about the state's dtype
+    return {"local_bytes": local, "full_bytes": full, "tensors": count, "dtypes": sorted(dtypes)}
 
 
 def _optimizer_tensors(optimizer: Optional[torch.optim.Optimizer]) -> Iterator[torch.Tensor]:
@@ -289,7 +295,9 @@ def memory_report(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] =
 
     Returns a ``MemoryReport`` (a dict) with ``rank``, ``world_size`` and, for each of
     ``params``, ``grads``, ``optimizer_state`` and ``total``: ``local_bytes`` (this rank's
-    shards), ``full_bytes`` (the same tensors unsharded) and ``tensors`` (how many). These are
+    shards), ``full_bytes`` (the same tensors unsharded), ``tensors`` (how many) and ``dtypes``
+    (sorted names: ``params``' are the master-weight dtypes, ``optimizer_state``'s what AdamW keeps
+    its moments in; 0-dim step counters left out). These are
     logical sizes of the tensors (FSDP's padding and temporary all-gather buffers are not
     counted: measure peaks with ``FSDPMemTracker``). Tied parameters count once; gradients that
     are ``None`` count zero. ``report.table()`` (or ``print(report)``) gives a readable view.
@@ -305,7 +313,7 @@ def memory_report(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] =
         world_size=dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1,
         params=_entry(params),
         grads=_entry(p.grad for p in params if p.grad is not None),
-        optimizer_state=_entry(_optimizer_tensors(optimizer)),
+        optimizer_state=_entry(_optimizer_tensors(optimizer), skip_scalar_dtypes=True),
     )
     report["total"] = {
         key: sum(report[k][key] for k in ("params", "grads", "optimizer_state"))

@@ -29,6 +29,9 @@ __all__ = ["BlockSpec", "WrapPlan", "WrapUnit", "build_wrap_plan", "detect_block
 
 BlockSpec = Union[type, str, Sequence[Union[type, str]], None]
 
+# Longest group name shown whole in a plan table; longer groups show their first two modules.
+_MAX_NAME = 60
+
 
 @dataclass
 class WrapUnit:
@@ -60,7 +63,13 @@ class WrapUnit:
     def name(self) -> str:
         """Readable unit name: the module FQN, ``[a, b]`` for a group, ``<root>`` for the root."""
         names = [n or "<root>" for n in self.module_names]
-        return names[0] if len(names) == 1 else "[" + ", ".join(names) + "]"
+        if len(names) == 1:
+            return names[0]
+        joined = ", ".join(names)
+        if len(joined) > _MAX_NAME and len(names) > 3:
+            # A group of many modules (a big head) stays readable in a table: first two + a count.
+            joined = f"{names[0]}, {names[1]}, +{len(names) - 2} more"
+        return "[" + joined + "]"
 
     @property
     def target(self) -> Union[nn.Module, list[nn.Module]]:
@@ -72,6 +81,10 @@ class WrapUnit:
 class WrapPlan:
     """The FSDP units of a model, bottom-up (root last), plus what the planner found.
 
+    ``scalar_param_names``: 0-dim parameters (CLIP's ``logit_scale``). ``fully_shard`` cannot
+    shard a scalar, so ``fsdp()`` keeps them whole on every rank and averages their gradient
+    across ranks itself; they are listed in ``ignored_param_names`` too and owned by no unit.
+
     Example:
         >>> print(plan.table())  # doctest: +SKIP
     """
@@ -80,6 +93,7 @@ class WrapPlan:
     block_classes: tuple[type, ...]
     tied_params: list[list[str]]
     ignored_param_names: list[str] = field(default_factory=list)
+    scalar_param_names: list[str] = field(default_factory=list)
 
     @property
     def numel(self) -> int:
@@ -95,6 +109,21 @@ class WrapPlan:
     def blocks(self) -> list[WrapUnit]:
         """The transformer-block units."""
         return [u for u in self.units if u.kind == "block"]
+
+    def recount(self, model: nn.Module) -> None:
+        """Refresh each unit's ``nbytes`` and ``dtypes`` from ``model``'s parameters as they are now.
+
+        ``fsdp()`` calls it after casting the parameters to the master dtype, so the plan it keeps
+        (``get_wrap_plan``) shows what was sharded.
+
+        Example:
+            >>> plan = build_wrap_plan(model.bfloat16())  # doctest: +SKIP
+            >>> plan.recount(model.float())  # doctest: +SKIP
+        """
+        params = dict(model.named_parameters())
+        for unit in self.units:
+            unit.nbytes = sum(params[n].numel() * params[n].element_size() for n in unit.param_names)
+            unit.dtypes = {params[n].dtype for n in unit.param_names}
 
     def table(self) -> str:
         """A fixed-width table: one row per unit with its kind, parameter count and bytes."""
@@ -158,12 +187,27 @@ def _resolve_block_classes(model: nn.Module, specs: list[Union[type, str]]) -> t
     return tuple(classes)
 
 
+def _repeated_containers(model: nn.Module) -> Iterable[nn.Module]:
+    """``nn.ModuleList``s (any length) and ``nn.Sequential``s of 2+ children, all of one class.
+
+    A one-child ``nn.Sequential`` is a wrapper, not a stack of blocks; heterogeneous ones are
+    MLPs (``Linear, GELU, Linear``) and never blocks.
+    """
+    for module in model.modules():
+        if isinstance(module, nn.ModuleList) and len(module) > 0:
+            yield module
+        elif isinstance(module, nn.Sequential) and len(module) > 1:
+            yield module
+
+
 def detect_block_classes(model: nn.Module) -> tuple[type, ...]:
     """Guess the transformer-block classes of ``model``.
 
-    A Hugging Face model's ``_no_split_modules`` wins; otherwise the class of the children of an
-    ``nn.ModuleList`` whose children all share one class (the usual ``self.layers`` /
-    ``self.blocks`` / ``self.h``). Returns ``()`` when nothing looks like a block.
+    A Hugging Face model's ``_no_split_modules`` wins; otherwise the classes of the children of
+    every ``nn.ModuleList`` or ``nn.Sequential`` whose children all share one class (``self.layers``,
+    timm's ``self.blocks = nn.Sequential(...)``, ``nn.Transformer``'s encoder AND decoder layers).
+    A class whose every instance sits inside another such block (per-head projections inside a
+    layer) is a sub-layer, not a block. Returns ``()`` when nothing looks like a block.
 
     Example:
         >>> class Net(nn.Module):
@@ -178,19 +222,27 @@ def detect_block_classes(model: nn.Module) -> tuple[type, ...]:
         present = {type(m) for m in model.modules()}
         classes = tuple(c for c in present if any(c.__name__ == n for n in no_split))
         if classes:
-            return classes
+            return tuple(sorted(classes, key=lambda c: c.__name__))
     counts: Counter = Counter()
-    for module in model.modules():
-        if isinstance(module, nn.ModuleList) and len(module) > 0:
-            kinds = {type(child) for child in module}
-            if len(kinds) == 1:
-                counts[kinds.pop()] += len(module)
+    for container in _repeated_containers(model):
+        kinds = {type(child) for child in container.children()}
+        if len(kinds) == 1:
+            counts[kinds.pop()] += len(container)
     if not counts:
         return ()
-    # The ModuleList class repeated most often is the block; sub-layer lists (e.g. per-head
-    # projections inside a block) repeat less often in total than the blocks themselves.
-    best, _ = counts.most_common(1)[0]
-    return (best,)
+    candidates = [cls for cls, _ in counts.most_common()]
+    # Drop a class whose every instance lives inside an instance of another candidate.
+    nested: set[type] = set()
+    for cls in candidates:
+        others = tuple(c for c in candidates if c is not cls)
+        inside = set()
+        for outer in model.modules():
+            if others and isinstance(outer, others):
+                inside.update(id(m) for m in outer.modules() if m is not outer)
+        instances = [m for m in model.modules() if type(m) is cls]
+        if others and all(id(m) in inside for m in instances):
+            nested.add(cls)
+    return tuple(c for c in candidates if c not in nested)
 
 
 def _post_order(module: nn.Module, prefix: str = "") -> Iterable[tuple[str, nn.Module]]:
@@ -256,8 +308,14 @@ def _claiming_unit(module_name: str, units: list[WrapUnit]) -> int:
     raise AssertionError("the root unit claims every module")
 
 
-def _resolve_ties(units: list[WrapUnit], tied: list[list[str]]) -> list[WrapUnit]:
-    """Merge or drop units so that every tied parameter's holders fall in a single unit."""
+def _resolve_ties(units: list[WrapUnit], tied: list[list[str]], singletons: set[str]) -> list[WrapUnit]:
+    """Merge or drop units so that every tied parameter's holders fall in a single unit.
+
+    ``singletons``: block units whose class occurs once in the model. Hugging Face lists the
+    embeddings module in ``_no_split_modules`` (BERT/RoBERTa/XLM-R ``*Embeddings``); tied to the
+    MLM head it is merged with the head into one ``embedding+head`` unit instead of both falling
+    back into the root (which would hold the largest tensor unsharded through the step).
+    """
     while True:
         conflict = None
         for names in tied:
@@ -268,7 +326,12 @@ def _resolve_ties(units: list[WrapUnit], tied: list[list[str]]) -> list[WrapUnit
         if conflict is None:
             return units
         kinds = {units[i].kind for i in conflict}
-        if kinds <= {"embedding", "head", "embedding+head"} and len(conflict) == 2:
+        mergeable = all(
+            units[i].kind in ("embedding", "head", "embedding+head")
+            or (units[i].kind == "block" and units[i].module_names[0] in singletons)
+            for i in conflict
+        )
+        if mergeable and len(conflict) == 2 and "root" not in kinds:
             a, b = (units[i] for i in conflict)
             merged = WrapUnit("embedding+head", a.module_names + b.module_names, a.modules + b.modules)
             keep = [u for i, u in enumerate(units) if i not in conflict]
@@ -284,23 +347,26 @@ def _resolve_ties(units: list[WrapUnit], tied: list[list[str]]) -> list[WrapUnit
         units = [u for u in units if u not in dropped]
 
 
-def _fill_params(units: list[WrapUnit], model: nn.Module, ignored: set[int]) -> list[str]:
+def _fill_params(units: list[WrapUnit], model: nn.Module, ignored: set[int]) -> tuple[list[str], list[str]]:
+    """Give each parameter to its unit; returns (ignored names, 0-dim names: ignored as well)."""
     seen: set[int] = set()
-    ignored_names = []
+    ignored_names, scalar_names = [], []
     for name, param in model.named_parameters(remove_duplicate=False):
         pid = id(param)
         if pid in seen:
             continue
         seen.add(pid)
-        if pid in ignored:
+        if pid in ignored or param.dim() == 0:
             ignored_names.append(name)
+            if param.dim() == 0 and pid not in ignored:
+                scalar_names.append(name)
             continue
         unit = units[_claiming_unit(_owner_module_name(name), units)]
         unit.param_names.append(name)
         unit.numel += param.numel()
         unit.nbytes += param.numel() * param.element_size()
         unit.dtypes.add(param.dtype)
-    return ignored_names
+    return ignored_names, scalar_names
 
 
 def build_wrap_plan(
@@ -336,11 +402,22 @@ def build_wrap_plan(
             )
     elif auto_wrap:
         classes = detect_block_classes(model)
+        if not classes:
+            warnings.warn(
+                f"fsdp(): auto_wrap=True found no repeated block in {type(model).__name__} (no "
+                "_no_split_modules, no nn.ModuleList/nn.Sequential of one class), so the whole model "
+                "is ONE FSDP unit: every parameter is gathered at once. Name the block class: "
+                "fsdp(model, auto_wrap=True, TransformerBlock=MyBlock) (a class, a tuple of classes, "
+                "or a class name such as TransformerBlock='MyBlock').",
+                stacklevel=3,
+            )
 
     units: list[WrapUnit] = []
     blocks = _find_blocks(model, classes)
     for name, module in blocks:
         units.append(WrapUnit("block", [name], [module]))
+    block_counts = Counter(type(m) for _, m in blocks)
+    singletons = {n for n, m in blocks if block_counts[type(m)] == 1}
     if blocks:
         embeddings, head = _embedding_and_head_modules(model, blocks)
         if embeddings:
@@ -350,9 +427,15 @@ def build_wrap_plan(
     units.append(WrapUnit("root", [""], [model]))
 
     tied = _tied_groups(model)
-    units = _resolve_ties(units, tied)
+    units = _resolve_ties(units, tied, singletons)
     ignored = {id(p) for p in (ignored_params or ())}
-    ignored_names = _fill_params(units, model, ignored)
+    ignored_names, scalar_names = _fill_params(units, model, ignored)
     # A unit with no parameters would only add hooks and an empty all-gather.
     units = [u for u in units if u.numel > 0 or u.kind == "root"]
-    return WrapPlan(units=units, block_classes=classes, tied_params=tied, ignored_param_names=ignored_names)
+    return WrapPlan(
+        units=units,
+        block_classes=classes,
+        tied_params=tied,
+        ignored_param_names=ignored_names,
+        scalar_param_names=scalar_names,
+    )

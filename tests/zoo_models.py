@@ -1,0 +1,306 @@
+"""The parity zoo's models: tiny configs of models nobody here wrote (no downloads), and their batches.
+
+Each entry builds a model with dropout off (deterministic reference) and a ``batch(step, n)``
+function giving the same ``n`` examples on every rank for a given step; ``loss(model, batch)``
+is the scalar the model is trained on. Shared by ``test_zoo.py`` (plans, no process group) and
+``zoo_cases.py`` (parity on 2 gloo ranks).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F  # noqa: N812
+
+VOCAB, SEQ, HIDDEN = 64, 8, 32
+
+
+def _gen(step: int) -> torch.Generator:
+    return torch.Generator().manual_seed(1000 + step)
+
+
+def _ids(step: int, n: int, seq: int = SEQ) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (n, seq), generator=_gen(step))
+
+
+def _lm_batch(step: int, n: int) -> dict:
+    ids = _ids(step, n)
+    return {"input_ids": ids, "labels": ids}
+
+
+def _hf_loss(model: nn.Module, batch: dict) -> torch.Tensor:
+    return model(**batch).loss
+
+
+# ----------------------------------------------------------------------------------- small models
+
+
+class TimmBlock(nn.Module):
+    """A timm-style pre-norm ViT block (attention + MLP), kept in an ``nn.Sequential``."""
+
+    def __init__(self, dim: int = HIDDEN, heads: int = 4):
+        super().__init__()
+        self.norm1 = nn.LayerNorm(dim)
+        self.attn = nn.MultiheadAttention(dim, heads, batch_first=True)
+        self.norm2 = nn.LayerNorm(dim)
+        self.mlp = nn.Sequential(nn.Linear(dim, 2 * dim), nn.GELU(), nn.Linear(2 * dim, dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm1(x)
+        x = x + self.attn(h, h, h, need_weights=False)[0]
+        return x + self.mlp(self.norm2(x))
+
+
+class TimmViT(nn.Module):
+    """timm's ``VisionTransformer`` layout: ``patch_embed``, ``cls_token``, ``blocks = nn.Sequential``."""
+
+    def __init__(self, depth: int = 2, dim: int = HIDDEN, patch: int = 4, image: int = 8, classes: int = 10):
+        super().__init__()
+        self.patch_embed = nn.Conv2d(3, dim, patch, patch)
+        self.cls_token = nn.Parameter(torch.randn(1, 1, dim) * 0.02)
+        self.pos_embed = nn.Parameter(torch.randn(1, 1 + (image // patch) ** 2, dim) * 0.02)
+        self.blocks = nn.Sequential(*[TimmBlock(dim) for _ in range(depth)])
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.patch_embed(x).flatten(2).transpose(1, 2)
+        x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1) + self.pos_embed
+        return self.head(self.norm(self.blocks(x))[:, 0])
+
+
+class Seq2SeqTransformer(nn.Module):
+    """``torch.nn.Transformer`` with token embeddings and an output head."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, HIDDEN)
+        self.transformer = nn.Transformer(
+            HIDDEN, 4, num_encoder_layers=2, num_decoder_layers=2, dim_feedforward=64, dropout=0.0, batch_first=True
+        )
+        self.out = nn.Linear(HIDDEN, VOCAB)
+
+    def forward(self, src: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
+        return self.out(self.transformer(self.embed(src), self.embed(tgt)))
+
+
+def _image_batch(step: int, n: int) -> dict:
+    g = _gen(step)
+    return {"x": torch.randn(n, 3, 8, 8, generator=g), "y": torch.randint(0, 10, (n,), generator=g)}
+
+
+def _seq2seq_batch(step: int, n: int) -> dict:
+    g = _gen(step)
+    src = torch.randint(0, VOCAB, (n, SEQ), generator=g)
+    tgt = torch.randint(0, VOCAB, (n, SEQ + 1), generator=g)
+    return {"src": src, "tgt": tgt}
+
+
+# ----------------------------------------------------------------------------------- the zoo
+
+
+@dataclass
+class ZooEntry:
+    """How to build one zoo model, feed it and score it; ``units``: the unit names ``fsdp(auto_wrap=True)`` must make."""
+
+    build: Callable[[], nn.Module]
+    batch: Callable[[int, int], dict]
+    loss: Callable[[nn.Module, dict], torch.Tensor]
+    units: list[str]
+
+
+def _hf(cls_name: str, config_name: str, **config: Any) -> Callable[[], nn.Module]:
+    def build() -> nn.Module:
+        import transformers
+
+        cfg = getattr(transformers, config_name)(**config)
+        return getattr(transformers, cls_name)(cfg)
+
+    return build
+
+
+_DEC = dict(
+    vocab_size=VOCAB,
+    hidden_size=HIDDEN,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+)
+_ENC = dict(
+    vocab_size=VOCAB,
+    hidden_size=HIDDEN,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    max_position_embeddings=64,
+    hidden_dropout_prob=0.0,
+    attention_probs_dropout_prob=0.0,
+)
+
+
+def _timm_loss(model: nn.Module, batch: dict) -> torch.Tensor:
+    return F.cross_entropy(model(batch["x"]), batch["y"])
+
+
+def _seq2seq_loss(model: nn.Module, batch: dict) -> torch.Tensor:
+    logits = model(batch["src"], batch["tgt"][:, :-1])
+    return F.cross_entropy(logits.reshape(-1, VOCAB), batch["tgt"][:, 1:].reshape(-1))
+
+
+def _t5_batch(step: int, n: int) -> dict:
+    return {"input_ids": _ids(step, n), "labels": _ids(step + 500, n, SEQ // 2)}
+
+
+def _vit_batch(step: int, n: int) -> dict:
+    g = _gen(step)
+    return {"pixel_values": torch.randn(n, 3, 8, 8, generator=g), "labels": torch.randint(0, 10, (n,), generator=g)}
+
+
+def _audio_batch(step: int, n: int) -> dict:
+    g = _gen(step)
+    return {"input_values": torch.randn(n, 400, generator=g), "labels": torch.randint(1, 16, (n, 3), generator=g)}
+
+
+def _clip_batch(step: int, n: int) -> dict:
+    g = _gen(step)
+    return {
+        "input_ids": torch.randint(0, VOCAB, (n, SEQ), generator=g),
+        "pixel_values": torch.randn(n, 3, 8, 8, generator=g),
+        "return_loss": True,
+    }
+
+
+ZOO: dict[str, ZooEntry] = {
+    "llama_tied": ZooEntry(
+        _hf("LlamaForCausalLM", "LlamaConfig", tie_word_embeddings=True, **_DEC),
+        _lm_batch,
+        _hf_loss,
+        ["model.layers.0", "model.layers.1", "[model.embed_tokens, model.norm, lm_head]", "<root>"],
+    ),
+    "llama_untied": ZooEntry(
+        _hf("LlamaForCausalLM", "LlamaConfig", tie_word_embeddings=False, **_DEC),
+        _lm_batch,
+        _hf_loss,
+        ["model.layers.0", "model.layers.1", "model.embed_tokens", "[model.norm, lm_head]", "<root>"],
+    ),
+    "gpt2": ZooEntry(
+        _hf(
+            "GPT2LMHeadModel",
+            "GPT2Config",
+            vocab_size=VOCAB,
+            n_embd=HIDDEN,
+            n_layer=2,
+            n_head=4,
+            n_positions=64,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+        ),
+        _lm_batch,
+        _hf_loss,
+        [
+            "transformer.h.0",
+            "transformer.h.1",
+            "[transformer.wte, transformer.wpe, transformer.ln_f, lm_head]",
+            "<root>",
+        ],
+    ),
+    "mixtral": ZooEntry(
+        _hf("MixtralForCausalLM", "MixtralConfig", num_local_experts=4, num_experts_per_tok=2, **_DEC),
+        _lm_batch,
+        _hf_loss,
+        ["model.layers.0", "model.layers.1", "model.embed_tokens", "[model.norm, lm_head]", "<root>"],
+    ),
+    "t5": ZooEntry(
+        _hf(
+            "T5ForConditionalGeneration",
+            "T5Config",
+            vocab_size=VOCAB,
+            d_model=HIDDEN,
+            d_kv=8,
+            d_ff=64,
+            num_layers=2,
+            num_decoder_layers=2,
+            num_heads=4,
+            dropout_rate=0.0,
+            decoder_start_token_id=0,
+        ),
+        _t5_batch,
+        _hf_loss,
+        [],
+    ),
+    "bert_mlm": ZooEntry(_hf("BertForMaskedLM", "BertConfig", **_ENC), _lm_batch, _hf_loss, []),
+    "vit": ZooEntry(
+        _hf(
+            "ViTForImageClassification",
+            "ViTConfig",
+            image_size=8,
+            patch_size=4,
+            num_labels=10,
+            **{k: v for k, v in _ENC.items() if k not in ("vocab_size", "max_position_embeddings")},
+        ),
+        _vit_batch,
+        _hf_loss,
+        [],
+    ),
+    "wav2vec2": ZooEntry(
+        _hf(
+            "Wav2Vec2ForCTC",
+            "Wav2Vec2Config",
+            vocab_size=16,
+            hidden_size=HIDDEN,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            conv_dim=(16, 16),
+            conv_stride=(5, 4),
+            conv_kernel=(10, 4),
+            num_conv_pos_embeddings=8,
+            num_conv_pos_embedding_groups=4,
+            hidden_dropout=0.0,
+            attention_dropout=0.0,
+            activation_dropout=0.0,
+            feat_proj_dropout=0.0,
+            final_dropout=0.0,
+            layerdrop=0.0,
+            mask_time_prob=0.0,
+            ctc_zero_infinity=True,
+        ),
+        _audio_batch,
+        _hf_loss,
+        [],
+    ),
+    "clip": ZooEntry(
+        _hf(
+            "CLIPModel",
+            "CLIPConfig",
+            text_config=dict(
+                vocab_size=VOCAB,
+                hidden_size=HIDDEN,
+                intermediate_size=64,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                max_position_embeddings=SEQ,
+            ),
+            vision_config=dict(
+                hidden_size=HIDDEN,
+                intermediate_size=64,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                image_size=8,
+                patch_size=4,
+            ),
+            projection_dim=16,
+        ),
+        _clip_batch,
+        _hf_loss,
+        [],
+    ),
+    "torch_transformer": ZooEntry(Seq2SeqTransformer, _seq2seq_batch, _seq2seq_loss, []),
+    "timm_vit": ZooEntry(TimmViT, _image_batch, _timm_loss, []),
+}
