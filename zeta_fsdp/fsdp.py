@@ -40,7 +40,7 @@ from .options import (
 )
 from .wrapping import BlockSpec, WrapPlan, build_wrap_plan
 
-__all__ = ["average_replicated_grads", "fsdp", "get_wrap_plan", "is_fsdp_wrapped"]
+__all__ = ["fsdp", "get_wrap_plan", "is_fsdp_wrapped"]
 
 _PLAN_ATTR = "_zeta_fsdp_plan"
 
@@ -155,7 +155,7 @@ def _cast_to_master(model: nn.Module, master: Optional[torch.dtype]) -> list[str
     return cast
 
 
-def average_replicated_grads(params: Iterable[nn.Parameter], mesh: DeviceMesh) -> list[Any]:
+def _average_replicated_grads(params: Iterable[nn.Parameter], mesh: DeviceMesh) -> list[Any]:
     """Average the gradients of parameters kept whole on every rank over ``mesh``, as FSDP does.
 
     ``fully_shard`` cannot shard a 0-dim parameter (CLIP's ``logit_scale``), so ``fsdp()`` keeps
@@ -166,7 +166,7 @@ def average_replicated_grads(params: Iterable[nn.Parameter], mesh: DeviceMesh) -
     hook handles.
 
     Example:
-        >>> handles = average_replicated_grads([model.logit_scale], mesh)  # doctest: +SKIP
+        >>> handles = _average_replicated_grads([model.logit_scale], mesh)  # doctest: +SKIP
     """
     import torch.distributed as dist
 
@@ -411,7 +411,7 @@ def fsdp(
 
     0-dim parameters (CLIP's ``logit_scale``), which ``fully_shard`` cannot shard, are kept whole
     on every rank in ``master_dtype`` and their gradient is averaged across ranks
-    (``average_replicated_grads``): they train exactly like sharded ones.
+    (``_average_replicated_grads``): they train exactly like sharded ones.
 
     Raises:
         ValueError: for any bad argument, before a process group starts or the model changes.
@@ -473,7 +473,7 @@ def fsdp(
     for scalar in scalars:
         if not scalar.is_meta and scalar.device != compute_device:
             scalar.data = scalar.data.to(compute_device)
-    average_replicated_grads(scalars, mesh)
+    _average_replicated_grads(scalars, mesh)
     if materialize:
         shard_index = mesh.get_local_rank(mesh.ndim - 1) if mesh.size(mesh.ndim - 1) > 1 else 0
         materialize_meta_model(
