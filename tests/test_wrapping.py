@@ -83,3 +83,42 @@ def test_parameters_shared_between_blocks_fall_back_to_the_parent_unit():
     root = plan.units[-1]
     assert "blocks.0.mlp.0.weight" in root.param_names
     assert plan.numel == sum(p.numel() for p in model.parameters())
+
+
+def test_auto_wrap_that_finds_nothing_warns_how_to_name_the_block():
+    import pytest
+
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    with pytest.warns(UserWarning, match=r"found no repeated block.*TransformerBlock=MyBlock"):
+        plan = build_wrap_plan(model, auto_wrap=True)
+    assert [u.name for u in plan.units] == ["<root>"]
+
+
+def test_sublayer_lists_inside_blocks_are_not_blocks_themselves():
+    class Layer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.heads = nn.ModuleList(nn.Linear(2, 2) for _ in range(4))  # 8 Linears in all > 2 Layers
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.Sequential(Layer(), Layer())
+
+    assert [c.__name__ for c in detect_block_classes(Net())] == ["Layer"]
+
+
+def test_plan_and_report_show_fp32_masters_for_a_bf16_model():
+    from zeta_fsdp.planner import plan
+
+    with torch.device("meta"):
+        model = small().to(torch.bfloat16)
+    p = plan(model, world_size=2, shard_strat="FULL_SHARD", mp="bf16")
+    assert (p.master_dtype, p.optimizer_state_dtype) == ("float32", "float32")
+    assert "master weights float32, optimizer state float32" in p.report()
+    keep = plan(model, world_size=2, shard_strat="FULL_SHARD", mp="bf16", master_dtype=None)
+    assert keep.master_dtype == "bfloat16"
+    # fp32 masters: twice the bf16 shard bytes, gradients and optimizer state alike
+    assert (p.param_bytes, p.grad_bytes) == (2 * keep.param_bytes, 2 * keep.grad_bytes)
+    # the all-gathered copies are bf16 either way (mp is the compute dtype)
+    assert sum(u.unsharded_bytes for u in p.units) == sum(u.unsharded_bytes for u in keep.units)

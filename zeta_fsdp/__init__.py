@@ -8,7 +8,7 @@ Example:
 from .distributed import shutdown
 from .fsdp import fsdp, get_wrap_plan, is_fsdp_wrapped
 from .loss import MaskedTokenLossReduction, PerSampleLossReduction
-from .options import ShardingSpec, resolve_mixed_precision, resolve_sharding
+from .options import ShardingSpec, resolve_master_dtype, resolve_mixed_precision, resolve_sharding
 from .planner import DryRunResult, MemoryPlan, UnitEstimate, dry_run, meta_model_from_spec, plan
 from .state_dict import (
     CheckpointError,
@@ -63,6 +63,7 @@ __all__ = [
     "fsdp",
     "get_wrap_plan",
     "is_fsdp_wrapped",
+    "resolve_master_dtype",
     "resolve_mixed_precision",
     "resolve_sharding",
     "shutdown",
