@@ -180,3 +180,12 @@ def test_transformer_block_without_auto_wrap_warns():
     with pytest.warns(UserWarning, match="only used with auto_wrap=True"):
         plan = build_wrap_plan(small(), transformer_block=Block)
     assert [u.kind for u in plan.units] == ["root"]
+
+
+def test_a_container_without_forward_is_refused_before_anything_changes():
+    from zeta_fsdp import is_fsdp_wrapped
+
+    model = nn.ModuleList([nn.Linear(2, 2), nn.Linear(2, 2)])
+    with pytest.raises(ValueError, match=r"<root> is a ModuleList, which has no forward"):
+        fsdp(model, shard_strat="FULL_SHARD")
+    assert not dist.is_initialized() and not is_fsdp_wrapped(model)

@@ -142,6 +142,24 @@ def _check_uniform_dtypes(plan: WrapPlan, model: nn.Module, master: Optional[tor
             )
 
 
+def _check_units_shardable(plan: WrapPlan) -> None:
+    """Everything ``fully_shard`` would reject in a unit, checked before the first call.
+
+    ``fully_shard`` validates each call on its own, so a unit it refuses after earlier units were
+    sharded would leave a half-wrapped model that a retry calls "already wrapped". 0-dim
+    parameters are handled (kept whole, see ``fsdp``); mixed dtypes are checked by
+    ``_check_uniform_dtypes``; what is left is a container without ``forward``.
+    """
+    for unit in plan.units:
+        for name, module in zip(unit.module_names, unit.modules):
+            if isinstance(module, (nn.ModuleList, nn.ModuleDict)) and type(module).forward is nn.Module.forward:
+                raise ValueError(
+                    f"fsdp(): {name or '<root>'} is a {type(module).__name__}, which has no forward(); "
+                    "fully_shard cannot shard it as a unit. Pass the model that calls it (or, for "
+                    "TransformerBlock, the class of the layers it holds)."
+                )
+
+
 def _cast_to_master(model: nn.Module, master: Optional[torch.dtype]) -> list[str]:
     """Store every floating-point parameter in ``master`` (in place; ties stay one object)."""
     cast = []
@@ -451,6 +469,7 @@ def fsdp(
     ignored = _ignored_parameters(model, ignored_params, ignored_modules)
     plan = build_wrap_plan(model, auto_wrap=auto_wrap, transformer_block=TransformerBlock, ignored_params=ignored)
     _check_uniform_dtypes(plan, model, master)
+    _check_units_shardable(plan)
     compute_device = _check_device(model, device)
     scalars = [model.get_parameter(n) for n in plan.scalar_param_names]
 
