@@ -290,19 +290,6 @@ def _still_sentinel(t: torch.Tensor) -> bool:
     return bool((local == torch.iinfo(local.dtype).min).any())
 
 
-def _agree_on_names(names: list[str], all_names: list[str], mesh: Optional[DeviceMesh]) -> list[str]:
-    """The union over the mesh of ``names`` (each rank only sees its own shards), in model order."""
-    if mesh is None:
-        return names
-    import torch.distributed as dist
-
-    flags = torch.tensor([n in names for n in all_names], dtype=torch.int32)
-    for d in range(mesh.ndim):
-        if mesh.size(d) > 1:
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=mesh.get_group(d))
-    return [n for n, f in zip(all_names, flags.tolist()) if f]
-
-
 def materialize_meta_model(
     model: nn.Module,
     device: torch.device,
@@ -310,7 +297,6 @@ def materialize_meta_model(
     *,
     shard_index: int = 0,
     offload_to_cpu: bool = False,
-    mesh: Optional[DeviceMesh] = None,
 ) -> bool:
     """Allocate a sharded ``meta`` model on ``device`` and initialise it. Returns ``True`` if it did.
 
@@ -323,8 +309,9 @@ def materialize_meta_model(
 
     Every floating-point tensor is filled with NaN (integer ones with their dtype's minimum)
     right after ``to_empty``; any parameter or buffer that still holds that marker after steps
-    1-2 was initialised by nobody, and the call raises ``RuntimeError`` naming it, on every rank
-    (``mesh`` given: the ranks agree). Boolean buffers cannot be checked this way. Nothing may stay on ``meta``.
+    1-2 was initialised by nobody, and the call raises ``RuntimeError`` naming it (on each rank
+    holding a non-empty shard of it). Boolean buffers cannot be checked this way. Nothing may
+    stay on ``meta``.
 
     ``shard_index`` is this rank's coordinate on the shard dimension of the mesh. On CUDA, DTensor
     random ops keep shards of one parameter distinct by themselves; on CPU they draw from each
@@ -368,7 +355,10 @@ def materialize_meta_model(
         raise RuntimeError(f"fsdp(): these tensors are still on the meta device after materialization: {left[:10]}")
     now = dict(model.named_parameters())
     now.update(model.named_buffers())
-    unset = _agree_on_names([n for n in meta_names if _still_sentinel(now[n])], meta_names, mesh)
+    # Rank-local on purpose: only some ranks may materialize (rank 0 real, the others on meta,
+    # then a broadcast), so no collective here. Init code runs alike on every rank, so a tensor
+    # nothing fills is caught on every rank holding a non-empty shard of it.
+    unset = [n for n in meta_names if _still_sentinel(now[n])]
     if unset:
         raise RuntimeError(
             f"fsdp(): {len(unset)} meta-built parameter(s)/buffer(s) were initialised by nothing: "
@@ -496,7 +486,7 @@ def fsdp(
     if materialize:
         shard_index = mesh.get_local_rank(mesh.ndim - 1) if mesh.size(mesh.ndim - 1) > 1 else 0
         materialize_meta_model(
-            model, compute_device, plan.tied_params, shard_index=shard_index, offload_to_cpu=cpu_offload, mesh=mesh
+            model, compute_device, plan.tied_params, shard_index=shard_index, offload_to_cpu=cpu_offload
         )
     model.__dict__[_PLAN_ATTR] = plan  # so get_wrap_plan() can show what was done
     return model
