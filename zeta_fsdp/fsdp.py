@@ -21,6 +21,7 @@ import warnings
 from typing import Any, Iterable, Optional, Union
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
@@ -204,6 +205,18 @@ def _unrefilled_modules(model: nn.Module) -> list[str]:
     ]
 
 
+def _agreed_seed() -> int:
+    """A seed drawn from this rank's generator and made the same on every rank (rank 0's).
+
+    Ranks' generators differ unless the user seeded them alike (torchrun starts each rank with a
+    random seed), and replicas must be initialised identically whatever the user did.
+    """
+    seed = torch.randint(0, 2**31 - 1, (1,), dtype=torch.int64)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast(seed, src=0)
+    return int(seed.item())
+
+
 def materialize_meta_model(
     model: nn.Module,
     device: torch.device,
@@ -245,8 +258,7 @@ def materialize_meta_model(
                 )
     with torch.no_grad(), torch.random.fork_rng(devices=[]):
         if device.type == "cpu":
-            base_seed = int(torch.randint(0, 2**31 - 1, ()).item())  # same on every rank seeded alike
-            torch.manual_seed(base_seed + 7919 * shard_index)
+            torch.manual_seed(_agreed_seed() + 7919 * shard_index)
         if callable(getattr(model, "init_weights", None)):
             model.init_weights()
         else:
