@@ -86,6 +86,10 @@ def local_slice(t: torch.Tensor, ranks: Optional[int] = None, index: Optional[in
     return t[index * per : (index + 1) * per]
 
 
+def _add(a: Optional[torch.Tensor], b: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    return b if a is None else a if b is None else a + b
+
+
 def reference_backward(
     ref: torch.nn.Module,
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
@@ -93,6 +97,7 @@ def reference_backward(
     y: torch.Tensor,
     ranks: Optional[int] = None,
     replicas: int = 1,
+    micro_batches: int = 1,
 ) -> torch.Tensor:
     """The gradient FSDP computes for the global batch ``(x, y)`` on ``ranks`` ranks, bit for bit.
 
@@ -101,19 +106,27 @@ def reference_backward(
     way FSDP's collectives average them: within each shard group, then across ``replicas``
     (HSDP's ``(replicas, ranks // replicas)`` mesh). Every level of that tree has two members at
     2 ranks and at 2x2, where a sum of two is exact in any order: fp32 parity is then exact on
-    every CPU. Gradients are added to ``.grad`` (accumulation works as on the ranks). Returns the
-    loss ``mean_over_ranks`` gives (the mean of the chunks' losses).
+    every CPU. Gradients are added to ``.grad``. ``micro_batches=k`` splits the batch into ``k``
+    consecutive micro-batches whose chunk gradients each rank accumulates in order before the one
+    reduction (``no_sync`` accumulation); ``loss_fn`` scales them as the ranks do. Returns the
+    loss ``mean_over_ranks`` gives (the mean of the chunks' losses; of the last micro-batch).
 
     Example:
         >>> loss = reference_backward(ref, lm_loss, *global_batch(0))  # doctest: +SKIP
     """
     ranks = world() if ranks is None else ranks
     params = [p for p in ref.parameters() if p.requires_grad]
+    per_micro = x.shape[0] // micro_batches
     losses, grads = [], []
     for r in range(ranks):
-        loss = loss_fn(ref(local_slice(x, ranks, r)), local_slice(y, ranks, r))
+        accumulated = None
+        for i in range(micro_batches):
+            xi, yi = x[i * per_micro : (i + 1) * per_micro], y[i * per_micro : (i + 1) * per_micro]
+            loss = loss_fn(ref(local_slice(xi, ranks, r)), local_slice(yi, ranks, r))
+            g = torch.autograd.grad(loss, params, allow_unused=True)
+            accumulated = g if accumulated is None else [_add(a, b) for a, b in zip(accumulated, g)]
         losses.append(loss.detach())
-        grads.append(torch.autograd.grad(loss, params, allow_unused=True))
+        grads.append(accumulated)
 
     def average(items: list) -> Any:
         total = items[0]
@@ -138,6 +151,20 @@ def assert_close(name: str, got: torch.Tensor, want: torch.Tensor, atol: float) 
     """Max abs difference (exact: taken in float64) at most ``atol``; either side may be a DTensor."""
     err = (full(got).detach().double() - full(want).detach().double()).abs().max().item()
     assert err <= atol, f"{name}: max abs diff {err:.3e} > {atol:.0e}"
+
+
+UNIT_ROUNDOFF = 2.0**-24  # fp32: the relative error of one rounding
+
+
+def assert_close_scaled(name: str, got: torch.Tensor, want: torch.Tensor, ulps: float) -> None:
+    """Max abs difference at most ``ulps`` roundings of ``want``'s largest element.
+
+    For values the two sides compute by the same formula but grouped differently (a batch split
+    over ranks, a norm summed over shards): the difference is a sum of roundings, each bounded by
+    the unit roundoff times the magnitudes involved, whatever SIMD kernels the CPU has.
+    """
+    scale = max(full(want).detach().abs().max().item(), 1e-30)
+    assert_close(name, got, want, ulps * UNIT_ROUNDOFF * scale)
 
 
 def mean_over_ranks(x: torch.Tensor) -> torch.Tensor:
