@@ -6,28 +6,8 @@ import pytest
 import torch
 from conftest import dist_test
 
-TWO_RANK_CASES = [
-    "no_sync_full_shard_accumulation",
-    "no_sync_hybrid_accumulation",
-    "no_sync_restores_on_exception_and_nesting",
-    "regression_no_sync_on_other_torch_state_layouts",
-    "clip_grad_norm_full_shard",
-    "clip_grad_norm_across_meshes_tp",
-    "memory_report_values",
-    "token_weighted_loss_and_grads",
-    "token_weighted_loss_micro_batches_and_ignore_index",
-    "reduce_is_one_all_reduce_of_two_numbers",
-    "all_masked_rank_gives_no_nan",
-    "per_sample_mean_uneven_batches",
-]
-FOUR_RANK_CASES = [
-    "no_sync_hybrid_2x2_accumulation",
-    "clip_grad_norm_hybrid_2x2",
-]
-
-
-test_two_ranks = dist_test("training_cases.py", 2, TWO_RANK_CASES)
-test_four_ranks = dist_test("training_cases.py", 4, FOUR_RANK_CASES)
+test_two_ranks = dist_test("training_cases.py", 2)
+test_four_ranks = dist_test("training_cases.py", 4)
 
 
 # single-process checks: no process group needed

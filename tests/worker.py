@@ -37,11 +37,23 @@ ARGS = argparse.Namespace()  # the worker's parsed command line, for cases that 
 
 
 class Cases(dict):
-    """name -> case function; ``@cases.case`` registers one."""
+    """name -> case function; ``@cases.case`` registers one (on 2 ranks), ``@cases.case(ranks=4)`` on 4.
 
-    def case(self, fn: Callable[[], Any]) -> Callable[[], Any]:
-        self[fn.__name__] = fn
-        return fn
+    The test modules collect their cases from here (``conftest.dist_test``): a case is named once.
+    ``group`` sorts cases that need a launch of their own (extra arguments, shared files) apart.
+    """
+
+    def case(self, fn: Optional[Callable[[], Any]] = None, *, ranks: int = 2, group: str = "") -> Any:
+        def register(f: Callable[[], Any]) -> Callable[[], Any]:
+            f.ranks, f.group = ranks, group
+            self[f.__name__] = f
+            return f
+
+        return register(fn) if fn is not None else register
+
+    def names(self, ranks: int, group: str = "") -> list[str]:
+        """The cases registered for ``ranks`` ranks in ``group``, in file order."""
+        return [name for name, f in self.items() if f.ranks == ranks and f.group == group]
 
 
 def rank() -> int:
@@ -74,6 +86,63 @@ def local_slice(t: torch.Tensor, ranks: Optional[int] = None, index: Optional[in
     return t[index * per : (index + 1) * per]
 
 
+def _add(a: Optional[torch.Tensor], b: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    return b if a is None else a if b is None else a + b
+
+
+def reference_backward(
+    ref: torch.nn.Module,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    x: torch.Tensor,
+    y: torch.Tensor,
+    ranks: Optional[int] = None,
+    replicas: int = 1,
+    micro_batches: int = 1,
+) -> torch.Tensor:
+    """The gradient FSDP computes for the global batch ``(x, y)`` on ``ranks`` ranks, bit for bit.
+
+    Each rank-sized chunk gets its own forward, mean loss and gradient (the same shapes, hence
+    the same kernels and rounding, as on the rank), and the chunks' gradients are averaged the
+    way FSDP's collectives average them: within each shard group, then across ``replicas``
+    (HSDP's ``(replicas, ranks // replicas)`` mesh). Every level of that tree has two members at
+    2 ranks and at 2x2, where a sum of two is exact in any order: fp32 parity is then exact on
+    every CPU. Gradients are added to ``.grad``. ``micro_batches=k`` splits the batch into ``k``
+    consecutive micro-batches whose chunk gradients each rank accumulates in order before the one
+    reduction (``no_sync`` accumulation); ``loss_fn`` scales them as the ranks do. Returns the
+    loss ``mean_over_ranks`` gives (the mean of the chunks' losses; of the last micro-batch).
+
+    Example:
+        >>> loss = reference_backward(ref, lm_loss, *global_batch(0))  # doctest: +SKIP
+    """
+    ranks = world() if ranks is None else ranks
+    params = [p for p in ref.parameters() if p.requires_grad]
+    per_micro = x.shape[0] // micro_batches
+    losses, grads = [], []
+    for r in range(ranks):
+        accumulated = None
+        for i in range(micro_batches):
+            xi, yi = x[i * per_micro : (i + 1) * per_micro], y[i * per_micro : (i + 1) * per_micro]
+            loss = loss_fn(ref(local_slice(xi, ranks, r)), local_slice(yi, ranks, r))
+            g = torch.autograd.grad(loss, params, allow_unused=True)
+            accumulated = g if accumulated is None else [_add(a, b) for a, b in zip(accumulated, g)]
+        losses.append(loss.detach())
+        grads.append(accumulated)
+
+    def average(items: list) -> Any:
+        total = items[0]
+        for item in items[1:]:
+            total = total + item
+        return total / len(items)
+
+    per_group = ranks // replicas
+    for i, p in enumerate(params):
+        chunk_grads = [g[i] if g[i] is not None else torch.zeros_like(p) for g in grads]
+        groups = [average(chunk_grads[k * per_group : (k + 1) * per_group]) for k in range(replicas)]
+        g = average(groups)
+        p.grad = g if p.grad is None else p.grad + g
+    return average(losses)  # in rank order, as mean_over_ranks sums the ranks' losses
+
+
 def full(p: torch.Tensor) -> torch.Tensor:
     return p.full_tensor() if isinstance(p, DTensor) else p
 
@@ -84,10 +153,33 @@ def assert_close(name: str, got: torch.Tensor, want: torch.Tensor, atol: float) 
     assert err <= atol, f"{name}: max abs diff {err:.3e} > {atol:.0e}"
 
 
+UNIT_ROUNDOFF = 2.0**-24  # fp32: the relative error of one rounding
+
+
+def assert_close_scaled(name: str, got: torch.Tensor, want: torch.Tensor, ulps: float) -> None:
+    """Max abs difference at most ``ulps`` roundings of ``want``'s largest element.
+
+    For values the two sides compute by the same formula but grouped differently (a batch split
+    over ranks, a norm summed over shards): the difference is a sum of roundings, each bounded by
+    the unit roundoff times the magnitudes involved, whatever SIMD kernels the CPU has.
+    """
+    scale = max(full(want).detach().abs().max().item(), 1e-30)
+    assert_close(name, got, want, ulps * UNIT_ROUNDOFF * scale)
+
+
 def mean_over_ranks(x: torch.Tensor) -> torch.Tensor:
-    x = x.detach().clone()
-    dist.all_reduce(x)
-    return x / world()
+    """The mean of ``x`` over ranks, summed in rank order (as ``reference_backward`` sums losses).
+
+    An all-gather, not an all-reduce: the all-reduce's summation order is the backend's own, and
+    a fixed order makes the loss comparison exact at any world size.
+    """
+    shape, x = x.shape, x.detach().reshape(-1).clone()
+    gathered = [torch.empty_like(x) for _ in range(world())]
+    dist.all_gather(gathered, x)
+    total = gathered[0]
+    for item in gathered[1:]:
+        total = total + item
+    return (total / world()).reshape(shape)
 
 
 def expect_error(exc_type: type, fn: Callable[[], Any], *needles: str) -> str:
@@ -102,6 +194,41 @@ def expect_error(exc_type: type, fn: Callable[[], Any], *needles: str) -> str:
     raise AssertionError(f"{exc_type.__name__} was not raised (expected one mentioning {needles})")
 
 
+NOT_RUN = "NOT RUN"  # prefix of the result of a case a launch stopped before (the harness relaunches it)
+# How long a rank whose case failed waits for its peers to finish that case. A peer still inside
+# the case is waiting in a collective for this rank and never will: past this, the launch aborts.
+FAIL_GRACE_S = float(os.environ.get("ZETA_TEST_FAIL_GRACE", 5))
+
+
+def _write_results(out: Path, results: dict[str, Any]) -> None:
+    """Rewrite this rank's results file after every case: a rank that dies later still reported."""
+    tmp = out / f".rank{rank()}.json.tmp"
+    tmp.write_text(json.dumps(results))
+    os.replace(tmp, out / f"rank{rank()}.json")
+
+
+def _agree(store: dist.Store, index: int, ok: bool, timeout_s: float) -> bool:
+    """Every rank says how case ``index`` went; False when the launch must stop here.
+
+    The statuses travel through the rendezvous store, not a collective: a rank that failed
+    between two collectives must not pair this exchange with a peer's pending collective.
+    A rank that passed waits as long as any collective would; a rank that failed waits
+    ``FAIL_GRACE_S`` and, if a peer is still inside the case, aborts the launch. Its exit then
+    breaks the peer's pending collective at once (gloo sees the closed connection), the peer
+    records its own error for the case, and every rank leaves; the harness relaunches the
+    cases not yet run.
+    """
+    prefix = f"zeta_test/case{index}"
+    store.set(f"{prefix}/rank{rank()}", "ok" if ok else "fail")
+    keys = [f"{prefix}/rank{r}" for r in range(world())]
+    try:
+        store.wait(keys, timedelta(seconds=timeout_s if ok else FAIL_GRACE_S))
+    except Exception:  # a peer is stuck in the case (or gone): stop the launch
+        store.set("zeta_test/aborted", str(rank()))
+        return False
+    return not store.check(["zeta_test/aborted"])
+
+
 def run_cases(
     cases: Cases,
     extra_args: Optional[Callable[[argparse.ArgumentParser], None]] = None,
@@ -109,8 +236,11 @@ def run_cases(
 ) -> argparse.Namespace:
     """Parse ``--out``/``--cases``, run the cases on this rank, write results, leave cleanly.
 
+    Each case's result is written as soon as it is known. After each case the ranks agree
+    (``_agree``) before any rank starts the next one, so a case failing on one rank fails fast on
+    every rank with its own traceback, and never hangs its peers until the collective timeout.
     ``extra_args(parser)`` adds the worker's own arguments (read them from ``ARGS``);
-    ``after_results()`` runs once the results are written, before the process group is shut down.
+    ``after_results()`` runs once all results are written, before the process group is shut down.
     """
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
@@ -120,23 +250,33 @@ def run_cases(
     args = parser.parse_args(namespace=ARGS)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
-    # A short timeout: a case failing on one rank must not hang its peers for 30 minutes.
+    # The backstop for a hang the agreement cannot see (a peer that never reaches its case).
     timeout = timedelta(seconds=int(os.environ.get("ZETA_TEST_TIMEOUT", 120)))
     if "RANK" in os.environ:
         dist.init_process_group("gloo", timeout=timeout)
     else:  # started with plain `python`: one rank, the group fsdp() would start in a notebook
         ensure_process_group(torch.device("cpu"))
-    results: dict[str, Any] = {}
-    for name in [c for c in args.cases.split(",") if c]:
-        try:
-            value = cases[name]()
-            results[name] = "ok" if value is None else value
-        except Exception:
-            results[name] = traceback.format_exc()
-        dist.barrier()
+    store = dist.distributed_c10d._get_default_store() if world() > 1 else None
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"rank{rank()}.json").write_text(json.dumps(results))
+    names = [c for c in args.cases.split(",") if c]
+    results: dict[str, Any] = {}
+    for index, name in enumerate(names):
+        try:
+            value = cases[name]()
+            results[name], ok = ("ok" if value is None else value), True
+        except Exception:
+            results[name], ok = traceback.format_exc(), False
+        _write_results(out, results)
+        if store is not None and not _agree(store, index, ok, timeout.total_seconds()):
+            for rest in names[index + 1 :]:
+                results[rest] = f"{NOT_RUN}: the launch stopped after {name!r} failed"
+            _write_results(out, results)
+            sys.stdout.flush()
+            sys.stderr.flush()
+            # No shutdown: the group is broken. Leaving closes this rank's connections, which is
+            # what releases a peer still waiting in the failed case's collective.
+            os._exit(0)
     if after_results is not None:
         after_results()
     shutdown(force=True)

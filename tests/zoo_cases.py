@@ -225,7 +225,12 @@ def meta_init_never_leaves_uninitialised_memory():
 
 
 for _name in ZOO:
-    CASES[f"parity_{_name}"] = lambda _n=_name: zoo_parity(_n)
+
+    def _parity(_n: str = _name) -> None:
+        zoo_parity(_n)
+
+    _parity.__name__ = f"parity_{_name}"
+    CASES.case(_parity)
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ import inspect
 from typing import Any, Iterable, Optional, Union
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
@@ -186,8 +187,6 @@ def _average_replicated_grads(params: Iterable[nn.Parameter], mesh: DeviceMesh) 
     Example:
         >>> handles = _average_replicated_grads([model.logit_scale], mesh)  # doctest: +SKIP
     """
-    import torch.distributed as dist
-
     groups = [mesh.get_group(d) for d in range(mesh.ndim) if mesh.size(d) > 1]
     size = mesh.size()
 
@@ -290,6 +289,18 @@ def _still_sentinel(t: torch.Tensor) -> bool:
     return bool((local == torch.iinfo(local.dtype).min).any())
 
 
+def _agreed_seed() -> int:
+    """A seed drawn from this rank's generator and made the same on every rank (rank 0's).
+
+    Ranks' generators differ unless the user seeded them alike (torchrun starts each rank with a
+    random seed), and replicas must be initialised identically whatever the user did.
+    """
+    seed = torch.randint(0, 2**31 - 1, (1,), dtype=torch.int64)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast(seed, src=0)
+    return int(seed.item())
+
+
 def materialize_meta_model(
     model: nn.Module,
     device: torch.device,
@@ -342,8 +353,7 @@ def materialize_meta_model(
         fresh.update(model.named_buffers())
         _fill_sentinel({n: fresh[n] for n in meta_names})
         if device.type == "cpu":
-            base_seed = int(torch.randint(0, 2**31 - 1, ()).item())  # same on every rank seeded alike
-            torch.manual_seed(base_seed + 7919 * shard_index)
+            torch.manual_seed(_agreed_seed() + 7919 * shard_index)
         for module in model.modules():
             if callable(getattr(module, "reset_parameters", None)):
                 module.reset_parameters()
@@ -355,9 +365,8 @@ def materialize_meta_model(
         raise RuntimeError(f"fsdp(): these tensors are still on the meta device after materialization: {left[:10]}")
     now = dict(model.named_parameters())
     now.update(model.named_buffers())
-    # Rank-local on purpose: only some ranks may materialize (rank 0 real, the others on meta,
-    # then a broadcast), so no collective here. Init code runs alike on every rank, so a tensor
-    # nothing fills is caught on every rank holding a non-empty shard of it.
+    # Rank-local: init code runs alike on every rank, so a tensor nothing fills is caught on
+    # every rank holding a non-empty shard of it, with no extra collective.
     unset = [n for n in meta_names if _still_sentinel(now[n])]
     if unset:
         raise RuntimeError(
