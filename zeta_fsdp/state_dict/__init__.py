@@ -27,7 +27,10 @@ Layout of the package (one concern per module; the public names are re-exported 
 * ``reader``: the hardened DCP reader (safe metadata unpickling, file checks, CRC-32 per record),
 * ``publish``: atomic publish of a checkpoint directory and recovery of an interrupted overwrite,
 * ``checkpoint``: ``save_checkpoint`` / ``load_checkpoint`` as a sequence of named steps,
-* ``consolidate``: offline consolidation into one file of weights.
+* ``consolidate``: offline consolidation into one file of weights,
+* ``async_save``: ``AsyncCheckpointer`` (stage, write in the background, publish),
+* ``preemption``: ``PreemptionHandler`` (a signal -> stop at the next step boundary),
+* ``manager``: ``CheckpointManager`` (every N steps, keep last K, resume latest).
 
 Example:
     >>> save_checkpoint("ckpt/step_100", model, optimizer, extra={"step": 100})
@@ -37,24 +40,32 @@ Example:
 
 from __future__ import annotations
 
+from .async_save import AsyncCheckpointer
 from .checkpoint import check_loadable, load_checkpoint, save_checkpoint
 from .checks import CheckpointError, current_rank, on_all_ranks
 from .consolidate import consolidate_checkpoint
+from .manager import CheckpointManager, latest_checkpoint, prune_checkpoints
 from .model import get_full_state_dict, get_sharded_state_dict, load_full_state_dict, load_sharded_state_dict
 from .optimizer import get_optimizer_state_dict, load_optimizer_state_dict
+from .preemption import PreemptionHandler, resolve_signals
 from .publish import is_checkpoint
 
 __all__ = [
+    "AsyncCheckpointer",
     "CheckpointError",
+    "CheckpointManager",
+    "PreemptionHandler",
     "consolidate_checkpoint",
     "get_full_state_dict",
     "get_optimizer_state_dict",
     "get_sharded_state_dict",
     "is_checkpoint",
+    "latest_checkpoint",
     "load_checkpoint",
     "load_full_state_dict",
     "load_optimizer_state_dict",
     "load_sharded_state_dict",
+    "prune_checkpoints",
     "save_checkpoint",
 ]
 
