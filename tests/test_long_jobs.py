@@ -7,6 +7,7 @@ Cases run in ``long_jobs_cases.py`` (real gloo ranks); the crash-recovery test r
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -78,3 +79,15 @@ def test_crash_recovery_under_torchrun_restart_is_exact(tmp_path):
             assert same, f"{part}: {key} differs from the uninterrupted run"
     # Retention: keep_last=2 of step_2 ... step_10, and no partial directory left.
     assert sorted(p.name for p in (tmp_path / "ckpt_crash").iterdir()) == ["step_10", "step_8"]
+
+
+def test_bench_long_jobs_quick(tmp_path):
+    """``benchmarks/bench_long_jobs.py --quick`` runs end to end; its figures are only checked to be well-formed."""
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_long_jobs.py"), "--quick", "--out", str(tmp_path)]
+    proc = subprocess.run(cmd, cwd=ROOT, env=rank_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, f"{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
+    text = (tmp_path / "long_jobs.md").read_text()
+    assert "## Training stall per save" in text and "## Extra memory of the staged copy" in text
+    # The staged copy is exactly one copy of the rank's shards: that ratio is not a timing.
+    ratios = [float(x) for x in re.findall(r"\| \*\*([0-9.]+)\*\* \| -?[0-9.]+ MiB \|$", text, re.M)]
+    assert ratios == [1.0, 1.0], ratios
