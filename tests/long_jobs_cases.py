@@ -189,6 +189,56 @@ def preemption_signal_saves_at_next_boundary_and_stops():
     assert got["extra"]["step"] == 3
 
 
+@case
+def strategy_async_keep_last_preemption_resume_latest():
+    from zeta_fsdp import FSDP2Strategy
+
+    expect_error(ValueError, lambda: FSDP2Strategy(TransformerBlock=Block, async_save=True), "sharded")
+    expect_error(ValueError, lambda: FSDP2Strategy(checkpoint_format="sharded", keep_last=0), "keep_last", "0")
+    expect_error(ValueError, lambda: FSDP2Strategy(preemption_signals=["SIGNOPE"]), "SIGNOPE")
+
+    def build(seed: int) -> FSDP2Strategy:
+        torch.manual_seed(seed)
+        strategy = FSDP2Strategy(
+            TransformerBlock=Block,
+            checkpoint_format="sharded",
+            async_save=True,
+            keep_last=2,
+            preemption_signals=("SIGUSR1",),
+        )
+        strategy.connect(small())
+        strategy.setup_optimizers(lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1))
+        strategy.parallelize()
+        return strategy
+
+    ckpt = root() / "strategy"
+    strategy = build(0)
+    assert strategy.resume_latest(ckpt) is None, "nothing to resume on the first launch"
+    model, opt = strategy.model, strategy.optimizers[0]
+    stopped = None
+    for step in range(1, 8):
+        train(model, opt, range(step - 1, step))
+        strategy.current_epoch_step = (0, step)
+        if step == 4 and rank() == 0:
+            os.kill(os.getpid(), signal.SIGUSR1)
+        stop = strategy.should_stop()
+        strategy.save_checkpoint({"note": step}, ckpt / f"step_{step}")
+        if stop:
+            stopped = step
+            break
+    want = get_full_state_dict(model, rank0_only=False)
+    strategy.wait_for_checkpoint()
+    assert stopped == 4, stopped
+    assert sorted(p.name for p in ckpt.iterdir()) == ["step_3", "step_4"], sorted(p.name for p in ckpt.iterdir())
+    strategy.teardown()  # waits, restores the handler; the harness's process group stays
+    assert dist.is_initialized()
+    resumed = build(1)
+    got = resumed.resume_latest(ckpt)
+    assert got is not None and got["note"] == 4 and resumed.current_epoch_step.step == 4
+    assert_identical("strategy resume_latest", get_full_state_dict(resumed.model, rank0_only=False), want)
+    resumed.teardown()
+
+
 # --------------------------------------------------------------------------- data position at any world size
 
 D, OUT, N_SAMPLES, GLOBAL = 16, 4, 20, 8

@@ -21,6 +21,7 @@ TWO_RANK_CASES = [
     "async_save_one_in_flight_and_bad_input_first",
     "manager_saves_every_n_keeps_last_k_and_resumes",
     "preemption_signal_saves_at_next_boundary_and_stops",
+    "strategy_async_keep_last_preemption_resume_latest",
     "data_reference_run_saves_midway",
 ]
 
