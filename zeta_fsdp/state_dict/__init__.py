@@ -47,7 +47,8 @@ from .consolidate import consolidate_checkpoint
 from .manager import CheckpointManager, latest_checkpoint, prune_checkpoints
 from .model import get_full_state_dict, get_sharded_state_dict, load_full_state_dict, load_sharded_state_dict
 from .optimizer import get_optimizer_state_dict, load_optimizer_state_dict
-from .preemption import PreemptionHandler, resolve_signals
+from .preemption import PreemptionHandler
+from .preemption import resolve_signals as resolve_signals  # for strategy.py
 from .publish import is_checkpoint
 
 __all__ = [
