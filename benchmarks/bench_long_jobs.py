@@ -7,7 +7,7 @@ plus AdamW state by default):
   ``AsyncCheckpointer.save`` (returns once this rank's shards are staged), median of ``--repeats``,
   side by side in one run; and the async write's total time (save -> ``wait()``, training meanwhile);
 * extra memory of the staged copy: bytes of the staged tensors (exact) against the rank's shard
-  bytes (model + optimizer state), and the process's peak-RSS growth over one async save;
+  bytes (model + optimizer state), and the process's RSS growth while an async write is in flight;
 * crash recovery: ``tests/crash_train.py`` under ``torchrun --max-restarts=1``, clean and with one
   rank SIGKILLed after step 5: wall time of each and the steps redone.
 
@@ -67,16 +67,10 @@ def parse_args() -> argparse.Namespace:
     return parser.parse_args()
 
 
-def rss_peak_reset() -> None:
-    try:
-        Path("/proc/self/clear_refs").write_text("5")
-    except OSError:
-        pass
-
-
-def rss_peak() -> int:
+def rss_now() -> int:
+    """Resident memory of this process now (``VmRSS``), in bytes."""
     for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
+        if line.startswith("VmRSS:"):
             return int(line.split()[1]) * 1024
     return 0
 
@@ -142,11 +136,10 @@ def ranks_part(args: argparse.Namespace) -> None:
     staged_bytes = local_bytes(stage_state(live))
     del live
     dist.barrier()
-    rss_peak_reset()
-    before = rss_peak()
+    before = rss_now()
     checkpointer.save(work / "async_mem", model, opt)
+    rss_growth = rss_now() - before  # what the process holds more while the write is in flight
     checkpointer.wait()
-    rss_growth = rss_peak() - before
     checkpointer.close()
     result = {
         "rank": rank,
@@ -230,7 +223,7 @@ def report(args: argparse.Namespace, ranks: list[dict], crash: dict | None, comm
         "",
         "## Extra memory of the staged copy (goal: <= 1 x the rank's shard bytes)",
         "",
-        "| rank | shard bytes (model + optimizer) | staged copy | staged / shard | peak RSS growth over one async save |",
+        "| rank | shard bytes (model + optimizer) | staged copy | staged / shard | RSS growth while the write is in flight (right after `save()` returns) |",
         "|---|---|---|---|---|",
     ]
     for r in ranks:
@@ -258,7 +251,9 @@ def report(args: argparse.Namespace, ranks: list[dict], crash: dict | None, comm
         "How: the stall is the time `AsyncCheckpointer.save` blocks (checks, `stage_state` copying the",
         "rank's shards to CPU memory, starting DCP's `async_save` on the checkpointer's own gloo group); the",
         "synchronous time is `save_checkpoint` of the same model and optimizer, in the same run. The staged",
-        "copy is counted exactly (bytes of the staged tensors); RSS growth is `VmHWM` after resetting it.",
+        "copy is counted exactly (bytes of the staged tensors); RSS growth is `VmRSS` right after `save()`",
+        "returns minus `VmRSS` just before (the staged copy plus DCP's write buffers, minus what the",
+        "allocator reused).",
     ]
     return "\n".join(lines) + "\n"
 
