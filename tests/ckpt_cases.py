@@ -156,10 +156,10 @@ def resume_save_reference():
         torch.save(reference, ckpt_dir() / "resume_reference.pt")
     dist.barrier()
     # Every rank wrote its own shard file, holding about half of the model's tensor bytes.
-    from zeta_fsdp.state_dict import _read_metadata
+    from zeta_fsdp.state_dict.reader import read_metadata
 
     per_file: dict[str, int] = {}
-    metadata = _read_metadata(ckpt_dir() / "resume", "test")
+    metadata = read_metadata(ckpt_dir() / "resume", "test")
     assert "model.tok_emb.weight" in metadata.state_dict_metadata
     assert "model.head.weight" not in metadata.state_dict_metadata, "the tied weight was written twice"
     for index, info in metadata.storage_data.items():
@@ -415,9 +415,9 @@ def bad_inputs_raise_before_touching():
     unchanged("truncated shard")
 
     def flip_a_data_byte(path):
-        from zeta_fsdp.state_dict import _read_metadata
+        from zeta_fsdp.state_dict.reader import read_metadata
 
-        md = _read_metadata(path, "test")
+        md = read_metadata(path, "test")
         model_records = [kv for kv in md.storage_data.items() if kv[0].fqn.startswith("model.")]
         index, info = max(model_records, key=lambda kv: kv[1].length)
         shard = path / info.relative_path

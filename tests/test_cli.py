@@ -349,7 +349,7 @@ def test_a_failing_rank_is_reported_in_one_line(tmp_path):
 
 # ------------------------------------------------------------------ bench: the repository's benchmark scripts
 
-BENCH_NAMES = ["facade", "memory", "step_time", "accelerate", "gpu", "checkpoint", "training"]
+BENCH_NAMES = ["facade", "memory", "step_time", "accelerate", "gpu", "checkpoint", "training", "long_jobs"]
 
 
 def test_bench_lists_every_benchmark(capsys):

@@ -259,9 +259,9 @@ def names(directory: Path) -> list[str]:
 
 def flip_a_model_byte(path: Path) -> None:
     """Flip one bit inside the tensor bytes of the largest model record (only its CRC-32 can tell)."""
-    from zeta_fsdp.state_dict import _read_metadata
+    from zeta_fsdp.state_dict.reader import read_metadata
 
-    md = _read_metadata(path, "test")
+    md = read_metadata(path, "test")
     records = [(i, info) for i, info in md.storage_data.items() if i.fqn.startswith("model.")]
     _, info = max(records, key=lambda r: r[1].length)
     shard = path / info.relative_path

@@ -5,22 +5,28 @@ Example:
     >>> model = fsdp(model, auto_wrap=True, mp="bf16", shard_strat="FULL_SHARD", TransformerBlock=Block)
 """
 
+from .data import ResumableLoader, shard_dataloader
 from .distributed import shutdown
 from .fsdp import fsdp, get_wrap_plan, is_fsdp_wrapped
 from .loss import MaskedTokenLossReduction, PerSampleLossReduction
 from .options import ShardingSpec, resolve_master_dtype, resolve_mixed_precision, resolve_sharding
 from .planner import DryRunResult, MemoryPlan, UnitEstimate, dry_run, meta_model_from_spec, plan
 from .state_dict import (
+    AsyncCheckpointer,
     CheckpointError,
+    CheckpointManager,
+    PreemptionHandler,
     consolidate_checkpoint,
     get_full_state_dict,
     get_optimizer_state_dict,
     get_sharded_state_dict,
     is_checkpoint,
+    latest_checkpoint,
     load_checkpoint,
     load_full_state_dict,
     load_optimizer_state_dict,
     load_sharded_state_dict,
+    prune_checkpoints,
     save_checkpoint,
 )
 from .strategy import EpochStep, FSDP2Strategy
@@ -49,6 +55,13 @@ __all__ = [
     "load_optimizer_state_dict",
     "load_sharded_state_dict",
     "save_checkpoint",
+    "AsyncCheckpointer",
+    "CheckpointManager",
+    "PreemptionHandler",
+    "latest_checkpoint",
+    "prune_checkpoints",
+    "ResumableLoader",
+    "shard_dataloader",
     "DryRunResult",
     "MemoryPlan",
     "UnitEstimate",

@@ -31,6 +31,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "gpu": ("bench_gpu.py", "bf16 tokens/s and MFU on 1 GPU vs the unwrapped model (skips without CUDA)"),
     "checkpoint": ("bench_checkpoint.py", "sharded DCP save/load vs torch.save/torch.load, gather peak memory"),
     "training": ("bench_training.py", "no_sync gradient accumulation, FSDP2Strategy vs a plain fsdp() loop"),
+    "long_jobs": ("bench_long_jobs.py", "async save stall vs synchronous save, staged-copy memory, crash recovery"),
 }
 # bench_checkpoint.py has its own arguments (no --quick, no --out): a quick run is a small model,
 # one repetition, printed only (--no-write: results/checkpoint.md is left alone).

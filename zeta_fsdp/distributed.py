@@ -153,7 +153,21 @@ def ensure_process_group(device: torch.device, *, cpu_offload: bool = False, tim
     kwargs = {"timeout": timedelta(seconds=timeout_s)}
     if device.type == "cuda":
         kwargs["device_id"] = device
-    if _running_under_torchrun():
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    if (
+        _running_under_torchrun()
+        and restart not in ("", "0")
+        and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    ):
+        # A torchrun restart (--max-restarts) reuses the agent's store, which still holds the first
+        # attempt's gloo addresses (torch 2.13): new ranks would dial dead peers. Keys per attempt.
+        store = dist.TCPStore(
+            os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=kwargs["timeout"]
+        )
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        prefixed = dist.PrefixStore(f"zeta_fsdp/attempt_{restart}", store)
+        dist.init_process_group(backend=backend, store=prefixed, rank=rank, world_size=world, **kwargs)
+    elif _running_under_torchrun():
         dist.init_process_group(backend=backend, init_method="env://", **kwargs)
     else:
         dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1, **kwargs)

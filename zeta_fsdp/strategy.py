@@ -26,7 +26,6 @@ import contextlib
 import inspect
 import os
 import shutil
-import warnings
 from pathlib import Path
 from typing import Any, Callable, Literal, Mapping, NamedTuple, Optional, Union
 
@@ -36,9 +35,9 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
-from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, RandomSampler, Sampler
 
 from . import state_dict as sd
+from .data import shard_dataloader
 from .distributed import build_dp_tp_mesh, choose_device, ensure_process_group, expected_world_size, shutdown
 from .fsdp import fsdp, is_fsdp_wrapped, materialize_meta_model
 from .loss import MaskedTokenLossReduction
@@ -52,7 +51,7 @@ StepType = Literal["training", "validation", "test", "predict"]
 _STEP_TYPES = ("training", "validation", "test", "predict")
 _FORMATS = ("full", "sharded")
 # Strategy options that never reach fsdp().
-_STRATEGY_KWARGS = ("checkpoint_format", "tp_plan", "device")
+_STRATEGY_KWARGS = ("checkpoint_format", "tp_plan", "device", "async_save", "keep_last", "preemption_signals")
 # Where the strategy's own bookkeeping lives inside a checkpoint.
 _META_KEY = "zeta_fsdp"
 _SHARDED_REF = "zeta_fsdp_sharded_checkpoint"
@@ -125,7 +124,11 @@ class FSDP2Strategy:
             and ``auto_wrap=True`` unless given.
         **kwargs: passed to ``fsdp()`` (``shard_strat``, ``TransformerBlock``, ``mp``,
             ``activation_checkpointing``, ``cpu_offload``, ...), except the strategy's own:
-            ``checkpoint_format`` (``"full"`` default, or ``"sharded"``: DCP), ``tp_plan``, ``device``.
+            ``checkpoint_format`` (``"full"`` default, or ``"sharded"``: DCP), ``tp_plan``, ``device``;
+            for long jobs (sharded format): ``async_save`` (``save_checkpoint`` returns once the shards
+            are staged, ``AsyncCheckpointer``), ``keep_last`` (after each save, keep the newest K
+            ``step_<n>`` checkpoints next to it), ``preemption_signals`` (e.g. ``("SIGTERM",)``: then
+            ``should_stop()`` turns True at the step boundary after the signal).
             With a custom ``parallelize_fn``, its own keyword parameters are accepted too. Any other
             name (a typo such as ``TransformerBlok``), a bad ``mp`` or ``shard_strat`` is a
             ``ValueError`` here, before any process group starts.
@@ -165,6 +168,10 @@ class FSDP2Strategy:
             ]
             if missing:
                 raise ValueError(f"FSDP2Strategy: checkpoint_io lacks {missing}.")
+        self._long_jobs = _long_job_options(kwargs, self.checkpoint_format)
+        self._checkpointer: Optional[sd.AsyncCheckpointer] = None
+        self._preemption: Optional[sd.PreemptionHandler] = None
+        self._checkpoint_root: Optional[Path] = None
         self._tp_plan = kwargs.pop("tp_plan", None)
         self._device_arg = kwargs.pop("device", None)
         if mp_policy is not None and "mp" in kwargs:
@@ -669,57 +676,17 @@ class FSDP2Strategy:
         Example:
             >>> loader = strategy.process_dataloader(DataLoader(dataset, batch_size=8, shuffle=True))  # doctest: +SKIP
         """
-        if self.data_sampler is not None and callable(getattr(self.data_sampler, "transform_dataloader", None)):
-            return self.data_sampler.transform_dataloader(dataloader)
-        if not isinstance(dataloader, DataLoader):
-            raise ValueError(
-                f"FSDP2Strategy.process_dataloader(): expected a torch DataLoader, got {type(dataloader).__name__}; "
-                "pass data_sampler= with a transform_dataloader(dataloader) method for other loaders."
-            )
-        if isinstance(dataloader.dataset, IterableDataset):
-            warnings.warn(
-                "FSDP2Strategy.process_dataloader(): an IterableDataset cannot be split by a sampler; "
-                "it is returned unchanged, so it must shard itself by data-parallel rank.",
-                stacklevel=2,
-            )
-            return dataloader
-        if isinstance(dataloader.sampler, DistributedSampler) and self.data_sampler is None:
-            self._samplers.append(dataloader.sampler)
-            return dataloader
-        if dataloader.batch_size is None:
-            raise ValueError(
-                "FSDP2Strategy.process_dataloader(): the loader uses a custom batch_sampler; pass data_sampler= "
-                "with a transform_dataloader(dataloader) method that splits it by data-parallel rank."
-            )
-        if self.data_sampler is not None:
-            if not isinstance(self.data_sampler, Sampler):
-                raise ValueError(
-                    "FSDP2Strategy: data_sampler must be a torch Sampler or have transform_dataloader(dataloader)."
-                )
-            sampler = self.data_sampler
-        else:
-            sampler = DistributedSampler(
-                dataloader.dataset,
-                num_replicas=self.data_parallel_size,
-                rank=self.data_parallel_rank,
-                shuffle=isinstance(dataloader.sampler, RandomSampler),
-                drop_last=dataloader.drop_last,
-            )
-            sampler.set_epoch(self._epoch)
-        self._samplers.append(sampler)
-        options = {
-            "batch_size": dataloader.batch_size,
-            "num_workers": dataloader.num_workers,
-            "collate_fn": dataloader.collate_fn,
-            "pin_memory": dataloader.pin_memory,
-            "drop_last": dataloader.drop_last,
-            "timeout": dataloader.timeout,
-            "worker_init_fn": dataloader.worker_init_fn,
-            "persistent_workers": dataloader.persistent_workers,
-        }
-        if dataloader.num_workers > 0:
-            options["prefetch_factor"] = dataloader.prefetch_factor
-        return DataLoader(dataloader.dataset, sampler=sampler, **options)
+        loader, sampler = shard_dataloader(
+            dataloader,
+            rank=self.data_parallel_rank,
+            world_size=self.data_parallel_size,
+            epoch=self._epoch,
+            data_sampler=self.data_sampler,
+            caller="FSDP2Strategy.process_dataloader()",
+        )
+        if sampler is not None and sampler not in self._samplers:
+            self._samplers.append(sampler)
+        return loader
 
     # ----------------------------------------------------------------------------- state dicts
 
@@ -829,13 +796,19 @@ class FSDP2Strategy:
             "data_parallel_size": self.data_parallel_size,
             "tensor_parallel_size": self.tensor_parallel_size,
         }
-        sd._on_all_ranks(lambda: sd._check_loadable(extras, "the checkpoint's entries"))
+        sd.on_all_ranks(lambda: sd.check_loadable(extras, "the checkpoint's entries"))
         path = Path(filepath)
         if self.checkpoint_format == "sharded":
             if len(self.optimizers) > 1:
                 raise NotImplementedError("FSDP2Strategy: the sharded format saves one optimizer; use the full format.")
             optimizer = self.optimizers[0] if self.optimizers else None
-            sd.save_checkpoint(path, module, optimizer, extra=extras, overwrite=True)
+            if self._long_jobs["async_save"]:
+                self._checkpointer = self._checkpointer or sd.AsyncCheckpointer()
+                self._checkpointer.save(path, module, optimizer, extra=extras, overwrite=True)
+            else:
+                sd.save_checkpoint(path, module, optimizer, extra=extras, overwrite=True)
+            self._checkpoint_root = path.parent
+            self._prune()
             return
         payload = dict(extras)
         payload["state_dict"] = sd.get_full_state_dict(module)
@@ -871,6 +844,7 @@ class FSDP2Strategy:
             >>> start = strategy.current_epoch_step.step  # doctest: +SKIP
         """
         self.parallelize()
+        self.wait_for_checkpoint()  # a save of this path may still be in flight
         path = Path(filepath)
         module = self._require_module()
         if self.checkpoint_io is None and path.is_dir():
@@ -936,12 +910,69 @@ class FSDP2Strategy:
             dist.barrier()  # no rank may still be reading it
         _on_rank0(remove)
 
+    def wait_for_checkpoint(self) -> None:
+        """Block until an ``async_save`` checkpoint in flight is complete (every rank); no-op otherwise.
+
+        Example:
+            >>> strategy.wait_for_checkpoint()  # doctest: +SKIP
+        """
+        if self._checkpointer is not None:
+            self._checkpointer.wait()
+            self._prune()
+
+    def _prune(self) -> None:
+        """With ``keep_last``: rank 0 keeps the newest K complete checkpoints next to the last one saved."""
+        root, keep = self._checkpoint_root, self._long_jobs["keep_last"]
+        if keep is not None and root is not None:
+            _on_rank0(lambda: sd.prune_checkpoints(root, keep))
+
+    def should_stop(self) -> bool:
+        """``True`` on every rank once a ``preemption_signals`` signal reached any rank; call at each step boundary.
+
+        Example:
+            >>> if strategy.should_stop():  # doctest: +SKIP
+            ...     strategy.save_checkpoint({}, f"ckpt/step_{step}")
+            ...     break
+        """
+        if not self._long_jobs["preemption_signals"]:
+            return False
+        if self._preemption is None:
+            self.parallelize()  # the handler's gloo group needs the process group
+            self._preemption = sd.PreemptionHandler(self._long_jobs["preemption_signals"])
+        return self._preemption.stop_requested()
+
+    def resume_latest(self, root: Union[str, os.PathLike]) -> Optional[dict[str, Any]]:
+        """Load the latest complete ``root/step_<n>`` checkpoint (``load_checkpoint``); ``None`` when there is none.
+
+        The same script then works on first launch and on relaunch.
+
+        Example:
+            >>> ckpt = strategy.resume_latest("ckpt")  # doctest: +SKIP
+            >>> start = strategy.current_epoch_step.step  # 0 on the first launch  # doctest: +SKIP
+        """
+        self.parallelize()
+        self.wait_for_checkpoint()
+        latest = _on_rank0(lambda: sd.latest_checkpoint(root))
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            box = [latest]
+            dist.broadcast_object_list(box, src=0)
+            latest = box[0]
+        return None if latest is None else self.load_checkpoint(latest)
+
     def teardown(self) -> None:
-        """Leave cleanly: destroys the process group if the strategy started it (``zeta_fsdp.shutdown``).
+        """Leave cleanly: waits for an async save in flight, restores signal handlers, then destroys the
+        process group if the strategy started it (``zeta_fsdp.shutdown``).
 
         Example:
             >>> strategy.teardown()  # end of the script  # doctest: +SKIP
         """
+        if self._checkpointer is not None:
+            self.wait_for_checkpoint()
+            self._checkpointer.close()
+            self._checkpointer = None
+        if self._preemption is not None:
+            self._preemption.close()
+            self._preemption = None
         shutdown()
 
 
@@ -1033,6 +1064,27 @@ def _fsdp_option_names(parallelize_fn: Optional[Callable[..., Any]]) -> list[str
 
 
 def _on_rank0(fn: Callable[[], Any]) -> Any:
-    """Run ``fn`` on rank 0 only; every rank raises if it failed (``state_dict._on_all_ranks``), so no
+    """Run ``fn`` on rank 0 only; every rank raises if it failed (``state_dict.on_all_ranks``), so no
     peer waits in a collective forever. Other ranks return ``None``."""
-    return sd._on_all_ranks(lambda: fn() if sd._rank() == 0 else None)
+    return sd.on_all_ranks(lambda: fn() if sd.current_rank() == 0 else None)
+
+
+def _long_job_options(kwargs: dict[str, Any], checkpoint_format: str) -> dict[str, Any]:
+    """Pop and check ``async_save`` / ``keep_last`` / ``preemption_signals`` (constructor time, no process group)."""
+    options = {
+        "async_save": kwargs.pop("async_save", False),
+        "keep_last": kwargs.pop("keep_last", None),
+        "preemption_signals": tuple(kwargs.pop("preemption_signals", ()) or ()),
+    }
+    if not isinstance(options["async_save"], bool):
+        raise ValueError(f"FSDP2Strategy: async_save must be True or False, got {options['async_save']!r}.")
+    keep = options["keep_last"]
+    if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
+        raise ValueError(f"FSDP2Strategy: keep_last must be a positive int or None, got {keep!r}.")
+    if (options["async_save"] or keep is not None) and checkpoint_format != "sharded":
+        raise ValueError(
+            'FSDP2Strategy: async_save and keep_last apply to checkpoint_format="sharded" (DCP directories); '
+            f"checkpoint_format is {checkpoint_format!r}."
+        )
+    sd.resolve_signals(options["preemption_signals"])  # a bad name is a ValueError now
+    return options

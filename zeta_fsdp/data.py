@@ -1,0 +1,232 @@
+"""Data for data-parallel ranks: splitting a ``DataLoader`` by rank, and a loader that resumes exactly.
+
+``shard_dataloader`` is what ``FSDP2Strategy.process_dataloader`` does (a ``DistributedSampler``
+over the data-parallel ranks). ``ResumableLoader`` defines the data stream by *global* batches, so
+its position (epoch, samples consumed, seed) means the same thing at any world size: saved at 2
+ranks and resumed at 1 or 4 with the same global batch size, the run sees the same global batches in
+the same order as if it had never stopped.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, Iterator, Mapping, Optional
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, RandomSampler, Sampler
+
+__all__ = ["ResumableLoader", "shard_dataloader"]
+
+
+def shard_dataloader(
+    dataloader: Any,
+    *,
+    rank: int,
+    world_size: int,
+    epoch: int = 0,
+    data_sampler: Any = None,
+    caller: str = "shard_dataloader()",
+) -> tuple[Any, Optional[Sampler]]:
+    """Give data-parallel rank ``rank`` of ``world_size`` its own part of ``dataloader``; return (loader, sampler).
+
+    With ``data_sampler``: its ``transform_dataloader(dataloader)`` (NeMo), or a rebuilt loader
+    using it as sampler. Otherwise the loader is rebuilt around a ``DistributedSampler`` (shuffling
+    when the original did, at ``epoch``). A loader that already has a ``DistributedSampler`` is kept;
+    an ``IterableDataset`` is returned unchanged (with a warning: it must shard itself). The sampler
+    returned (or ``None``) is the one whose ``set_epoch`` reshuffles.
+
+    Example:
+        >>> loader, sampler = shard_dataloader(DataLoader(ds, batch_size=4, shuffle=True), rank=0, world_size=2)
+        >>> sampler.set_epoch(1)
+    """
+    if data_sampler is not None and callable(getattr(data_sampler, "transform_dataloader", None)):
+        return data_sampler.transform_dataloader(dataloader), None
+    if not isinstance(dataloader, DataLoader):
+        raise ValueError(
+            f"{caller}: expected a torch DataLoader, got {type(dataloader).__name__}; "
+            "pass data_sampler= with a transform_dataloader(dataloader) method for other loaders."
+        )
+    if isinstance(dataloader.dataset, IterableDataset):
+        warnings.warn(
+            f"{caller}: an IterableDataset cannot be split by a sampler; "
+            "it is returned unchanged, so it must shard itself by data-parallel rank.",
+            stacklevel=3,
+        )
+        return dataloader, None
+    if isinstance(dataloader.sampler, DistributedSampler) and data_sampler is None:
+        return dataloader, dataloader.sampler
+    if dataloader.batch_size is None:
+        raise ValueError(
+            f"{caller}: the loader uses a custom batch_sampler; pass data_sampler= "
+            "with a transform_dataloader(dataloader) method that splits it by data-parallel rank."
+        )
+    if data_sampler is not None:
+        if not isinstance(data_sampler, Sampler):
+            raise ValueError(
+                "FSDP2Strategy: data_sampler must be a torch Sampler or have transform_dataloader(dataloader)."
+            )
+        sampler = data_sampler
+    else:
+        sampler = DistributedSampler(
+            dataloader.dataset,
+            num_replicas=world_size,
+            rank=rank,
+            shuffle=isinstance(dataloader.sampler, RandomSampler),
+            drop_last=dataloader.drop_last,
+        )
+        sampler.set_epoch(epoch)
+    options = {
+        "batch_size": dataloader.batch_size,
+        "num_workers": dataloader.num_workers,
+        "collate_fn": dataloader.collate_fn,
+        "pin_memory": dataloader.pin_memory,
+        "drop_last": dataloader.drop_last,
+        "timeout": dataloader.timeout,
+        "worker_init_fn": dataloader.worker_init_fn,
+        "persistent_workers": dataloader.persistent_workers,
+    }
+    if dataloader.num_workers > 0:
+        options["prefetch_factor"] = dataloader.prefetch_factor
+    return DataLoader(dataloader.dataset, sampler=sampler, **options), sampler
+
+
+class ResumableLoader:
+    """Batches for this data-parallel rank from a stream of global batches that resumes exactly, at any world size.
+
+    Epoch ``e`` orders the dataset by ``torch.randperm(len, seed + e)`` (or in order without
+    ``shuffle``) and cuts it into global batches of ``global_batch_size`` (a last partial batch is
+    dropped); rank ``r`` of ``W`` gets the ``r``-th contiguous ``global_batch_size / W`` samples of
+    each, so the ranks' batches concatenated in rank order are the global batch. Iterating gives the
+    rest of the current epoch, then moves to the next. ``state_dict()`` records the epoch, the
+    samples consumed in it (a batch counts as consumed once handed out) and the seed;
+    ``load_state_dict`` continues from there at any world size that divides the global batch.
+    Pass it to ``CheckpointManager(state={"data": loader})`` to save and restore it with the model.
+
+    ``rank`` / ``world_size`` default to the default process group's (one process without one);
+    pass the data-parallel ones under tensor parallelism. Other keyword arguments go to the
+    ``DataLoader`` that reads the samples (``collate_fn``, ``num_workers``, ``pin_memory`` ...).
+
+    Example:
+        >>> loader = ResumableLoader(dataset, global_batch_size=32, seed=0)
+        >>> for batch in loader:  # the rest of this epoch, this rank's 32 / world samples at a time
+        ...     train_step(batch)
+        >>> loader.state_dict()
+        {'epoch': 1, 'consumed': 0, 'seed': 0, 'global_batch_size': 32, 'shuffle': True, 'dataset_len': 1000}
+    """
+
+    def __init__(
+        self,
+        dataset: Any,
+        global_batch_size: int,
+        *,
+        seed: int = 0,
+        shuffle: bool = True,
+        rank: Optional[int] = None,
+        world_size: Optional[int] = None,
+        **loader_kwargs: Any,
+    ) -> None:
+        on = dist.is_available() and dist.is_initialized()
+        self.world_size = int(world_size if world_size is not None else (dist.get_world_size() if on else 1))
+        self.rank = int(rank if rank is not None else (dist.get_rank() if on else 0))
+        if isinstance(global_batch_size, bool) or not isinstance(global_batch_size, int) or global_batch_size < 1:
+            raise ValueError(f"ResumableLoader(): global_batch_size must be a positive int, got {global_batch_size!r}.")
+        if global_batch_size % self.world_size:
+            raise ValueError(
+                f"ResumableLoader(): global_batch_size={global_batch_size} does not split over world_size="
+                f"{self.world_size} ranks; use a multiple of {self.world_size}."
+            )
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"ResumableLoader(): rank={self.rank} is outside 0..{self.world_size - 1}.")
+        for key in ("batch_size", "sampler", "batch_sampler", "shuffle", "drop_last"):
+            if key in loader_kwargs:
+                raise ValueError(
+                    f"ResumableLoader(): {key}= is decided by the loader (global_batch_size, seed, shuffle)."
+                )
+        self.dataset = dataset
+        self.global_batch_size = global_batch_size
+        self.seed, self.shuffle = int(seed), bool(shuffle)
+        self.epoch, self.consumed = 0, 0
+        self.loader_kwargs = loader_kwargs
+
+    def __len__(self) -> int:
+        """Global batches per epoch (a last partial one is dropped).
+
+        Example:
+            >>> len(ResumableLoader(range(100), 32))
+            3
+        """
+        return len(self.dataset) // self.global_batch_size
+
+    def order(self, epoch: int) -> torch.Tensor:
+        """The sample indices of ``epoch`` in stream order (the same on every rank and at every world size).
+
+        Example:
+            >>> loader.order(0)[:4]
+            tensor([ 3, 81, 47, 12])
+        """
+        if not self.shuffle:
+            return torch.arange(len(self.dataset))
+        return torch.randperm(len(self.dataset), generator=torch.Generator().manual_seed(self.seed + epoch))
+
+    def global_batch_indices(self, epoch: int, index: int) -> list[int]:
+        """The sample indices of global batch ``index`` of ``epoch`` (what all ranks together see).
+
+        Example:
+            >>> loader.global_batch_indices(0, 0)
+            [3, 81, 47, 12, ...]
+        """
+        start = index * self.global_batch_size
+        return self.order(epoch)[start : start + self.global_batch_size].tolist()
+
+    def __iter__(self) -> Iterator[Any]:
+        if self.consumed >= len(self) * self.global_batch_size:  # saved at the end of an epoch
+            self.epoch, self.consumed = self.epoch + 1, 0
+        per = self.global_batch_size // self.world_size
+        order = self.order(self.epoch)
+        first = self.consumed // self.global_batch_size
+        batches = [
+            order[
+                b * self.global_batch_size + self.rank * per : b * self.global_batch_size + (self.rank + 1) * per
+            ].tolist()
+            for b in range(first, len(self))
+        ]
+        for batch in DataLoader(self.dataset, batch_sampler=batches, **self.loader_kwargs):
+            # Counted before the caller trains on it: a checkpoint taken after that step resumes after it.
+            self.consumed += self.global_batch_size
+            yield batch
+        self.epoch, self.consumed = self.epoch + 1, 0
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where the stream is: epoch, samples consumed in it, seed (and what must match to resume).
+
+        Example:
+            >>> loader.state_dict()["consumed"]
+            64
+        """
+        return {
+            "epoch": self.epoch,
+            "consumed": self.consumed,
+            "seed": self.seed,
+            "global_batch_size": self.global_batch_size,
+            "shuffle": self.shuffle,
+            "dataset_len": len(self.dataset),
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue from a saved position (any world size); the global batch size and dataset must match.
+
+        Example:
+            >>> loader.load_state_dict(saved["data"])
+        """
+        for key, mine in (
+            ("global_batch_size", self.global_batch_size),
+            ("dataset_len", len(self.dataset)),
+            ("shuffle", self.shuffle),
+        ):
+            if key in state and state[key] != mine:
+                raise ValueError(
+                    f"ResumableLoader.load_state_dict(): saved {key}={state[key]!r}, this loader has {mine!r}; "
+                    "an exact resume needs the same global batch size, dataset and shuffling."
+                )
+        self.epoch, self.consumed, self.seed = int(state["epoch"]), int(state["consumed"]), int(state["seed"])

@@ -1,0 +1,77 @@
+"""State dicts and checkpoints of sharded models, on PyTorch's own machinery.
+
+Everything here is built on ``torch.distributed.checkpoint`` (DCP) and
+``torch.distributed.checkpoint.state_dict``; there is no file format of our own. A checkpoint is a
+plain DCP directory (one ``.metadata`` file plus one ``.distcp`` file per rank) holding:
+
+* ``model.<fqn>``: the model's tensors, sharded as they live on the ranks (each rank writes its
+  own); a tied tensor once, under its first name,
+* ``optim.state.<fqn>.<name>``: optimizer state keyed by parameter name (never by index), so it
+  loads at any world size and sharding strategy; ``optim.param_groups``: one record of
+  ``{"param_groups.<fqn>.<option>": value}`` (torch's flattened optimizer format),
+* ``model_layout``: the model's keys in order and its tied names (for consolidation),
+* ``extra``: one object of the user's (step, epoch, scheduler, RNG), saved from rank 0.
+
+Safety rules: nothing in a checkpoint is unpickled with ``weights_only=False`` (DCP's ``.metadata``
+goes through an allow-list unpickler, ``extra`` and optimizer options through
+``torch.load(weights_only=True)``, and every record's zip CRC-32 is checked while reading); a save
+is written to a hidden temporary directory and renamed into place; a load validates the checkpoint
+(keys, shapes, files) and reads it completely into scratch tensors before the live model or
+optimizer changes.
+
+Layout of the package (one concern per module; the public names are re-exported here):
+
+* ``checks``: names and shapes, ``CheckpointError``, agreement across ranks (one rank fails -> all raise),
+* ``model``: model state dicts (sharded / full),
+* ``optimizer``: optimizer state keyed by parameter FQN (flattening, validation, loading),
+* ``reader``: the hardened DCP reader (safe metadata unpickling, file checks, CRC-32 per record),
+* ``publish``: atomic publish of a checkpoint directory and recovery of an interrupted overwrite,
+* ``checkpoint``: ``save_checkpoint`` / ``load_checkpoint`` as a sequence of named steps,
+* ``consolidate``: offline consolidation into one file of weights,
+* ``async_save``: ``AsyncCheckpointer`` (stage, write in the background, publish),
+* ``preemption``: ``PreemptionHandler`` (a signal -> stop at the next step boundary),
+* ``manager``: ``CheckpointManager`` (every N steps, keep last K, resume latest).
+
+Example:
+    >>> save_checkpoint("ckpt/step_100", model, optimizer, extra={"step": 100})
+    >>> extra = load_checkpoint("ckpt/step_100", model, optimizer)  # any world size, any strategy
+    >>> consolidate_checkpoint("ckpt/step_100", "model.safetensors")  # offline, one process
+"""
+
+from __future__ import annotations
+
+from .async_save import AsyncCheckpointer
+from .checkpoint import check_loadable, load_checkpoint, save_checkpoint
+from .checks import CheckpointError, current_rank, on_all_ranks
+from .consolidate import consolidate_checkpoint
+from .manager import CheckpointManager, latest_checkpoint, prune_checkpoints
+from .model import get_full_state_dict, get_sharded_state_dict, load_full_state_dict, load_sharded_state_dict
+from .optimizer import get_optimizer_state_dict, load_optimizer_state_dict
+from .preemption import PreemptionHandler
+from .preemption import resolve_signals as resolve_signals  # for strategy.py
+from .publish import is_checkpoint
+
+__all__ = [
+    "AsyncCheckpointer",
+    "CheckpointError",
+    "CheckpointManager",
+    "PreemptionHandler",
+    "consolidate_checkpoint",
+    "get_full_state_dict",
+    "get_optimizer_state_dict",
+    "get_sharded_state_dict",
+    "is_checkpoint",
+    "latest_checkpoint",
+    "load_checkpoint",
+    "load_full_state_dict",
+    "load_optimizer_state_dict",
+    "load_sharded_state_dict",
+    "prune_checkpoints",
+    "save_checkpoint",
+]
+
+# The names strategy.py used while this was one module; kept until it uses the public ones
+# (``checks.on_all_ranks``, ``checks.current_rank``, ``checkpoint.check_loadable``).
+_on_all_ranks = on_all_ranks
+_rank = current_rank
+_check_loadable = check_loadable

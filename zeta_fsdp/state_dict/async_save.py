@@ -1,0 +1,247 @@
+"""Checkpoints written in the background: ``AsyncCheckpointer``.
+
+A save copies this rank's shards off the live parameters and optimizer state ("staging"), then
+DCP's ``async_save`` writes the copy from a background thread over a gloo group of its own (so its
+collectives never interleave with training's), and rank 0 publishes the directory atomically once
+every rank's files are written. Same checkpoint, same guarantees as ``save_checkpoint``; training
+waits only for the copy.
+"""
+
+from __future__ import annotations
+
+import atexit
+import copy
+import shutil
+import threading
+import warnings
+import weakref
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.nn as nn
+from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemWriter
+from torch.distributed.tensor import DTensor
+
+from .checkpoint import check_save_inputs, checkpoint_state, prepare_save_dir, save_failure
+from .checks import FAILURES, PathLike, current_rank, dist_on, on_all_ranks, world_size
+from .publish import incomplete_dir, publish_checkpoint
+
+
+@torch.no_grad()
+def stage_state(state: dict[str, Any], buffers: Optional[dict[str, torch.Tensor]] = None) -> dict[str, Any]:
+    """A copy of ``state`` in CPU memory that later training cannot change: tensors copied, objects deep-copied.
+
+    A ``DTensor`` stays a ``DTensor`` (same mesh and placements) around a CPU copy of its local shard,
+    so DCP writes exactly what ``save_checkpoint`` would. Extra memory: one copy of this rank's
+    shards. ``buffers`` (``{key: CPU tensor}``, filled on first use) are reused by later calls with
+    tensors of the same shape and dtype: copying into memory already mapped is several times faster
+    than into fresh pages (the write that read them must be finished).
+
+    Example:
+        >>> staged = stage_state({"w": torch.ones(2)})
+        >>> staged["w"] is not None
+        True
+    """
+    out: dict[str, Any] = {}
+    for key, value in state.items():
+        if isinstance(value, torch.Tensor):
+            local = value.to_local() if isinstance(value, DTensor) else value
+            kept = buffers.get(key) if buffers is not None else None
+            if kept is None or kept.shape != local.shape or kept.dtype != local.dtype:
+                kept = torch.empty(local.shape, dtype=local.dtype, device="cpu")
+                if buffers is not None:
+                    buffers[key] = kept
+            kept.copy_(local.detach())
+            if isinstance(value, DTensor):
+                out[key] = DTensor.from_local(
+                    kept, value.device_mesh, value.placements, run_check=False, shape=value.shape, stride=value.stride()
+                )
+            else:
+                out[key] = kept
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+class _AlreadyStaged:
+    """DCP's stager protocol for a state dict ``stage_state`` copied already (no second copy)."""
+
+    _synchronize_after_execute = False
+    should_synchronize_after_execute = False
+
+    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        return state_dict
+
+    def synchronize_staging(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class AsyncCheckpointer:
+    """Save checkpoints without stopping training for the write.
+
+    ``save()`` takes the same arguments as ``save_checkpoint`` and returns once every rank's shards
+    are staged (copied to CPU memory); DCP writes them in a background thread over a gloo group of
+    this checkpointer's own, and rank 0 renames the directory into place once every rank's files are
+    written. The checkpoint equals what ``save_checkpoint`` writes at that moment, however training
+    changes the parameters meanwhile, and keeps its guarantees (atomic publish, CRC-checked loads).
+    At most one save is in flight: the next ``save()``, ``wait()`` or ``close()`` waits for it (and
+    so does interpreter exit). The staged copy (one copy of the rank's shards in CPU memory) is
+    kept for the next save unless ``reuse_buffers=False``. Create it, and call ``save``/``wait``/``close``, on every rank.
+
+    Example:
+        >>> checkpointer = AsyncCheckpointer()
+        >>> checkpointer.save(f"ckpt/step_{step}", model, optimizer, extra={"step": step})
+        >>> ...  # keep training; the write goes on in the background
+        >>> checkpointer.wait()  # the checkpoint is complete (raises CheckpointError if it failed)
+    """
+
+    def __init__(self, *, process_group: Optional[dist.ProcessGroup] = None, reuse_buffers: bool = True) -> None:
+        self._group = process_group
+        # The staged copy is kept between saves (one copy of the rank's shards, as while a write is in
+        # flight) so later saves copy into mapped memory; reuse_buffers=False frees it after each write.
+        self._buffers: Optional[dict[str, torch.Tensor]] = {} if reuse_buffers else None
+        self._made_group = False
+        self._pending: Optional[tuple[Path, bool, Future]] = None
+        self._closed = False
+        ref = weakref.ref(self)
+        atexit.register(lambda: ref() is not None and ref()._wait_here())  # type: ignore[union-attr]
+
+    @property
+    def in_flight(self) -> Optional[Path]:
+        """The checkpoint being written now (``None`` when none is).
+
+        Example:
+            >>> checkpointer.in_flight
+            PosixPath('ckpt/step_200')
+        """
+        if self._pending is None or self._pending[2].done():
+            return None
+        return self._pending[0]
+
+    def _process_group(self) -> Optional[dist.ProcessGroup]:
+        if self._group is None and dist_on() and world_size() > 1:
+            # A gloo group of its own: the background thread's collectives never interleave with
+            # training's (and CPU tensors need a CPU backend even when training runs on nccl).
+            self._group = dist.new_group(backend="gloo")
+            self._made_group = True
+        return self._group
+
+    def save(
+        self,
+        path: PathLike,
+        model: nn.Module,
+        optimizer: Optional[torch.optim.Optimizer] = None,
+        *,
+        extra: Any = None,
+        overwrite: bool = False,
+    ) -> Path:
+        """Stage this rank's shards, start writing them in the background, and return ``path``.
+
+        Waits first for a save still in flight. Bad input raises as ``save_checkpoint`` does, before
+        anything is written.
+
+        Example:
+            >>> checkpointer.save("ckpt/step_100", model, optimizer, extra={"step": 100})
+        """
+        if self._closed:
+            raise RuntimeError("AsyncCheckpointer.save(): the checkpointer was closed.")
+        self.wait()
+        path = Path(path)
+        group = self._process_group()
+        on_all_ranks(lambda: check_save_inputs(optimizer, extra))
+        made_tmp = on_all_ranks(lambda: prepare_save_dir(path, overwrite=overwrite))
+        try:
+            # every rank staged, or every rank raises; the live tensors are not referenced afterwards
+            staged = on_all_ranks(lambda: stage_state(checkpoint_state(model, optimizer, extra), self._buffers))
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+                upload = dcp.async_save(
+                    staged,
+                    storage_writer=FileSystemWriter(incomplete_dir(path)),
+                    planner=DefaultSavePlanner(flatten_state_dict=False),
+                    process_group=group,
+                    async_stager=_AlreadyStaged(),
+                    no_dist=not dist_on(),
+                )
+        except FAILURES as e:
+            if made_tmp:
+                _remove(incomplete_dir(path))
+            raise save_failure(path, f"staging {path}", e) from e
+        done: Future = Future()
+        publisher = current_rank() == 0
+        threading.Thread(target=_finish, args=(upload, path, publisher, done), daemon=True).start()
+        self._pending = (path, made_tmp, done)
+        return path
+
+    def wait(self) -> Optional[Path]:
+        """Block until the save in flight is written and published; return its path (``None`` if none).
+
+        Call on every rank. A failed write raises ``CheckpointError`` on every rank, and the
+        partial directory is removed (the previous checkpoint stays the latest).
+
+        Example:
+            >>> checkpointer.wait()
+            PosixPath('ckpt/step_100')
+        """
+        if self._pending is None:
+            return None
+        path, made_tmp, done = self._pending
+        self._pending = None
+        error = done.exception()
+
+        def check() -> None:
+            if error is not None:
+                raise error
+
+        try:
+            on_all_ranks(check)
+        except FAILURES as e:
+            if made_tmp:
+                _remove(incomplete_dir(path))
+            raise save_failure(path, f"writing {path}", e) from e
+        return path
+
+    def close(self) -> None:
+        """Wait for the save in flight, then release the checkpointer's process group. Every rank.
+
+        Example:
+            >>> checkpointer.close()
+        """
+        if self._closed:
+            return
+        try:
+            self.wait()
+        finally:
+            self._closed = True
+            self._buffers = None
+            if self._made_group and dist_on():
+                dist.destroy_process_group(self._group)
+            self._group = None
+
+    def _wait_here(self) -> None:
+        """At interpreter exit: let the write in flight finish (this rank only, no collective)."""
+        if self._pending is not None:
+            self._pending[2].exception()
+
+
+def _finish(upload: Any, path: Path, publisher: bool, done: Future) -> None:
+    """Background: wait for DCP's write (every rank's files, and the metadata), then publish on rank 0."""
+    try:
+        result = upload.upload_completion if hasattr(upload, "upload_completion") else upload
+        result.result()
+        if publisher:
+            publish_checkpoint(path)
+        done.set_result(path)
+    except BaseException as e:  # noqa: BLE001 - handed to wait(), which raises it on every rank
+        done.set_exception(e)
+
+
+def _remove(directory: Path) -> None:
+    shutil.rmtree(directory, ignore_errors=True)

@@ -1,0 +1,295 @@
+"""``save_checkpoint`` / ``load_checkpoint``: one DCP directory holding model, optimizer state and ``extra``."""
+
+from __future__ import annotations
+
+import io
+import shutil
+import warnings
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+import torch.distributed.checkpoint as dcp
+import torch.nn as nn
+from torch.distributed.checkpoint import (
+    DefaultSavePlanner,
+    FileSystemWriter,
+)
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    set_model_state_dict,
+)
+
+from .checks import (
+    EXTRA_KEY,
+    FAILURES,
+    GROUPS_PREFIX,
+    LAYOUT_KEY,
+    MODEL_PREFIX,
+    OPTIM_PREFIX,
+    PACKED_GROUPS_KEY,
+    STATE_PREFIX,
+    CheckpointError,
+    PathLike,
+    current_rank,
+    describe_mismatch,
+    dist_on,
+    error_reason,
+    on_all_ranks,
+    shape_of,
+    tied_aliases,
+)
+from .model import get_sharded_state_dict
+from .optimizer import (
+    check_group_consistency,
+    flat_optimizer_state,
+    optimizer_scratch,
+    set_flat_optimizer_state,
+    validate_optimizer,
+)
+from .publish import incomplete_dir, is_checkpoint, publish_checkpoint, recover
+from .reader import dcp_load, open_checkpoint
+
+# --- save / load
+
+
+def check_loadable(obj: Any, what: str) -> None:
+    """``obj`` must come back through ``torch.load(weights_only=True)``: refuse it now, not at resume."""
+    if isinstance(obj, list):  # param groups: the parameters themselves are stored by name, not here
+        obj = [{k: v for k, v in group.items() if k != "params"} for group in obj]
+    buffer = io.BytesIO()
+    try:
+        torch.save(obj, buffer)
+        buffer.seek(0)
+        torch.load(buffer, weights_only=True)
+    except Exception as e:  # noqa: BLE001 - reported with the reason torch gives
+        raise TypeError(
+            f"save_checkpoint(): {what} must be loadable with torch.load(weights_only=True): tensors, "
+            "numbers, strings, None, and lists/tuples/dicts of them (convert numpy arrays to "
+            f"tensors or lists). {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        ) from e
+
+
+def save_checkpoint(
+    path: PathLike,
+    model: nn.Module,
+    optimizer: Optional[torch.optim.Optimizer] = None,
+    *,
+    extra: Any = None,
+    overwrite: bool = False,
+) -> Path:
+    """Save a sharded checkpoint with DCP: every rank writes its own shards, in parallel.
+
+    Call on every rank. The checkpoint holds the model, the optimizer state keyed by parameter
+    FQN, and ``extra`` (step, epoch, scheduler/RNG state: anything ``torch.load(weights_only=True)``
+    accepts; saved once, from rank 0). It is written to a hidden ``.<name>.incomplete`` directory
+    next to ``path`` and renamed into place, so a crash never leaves a complete-looking checkpoint.
+    An existing checkpoint at ``path`` is refused unless ``overwrite=True``; it is replaced only
+    after the new one is complete (it waits in ``.<name>.replaced`` until the new one is in place;
+    after a crash between those two renames, the next ``is_checkpoint``, load or save of ``path``
+    puts the new checkpoint, or if it is incomplete the previous one, back at ``path``). A failed
+    save removes what it wrote. Returns ``path``.
+
+    Example:
+        >>> save_checkpoint(f"ckpt/step_{step}", model, optimizer,
+        ...                 extra={"step": step, "rng": torch.get_rng_state()})
+    """
+    path = Path(path)
+    on_all_ranks(lambda: check_save_inputs(optimizer, extra))
+    made_tmp = on_all_ranks(lambda: prepare_save_dir(path, overwrite=overwrite))
+    published = False
+    try:
+        state = checkpoint_state(model, optimizer, extra)
+        try:
+            on_all_ranks(lambda: write_state(state, incomplete_dir(path)))
+        except FAILURES as e:
+            raise save_failure(path, f"writing {path}", e) from e
+        finish_save(path)
+        published = True
+    finally:
+        if made_tmp and not published:
+            shutil.rmtree(incomplete_dir(path), ignore_errors=True)
+    return path
+
+
+# --- the steps of a save (``AsyncCheckpointer`` runs the same ones, the write in the background)
+
+
+def check_save_inputs(optimizer: Optional[torch.optim.Optimizer], extra: Any) -> None:
+    """Refuse, before anything is written, an ``extra`` or optimizer options that would not load back."""
+    check_loadable(extra, "extra")
+    if optimizer is not None:
+        check_loadable([g for g in optimizer.param_groups], "the optimizer's param_groups")
+
+
+def prepare_save_dir(path: Path, *, overwrite: bool) -> bool:
+    """Rank 0: make an empty ``.<name>.incomplete`` next to ``path``; other ranks do nothing.
+
+    Returns ``True`` on the rank that made the directory (its last action, so a failure leaves
+    none): it is that rank's to remove if the save fails. Raises when ``path`` holds something
+    that must not be replaced.
+    """
+    if current_rank() != 0:
+        return False
+    recover(path)
+    if path.exists():
+        empty_dir = path.is_dir() and not any(path.iterdir())
+        if not empty_dir and not is_checkpoint(path):
+            raise CheckpointError(f"save_checkpoint(): {path} exists and is not a checkpoint; refusing to replace it.")
+        if is_checkpoint(path) and not overwrite:
+            raise FileExistsError(
+                f"save_checkpoint(): a checkpoint already exists at {path}; pass overwrite=True to replace it."
+            )
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = incomplete_dir(path)
+    if tmp.exists():  # left by an interrupted save
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    return True
+
+
+def checkpoint_state(model: nn.Module, optimizer: Optional[torch.optim.Optimizer], extra: Any) -> dict[str, Any]:
+    """What one rank writes: its model shards (a tied tensor once), optimizer shards, and on rank 0 the records.
+
+    The tensors are the live ones (no copy): write them before the next optimizer step, or stage them.
+    """
+    model_sd = get_sharded_state_dict(model)
+    tied = {alias: source for alias, source in tied_aliases(model).items() if alias in model_sd}
+    state: dict[str, Any] = {MODEL_PREFIX + k: v for k, v in model_sd.items() if k not in tied}
+    if current_rank() == 0:
+        state[LAYOUT_KEY] = {"keys": list(model_sd), "tied": tied}
+    if optimizer is not None:
+        flat = flat_optimizer_state(model, optimizer)
+        state.update({OPTIM_PREFIX + k: v for k, v in flat.items() if not k.startswith(GROUPS_PREFIX)})
+        if current_rank() == 0:
+            state[PACKED_GROUPS_KEY] = {k: v for k, v in flat.items() if k.startswith(GROUPS_PREFIX)}
+    if extra is not None and current_rank() == 0:
+        state[EXTRA_KEY] = extra
+    return state
+
+
+def write_state(state: dict[str, Any], directory: Path) -> None:
+    """Every rank writes its part of ``state`` into ``directory`` with DCP (rank 0 also the metadata)."""
+    planner = DefaultSavePlanner(flatten_state_dict=False)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.save(state, storage_writer=FileSystemWriter(directory), planner=planner, no_dist=not dist_on())
+
+
+def finish_save(path: Path) -> None:
+    """Publish the written ``.<name>.incomplete`` at ``path`` (rank 0); no rank returns before it is in place."""
+    try:
+        on_all_ranks(lambda: publish_checkpoint(path) if current_rank() == 0 else None)
+    except FAILURES as e:
+        raise save_failure(path, f"renaming {incomplete_dir(path)} to {path}", e) from e
+
+
+def save_failure(path: Path, what: str, error: BaseException) -> CheckpointError:
+    """The error a failed save raises: what failed, and whether the checkpoint already at ``path`` is intact."""
+    kept = " The checkpoint already there is untouched." if is_checkpoint(path) else ""
+    return CheckpointError(f"save_checkpoint(): {what} failed; nothing was saved.{kept} {error_reason(error)}")
+
+
+def load_checkpoint(
+    path: PathLike,
+    model: nn.Module,
+    optimizer: Optional[torch.optim.Optimizer] = None,
+    *,
+    strict: bool = True,
+    model_weights: bool = True,
+) -> Any:
+    """Restore ``model`` (and ``optimizer``) in place from ``save_checkpoint``; return the saved ``extra``.
+
+    Call on every rank. Works at any world size and sharding strategy (DCP reshards: save at 2
+    ranks FULL_SHARD, load at 1 or 4, NO_SHARD or HYBRID). Before anything changes, the checkpoint
+    is checked against the model (keys, shapes), the optimizer (parameter and state names) and
+    its files (present, long enough), then read completely into scratch tensors, with every
+    record's CRC-32 checked; only then are model and optimizer updated. That costs one extra
+    sharded copy while loading. Returns ``None`` when no ``extra`` was saved.
+
+    ``model_weights=False`` restores the optimizer only: the model's weights are neither read nor
+    changed (the model is still checked against the checkpoint: its parameter names key the optimizer state).
+    Use it when the weights were loaded already and may have changed since.
+
+    Raises:
+        FileNotFoundError: ``path`` does not exist.
+        CheckpointError: not a checkpoint, corrupted or truncated, or of another model/optimizer.
+
+    Example:
+        >>> extra = load_checkpoint("ckpt/step_100", model, optimizer)
+        >>> start_step = extra["step"]
+        >>> load_checkpoint("ckpt/step_100", model, optimizer, model_weights=False)  # optimizer only
+    """
+    path = Path(path)
+    caller = "load_checkpoint()"
+    metadata = on_all_ranks(lambda: open_checkpoint(path, caller))
+    saved = metadata.state_dict_metadata
+    live = get_sharded_state_dict(model)
+    small = [k for k in (PACKED_GROUPS_KEY, EXTRA_KEY, LAYOUT_KEY) if k in saved]
+    objects = on_all_ranks(lambda: _read_objects(path, small)) if small else {}
+    # Where each model key is stored: under its own name, or under the name it is tied to.
+    stored = {k[len(MODEL_PREFIX) :]: k for k in saved if k.startswith(MODEL_PREFIX)}
+    for alias, source in (objects.get(LAYOUT_KEY) or {}).get("tied", {}).items():
+        if source in stored and alias not in stored:
+            stored[alias] = stored[source]
+
+    def check_model() -> None:
+        got = {k: _saved_shape(saved[key]) for k, key in stored.items()}
+        problem = describe_mismatch(got, {k: shape_of(v) for k, v in live.items()}, "checkpoint", strict)
+        if problem:
+            raise CheckpointError(f"{caller}: {path} does not match the model: {problem}")
+
+    on_all_ranks(check_model)
+    scratch: dict[str, Any] = {}
+    for key, value in live.items() if model_weights else ():
+        if key in stored and stored[key] not in scratch:
+            scratch[stored[key]] = torch.empty_like(value)
+    was_fresh = optimizer is not None and not optimizer.state
+    try:
+        if optimizer is not None:
+            saved_optim: dict[str, Any] = {
+                k[len(OPTIM_PREFIX) :]: md for k, md in saved.items() if k.startswith(OPTIM_PREFIX + STATE_PREFIX)
+            }
+            saved_optim.update(objects.get(PACKED_GROUPS_KEY) or {})
+            source = f"{caller}: {path}"
+            chosen = on_all_ranks(lambda: validate_optimizer(list(saved_optim), model, optimizer, source))
+            optim_scratch = optimizer_scratch(saved_optim, model, optimizer, chosen)
+            scratch.update({OPTIM_PREFIX + k: v for k, v in optim_scratch.items() if k.startswith(STATE_PREFIX)})
+        try:
+            on_all_ranks(lambda: dcp_load(scratch, path))
+        except FAILURES as e:
+            raise CheckpointError(
+                f"{caller}: reading {path} failed; the model and optimizer were not changed. {error_reason(e)}"
+            ) from e
+        if optimizer is not None:
+            flat_optim = {k: v for k, v in optim_scratch.items() if not k.startswith(STATE_PREFIX)}
+            flat_optim.update({k[len(OPTIM_PREFIX) :]: v for k, v in scratch.items() if k.startswith(OPTIM_PREFIX)})
+            on_all_ranks(lambda: check_group_consistency(model, optimizer, flat_optim))
+    except FAILURES:
+        if was_fresh:
+            optimizer.state.clear()  # validation created its state: back to the fresh optimizer we were given
+        raise
+    # Commit: everything is read and checked.
+    if model_weights:
+        model_sd = {k: scratch[stored[k]] for k in live if k in stored}
+        set_model_state_dict(model, model_sd, options=StateDictOptions(strict=strict))
+    if optimizer is not None:
+        set_flat_optimizer_state(model, optimizer, flat_optim)
+    return objects.get(EXTRA_KEY)
+
+
+def _read_objects(path: Path, keys: list[str]) -> dict[str, Any]:
+    """Read small non-tensor records (options, ``extra``) on this rank alone, before the real load."""
+    state: dict[str, Any] = dict.fromkeys(keys)
+    try:
+        dcp_load(state, path, alone=True)
+    except FAILURES as e:
+        raise CheckpointError(
+            f"load_checkpoint(): reading {path} failed; the model and optimizer were not changed. {error_reason(e)}"
+        ) from e
+    return state
+
+
+def _saved_shape(md: Any) -> Optional[tuple[int, ...]]:
+    return tuple(md.size) if isinstance(md, TensorStorageMetadata) else None

@@ -1,0 +1,156 @@
+"""Names, shapes and agreement across ranks: what every other part of the checkpoint package checks with."""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Callable, Mapping, Optional, Union
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.checkpoint import (
+    CheckpointException,
+)
+
+PathLike = Union[str, os.PathLike]
+# DCP's CheckpointException derives from BaseException, not Exception: catch it explicitly.
+FAILURES = (Exception, CheckpointException)
+
+MODEL_PREFIX = "model."
+OPTIM_PREFIX = "optim."
+EXTRA_KEY = "extra"
+# {"keys": the model's keys in order, "tied": {alias: first name}}: a tied tensor is written once,
+# under its first name; consolidation restores every name, in the unwrapped model's order.
+LAYOUT_KEY = "model_layout"
+# All param-group options in one record (rank 0's): hundreds of tiny records otherwise, each one
+# read back by every rank.
+PACKED_GROUPS_KEY = "optim.param_groups"
+STATE_PREFIX = "state."
+GROUPS_PREFIX = "param_groups."
+METADATA_FILE = ".metadata"
+# Wrapper modules that insert a name into parameter paths (activation checkpointing, torch.compile,
+# FSDP1). The façade adds none of them, but a user's own wrapping may.
+_WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint or state dict that cannot be used: not a checkpoint, corrupted, or of another model.
+
+    Raised before the live model or optimizer is changed.
+
+    Example:
+        >>> try:
+        ...     load_checkpoint("ckpt/other_model", model)
+        ... except CheckpointError as e:
+        ...     print(e)  # names the path and the mismatching keys/shapes
+    """
+
+
+# --- ranks
+
+
+def dist_on() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def current_rank() -> int:
+    return dist.get_rank() if dist_on() else 0
+
+
+def world_size() -> int:
+    return dist.get_world_size() if dist_on() else 1
+
+
+_ERROR_TYPES = {cls.__name__: cls for cls in (FileNotFoundError, FileExistsError, TypeError, ImportError)}
+
+
+def _agree(error: Optional[BaseException]) -> None:
+    """Raise on every rank when any rank failed.
+
+    A rank that raised alone would leave its peers waiting in the next collective until the group's
+    timeout, so each check ends with one all-gather of "ok or what went wrong".
+    """
+    if world_size() > 1:
+        text = (
+            None if error is None else (error_reason(error) if isinstance(error, CheckpointException) else str(error))
+        )
+        report = None if error is None else (type(error).__name__, text)
+        reports: list = [None] * world_size()
+        dist.all_gather_object(reports, report)
+        if error is None:
+            for rank, item in enumerate(reports):
+                if item is not None:
+                    raise _ERROR_TYPES.get(item[0], CheckpointError)(f"{item[1]} (reported by rank {rank})")
+    if error is not None:
+        raise error
+
+
+def error_reason(error: BaseException) -> str:
+    """One readable line per failing rank (DCP's exception text holds every rank's traceback)."""
+    if isinstance(error, CheckpointException):
+        return "; ".join(
+            f"rank {rank}: {type(exc).__name__}: {exc}" for rank, (exc, _) in sorted(error.failures.items())
+        )
+    return f"{type(error).__name__}: {error}" if not isinstance(error, CheckpointError) else str(error)
+
+
+def on_all_ranks(fn: Callable[[], Any]) -> Any:
+    """Run ``fn`` on every rank; if it raises anywhere, raise everywhere (see ``_agree``)."""
+    try:
+        result, error = fn(), None
+    except FAILURES as e:  # re-raised below, on every rank
+        result, error = None, e
+    _agree(error)
+    return result
+
+
+# --- names and shapes
+
+
+def clean_fqn(name: str) -> str:
+    for prefix in _WRAPPER_PREFIXES:
+        name = name.replace(prefix, "")
+    return name
+
+
+def param_names(model: nn.Module) -> dict[int, list[str]]:
+    """Every name of every parameter (tied parameters have several), keyed by ``id(param)``."""
+    names: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(clean_fqn(name))
+    return names
+
+
+def tied_aliases(model: nn.Module) -> dict[str, str]:
+    """``{alias: first name}`` for every parameter reachable under more than one name."""
+    return {alias: names[0] for names in param_names(model).values() for alias in names[1:]}
+
+
+def shape_of(value: Any) -> Optional[tuple[int, ...]]:
+    return tuple(value.shape) if isinstance(value, torch.Tensor) else None
+
+
+def short_list(names: list[str], limit: int = 8) -> str:
+    shown = ", ".join(names[:limit])
+    return f"[{shown}{f', ... and {len(names) - limit} more' if len(names) > limit else ''}]"
+
+
+def describe_mismatch(
+    got: Mapping[str, Optional[tuple]], want: Mapping[str, Optional[tuple]], source: str, strict: bool
+) -> str:
+    """What differs between two ``{key: shape}`` maps, in words; empty when they match."""
+    missing = [k for k in want if k not in got]
+    unexpected = [k for k in got if k not in want]
+    shapes = [
+        f"{k}: {source} {list(got[k])} vs model {list(want[k])}"
+        for k in want
+        if k in got and got[k] is not None and want[k] is not None and got[k] != want[k]
+    ]
+    parts = []
+    if strict and missing:
+        parts.append(f"missing keys (in the model, not in the {source}): {short_list(missing)}")
+    if strict and unexpected:
+        parts.append(f"unexpected keys (in the {source}, not in the model): {short_list(unexpected)}")
+    if shapes:
+        parts.append(f"shape mismatches: {short_list(shapes)}")
+    return "; ".join(parts)

@@ -1,0 +1,85 @@
+"""Offline consolidation of a checkpoint into one file of weights (``torch.save`` or safetensors)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from .checks import FAILURES, LAYOUT_KEY, MODEL_PREFIX, CheckpointError, PathLike, error_reason, short_list
+from .reader import dcp_load, open_checkpoint
+
+# --- consolidation
+
+
+def consolidate_checkpoint(dcp_dir: PathLike, out_file: PathLike, *, overwrite: bool = False) -> Path:
+    """Turn a checkpoint into one file of the model's weights: offline, one process, no process group.
+
+    ``out_file`` ending in ``.safetensors`` is written with ``safetensors`` (the ``safetensors``
+    extra: ``pip install 'zeta-fsdp[safetensors]'``); anything else with ``torch.save``, loadable with
+    ``torch.load(out_file, weights_only=True)``. Keys are the unwrapped model's, so
+    ``model.load_state_dict(...)`` works. Optimizer state and ``extra`` are left out. The file is
+    written next to ``out_file`` and renamed into place. Returns ``out_file``.
+
+    Also available as ``python -m zeta_fsdp consolidate DIR OUT``.
+
+    Example:
+        >>> consolidate_checkpoint("ckpt/step_100", "model.pt")
+        >>> GPT(cfg).load_state_dict(torch.load("model.pt", weights_only=True))
+    """
+    caller = "consolidate_checkpoint()"
+    src, out = Path(dcp_dir), Path(out_file)
+    metadata = open_checkpoint(src, caller)
+    use_safetensors = out.suffix == ".safetensors"
+    if use_safetensors:
+        try:
+            from safetensors.torch import save_file
+        except ImportError as e:
+            raise ImportError(
+                f"{caller}: writing {out.name} needs the safetensors package: pip install 'zeta-fsdp[safetensors]'"
+            ) from e
+    if out.exists() and not overwrite:
+        raise FileExistsError(f"{caller}: {out} already exists; pass overwrite=True to replace it.")
+    state: dict[str, Any] = {}
+    for key, md in metadata.state_dict_metadata.items():
+        if key.startswith(MODEL_PREFIX):
+            state[key] = (
+                torch.empty(md.size, dtype=md.properties.dtype) if isinstance(md, TensorStorageMetadata) else None
+            )
+    if not state:
+        raise CheckpointError(f"{caller}: {src} holds no model weights (no '{MODEL_PREFIX}*' entries).")
+    if LAYOUT_KEY in metadata.state_dict_metadata:
+        state[LAYOUT_KEY] = None
+    try:
+        dcp_load(state, src, alone=True)
+    except FAILURES as e:  # DCP's CheckpointException is a BaseException: one readable line instead
+        failures = getattr(e, "failures", None) or {}
+        reason = error_reason(next(iter(failures.values()))[0] if len(failures) == 1 else e)
+        raise CheckpointError(f"{caller}: reading {src} failed: {reason}") from e
+    layout = state.pop(LAYOUT_KEY, None) or {}
+    weights = {k[len(MODEL_PREFIX) :]: v for k, v in state.items()}
+    for alias, source in layout.get("tied", {}).items():
+        if source in weights and alias not in weights:
+            # torch.save keeps one copy of a shared tensor; safetensors refuses sharing: a copy.
+            weights[alias] = weights[source].clone() if use_safetensors else weights[source]
+    order = [k for k in layout.get("keys", []) if k in weights]
+    listed = set(order)
+    weights = {k: weights[k] for k in order + [k for k in weights if k not in listed]}
+    tmp = out.parent / f".{out.name}.incomplete"
+    if use_safetensors:
+        odd = [k for k, v in weights.items() if not isinstance(v, torch.Tensor)]
+        if odd:
+            raise CheckpointError(f"{caller}: safetensors holds tensors only; these entries are not: {short_list(odd)}")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        if use_safetensors:
+            save_file({k: v.contiguous() for k, v in weights.items()}, str(tmp))
+        else:
+            torch.save(weights, tmp)
+        os.replace(tmp, out)
+    finally:
+        tmp.unlink(missing_ok=True)  # after a failure: no half-written file left next to out
+    return out

@@ -1,0 +1,258 @@
+"""A checkpoint directory for a training loop: ``CheckpointManager``.
+
+``root/step_<n>`` every N steps, the last K kept, the latest complete one found and resumed from
+(or a fresh start) in one call, and a save-and-stop at the step boundary after a preemption signal.
+The same script works on first launch and on every relaunch.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+from pathlib import Path
+from typing import Any, Iterable, Mapping, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from .async_save import AsyncCheckpointer
+from .checkpoint import load_checkpoint, save_checkpoint
+from .checks import CheckpointError, PathLike, current_rank, dist_on, on_all_ranks, world_size
+from .preemption import PreemptionHandler, SignalLike
+from .publish import discard_checkpoint_dir, is_checkpoint
+
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+_STALE = re.compile(r"^\.step_\d+\.incomplete$")
+
+
+def checkpoint_steps(root: PathLike) -> list[int]:
+    """The steps of the complete ``root/step_<n>`` checkpoints, oldest first (``[]`` when none).
+
+    Example:
+        >>> checkpoint_steps("ckpt")
+        [100, 200, 300]
+    """
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    steps = []
+    for child in root.iterdir():
+        match = _STEP_DIR.match(child.name)
+        if match and is_checkpoint(child):
+            steps.append(int(match.group(1)))
+    return sorted(steps)
+
+
+def latest_checkpoint(root: PathLike) -> Optional[Path]:
+    """``root/step_<n>`` with the largest ``n`` among complete checkpoints, or ``None``.
+
+    One process's view of the file system; ``CheckpointManager.latest()`` agrees across ranks.
+
+    Example:
+        >>> latest_checkpoint("ckpt")
+        PosixPath('ckpt/step_300')
+    """
+    steps = checkpoint_steps(root)
+    return Path(root) / f"step_{steps[-1]}" if steps else None
+
+
+def prune_checkpoints(root: PathLike, keep_last: int) -> list[Path]:
+    """Delete complete ``root/step_<n>`` checkpoints older than the newest ``keep_last``; return what was deleted.
+
+    One process (rank 0). Never touches the newest complete checkpoint, a save in flight (a hidden
+    ``.step_<n>.incomplete``), or anything not named ``step_<n>``. Each is deleted ``.metadata`` first,
+    so an interrupted delete never leaves a complete-looking checkpoint.
+
+    Example:
+        >>> prune_checkpoints("ckpt", keep_last=2)
+        [PosixPath('ckpt/step_100')]
+    """
+    if isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1:
+        raise ValueError(f"prune_checkpoints(): keep_last must be a positive int, got {keep_last!r}.")
+    doomed = [Path(root) / f"step_{step}" for step in checkpoint_steps(root)[:-keep_last]]
+    for path in doomed:
+        discard_checkpoint_dir(path)
+    return doomed
+
+
+def _positive(name: str, value: Optional[int]) -> Optional[int]:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise ValueError(f"CheckpointManager(): {name} must be a positive int or None, got {value!r}.")
+    return value
+
+
+class CheckpointManager:
+    """Checkpoints of one training run under ``root``: periodic, pruned, resumable, preemption-safe.
+
+    * ``after_step(step)`` at every step boundary (``step`` = optimizer steps done): saves
+      ``root/step_<step>`` when ``step`` is a multiple of ``every``, and when a preemption signal
+      arrived (then it returns ``True``: stop the loop).
+    * ``keep_last=K`` keeps the K newest complete checkpoints (never the one being written, never
+      the newest complete one); ``None`` keeps all.
+    * ``resume()`` loads the latest complete checkpoint into the model, optimizer and ``state``
+      objects and returns its step, or returns 0 when there is none (first launch).
+    * ``async_save=True`` writes in the background (``AsyncCheckpointer``); training waits only for
+      the copy to CPU memory.
+    * ``state``: ``{name: object with state_dict() / load_state_dict()}`` saved with every checkpoint
+      and restored by ``resume()``: a ``ResumableLoader`` (data position), an LR scheduler.
+    * ``preemption_signals``: the signals that mean "save and stop" (default SIGTERM; ``()`` for none).
+
+    Create it and call its methods on every rank.
+
+    Example:
+        >>> manager = CheckpointManager("ckpt", model, optimizer, every=100, keep_last=3,
+        ...                             async_save=True, state={"data": loader})
+        >>> step = manager.resume()  # 0 on first launch
+        >>> while step < total_steps:
+        ...     train_step(next(batches)); step += 1
+        ...     if manager.after_step(step):
+        ...         break  # preempted: saved, stop cleanly
+        >>> manager.close()
+    """
+
+    def __init__(
+        self,
+        root: PathLike,
+        model: nn.Module,
+        optimizer: Optional[torch.optim.Optimizer] = None,
+        *,
+        every: Optional[int] = None,
+        keep_last: Optional[int] = None,
+        async_save: bool = False,
+        preemption_signals: Iterable[SignalLike] = ("SIGTERM",),
+        state: Optional[Mapping[str, Any]] = None,
+    ) -> None:
+        self.root = Path(root)
+        self.model, self.optimizer = model, optimizer
+        self.every = _positive("every", every)
+        self.keep_last = _positive("keep_last", keep_last)
+        self.state = dict(state or {})
+        for name, obj in self.state.items():
+            if not (callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))):
+                raise TypeError(
+                    f"CheckpointManager(): state[{name!r}] ({type(obj).__name__}) needs state_dict() and load_state_dict()."
+                )
+        if self.root.exists() and not self.root.is_dir():
+            raise ValueError(f"CheckpointManager(): root {self.root} is a file, not a directory.")
+        signals = list(preemption_signals)
+        self.preemption = PreemptionHandler(signals) if signals else None
+        self.checkpointer = AsyncCheckpointer() if async_save else None
+        self.extra: Any = None  # the user's ``extra`` of the checkpoint resume() loaded
+        self._saved_step: Optional[int] = None
+
+    # --- finding and resuming
+
+    def latest(self) -> Optional[Path]:
+        """The latest complete checkpoint under ``root`` (rank 0's view, the same on every rank), or ``None``.
+
+        Example:
+            >>> manager.latest()
+            PosixPath('ckpt/step_300')
+        """
+        found = on_all_ranks(lambda: latest_checkpoint(self.root) if current_rank() == 0 else None)
+        if dist_on() and world_size() > 1:
+            box = [found]
+            dist.broadcast_object_list(box, src=0)
+            found = box[0]
+        return found
+
+    def resume(self) -> int:
+        """Load the latest complete checkpoint (model, optimizer, ``state``); return its step, or 0 if none.
+
+        Partial directories left by interrupted saves are removed first. The user's ``extra`` of
+        that checkpoint is in ``manager.extra``.
+
+        Example:
+            >>> start = manager.resume()
+        """
+        on_all_ranks(self._remove_stale if current_rank() == 0 else lambda: None)
+        path = self.latest()
+        if path is None:
+            return 0
+        saved = load_checkpoint(path, self.model, self.optimizer)
+        if not isinstance(saved, dict) or "step" not in saved:
+            raise CheckpointError(f"CheckpointManager.resume(): {path} was not saved by a CheckpointManager.")
+        missing = [name for name in self.state if name not in saved.get("state", {})]
+        if missing:
+            raise CheckpointError(f"CheckpointManager.resume(): {path} holds no state for {missing}.")
+        for name, obj in self.state.items():
+            obj.load_state_dict(saved["state"][name])
+        self.extra = saved.get("extra")
+        self._saved_step = int(saved["step"])
+        return int(saved["step"])
+
+    # --- saving
+
+    def after_step(self, step: int, extra: Any = None) -> bool:
+        """Call at every step boundary; saves when due or preempted. ``True``: a preemption signal came, stop now.
+
+        Example:
+            >>> if manager.after_step(step, extra={"loss": loss.item()}):
+            ...     break
+        """
+        preempted = self.preemption is not None and self.preemption.stop_requested()
+        due = self.every is not None and step % self.every == 0
+        if (due or preempted) and self._saved_step != step:
+            self.save(step, extra)
+        if preempted:
+            self.wait()  # the process is about to end: the checkpoint must be complete
+        return preempted
+
+    def save(self, step: int, extra: Any = None) -> Path:
+        """Save ``root/step_<step>`` now (in the background with ``async_save``), then prune to ``keep_last``.
+
+        Example:
+            >>> manager.save(step)
+            PosixPath('ckpt/step_120')
+        """
+        path = self.root / f"step_{int(step)}"
+        record = {"step": int(step), "state": {name: obj.state_dict() for name, obj in self.state.items()}}
+        record["extra"] = extra
+        if self.checkpointer is not None:
+            self.checkpointer.wait()
+            self._prune()
+            self.checkpointer.save(path, self.model, self.optimizer, extra=record, overwrite=True)
+        else:
+            save_checkpoint(path, self.model, self.optimizer, extra=record, overwrite=True)
+            self._prune()
+        self._saved_step = int(step)
+        return path
+
+    def wait(self) -> None:
+        """Wait for a background save to be complete (and prune). Every rank.
+
+        Example:
+            >>> manager.wait()
+        """
+        if self.checkpointer is not None:
+            self.checkpointer.wait()
+            self._prune()
+
+    def close(self) -> None:
+        """Wait for the save in flight, restore the signal handlers, release the groups. Every rank.
+
+        Example:
+            >>> manager.close()
+        """
+        try:
+            if self.checkpointer is not None:
+                self.wait()
+                self.checkpointer.close()
+        finally:
+            if self.preemption is not None:
+                self.preemption.close()
+
+    def _prune(self) -> None:
+        """Rank 0 deletes complete checkpoints older than the newest ``keep_last`` (the in-flight one is hidden)."""
+
+        if self.keep_last is not None:
+            keep = self.keep_last
+            on_all_ranks(lambda: prune_checkpoints(self.root, keep) if current_rank() == 0 else None)
+
+    def _remove_stale(self) -> None:
+        if not self.root.is_dir():
+            return
+        for child in self.root.iterdir():
+            if _STALE.match(child.name):
+                shutil.rmtree(child, ignore_errors=True)
