@@ -227,7 +227,7 @@ def regression_parallelize_fn_none_still_shards():
 @case
 def tensor_init_context_meta_then_materialized():
     strategy = FSDP2Strategy(TransformerBlock=Block)
-    with strategy.tensor_init_context():
+    with strategy.tensor_init_context(empty_init=True):
         model = small()
     assert all(p.is_meta for p in model.parameters())
     strategy.connect(model)
@@ -257,7 +257,7 @@ def regression_parallelize_fn_meta_model_keeps_ties():
         return module
 
     strategy = FSDP2Strategy(parallelize_fn=blocks_only)
-    with strategy.tensor_init_context():
+    with strategy.tensor_init_context(empty_init=True):
         model = small()
     assert model.head.weight is model.tok_emb.weight
     strategy.connect(model)

@@ -25,84 +25,93 @@ from __future__ import annotations
 import contextlib
 import inspect
 import os
-import shutil
 import warnings
 from pathlib import Path
-from typing import Any, Callable, Literal, Mapping, NamedTuple, Optional, Union
+from typing import Any, Callable, Literal, Mapping, Optional, Union
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
+from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, RandomSampler, Sampler
 
 from . import state_dict as sd
-from .distributed import build_dp_tp_mesh, choose_device, ensure_process_group, expected_world_size, shutdown
+from . import strategy_checkpoint as ckpt_io
+from .distributed import (
+    build_dp_tp_mesh,
+    choose_device,
+    ensure_process_group,
+    expected_world_size,
+    on_all_ranks,
+    shutdown,
+)
 from .fsdp import fsdp, is_fsdp_wrapped, materialize_meta_model
 from .loss import MaskedTokenLossReduction
-from .options import resolve_mixed_precision, resolve_sharding
+from .options import resolve_sharding
+from .strategy_options import resolve_sizes, tp_style, validate_strategy_options
+from .strategy_steps import call_through_root, defines, parse_optimizers
 from .training import clip_grad_norm_, no_sync
-from .wrapping import _tied_groups
+from .wrapping import tied_groups
 
 __all__ = ["EpochStep", "FSDP2Strategy"]
 
 StepType = Literal["training", "validation", "test", "predict"]
 _STEP_TYPES = ("training", "validation", "test", "predict")
-_FORMATS = ("full", "sharded")
-# Strategy options that never reach fsdp().
-_STRATEGY_KWARGS = ("checkpoint_format", "tp_plan", "device")
-# Where the strategy's own bookkeeping lives inside a checkpoint.
-_META_KEY = "zeta_fsdp"
-_SHARDED_REF = "zeta_fsdp_sharded_checkpoint"
 
 
-class EpochStep(NamedTuple):
-    """``strategy.current_epoch_step``: the epoch and the number of optimizer steps taken.
+class EpochStep(int):
+    """``strategy.current_epoch_step``: the number of optimizer steps taken, which also knows its epoch.
+
+    It is the step number wherever an int is (``step >= 4``, ``step + 1``, ``int(step)``, NeMo's
+    int), and unpacks / indexes as ``(epoch, step)``.
 
     Example:
-        >>> EpochStep(epoch=1, step=250).step
-        250
+        >>> s = EpochStep(epoch=1, step=250)
+        >>> s + 1, s.epoch, s.step, tuple(s)
+        (251, 1, 250, (1, 250))
     """
 
     epoch: int
-    step: int
+
+    def __new__(cls, epoch: int = 0, step: int = 0) -> EpochStep:
+        obj = super().__new__(cls, int(step))
+        obj.epoch = int(epoch)
+        return obj
+
+    @property
+    def step(self) -> int:
+        """The step number as a plain int.
+
+        Example:
+            >>> EpochStep(0, 7).step
+            7
+        """
+        return int(self)
+
+    def __iter__(self):
+        return iter((self.epoch, int(self)))
+
+    def __getitem__(self, index: int) -> int:
+        return (self.epoch, int(self))[index]
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, tuple):
+            return (self.epoch, int(self)) == other
+        return int(self) == other
+
+    __hash__ = int.__hash__
+
+    def __repr__(self) -> str:
+        return f"EpochStep(epoch={self.epoch}, step={int(self)})"
+
+    def __reduce__(self):
+        return (EpochStep, (self.epoch, int(self)))
 
 
-def _resolve_sizes(dp: Union[str, int], tp: Union[str, int], world: int) -> tuple[int, int]:
-    """``"auto"`` sizes to numbers: tp 1 unless given, dp = world / tp; the product must be the world."""
-    for name, value in (("data_parallel_size", dp), ("tensor_parallel_size", tp)):
-        if value != "auto" and not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
-            raise ValueError(f"FSDP2Strategy: {name}={value!r} is not accepted. Accepted: 'auto' or an int >= 1.")
-    tp_size = 1 if tp == "auto" else tp
-    if dp == "auto":
-        if world % tp_size != 0:
-            raise ValueError(
-                f"FSDP2Strategy: data_parallel_size='auto' x tensor_parallel_size={tp_size} cannot equal the "
-                f"world size {world}: tensor_parallel_size={tp_size} does not divide it."
-            )
-        dp_size = world // tp_size
-    else:
-        dp_size = dp
-    if dp_size * tp_size != world:
-        raise ValueError(
-            f"FSDP2Strategy: data_parallel_size={dp_size} x tensor_parallel_size={tp_size} = "
-            f"{dp_size * tp_size}, but the world size is {world}; the product must equal it."
-        )
-    return dp_size, tp_size
-
-
-def _tp_style(style: Any) -> Any:
-    """Hugging Face style plan strings to torch ``ParallelStyle`` objects; objects pass through."""
-    if not isinstance(style, str):
-        return style
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
-
-    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
-    if style.lower() not in styles:
-        raise ValueError(f"FSDP2Strategy: unknown tensor-parallel style {style!r}. Accepted: {sorted(styles)}.")
-    return styles[style.lower()]()
+class _Gathered(dict):
+    """A state gathered by this strategy for a checkpoint (``save_checkpoint`` reuses it, never gathers twice)."""
 
 
 class FSDP2Strategy:
@@ -146,53 +155,31 @@ class FSDP2Strategy:
         parallelize_fn: Optional[Callable[..., Optional[nn.Module]]] = None,
         **kwargs: Any,
     ) -> None:
-        # Validate everything now: a bad option must fail before any process group or model change.
-        self._dp_arg, self._tp_arg = data_parallel_size, tensor_parallel_size
-        _resolve_sizes(data_parallel_size, tensor_parallel_size, expected_world_size())
-        self.checkpoint_format = kwargs.pop("checkpoint_format", "full")
-        if self.checkpoint_format not in _FORMATS:
-            raise ValueError(
-                f"FSDP2Strategy: checkpoint_format={self.checkpoint_format!r} is not accepted. Accepted: {_FORMATS}."
-            )
-        if checkpoint_io is not None and self.checkpoint_format == "sharded":
-            raise ValueError(
-                "FSDP2Strategy: checkpoint_io replaces the writer of the full format; the sharded format "
-                "is written by DCP on every rank. Use one or the other."
-            )
-        if checkpoint_io is not None:
-            missing = [
-                m for m in ("save_checkpoint", "load_checkpoint", "remove_checkpoint") if not hasattr(checkpoint_io, m)
-            ]
-            if missing:
-                raise ValueError(f"FSDP2Strategy: checkpoint_io lacks {missing}.")
-        self._tp_plan = kwargs.pop("tp_plan", None)
-        self._device_arg = kwargs.pop("device", None)
-        if mp_policy is not None and "mp" in kwargs:
-            raise ValueError("FSDP2Strategy: pass mixed precision once, as mp_policy or as mp, not both.")
-        self.mp_policy = resolve_mixed_precision(mp_policy if mp_policy is not None else kwargs.pop("mp", None))
-        kwargs.pop("mp", None)
-        if parallelize_fn is not None and not callable(parallelize_fn):
-            raise ValueError(f"FSDP2Strategy: parallelize_fn={parallelize_fn!r} is not callable.")
-        accepted = _fsdp_option_names(parallelize_fn)
-        unknown = [k for k in kwargs if k not in accepted]
-        if unknown:
-            raise ValueError(
-                f"FSDP2Strategy: unknown keyword argument(s) {unknown}. Accepted: the strategy's own "
-                f"{list(_STRATEGY_KWARGS)} and mp, and fsdp()'s options {accepted}."
-            )
-        if "shard_strat" in kwargs:
-            resolve_sharding(kwargs["shard_strat"])  # ValueError now, not at parallelize()
-        self.data_sampler = data_sampler
-        self.checkpoint_io = checkpoint_io
-        self.parallelize_fn = parallelize_fn
-        self.fsdp_kwargs = kwargs
+        # Every option is checked now, before any process group or model change; the sizes against
+        # the world size in setup_environment() (under Lightning or SLURM it is not known yet).
+        opts = validate_strategy_options(
+            data_parallel_size, tensor_parallel_size, data_sampler, checkpoint_io, mp_policy, parallelize_fn, **kwargs
+        )
+        self.options = opts
+        self._dp_arg, self._tp_arg = opts.data_parallel_size, opts.tensor_parallel_size
+        self.checkpoint_format = opts.checkpoint_format
+        self._tp_plan, self._device_arg = opts.tp_plan, opts.device
+        self.mp_policy = opts.mp_policy
+        self.data_sampler, self.checkpoint_io = opts.data_sampler, opts.checkpoint_io
+        self.parallelize_fn = opts.parallelize_fn
+        self.fsdp_kwargs = opts.fsdp_kwargs
+        # Extra checkpoint entries must load with torch.load(weights_only=True); the Lightning adapter
+        # turns this off (Lightning pickles hyperparameters; loading them takes weights_only=False).
+        self.entries_weights_only = True
 
         self._module: Optional[nn.Module] = None
         self._device: Optional[torch.device] = None
         self._device_mesh: Optional[DeviceMesh] = None
         self._parallelized = False
         self._optimizer_fn: Optional[Callable[[nn.Module], Any]] = None
-        self.optimizers: list[torch.optim.Optimizer] = []
+        self._optimizers: list[torch.optim.Optimizer] = []
+        self._step_hook: Any = None
+        self._restoring = False
         self.lr_schedulers: list[Any] = []
         # Optimizer state from a checkpoint, applied once at the next training step, then dropped.
         self._optimizer_state_to_restore: Optional[list[Any]] = None
@@ -257,10 +244,16 @@ class FSDP2Strategy:
         """
         if self._device_mesh is not None:
             return
-        dp, tp = _resolve_sizes(self._dp_arg, self._tp_arg, expected_world_size())
+        resolve_sizes(self._dp_arg, self._tp_arg, expected_world_size())  # before joining a group
         self._device = choose_device(self._module, self._device_arg)
-        ensure_process_group(self._device, cpu_offload=bool(self.fsdp_kwargs.get("cpu_offload", False)))
-        dp, tp = _resolve_sizes(self._dp_arg, self._tp_arg, dist.get_world_size())
+        timeout = self.options.timeout.total_seconds() if self.options.timeout is not None else 1800
+        ensure_process_group(
+            self._device,
+            cpu_offload=bool(self.fsdp_kwargs.get("cpu_offload", False)),
+            timeout_s=timeout,
+            backend=self.options.process_group_backend,
+        )
+        dp, tp = resolve_sizes(self._dp_arg, self._tp_arg, dist.get_world_size())
         self._device_mesh = build_dp_tp_mesh(self._device, dp, tp)
 
     @property
@@ -327,19 +320,21 @@ class FSDP2Strategy:
     # ----------------------------------------------------------------------------- sharding
 
     def tensor_init_context(self, empty_init: Optional[bool] = None) -> contextlib.AbstractContextManager:
-        """Context in which to build the module: on the ``meta`` device, so nothing is allocated.
+        """Context in which to build the module: real tensors (as NeMo's), or ``meta`` with ``empty_init=True``.
 
-        ``parallelize()`` then shards it and allocates only each rank's shards, running the
-        module's ``init_weights()`` / ``reset_parameters()``. ``empty_init=False`` builds real tensors.
+        The default keeps whatever ``__init__`` (or loading pretrained weights) puts in the tensors.
+        ``empty_init=True`` allocates nothing: ``parallelize()`` then allocates only each rank's
+        shards and refills them with the modules' ``reset_parameters()`` / the root's
+        ``init_weights()``, so initialisation written in ``__init__`` itself is not kept.
 
         Example:
-            >>> with strategy.tensor_init_context():  # doctest: +SKIP
+            >>> with strategy.tensor_init_context(empty_init=True):  # doctest: +SKIP
             ...     model = GPT(cfg)
             >>> strategy.connect(model); strategy.parallelize()  # doctest: +SKIP
         """
-        if empty_init is False:
-            return contextlib.nullcontext()
-        return torch.device("meta")
+        if empty_init:
+            return torch.device("meta")
+        return contextlib.nullcontext()
 
     def _default_parallelize(
         self, module: nn.Module, device_mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy, **kwargs: Any
@@ -356,7 +351,7 @@ class FSDP2Strategy:
                     f"FSDP2Strategy: tensor_parallel_size={device_mesh['tp'].size()} needs a tensor-parallel "
                     "plan: pass tp_plan={'layers.*.up': ColwiseParallel(), ...} or give the module a tp_plan attribute."
                 )
-            parallelize_module(module, device_mesh["tp"], {k: _tp_style(v) for k, v in plan.items()})
+            parallelize_module(module, device_mesh["tp"], {k: tp_style(v) for k, v in plan.items()})
         options = {"auto_wrap": True, "shard_strat": "FULL_SHARD", **kwargs}
         spec = resolve_sharding(options["shard_strat"])
         if "mesh" not in options:
@@ -388,7 +383,7 @@ class FSDP2Strategy:
         module = self._require_module()
         self.setup_environment()
         fn = self.parallelize_fn or self._default_parallelize
-        tied = _tied_groups(module)
+        tied = tied_groups(module)
         result = fn(module, device_mesh=self._device_mesh, mp_policy=self.mp_policy, **self.fsdp_kwargs)
         if result is not None and result is not module:
             module = self._module = result
@@ -434,7 +429,30 @@ class FSDP2Strategy:
             result = module.configure_optimizers()
         else:
             return
-        self.optimizers, self.lr_schedulers = _parse_optimizers(result)
+        self.optimizers, self.lr_schedulers = parse_optimizers(result)
+
+    @property
+    def optimizers(self) -> list[torch.optim.Optimizer]:
+        """The optimizers; ``current_epoch_step`` counts the steps of the first one, however it is stepped.
+
+        Example:
+            >>> strategy.optimizers = [torch.optim.AdamW(strategy.model.parameters())]  # doctest: +SKIP
+        """
+        return self._optimizers
+
+    @optimizers.setter
+    def optimizers(self, optimizers: list[torch.optim.Optimizer]) -> None:
+        if self._step_hook is not None:
+            self._step_hook.remove()
+            self._step_hook = None
+        self._optimizers = list(optimizers)
+        if self._optimizers:
+            # counts opt.step() called by the user, by optimizer_step() or by Lightning alike
+            self._step_hook = self._optimizers[0].register_step_post_hook(self._count_step)
+
+    def _count_step(self, *_: Any) -> None:
+        if not self._restoring:  # restoring a state creates it with a step that trains nothing
+            self._step += 1
 
     # ----------------------------------------------------------------------------- steps
 
@@ -543,8 +561,8 @@ class FSDP2Strategy:
         self._restore_deferred_optimizer_state()
         module = self._require_module()
         module.train()
-        if _defines(module, "training_step"):
-            return _through_root(module, "training_step", batch, batch_idx)
+        if defines(module, "training_step"):
+            return call_through_root(module, "training_step", batch, batch_idx)
         return self._reduce_step("training", batch)
 
     def _eval_step(self, step_type: str, batch: Any, batch_idx: Optional[int]) -> Any:
@@ -555,8 +573,8 @@ class FSDP2Strategy:
         try:
             with torch.no_grad():
                 name = f"{step_type}_step"
-                if _defines(module, name):
-                    return _through_root(module, name, batch, batch_idx)
+                if defines(module, name):
+                    return call_through_root(module, name, batch, batch_idx)
                 if step_type == "predict":
                     return self._forward(batch)
                 return self._reduce_step(step_type, batch)
@@ -627,22 +645,29 @@ class FSDP2Strategy:
             scheduler.step()
         for optimizer in self.optimizers:
             optimizer.zero_grad(set_to_none=True)
-        self._step += 1
         return norm
 
     @property
     def current_epoch_step(self) -> EpochStep:
-        """``(epoch, step)``: the epoch (``set_epoch``) and optimizer steps taken; saved in checkpoints.
+        """The optimizer steps taken (an int, as NeMo's), with ``.epoch`` (``set_epoch``); saved in checkpoints.
+
+        Every step of the first optimizer counts, whether ``optimizer_step()``, ``opt.step()`` or
+        Lightning made it.
 
         Example:
             >>> strategy.current_epoch_step  # doctest: +SKIP
             EpochStep(epoch=0, step=12)
+            >>> strategy.current_epoch_step >= 12, strategy.current_epoch_step.epoch  # doctest: +SKIP
+            (True, 0)
         """
         return EpochStep(self._epoch, self._step)
 
     @current_epoch_step.setter
-    def current_epoch_step(self, value: tuple[int, int]) -> None:
-        self._epoch, self._step = int(value[0]), int(value[1])
+    def current_epoch_step(self, value: Union[int, tuple[int, int]]) -> None:
+        if isinstance(value, (tuple, EpochStep)):
+            self._epoch, self._step = int(value[0]), int(value[1])
+        else:
+            self._step = int(value)
 
     def set_epoch(self, epoch: int) -> None:
         """Set the epoch, and reshuffle the samplers of dataloaders from ``process_dataloader``.
@@ -735,7 +760,17 @@ class FSDP2Strategy:
         module = self._require_module()
         if not self._parallelized:
             return module.state_dict()
-        return sd.get_full_state_dict(module)
+        return _Gathered(sd.get_full_state_dict(module))
+
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """``optimizer``'s full state keyed by parameter FQN, on rank 0 (``{}`` elsewhere); every rank calls it.
+
+        Example:
+            >>> state = strategy.optimizer_state(strategy.optimizers[0])  # doctest: +SKIP
+        """
+        self._restore_deferred_optimizer_state()
+        optimizer = getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer wraps it
+        return _Gathered(sd.get_optimizer_state_dict(self._require_module(), optimizer, full=True))
 
     def load_model_state_dict(self, ckpt: Mapping[str, Any], strict: bool = True) -> None:
         """Load model weights now: ``ckpt["state_dict"]`` (or ``ckpt`` itself) into the sharded module.
@@ -785,14 +820,21 @@ class FSDP2Strategy:
                 "before the first training step."
             )
         module = self._require_module()
+        self._restoring = True
+        try:
+            self._restore_states(module, pending)
+        finally:
+            self._restoring = False
+        self._optimizer_state_to_restore = None  # applied once; drop the checkpoint's tensors
+
+    def _restore_states(self, module: nn.Module, pending: list[Any]) -> None:
         for optimizer, state in zip(self.optimizers, pending):
-            if isinstance(state, Mapping) and _SHARDED_REF in state:
+            if isinstance(state, Mapping) and ckpt_io.SHARDED_REF in state:
                 # the optimizer only: the weights were restored by load_checkpoint(), and anything
                 # loaded since (load_model_state_dict) must not be overwritten by the old weights
-                sd.load_checkpoint(state[_SHARDED_REF], module, optimizer, model_weights=False)
+                sd.load_checkpoint(state[ckpt_io.SHARDED_REF], module, optimizer, model_weights=False)
             else:
                 sd.load_optimizer_state_dict(module, optimizer, state, full=True, broadcast_from_rank0=True)
-        self._optimizer_state_to_restore = None  # applied once; drop the checkpoint's tensors
 
     # ----------------------------------------------------------------------------- checkpoints
 
@@ -801,20 +843,21 @@ class FSDP2Strategy:
     ) -> None:
         """Save the model, every optimizer and ``checkpoint``'s other entries to ``filepath``; every rank calls it.
 
-        Model weights and optimizer state always come from the live (sharded) objects, gathered
-        collectively, so every rank's shards are in it; ``checkpoint["state_dict"]`` /
-        ``["optimizer_states"]`` passed in are ignored. ``epoch`` / ``global_step`` default to
+        Model weights and optimizer state come from the live (sharded) objects, gathered
+        collectively, so every rank's shards are in it (``checkpoint["state_dict"]`` /
+        ``["optimizer_states"]`` are used only when this strategy's own ``lightning_module_state_dict``
+        / ``optimizer_state`` made them). ``epoch`` / ``global_step`` default to
         ``current_epoch_step``. Other entries must load with ``torch.load(weights_only=True)``.
 
         ``checkpoint_format="full"`` (default): one ``torch.save`` file written by rank 0
-        (atomically: temporary file, then rename) holding ``state_dict`` (full tensors keyed by
-        FQN) and ``optimizer_states`` (full, keyed by FQN); ``checkpoint_io`` replaces the writer.
+        (atomically: temporary file, then rename); ``checkpoint_io`` replaces the writer.
         ``"sharded"``: a DCP directory, every rank writing its own shards. If the write fails,
         every rank raises, no temporary file is left and a checkpoint already at ``filepath`` is kept.
 
         Example:
             >>> strategy.save_checkpoint({"note": "nightly"}, "ckpt/step_100.ckpt")  # doctest: +SKIP
         """
+        path = ckpt_io.check_save_target(filepath, self.checkpoint_format, "save_checkpoint")
         self.parallelize()
         self._restore_deferred_optimizer_state()  # never save a fresh optimizer over a waiting state
         module = self._require_module()
@@ -823,64 +866,69 @@ class FSDP2Strategy:
         extras.setdefault("global_step", self._step)
         if self.lr_schedulers and "lr_schedulers" not in extras:
             extras["lr_schedulers"] = [s.state_dict() for s in self.lr_schedulers]
-        extras[_META_KEY] = {
+        extras[ckpt_io.META_KEY] = {
             "format": self.checkpoint_format,
             "optimizers": len(self.optimizers),
+            "optimizer_classes": [type(o).__name__ for o in self.optimizers],
             "data_parallel_size": self.data_parallel_size,
             "tensor_parallel_size": self.tensor_parallel_size,
         }
-        sd._on_all_ranks(lambda: sd._check_loadable(extras, "the checkpoint's entries"))
-        path = Path(filepath)
+        if self.entries_weights_only:
+            on_all_ranks(lambda: ckpt_io.check_weights_only_loadable(extras, "save_checkpoint"))
         if self.checkpoint_format == "sharded":
             if len(self.optimizers) > 1:
                 raise NotImplementedError("FSDP2Strategy: the sharded format saves one optimizer; use the full format.")
             optimizer = self.optimizers[0] if self.optimizers else None
             sd.save_checkpoint(path, module, optimizer, extra=extras, overwrite=True)
             return
+        given, given_optim = checkpoint.get("state_dict"), checkpoint.get("optimizer_states")
+        reuse = isinstance(given, _Gathered) and isinstance(given_optim, (list, tuple))
+        reuse = (
+            reuse and len(given_optim) == len(self.optimizers) and all(isinstance(o, _Gathered) for o in given_optim)
+        )
         payload = dict(extras)
-        payload["state_dict"] = sd.get_full_state_dict(module)
-        payload["optimizer_states"] = [sd.get_optimizer_state_dict(module, o, full=True) for o in self.optimizers]
+        payload["state_dict"] = dict(given) if reuse else sd.get_full_state_dict(module)
+        payload["optimizer_states"] = (
+            [dict(o) for o in given_optim]
+            if reuse
+            else [sd.get_optimizer_state_dict(module, o, full=True) for o in self.optimizers]
+        )
+        ckpt_io.write_full_checkpoint(
+            filepath, payload, checkpoint_io=self.checkpoint_io, storage_options=storage_options
+        )
 
-        def write() -> None:
-            if self.checkpoint_io is not None:
-                extra_args = {} if storage_options is None else {"storage_options": storage_options}
-                self.checkpoint_io.save_checkpoint(payload, filepath, **extra_args)  # the caller's path, as given
-                return
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.parent / f".{path.name}.incomplete"
-            try:
-                torch.save(payload, tmp)
-                os.replace(tmp, path)
-            finally:
-                # a failed write leaves no temporary file; a file already at ``path`` is untouched
-                tmp.unlink(missing_ok=True)
-
-        _on_rank0(write)
-
-    def load_checkpoint(self, filepath: Union[str, os.PathLike]) -> dict[str, Any]:
+    def load_checkpoint(self, filepath: Union[str, os.PathLike], weights_only: Optional[bool] = None) -> dict[str, Any]:
         """Load a checkpoint of either format (detected on disk): weights now, optimizer state deferred.
 
-        Restores the model immediately (``load_model_state_dict``), queues the optimizer state
-        (``load_optimizer_state_dict``: applied at the first ``training_step``), and restores
-        ``current_epoch_step`` and LR schedulers. Works at any world size and parallel layout.
-        Returns the checkpoint dict: the full format's file is read on rank 0 only, so other
-        ranks get the same entries with an empty ``state_dict``.
+        Checks first that the live optimizers are the kind the checkpoint saved; then restores the
+        model (``load_model_state_dict``), queues the optimizer state (``load_optimizer_state_dict``:
+        applied at the first ``training_step``), and restores ``current_epoch_step`` and LR
+        schedulers. Works at any world size and parallel layout. ``weights_only=False`` reads a
+        trusted file holding pickled objects (e.g. Lightning hyperparameters); the default refuses
+        them. Returns the checkpoint dict: the full format's file is read on rank 0 only, so other
+        ranks get the same entries with an empty ``state_dict``. A missing or unreadable checkpoint
+        raises the same error on every rank, naming the path, before anything changes.
 
         Example:
             >>> ckpt = strategy.load_checkpoint("ckpt/step_100.ckpt")  # doctest: +SKIP
-            >>> start = strategy.current_epoch_step.step  # doctest: +SKIP
+            >>> start = int(strategy.current_epoch_step)  # doctest: +SKIP
         """
+        if not str(filepath).strip():
+            raise ValueError(f"FSDP2Strategy.load_checkpoint(): filepath={str(filepath)!r} is empty.")
         self.parallelize()
         path = Path(filepath)
         module = self._require_module()
-        if self.checkpoint_io is None and path.is_dir():
-            extras = sd.load_checkpoint(path, module) or {}
-            ckpt = dict(extras)
+        if self.checkpoint_io is None and on_all_ranks(lambda: sd.is_checkpoint(path), rank0_only=True):
+            meta = on_all_ranks(lambda: sd.load_checkpoint(path, module, model_weights=False) or {}, errors=_ERRORS)
+            ckpt = dict(meta)
+            count = ckpt.get(ckpt_io.META_KEY, {}).get("optimizers", 0)
+            ckpt["optimizer_states"] = [{ckpt_io.SHARDED_REF: str(path)} for _ in range(count)]
+            ckpt_io.check_optimizers_match(self.optimizers, ckpt, path)
+            on_all_ranks(lambda: sd.load_checkpoint(path, module), errors=_ERRORS)
             ckpt["state_dict"] = sd.get_sharded_state_dict(module)
-            count = ckpt.get(_META_KEY, {}).get("optimizers", 0)
-            ckpt["optimizer_states"] = [{_SHARDED_REF: str(path)} for _ in range(count)]
         else:
-            ckpt = self._read_full(filepath)
+            ckpt = ckpt_io.read_full_checkpoint(filepath, checkpoint_io=self.checkpoint_io, weights_only=weights_only)
+            ckpt_io.check_optimizers_match(self.optimizers, ckpt, path)
             self.load_model_state_dict(ckpt, strict=True)
         if ckpt.get("optimizer_states"):
             self.load_optimizer_state_dict(ckpt)
@@ -889,52 +937,16 @@ class FSDP2Strategy:
             scheduler.load_state_dict(state)
         return ckpt
 
-    def _read_full(self, filepath: Union[str, os.PathLike]) -> dict[str, Any]:
-        """Rank 0 reads the file; every rank gets its small entries, rank 0 alone keeps the tensors."""
-        path = Path(filepath)
-
-        def read() -> dict[str, Any]:
-            if self.checkpoint_io is not None:
-                return dict(self.checkpoint_io.load_checkpoint(filepath))
-            if not path.exists():
-                raise FileNotFoundError(f"FSDP2Strategy.load_checkpoint(): {path} does not exist.")
-            return torch.load(path, map_location="cpu", weights_only=True)
-
-        ckpt = _on_rank0(read)
-        if not (dist.is_initialized() and dist.get_world_size() > 1):
-            return ckpt
-        small = None
-        if dist.get_rank() == 0:
-            small = {k: v for k, v in ckpt.items() if k not in ("state_dict", "optimizer_states")}
-            small["optimizer_states"] = len(ckpt.get("optimizer_states", []))
-        box = [small]
-        dist.broadcast_object_list(box, src=0)
-        if dist.get_rank() == 0:
-            return ckpt
-        ckpt = box[0]
-        ckpt["state_dict"] = {}
-        ckpt["optimizer_states"] = [None] * ckpt["optimizer_states"]
-        return ckpt
-
     def remove_checkpoint(self, filepath: Union[str, os.PathLike]) -> None:
         """Delete a checkpoint (file or sharded directory): rank 0, after every rank reached this point.
+
+        Anything that is not a checkpoint (a data folder, a text file) is refused with a
+        ``ValueError`` on every rank and left untouched.
 
         Example:
             >>> strategy.remove_checkpoint("ckpt/step_50.ckpt")  # doctest: +SKIP
         """
-        path = Path(filepath)
-
-        def remove() -> None:
-            if self.checkpoint_io is not None:
-                self.checkpoint_io.remove_checkpoint(filepath)
-            elif path.is_dir():
-                shutil.rmtree(path)
-            elif path.exists():
-                path.unlink()
-
-        if dist.is_initialized():
-            dist.barrier()  # no rank may still be reading it
-        _on_rank0(remove)
+        ckpt_io.remove_checkpoint(filepath, checkpoint_io=self.checkpoint_io)
 
     def teardown(self) -> None:
         """Leave cleanly: destroys the process group if the strategy started it (``zeta_fsdp.shutdown``).
@@ -945,67 +957,7 @@ class FSDP2Strategy:
         shutdown()
 
 
-# --------------------------------------------------------------------------------- helpers
-
-
-def _defines(module: nn.Module, name: str) -> bool:
-    """``True`` when the module's class defines ``name`` itself (not a plain ``nn.Module``)."""
-    attr = getattr(type(module), name, None)
-    return callable(attr) and getattr(nn.Module, name, None) is not attr
-
-
-def _through_root(module: nn.Module, method: str, *args: Any) -> Any:
-    """Call ``module.<method>(*args)`` from inside ``module(...)``, so FSDP's root hooks wrap it.
-
-    FSDP2 treats the first unit whose ``forward`` runs as the root. A LightningModule step that
-    calls ``self.model(x)`` (not ``self(x)``) would make a child unit the root and leave the real
-    root's parameters sharded. So, like Lightning's forward redirection, ``forward`` is swapped
-    for the step for exactly one call; the step's own ``self(...)`` calls reach the real forward.
-    """
-    if not isinstance(module, FSDPModule):
-        return getattr(module, method)(*args)
-    had_own = "forward" in vars(module)
-    original = module.forward
-
-    def restore() -> None:
-        if had_own:
-            module.forward = original
-        else:
-            vars(module).pop("forward", None)
-
-    def redirected(*inner_args: Any, **inner_kwargs: Any) -> Any:
-        restore()
-        return getattr(module, method)(*inner_args, **inner_kwargs)
-
-    module.forward = redirected
-    try:
-        return module(*args)
-    finally:
-        restore()
-
-
-def _parse_optimizers(result: Any) -> tuple[list[torch.optim.Optimizer], list[Any]]:
-    """Lightning's ``configure_optimizers`` return forms -> (optimizers, schedulers)."""
-    if result is None:
-        return [], []
-    if isinstance(result, torch.optim.Optimizer):
-        return [result], []
-    if isinstance(result, Mapping):
-        scheduler = result.get("lr_scheduler")
-        if isinstance(scheduler, Mapping):
-            scheduler = scheduler.get("scheduler")
-        return [result["optimizer"]], [scheduler] if scheduler is not None else []
-    if isinstance(result, tuple) and len(result) == 2 and all(isinstance(r, (list, tuple)) for r in result):
-        optimizers, schedulers = result
-        return list(optimizers), [s.get("scheduler") if isinstance(s, Mapping) else s for s in schedulers]
-    if isinstance(result, (list, tuple)):
-        optimizers, schedulers = [], []
-        for item in result:
-            opts, scheds = _parse_optimizers(item)
-            optimizers += opts
-            schedulers += scheds
-        return optimizers, schedulers
-    raise ValueError(f"FSDP2Strategy: configure_optimizers returned {type(result).__name__}, not an optimizer.")
+_ERRORS = (sd.CheckpointError,)
 
 
 def _current_ties(module: nn.Module, before: list[list[str]]) -> list[list[str]]:
@@ -1014,25 +966,4 @@ def _current_ties(module: nn.Module, before: list[list[str]]) -> list[list[str]]
     names = {n for n, _ in module.named_parameters(remove_duplicate=False)}
     ties = [group for group in before if all(n in names for n in group)]
     covered = {n for group in ties for n in group}
-    return ties + [group for group in _tied_groups(module) if not covered.intersection(group)]
-
-
-def _fsdp_option_names(parallelize_fn: Optional[Callable[..., Any]]) -> list[str]:
-    """The ``**kwargs`` names the strategy accepts: ``fsdp()``'s options (not the model, nor the
-    strategy's own ``mp``/``device``), plus a custom ``parallelize_fn``'s own keyword parameters."""
-    names = [n for n in inspect.signature(fsdp).parameters if n not in ("model", "mp", "device")]
-    if parallelize_fn is not None:
-        try:
-            params = inspect.signature(parallelize_fn).parameters.values()
-        except (TypeError, ValueError):  # a builtin without a signature: fsdp()'s names only
-            params = []
-        skip = ("module", "device_mesh", "mp_policy")
-        kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
-        names += [p.name for p in params if p.kind in kinds and p.name not in skip and p.name not in names]
-    return names
-
-
-def _on_rank0(fn: Callable[[], Any]) -> Any:
-    """Run ``fn`` on rank 0 only; every rank raises if it failed (``state_dict._on_all_ranks``), so no
-    peer waits in a collective forever. Other ranks return ``None``."""
-    return sd._on_all_ranks(lambda: fn() if sd._rank() == 0 else None)
+    return ties + [group for group in tied_groups(module) if not covered.intersection(group)]

@@ -356,3 +356,13 @@ def build_wrap_plan(
     # A unit with no parameters would only add hooks and an empty all-gather.
     units = [u for u in units if u.numel > 0 or u.kind == "root"]
     return WrapPlan(units=units, block_classes=classes, tied_params=tied, ignored_param_names=ignored_names)
+
+
+def tied_groups(model: nn.Module) -> list[list[str]]:
+    """Names of parameters that are one tensor (tied weights), one list per tensor shared by several names.
+
+    Example:
+        >>> tied_groups(gpt)  # embedding and head tied
+        [['tok_emb.weight', 'head.weight']]
+    """
+    return _tied_groups(model)
