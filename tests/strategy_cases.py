@@ -180,9 +180,13 @@ def setup_environment_mesh_and_sizes():
     tp = FSDP2Strategy(tensor_parallel_size=world())
     tp.setup_environment()
     assert tuple(tp.device_mesh.shape) == (1, world())
-    expect_error(ValueError, lambda: FSDP2Strategy(tensor_parallel_size=3), "3", f"world size {world()}")
-    expect_error(ValueError, lambda: FSDP2Strategy(data_parallel_size=1), "data_parallel_size=1", f"{world()}")
-    expect_error(ValueError, lambda: FSDP2Strategy(data_parallel_size=world(), tensor_parallel_size=2), "x")
+    # sizes are checked against the world at setup_environment() (issue 12 §2.1), on every rank alike
+    bad = FSDP2Strategy(tensor_parallel_size=3)
+    expect_error(ValueError, bad.setup_environment, "3", f"world size {world()}")
+    bad = FSDP2Strategy(data_parallel_size=1)
+    expect_error(ValueError, bad.setup_environment, "data_parallel_size=1", f"{world()}")
+    bad = FSDP2Strategy(data_parallel_size=world(), tensor_parallel_size=2)
+    expect_error(ValueError, bad.setup_environment, "x")
 
 
 @case

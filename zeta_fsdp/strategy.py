@@ -809,6 +809,14 @@ class FSDP2Strategy:
             raise ValueError("FSDP2Strategy.load_optimizer_state_dict(): the checkpoint has no 'optimizer_states'.")
         self._optimizer_state_to_restore = list(states)
 
+    def restore_pending_optimizer_state(self) -> None:
+        """Apply now an optimizer state queued by ``load_checkpoint`` (otherwise applied at the next step).
+
+        Example:
+            >>> strategy.load_checkpoint("last.ckpt"); strategy.restore_pending_optimizer_state()  # doctest: +SKIP
+        """
+        self._restore_deferred_optimizer_state()
+
     def _restore_deferred_optimizer_state(self) -> None:
         pending = self._optimizer_state_to_restore
         if pending is None:
@@ -918,7 +926,7 @@ class FSDP2Strategy:
         self.parallelize()
         path = Path(filepath)
         module = self._require_module()
-        if self.checkpoint_io is None and on_all_ranks(lambda: sd.is_checkpoint(path), rank0_only=True):
+        if self.checkpoint_io is None and on_all_ranks(lambda: sd.is_checkpoint(path)):
             meta = on_all_ranks(lambda: sd.load_checkpoint(path, module, model_weights=False) or {}, errors=_ERRORS)
             ckpt = dict(meta)
             count = ckpt.get(ckpt_io.META_KEY, {}).get("optimizers", 0)
