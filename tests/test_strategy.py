@@ -18,6 +18,12 @@ TWO_RANK_CASES = [
     "tensor_init_context_meta_then_materialized",
     "regression_parallelize_fn_meta_model_keeps_ties",
     "regression_token_weighted_training_parity",
+    "regression_user_opt_step_counts_and_is_saved",
+    "regression_tensor_init_context_keeps_init_in_init",
+    "regression_remove_checkpoint_refuses_user_data",
+    "regression_bad_file_same_error_type_every_rank",
+    "regression_error_messages_name_the_path",
+    "regression_adam_checkpoint_into_sgd_refused_before_change",
     "process_dataloader_sampler_and_epochs",
     "lightning_style_module_hooks",
     "plain_module_eval_steps_and_loss_reduction",
@@ -147,6 +153,72 @@ def test_regression_sizes_checked_at_setup_environment_not_construction(monkeypa
     monkeypatch.setenv("MASTER_PORT", "29999")
     FSDP2Strategy(data_parallel_size=2, tensor_parallel_size=1)
     assert not dist.is_initialized(), "a size check started a process group"
+
+
+class _StopError(Exception):
+    """Raised by a recorder in place of starting a process group."""
+
+
+def test_regression_lightning_kwargs_reach_init_process_group(monkeypatch):
+    """Issue 12 §2.9: ``process_group_backend`` / ``timeout`` (Lightning's strategy options) were
+    rejected; accepted, they must really reach ``init_process_group`` (not be dropped)."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from zeta_fsdp.strategy import FSDP2Strategy
+
+    for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(var, raising=False)
+    seen = []
+
+    def record(*args, **kwargs):
+        seen.append(kwargs)
+        raise _StopError
+
+    monkeypatch.setattr(dist, "init_process_group", record)
+    # a backend this CPU run would never choose by itself, so a dropped option cannot pass
+    strategy = FSDP2Strategy(process_group_backend="cuda:nccl,cpu:gloo", timeout=datetime.timedelta(seconds=42))
+    with pytest.raises(_StopError):
+        strategy.setup_environment()
+    assert seen[-1]["backend"] == "cuda:nccl,cpu:gloo" and seen[-1]["timeout"] == datetime.timedelta(seconds=42)
+    with pytest.raises(_StopError):
+        FSDP2Strategy().setup_environment()
+    assert seen[-1]["backend"] == "gloo" and seen[-1]["timeout"] == datetime.timedelta(minutes=30)
+    assert not dist.is_initialized()
+
+
+def test_regression_lightning_adapter_passes_backend_and_timeout(monkeypatch):
+    """Issue 12 §2.9, the Lightning adapter: its own process-group start uses the options."""
+    pytest.importorskip("lightning")
+    import datetime
+
+    from lightning.fabric.plugins.environments import LightningEnvironment
+    from lightning.pytorch.strategies import ParallelStrategy
+
+    import zeta_fsdp.lightning as zl
+
+    for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "NODE_RANK"):
+        monkeypatch.delenv(var, raising=False)
+    seen = []
+
+    def record(env, backend, **kwargs):
+        seen.append({"backend": backend, **kwargs})
+        raise _StopError
+
+    monkeypatch.setattr(ParallelStrategy, "setup_environment", lambda self: None)  # the accelerator's set-up
+    monkeypatch.setattr(zl, "_init_dist_connection", record)
+    for options, backend, timeout in (
+        ({"process_group_backend": "cuda:nccl,cpu:gloo", "timeout": datetime.timedelta(seconds=42)}, None, None),
+        ({}, "gloo", datetime.timedelta(minutes=30)),
+    ):
+        strategy = zl.FSDP2Strategy(**options)
+        strategy.parallel_devices = [torch.device("cpu")]
+        strategy.cluster_environment = LightningEnvironment()
+        with pytest.raises(_StopError):
+            strategy.setup_environment()
+        assert seen[-1]["backend"] == (backend or options["process_group_backend"]), seen[-1]
+        assert seen[-1]["timeout"] == (timeout or options["timeout"]), seen[-1]
 
 
 def test_regression_current_epoch_step_is_the_step_number():
