@@ -266,8 +266,10 @@ def build_mesh(spec: ShardingSpec, device: torch.device, *, replicate_size: Opti
     return init_device_mesh(device.type, shape, mesh_dim_names=names)
 
 
-def build_dp_tp_mesh(device: torch.device, dp: int, tp: int) -> DeviceMesh:
+def build_dp_tp_mesh(device: torch.device, dp: int, tp: int, *, names: tuple[str, str] = ("dp", "tp")) -> DeviceMesh:
     """A 2-D ``(dp, tp)`` mesh over the default group: data parallel x tensor parallel.
+
+    ``names`` are the dimension names (Lightning's adapter: ``("data_parallel", "tensor_parallel")``).
 
     Tensor-parallel ranks are adjacent (the last dimension), so they share a node when ``tp``
     divides the ranks per node: TP's per-layer collectives stay on the fast links.
@@ -277,7 +279,7 @@ def build_dp_tp_mesh(device: torch.device, dp: int, tp: int) -> DeviceMesh:
         >>> mesh["dp"].size(), mesh["tp"].size()  # doctest: +SKIP
         (2, 2)
     """
-    return init_device_mesh(device.type, (dp, tp), mesh_dim_names=("dp", "tp"))
+    return init_device_mesh(device.type, (dp, tp), mesh_dim_names=tuple(names))
 
 
 def shutdown(*, force: bool = False, timeout_s: float = 300.0) -> None:

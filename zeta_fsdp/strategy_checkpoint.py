@@ -25,18 +25,23 @@ from typing import Any, Mapping, Optional, Sequence, Union
 import torch
 import torch.distributed as dist
 
+from . import state_dict as sd
 from .distributed import on_all_ranks
 from .state_dict import CheckpointError, is_checkpoint
 
 __all__ = [
+    "Gathered",
     "META_KEY",
     "SHARDED_REF",
     "check_optimizers_match",
     "check_save_target",
     "check_weights_only_loadable",
     "is_full_checkpoint",
+    "load_strategy_checkpoint",
     "read_full_checkpoint",
     "remove_checkpoint",
+    "restore_optimizer_states",
+    "save_strategy_checkpoint",
     "write_full_checkpoint",
 ]
 
@@ -46,6 +51,15 @@ META_KEY = "zeta_fsdp"
 # An optimizer entry that points at a sharded (DCP) checkpoint directory.
 SHARDED_REF = "zeta_fsdp_sharded_checkpoint"
 _TENSORS = ("state_dict", "optimizer_states")
+
+
+class Gathered(dict):
+    """A state the strategy gathered for a checkpoint: ``save_strategy_checkpoint`` reuses it, never gathers twice.
+
+    Example:
+        >>> isinstance(Gathered({"w": 1}), dict)
+        True
+    """
 
 
 def _rank() -> int:
@@ -277,3 +291,109 @@ def remove_checkpoint(filepath: PathLike, *, checkpoint_io: Any = None) -> None:
     if dist.is_available() and dist.is_initialized():
         dist.barrier()  # no rank may still be reading it
     on_all_ranks(remove, rank0_only=True)
+
+
+def _meta(strategy: Any, checkpoint_format: str) -> dict[str, Any]:
+    return {
+        "format": checkpoint_format,
+        "optimizers": len(strategy.optimizers),
+        "optimizer_classes": [type(o).__name__ for o in strategy.optimizers],
+        "data_parallel_size": strategy.data_parallel_size,
+        "tensor_parallel_size": strategy.tensor_parallel_size,
+    }
+
+
+def save_strategy_checkpoint(
+    strategy: Any, checkpoint: Mapping[str, Any], filepath: PathLike, storage_options: Any = None
+) -> None:
+    """``FSDP2Strategy.save_checkpoint``: the live model, every optimizer and ``checkpoint``'s other entries.
+
+    ``strategy`` is a parallelized ``FSDP2Strategy`` (its public attributes only). Weights and
+    optimizer states are gathered collectively unless ``checkpoint`` holds ``Gathered`` ones
+    (Lightning asks for them first). The full format is one file (``write_full_checkpoint``);
+    the sharded format a DCP directory written by every rank.
+
+    Example:
+        >>> save_strategy_checkpoint(strategy, {"note": "nightly"}, "ckpt/step_100.ckpt")  # doctest: +SKIP
+    """
+    fmt = strategy.checkpoint_format
+    module, optimizers = strategy.model, strategy.optimizers
+    extras = {k: v for k, v in checkpoint.items() if k not in _TENSORS}
+    step = strategy.current_epoch_step
+    extras.setdefault("epoch", step.epoch)
+    extras.setdefault("global_step", int(step))
+    if strategy.lr_schedulers and "lr_schedulers" not in extras:
+        extras["lr_schedulers"] = [s.state_dict() for s in strategy.lr_schedulers]
+    extras[META_KEY] = _meta(strategy, fmt)
+    if strategy.entries_weights_only:
+        on_all_ranks(lambda: check_weights_only_loadable(extras, "save_checkpoint"))
+    if fmt == "sharded":
+        if len(optimizers) > 1:
+            raise NotImplementedError("FSDP2Strategy: the sharded format saves one optimizer; use the full format.")
+        sd.save_checkpoint(Path(filepath), module, optimizers[0] if optimizers else None, extra=extras, overwrite=True)
+        return
+    given, given_optim = checkpoint.get("state_dict"), checkpoint.get("optimizer_states")
+    reuse = isinstance(given, Gathered) and isinstance(given_optim, (list, tuple))
+    reuse = reuse and len(given_optim) == len(optimizers) and all(isinstance(o, Gathered) for o in given_optim)
+    payload = dict(extras)
+    payload["state_dict"] = dict(given) if reuse else sd.get_full_state_dict(module)
+    payload["optimizer_states"] = (
+        [dict(o) for o in given_optim]
+        if reuse
+        else [sd.get_optimizer_state_dict(module, o, full=True) for o in optimizers]
+    )
+    write_full_checkpoint(filepath, payload, checkpoint_io=strategy.checkpoint_io, storage_options=storage_options)
+
+
+def load_strategy_checkpoint(strategy: Any, filepath: PathLike, weights_only: Optional[bool] = None) -> dict[str, Any]:
+    """``FSDP2Strategy.load_checkpoint``: either format (detected on disk), checked before anything changes.
+
+    The optimizers are checked against the checkpoint first (count and class); then the weights
+    are restored, the optimizer state queued (``strategy.load_optimizer_state_dict``), and
+    ``current_epoch_step`` and the LR schedulers restored. Every rank raises alike, naming the path.
+
+    Example:
+        >>> ckpt = load_strategy_checkpoint(strategy, "ckpt/step_100.ckpt")  # doctest: +SKIP
+    """
+    path = Path(filepath)
+    module = strategy.model
+    errors = (CheckpointError,)
+    if strategy.checkpoint_io is None and on_all_ranks(lambda: is_checkpoint(path)):
+        meta = on_all_ranks(lambda: sd.load_checkpoint(path, module, model_weights=False) or {}, errors=errors)
+        ckpt = dict(meta)
+        count = ckpt.get(META_KEY, {}).get("optimizers", 0)
+        ckpt["optimizer_states"] = [{SHARDED_REF: str(path)} for _ in range(count)]
+        check_optimizers_match(strategy.optimizers, ckpt, path)
+        on_all_ranks(lambda: sd.load_checkpoint(path, module), errors=errors)
+        ckpt["state_dict"] = sd.get_sharded_state_dict(module)
+    else:
+        ckpt = read_full_checkpoint(filepath, checkpoint_io=strategy.checkpoint_io, weights_only=weights_only)
+        check_optimizers_match(strategy.optimizers, ckpt, path)
+        strategy.load_model_state_dict(ckpt, strict=True)
+    if ckpt.get("optimizer_states"):
+        strategy.load_optimizer_state_dict(ckpt)
+    strategy.current_epoch_step = (ckpt.get("epoch", 0), ckpt.get("global_step", 0))
+    for scheduler, state in zip(strategy.lr_schedulers, ckpt.get("lr_schedulers", [])):
+        scheduler.load_state_dict(state)
+    return ckpt
+
+
+def restore_optimizer_states(module: torch.nn.Module, optimizers: Sequence[Any], pending: Sequence[Any]) -> None:
+    """Load queued optimizer states (full, keyed by FQN, rank 0's copy; or a sharded-checkpoint reference).
+
+    Example:
+        >>> restore_optimizer_states(model, [opt], ckpt["optimizer_states"])  # doctest: +SKIP
+    """
+    if len(pending) != len(optimizers):
+        raise RuntimeError(
+            f"FSDP2Strategy: the checkpoint holds the state of {len(pending)} optimizer(s), but "
+            f"{len(optimizers)} exist(s). Create the optimizers (setup_optimizers / configure_optimizers) "
+            "before the first training step."
+        )
+    for optimizer, state in zip(optimizers, pending):
+        if isinstance(state, Mapping) and SHARDED_REF in state:
+            # the optimizer only: the weights were restored by load_checkpoint(), and anything
+            # loaded since (load_model_state_dict) must not be overwritten by the old weights
+            sd.load_checkpoint(state[SHARDED_REF], module, optimizer, model_weights=False)
+        else:
+            sd.load_optimizer_state_dict(module, optimizer, state, full=True, broadcast_from_rank0=True)

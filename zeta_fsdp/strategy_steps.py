@@ -1,4 +1,4 @@
-"""How the strategy calls a module: its own hooks, through the FSDP root, and what they return.
+"""How the strategy calls a module: its own hooks, through the FSDP root, what they return, the loss.
 
 Plain functions shared by ``zeta_fsdp.strategy`` and ``zeta_fsdp.lightning``.
 
@@ -9,13 +9,26 @@ Example:
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+import inspect
+from typing import Any, Callable, Mapping, Optional
 
 import torch
 import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule
 
-__all__ = ["call_through_root", "defines", "parse_optimizers"]
+__all__ = [
+    "LossTotals",
+    "STEP_TYPES",
+    "call_through_root",
+    "defines",
+    "forward_batch",
+    "logits_of",
+    "module_loss_reduction",
+    "parse_optimizers",
+    "run_step",
+]
+
+STEP_TYPES = ("training", "validation", "test", "predict")
 
 
 def defines(module: nn.Module, name: str) -> bool:
@@ -90,3 +103,133 @@ def parse_optimizers(result: Any) -> tuple[list[torch.optim.Optimizer], list[Any
             schedulers += scheds
         return optimizers, schedulers
     raise ValueError(f"FSDP2Strategy: configure_optimizers returned {type(result).__name__}, not an optimizer.")
+
+
+def module_loss_reduction(module: Optional[nn.Module], step_type: str) -> Any:
+    """The module's own ``<step_type>_loss_reduction`` or ``loss_reduction`` (an object, or a callable
+    returning one), else ``None``; an unknown ``step_type`` is a ``ValueError``.
+
+    Example:
+        >>> module_loss_reduction(nn.Linear(2, 2), "training") is None
+        True
+    """
+    if step_type not in STEP_TYPES:
+        raise ValueError(f"FSDP2Strategy: unknown step type {step_type!r}. Accepted: {STEP_TYPES}.")
+    for name in (f"{step_type}_loss_reduction", "loss_reduction"):
+        found = getattr(module, name, None) if module is not None else None
+        if found is not None:
+            if callable(found) and not hasattr(found, "reduce"):
+                found = found()
+            return found
+    return None
+
+
+def forward_batch(module: nn.Module, batch: Any) -> Any:
+    """Call a plain module with the batch: matching keyword arguments, else the inputs tensor.
+
+    Example:
+        >>> forward_batch(nn.Linear(2, 1), {"input": torch.ones(1, 2)}).shape
+        torch.Size([1, 1])
+    """
+    if isinstance(batch, Mapping):
+        params = inspect.signature(module.forward).parameters
+        takes_kwargs = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+        # labels / loss_mask are for the loss reduction; a model computing its own per-rank
+        # mean loss from them is exactly the error the reduction exists to avoid.
+        kwargs = {k: v for k, v in batch.items() if k in params or (takes_kwargs and k not in ("labels", "loss_mask"))}
+        if kwargs:
+            return module(**kwargs)
+        for key in ("input_ids", "inputs", "input", "x"):
+            if key in batch:
+                return module(batch[key])
+        raise ValueError(
+            f"FSDP2Strategy: cannot call {type(module).__name__}.forward with batch keys {sorted(batch)}; "
+            "define training_step(batch, batch_idx) on the module or use matching argument names."
+        )
+    if isinstance(batch, (tuple, list)) and len(batch) == 2:
+        return module(batch[0])  # (inputs, labels)
+    return module(batch)
+
+
+def logits_of(output: Any) -> torch.Tensor:
+    """The logits (or per-token losses) in a module's output: a tensor, ``["logits"]`` or ``.logits``.
+
+    Example:
+        >>> logits_of({"logits": torch.zeros(2)})
+        tensor([0., 0.])
+    """
+    if isinstance(output, torch.Tensor):
+        return output
+    logits = output.get("logits") if isinstance(output, Mapping) else getattr(output, "logits", None)
+    if isinstance(logits, torch.Tensor):
+        return logits
+    raise ValueError(
+        f"FSDP2Strategy: the module returned {type(output).__name__}; the loss reduction needs logits or "
+        "per-token losses (a tensor, or an output with .logits). A loss already averaged on each rank "
+        "cannot be re-weighted: return logits, or define training_step on the module."
+    )
+
+
+class LossTotals:
+    """Running sums of loss-reduction records per step type: memory stays constant however long
+    nobody asks, and one reduction (one all-reduce) gives the mean since the last ``pop``.
+
+    Example:
+        >>> totals = LossTotals()
+        >>> totals.add("training", reduction, {"avg": torch.tensor([2.0, 4.0])})  # doctest: +SKIP
+        >>> reduction.reduce([totals.pop("training")[1]])  # doctest: +SKIP
+    """
+
+    def __init__(self) -> None:
+        self._totals: dict[str, tuple[Any, str, torch.Tensor]] = {}
+
+    def add(self, step_type: str, reduction: Any, record: Mapping[str, torch.Tensor]) -> None:
+        """Add one step's record (its first entry) to the running sum of ``step_type``.
+
+        Example:
+            >>> LossTotals().add("validation", reduction, record)  # doctest: +SKIP
+        """
+        key = next(iter(record))
+        value = record[key].detach()
+        if step_type in self._totals:
+            value = value + self._totals[step_type][2]
+        self._totals[step_type] = (reduction, key, value)
+
+    def pop(self, step_type: str) -> Optional[tuple[Any, dict[str, torch.Tensor]]]:
+        """``(reduction, {key: summed record})`` of ``step_type`` and forget it; ``None`` if empty.
+
+        Example:
+            >>> LossTotals().pop("training") is None
+            True
+        """
+        if step_type not in self._totals:
+            return None
+        reduction, key, total = self._totals.pop(step_type)
+        return reduction, {key: total}
+
+
+def run_step(
+    module: nn.Module, step_type: str, batch: Any, batch_idx: Optional[int], reduce: Callable[[str, Any], Any]
+) -> Any:
+    """One ``step_type`` step: the module's own ``<step_type>_step`` through the FSDP root, else
+    ``reduce(step_type, batch)`` (``"predict"``: the module's output). Training runs in train mode;
+    evaluation in eval mode without gradients, the previous mode restored after.
+
+    Example:
+        >>> loss = run_step(model, "training", batch, 0, strategy._reduce_step)  # doctest: +SKIP
+    """
+    name = f"{step_type}_step"
+    if step_type == "training":
+        module.train()
+        return call_through_root(module, name, batch, batch_idx) if defines(module, name) else reduce(step_type, batch)
+    was_training = module.training
+    module.eval()
+    try:
+        with torch.no_grad():
+            if defines(module, name):
+                return call_through_root(module, name, batch, batch_idx)
+            if step_type == "predict":
+                return forward_batch(module, batch)
+            return reduce(step_type, batch)
+    finally:
+        module.train(was_training)
