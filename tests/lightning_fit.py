@@ -5,10 +5,11 @@ sees an external launcher) and plain ``python`` (Lightning's own ``_SubprocessSc
 this file for rank 1; that is why it is a script file). Rank 0 writes its results to ``--out``.
 
 ``--mode fit``: parity with a single-process reference, ModelCheckpoint (save_top_k, save_last),
-validation, logging, an LR scheduler, dataclass hyperparameters, gradient clipping; then a resume from
+validation, logging, an LR scheduler, dataclass hyperparameters; then a resume from
 the mid-run checkpoint that trains only the remaining steps and ends equal to the uninterrupted run.
 ``--mode bf16``: ``precision="bf16-mixed"`` runs the FSDP2 bf16 policy (bf16 parameters in forward,
-fp32 masters), bit-equal to zeta's own strategy with ``mp_policy="bf16"``.
+fp32 masters), and ``gradient_clip_val`` clips with zeta's DTensor-aware ``clip_grad_norm_``: bit-equal
+to zeta's own strategy with ``mp_policy="bf16"`` clipping by ``strategy.clip_grad_norm_``.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from zeta_fsdp.lightning import FSDP2Strategy
 
-STEPS, HALF, PER_RANK, LR = 8, 4, 2, 0.05
+STEPS, HALF, PER_RANK, LR, CLIP = 8, 4, 2, 0.05, 0.5
 
 
 @dataclasses.dataclass
@@ -129,19 +130,25 @@ def rank_batch(rank: int, epoch: int, step_in_epoch: int) -> list[int]:
     return list(sampler)[step_in_epoch * PER_RANK : (step_in_epoch + 1) * PER_RANK]
 
 
-def reference(steps: int, clip: float) -> dict[str, torch.Tensor]:
-    """One process, global batch = both ranks' batches (``rank_batch``), mean loss, AdamW + StepLR
-    (per epoch), same clipping."""
+def reference(steps: int) -> dict[str, torch.Tensor]:
+    """One process, AdamW + StepLR (per epoch), the gradient FSDP computes bit for bit: each rank's
+    batch (``rank_batch``) gets its own forward, mean loss and gradient (same shapes, so the same
+    kernels and rounding as on the rank), and the two gradients are averaged as the reduce-scatter
+    does, ``(g0 + g1) / 2`` (a sum of two is exact in either order; halving is exact)."""
     ref = Net(Config())
     opt = torch.optim.AdamW(ref.parameters(), lr=LR)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
     x, y = data().tensors
     per_epoch = len(x) // (2 * PER_RANK)
+    params = list(ref.parameters())
     for step in range(steps):
         s = step % per_epoch
-        idx = [i for r in range(2) for i in rank_batch(r, step // per_epoch, s)]
-        F.mse_loss(ref(x[idx]), y[idx]).backward()
-        torch.nn.utils.clip_grad_norm_(ref.parameters(), clip)
+        grads = []
+        for r in range(2):
+            idx = rank_batch(r, step // per_epoch, s)
+            grads.append(torch.autograd.grad(F.mse_loss(ref(x[idx]), y[idx]), params))
+        for p, g0, g1 in zip(params, *grads):
+            p.grad = (g0 + g1) / 2
         opt.step()
         opt.zero_grad()
         if s == per_epoch - 1:
@@ -155,24 +162,26 @@ def max_diff(a: dict, b: dict) -> float:
 
 
 def mode_fit(out: Path, tmp: Path) -> dict:
-    clip = 0.5
     results = {}
     # uninterrupted run, model built in configure_model
     model = Net(Config(), build_in_configure=True)
-    t = trainer(STEPS, tmp / "full", gradient_clip_val=clip)
+    t = trainer(STEPS, tmp / "full")
     t.fit(model, *loaders())
     results["global_step"] = t.global_step
     final = full_params(model)
-    results["ref_diff"] = max_diff(final, reference(STEPS, clip))
+    results["ref_diff"] = max_diff(final, reference(STEPS))
     results["files"] = sorted(p.name for p in (tmp / "full").iterdir())
     results["val_loss_logged"] = "val_loss" in t.callback_metrics
+    mesh = model.device_mesh  # Lightning's names, as users of ModelParallelStrategy index them
+    results["mesh"] = [list(mesh.mesh_dim_names), mesh["data_parallel"].size(), mesh["tensor_parallel"].size()]
+    results["param_mesh"] = sorted({str(p.device_mesh.mesh_dim_names) for p in model.parameters()})
     # interrupted at HALF, resumed from the checkpoint written there: only the remaining steps run
     model = Net(Config())
-    t = trainer(HALF, tmp / "half", gradient_clip_val=clip)
+    t = trainer(HALF, tmp / "half")
     t.fit(model, *loaders())
     counter = CountSteps()
     resumed = Net(Config())
-    t = trainer(STEPS, tmp / "half", callbacks=[counter], gradient_clip_val=clip)
+    t = trainer(STEPS, tmp / "half", callbacks=[counter])
     t.fit(resumed, *loaders(), ckpt_path=str(tmp / "half" / "last.ckpt"), weights_only=False)
     results["resumed_batches"] = counter.batches
     results["resumed_global_step"] = t.global_step
@@ -193,6 +202,7 @@ def mode_bf16(out: Path, tmp: Path) -> dict:
         devices=2,
         strategy=FSDP2Strategy(),
         precision="bf16-mixed",
+        gradient_clip_val=CLIP,
         max_steps=3,
         logger=False,
         enable_progress_bar=False,
@@ -209,9 +219,11 @@ def mode_bf16(out: Path, tmp: Path) -> dict:
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
     x, y = data().tensors
     r = dist.get_rank()
+    norms = []
     for step in range(3):
         idx = rank_batch(r, 0, step)
         core.training_step((x[idx], y[idx]), step).backward()
+        norms.append(core.clip_grad_norm_(CLIP))  # what gradient_clip_val must do: zeta's clipping
         opt.step()
         sched.step()
         opt.zero_grad()
@@ -219,6 +231,7 @@ def mode_bf16(out: Path, tmp: Path) -> dict:
         "forward_dtypes": sorted({str(d) for d in model.param_dtypes}),
         "master_dtypes": sorted({str(p.dtype) for p in model.parameters()}),
         "twin_diff": max_diff(full_params(model), full_params(twin)),
+        "clipped": max(norms) > CLIP,
     }
 
 

@@ -44,7 +44,10 @@ from .strategy_options import resolve_sizes
 from .strategy_steps import call_through_root
 from .training import clip_grad_norm_
 
-__all__ = ["FSDP2Strategy", "precision_policy"]
+__all__ = ["FSDP2Strategy", "MESH_DIM_NAMES", "precision_policy"]
+
+# The adapter's mesh dimensions: Lightning's (ModelParallelStrategy) names, not zeta's "dp"/"tp".
+MESH_DIM_NAMES = ("data_parallel", "tensor_parallel")
 
 _MIXED = {"bf16-mixed": "bf16", "16-mixed": "fp16"}
 _ACCEPTED_PRECISION = ("32-true", "32", "bf16-mixed", "16-mixed")
@@ -109,7 +112,8 @@ class FSDP2Strategy(ParallelStrategy):
     """Lightning strategy running ``zeta_fsdp.FSDP2Strategy``: FSDP2 (+ tensor parallel) in a ``Trainer``.
 
     Takes exactly ``zeta_fsdp.FSDP2Strategy``'s arguments (and Lightning's ``process_group_backend``
-    / ``timeout``). ``"auto"`` sizes mean FSDP over all ranks (dp = world / tp, tp = 1).
+    / ``timeout``). ``"auto"`` sizes mean FSDP over all ranks (dp = world / tp, tp = 1). The mesh
+    dims are Lightning's names, ``self.device_mesh["data_parallel"]`` / ``["tensor_parallel"]``.
     ``Trainer(precision="bf16-mixed" | "16-mixed")`` becomes the matching FSDP2 policy on every
     unit with fp32 master weights; ``gradient_clip_val`` clips with ``zeta_fsdp.clip_grad_norm_``.
     The module is sharded in ``setup`` (after ``configure_model`` if it has one); checkpoints are
@@ -139,6 +143,8 @@ class FSDP2Strategy(ParallelStrategy):
         )
         # Lightning pickles hyperparameters (dataclasses too); they load back with weights_only=False.
         self.core.entries_weights_only = False
+        # Lightning's ModelParallelStrategy names its mesh dims so; users index self.device_mesh["data_parallel"]
+        self.core.mesh_dim_names = MESH_DIM_NAMES
         super().__init__()
         self.num_nodes = 1
         self._user_policy = mp_policy is not None or "mp" in kwargs
@@ -178,10 +184,11 @@ class FSDP2Strategy(ParallelStrategy):
 
     @property
     def device_mesh(self) -> Any:
-        """The ``(dp, tp)`` mesh, also reachable as ``self.device_mesh`` in the LightningModule.
+        """The 2-D mesh, dims named as Lightning's ``ModelParallelStrategy`` names them:
+        ``("data_parallel", "tensor_parallel")``; also ``self.device_mesh`` in the LightningModule.
 
         Example:
-            >>> trainer.strategy.device_mesh["dp"].size()  # doctest: +SKIP
+            >>> trainer.strategy.device_mesh["data_parallel"].size()  # doctest: +SKIP
             2
         """
         return self.core.device_mesh

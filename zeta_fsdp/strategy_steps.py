@@ -216,7 +216,7 @@ def run_step(
     evaluation in eval mode without gradients, the previous mode restored after.
 
     Example:
-        >>> loss = run_step(model, "training", batch, 0, strategy._reduce_step)  # doctest: +SKIP
+        >>> loss = run_step(model, "training", batch, 0, reduce_fn)  # doctest: +SKIP
     """
     name = f"{step_type}_step"
     if step_type == "training":
