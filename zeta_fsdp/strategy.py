@@ -29,24 +29,15 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
-from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, RandomSampler, Sampler
 
 from . import state_dict as sd
 from . import strategy_checkpoint as ckpt_io
 from . import strategy_parallel
 from .distributed import build_dp_tp_mesh, choose_device, ensure_process_group, expected_world_size, shutdown
-from .loss import MaskedTokenLossReduction
 from .strategy_options import resolve_sizes, validate_strategy_options
 from .strategy_progress import EpochStep, StepCounter
-from .strategy_steps import (
-    LossTotals,
-    forward_batch,
-    logits_of,
-    module_loss_reduction,
-    parse_optimizers,
-    run_step,
-)
+from .strategy_steps import StepLosses, create_optimizers, run_step
 from .training import clip_grad_norm_, no_sync
 
 __all__ = ["EpochStep", "FSDP2Strategy"]
@@ -69,16 +60,12 @@ class FSDP2Strategy:
             that replaces the built-in writer for the full format (called on rank 0).
         mp_policy: a ``MixedPrecisionPolicy`` or an ``mp`` string (``"bf16"``...), for every unit.
         parallelize_fn: ``fn(module, device_mesh=..., mp_policy=..., **kwargs)`` that shards the
-            module itself (TP included). ``None`` (default): ``parallelize_module`` on the tp mesh
-            when tensor parallel, then ``fsdp()`` on the dp mesh with ``shard_strat="FULL_SHARD"``
-            and ``auto_wrap=True`` unless given.
-        **kwargs: passed to ``fsdp()`` (``shard_strat``, ``TransformerBlock``, ``mp``,
-            ``activation_checkpointing``, ``cpu_offload``, ...), except the strategy's own:
-            ``checkpoint_format`` (``"full"`` default, or ``"sharded"``: DCP), ``tp_plan``, ``device``,
-            and Lightning's ``process_group_backend`` / ``timeout`` (used when the strategy starts
-            the process group). With a custom ``parallelize_fn``, its own keyword parameters are
-            accepted too. Any other name (a typo such as ``TransformerBlok``), a bad ``mp`` or
-            ``shard_strat`` is a ``ValueError`` here, before any process group starts.
+            module itself. ``None``: ``parallelize_module`` on the tp mesh (when tp > 1), then
+            ``fsdp()`` on the dp mesh (``shard_strat="FULL_SHARD"``, ``auto_wrap=True`` unless given).
+        **kwargs: ``fsdp()``'s options (a custom ``parallelize_fn``'s own too) and the strategy's:
+            ``checkpoint_format`` (``"full"``, or ``"sharded"``: DCP), ``tp_plan``, ``device``, Lightning's
+            ``process_group_backend`` / ``timeout``. Anything else (``TransformerBlok``), a bad ``mp``
+            or ``shard_strat``: ``ValueError`` here, before any process group starts.
 
     Example:
         >>> strategy = FSDP2Strategy(mp_policy="bf16", TransformerBlock=Block)  # doctest: +SKIP
@@ -126,8 +113,7 @@ class FSDP2Strategy:
         self._optimizer_state_to_restore: Optional[list[Any]] = None
         self._epoch = 0
         self._samplers: list[Any] = []
-        self._reductions: dict[str, Any] = {}
-        self._loss_totals = LossTotals()
+        self._losses = StepLosses(lambda: self.device_mesh[self.mesh_dim_names[0]].get_group())
 
     # ----------------------------------------------------------------------------- module
 
@@ -162,10 +148,7 @@ class FSDP2Strategy:
     def setup_environment(self) -> None:
         """Start the process group (if none), choose the device, build the 2-D ``(dp, tp)`` mesh.
 
-        Example:
-            >>> strategy.setup_environment()  # doctest: +SKIP
-            >>> strategy.device_mesh.shape  # 4 ranks, tensor_parallel_size=2  # doctest: +SKIP
-            (2, 2)
+        Example: ``strategy.setup_environment(); strategy.device_mesh.shape  # (2, 2): 4 ranks, tp 2``.
         """
         if self._device_mesh is not None:
             return
@@ -260,14 +243,9 @@ class FSDP2Strategy:
         return self.optimizers
 
     def _create_optimizers(self) -> None:
-        module = self._require_module()
-        if self._optimizer_fn is not None:
-            result = self._optimizer_fn(module)
-        elif callable(getattr(module, "configure_optimizers", None)):
-            result = module.configure_optimizers()
-        else:
-            return
-        self.optimizers, self.lr_schedulers = parse_optimizers(result)
+        created = create_optimizers(self._require_module(), self._optimizer_fn)
+        if created is not None:
+            self.optimizers, self.lr_schedulers = created
 
     @property
     def optimizers(self) -> list[torch.optim.Optimizer]:
@@ -289,19 +267,10 @@ class FSDP2Strategy:
             >>> strategy._get_loss_reduction("training")  # doctest: +SKIP
             <zeta_fsdp.loss.MaskedTokenLossReduction object at ...>
         """
-        own = module_loss_reduction(self._module, step_type)
-        if own is not None:
-            return own
-        if step_type not in self._reductions:
-            group = self.device_mesh[self.mesh_dim_names[0]].get_group()
-            self._reductions[step_type] = MaskedTokenLossReduction(validation_step=step_type != "training", group=group)
-        return self._reductions[step_type]
+        return self._losses.reduction(self._module, step_type)
 
     def _reduce_step(self, step_type: str, batch: Any) -> torch.Tensor:
-        reduction = self._get_loss_reduction(step_type)
-        loss, record = reduction.forward(batch, logits_of(forward_batch(self._require_module(), batch)))
-        self._loss_totals.add(step_type, reduction, record)
-        return loss
+        return self._losses.step(self._require_module(), step_type, batch)
 
     def reduced_loss(self, step_type: StepType = "training") -> torch.Tensor:
         """Global token-weighted mean loss of the ``step_type`` steps since the last call (one all-reduce).
@@ -311,11 +280,7 @@ class FSDP2Strategy:
             ...     strategy.validation_step(batch)
             >>> strategy.reduced_loss("validation")  # over all ranks and batches  # doctest: +SKIP
         """
-        popped = self._loss_totals.pop(step_type)
-        if popped is None:
-            return self._get_loss_reduction(step_type).reduce([])
-        reduction, total = popped
-        return reduction.reduce([total])
+        return self._losses.reduced(self._module, step_type)
 
     def training_step(self, batch: Any, batch_idx: Optional[int] = None) -> Any:
         """One forward pass and loss for training; returns the loss to call ``backward()`` on.
@@ -463,11 +428,7 @@ class FSDP2Strategy:
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """The module's full state dict (plain tensors, unwrapped FQNs) on rank 0; ``{}`` on other ranks.
-
-        Example:
-            >>> state = strategy.lightning_module_state_dict()  # doctest: +SKIP
-            >>> if strategy.is_global_zero: torch.save(state, "weights.pt")  # doctest: +SKIP
-        """
+        Example: ``state = strategy.lightning_module_state_dict()  # every rank calls it``."""
         module = self._require_module()
         if not self._parallelized:
             return module.state_dict()
@@ -484,12 +445,7 @@ class FSDP2Strategy:
         """Load model weights now: ``ckpt["state_dict"]`` (or ``ckpt`` itself) into the sharded module.
         Example: ``strategy.load_model_state_dict({"state_dict": torch.load("weights.pt", weights_only=True)})``."""
         self.parallelize()
-        state = ckpt.get("state_dict", ckpt) if isinstance(ckpt, Mapping) else ckpt
-        state = {} if state is None else state
-        if any(isinstance(v, DTensor) for v in state.values()):
-            sd.load_sharded_state_dict(self._module, state, strict=strict)
-        else:
-            sd.load_full_state_dict(self._module, state, broadcast_from_rank0=True, strict=strict)
+        ckpt_io.load_model_weights(self._require_module(), ckpt, strict)
 
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         """Queue ``checkpoint["optimizer_states"]`` (one entry per optimizer) and restore it later, exactly once.

@@ -24,6 +24,7 @@ from typing import Any, Mapping, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from . import state_dict as sd
 from .distributed import on_all_ranks
@@ -37,6 +38,7 @@ __all__ = [
     "check_save_target",
     "check_weights_only_loadable",
     "is_full_checkpoint",
+    "load_model_weights",
     "load_strategy_checkpoint",
     "read_full_checkpoint",
     "remove_checkpoint",
@@ -376,6 +378,24 @@ def load_strategy_checkpoint(strategy: Any, filepath: PathLike, weights_only: Op
     for scheduler, state in zip(strategy.lr_schedulers, ckpt.get("lr_schedulers", [])):
         scheduler.load_state_dict(state)
     return ckpt
+
+
+def load_model_weights(module: torch.nn.Module, ckpt: Any, strict: bool = True) -> None:
+    """``ckpt["state_dict"]`` (or ``ckpt`` itself) into the sharded ``module``, now.
+
+    A full state dict (plain tensors) is sharded into the live model, rank 0's copy used (other
+    ranks may pass ``{}``); a sharded one (DTensors) loads shard by shard. Keys and shapes are
+    checked first (``strict``): on a mismatch nothing changes.
+
+    Example:
+        >>> load_model_weights(model, {"state_dict": torch.load("weights.pt", weights_only=True)})  # doctest: +SKIP
+    """
+    state = ckpt.get("state_dict", ckpt) if isinstance(ckpt, Mapping) else ckpt
+    state = {} if state is None else state
+    if any(isinstance(v, DTensor) for v in state.values()):
+        sd.load_sharded_state_dict(module, state, strict=strict)
+    else:
+        sd.load_full_state_dict(module, state, broadcast_from_rank0=True, strict=strict)
 
 
 def restore_optimizer_states(module: torch.nn.Module, optimizers: Sequence[Any], pending: Sequence[Any]) -> None:

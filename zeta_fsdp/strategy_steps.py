@@ -16,8 +16,12 @@ import torch
 import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule
 
+from .loss import MaskedTokenLossReduction
+
 __all__ = [
     "LossTotals",
+    "StepLosses",
+    "create_optimizers",
     "STEP_TYPES",
     "call_through_root",
     "defines",
@@ -233,3 +237,74 @@ def run_step(
             return reduce(step_type, batch)
     finally:
         module.train(was_training)
+
+
+class StepLosses:
+    """The strategy's loss bookkeeping: which reduction a step uses (the module's own, else a
+    ``MaskedTokenLossReduction`` over the data-parallel group ``group_fn()`` gives), the loss of a
+    plain module's step, and the global mean since the last ``reduced`` call.
+
+    Example:
+        >>> losses = StepLosses(lambda: mesh["dp"].get_group())  # doctest: +SKIP
+        >>> loss = losses.step(model, "training", batch); losses.reduced(model, "training")  # doctest: +SKIP
+    """
+
+    def __init__(self, group_fn: Callable[[], Any]) -> None:
+        self._group_fn = group_fn
+        self._defaults: dict[str, Any] = {}
+        self._totals = LossTotals()
+
+    def reduction(self, module: Optional[nn.Module], step_type: str) -> Any:
+        """The module's ``<step_type>_loss_reduction`` / ``loss_reduction``, else the token-weighted default.
+
+        Example:
+            >>> losses.reduction(model, "validation")  # doctest: +SKIP
+        """
+        own = module_loss_reduction(module, step_type)
+        if own is not None:
+            return own
+        if step_type not in self._defaults:
+            self._defaults[step_type] = MaskedTokenLossReduction(
+                validation_step=step_type != "training", group=self._group_fn()
+            )
+        return self._defaults[step_type]
+
+    def step(self, module: nn.Module, step_type: str, batch: Any) -> torch.Tensor:
+        """This rank's loss of ``module`` on ``batch``; its record joins the running total.
+
+        Example:
+            >>> loss = losses.step(model, "training", batch)  # doctest: +SKIP
+        """
+        reduction = self.reduction(module, step_type)
+        loss, record = reduction.forward(batch, logits_of(forward_batch(module, batch)))
+        self._totals.add(step_type, reduction, record)
+        return loss
+
+    def reduced(self, module: Optional[nn.Module], step_type: str) -> torch.Tensor:
+        """Global mean of the ``step_type`` steps since the last call (one all-reduce); forgets them.
+
+        Example:
+            >>> losses.reduced(model, "validation")  # doctest: +SKIP
+        """
+        popped = self._totals.pop(step_type)
+        if popped is None:
+            return self.reduction(module, step_type).reduce([])
+        reduction, total = popped
+        return reduction.reduce([total])
+
+
+def create_optimizers(
+    module: nn.Module, fn: Optional[Callable[[nn.Module], Any]]
+) -> Optional[tuple[list[torch.optim.Optimizer], list[Any]]]:
+    """``fn(module)``, else the module's ``configure_optimizers()``, as (optimizers, schedulers);
+    ``None`` when there is neither.
+
+    Example:
+        >>> create_optimizers(nn.Linear(2, 2), None) is None
+        True
+    """
+    if fn is not None:
+        return parse_optimizers(fn(module))
+    if callable(getattr(module, "configure_optimizers", None)):
+        return parse_optimizers(module.configure_optimizers())
+    return None
