@@ -15,11 +15,12 @@ setup(
     install_requires=["torch>=2.6", "einops", "typing-extensions", "numpy"],
     extras_require={
         # safetensors and matplotlib let the suite cover the .safetensors export and the demo plot
-        "test": ["pytest", "safetensors", "matplotlib"],
+        "test": ["pytest", "safetensors", "matplotlib", "lightning>=2.4"],
         "dev": ["ruff==0.17.6", "pytest"],
         "bench": ["matplotlib", "accelerate"],
         "demo": ["tqdm", "matplotlib"],
         "docs": ["safetensors"],
         "safetensors": ["safetensors"],
+        "lightning": ["lightning>=2.4"],
     },
 )

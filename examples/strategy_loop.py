@@ -6,7 +6,7 @@ Run on 2 CPU ranks, then continue from the last checkpoint:
 One process works too (a notebook-style one-process group starts by itself), and so does resuming
 a checkpoint written at another world size (checkpoints are full tensors keyed by name).
 
-What it shows, in order: build the model on ``meta`` inside ``tensor_init_context()`` (nothing is
+What it shows, in order: build the model on ``meta`` inside ``tensor_init_context(empty_init=True)`` (nothing is
 allocated until ``parallelize()`` shards it), create the optimizer from the sharded parameters,
 split a padded token dataset over the data-parallel ranks (``process_dataloader``), accumulate
 ``--accumulate`` micro-batches per optimizer step with gradient reduction skipped on all but the
@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> list[float]:
 
     strategy = FSDP2Strategy(TransformerBlock=Block, checkpoint_format=args.format)
     torch.manual_seed(0)
-    with strategy.tensor_init_context():
+    with strategy.tensor_init_context(empty_init=True):
         model = small()  # on meta: allocated shard by shard in parallelize()
     strategy.connect(model)
     strategy.setup_optimizers(lambda m: torch.optim.AdamW(m.parameters(), lr=args.lr))  # shards first

@@ -180,9 +180,13 @@ def setup_environment_mesh_and_sizes():
     tp = FSDP2Strategy(tensor_parallel_size=world())
     tp.setup_environment()
     assert tuple(tp.device_mesh.shape) == (1, world())
-    expect_error(ValueError, lambda: FSDP2Strategy(tensor_parallel_size=3), "3", f"world size {world()}")
-    expect_error(ValueError, lambda: FSDP2Strategy(data_parallel_size=1), "data_parallel_size=1", f"{world()}")
-    expect_error(ValueError, lambda: FSDP2Strategy(data_parallel_size=world(), tensor_parallel_size=2), "x")
+    # sizes are checked against the world at setup_environment() (issue 12 §2.1), on every rank alike
+    bad = FSDP2Strategy(tensor_parallel_size=3)
+    expect_error(ValueError, bad.setup_environment, "3", f"world size {world()}")
+    bad = FSDP2Strategy(data_parallel_size=1)
+    expect_error(ValueError, bad.setup_environment, "data_parallel_size=1", f"{world()}")
+    bad = FSDP2Strategy(data_parallel_size=world(), tensor_parallel_size=2)
+    expect_error(ValueError, bad.setup_environment, "x")
 
 
 @case
@@ -227,7 +231,7 @@ def regression_parallelize_fn_none_still_shards():
 @case
 def tensor_init_context_meta_then_materialized():
     strategy = FSDP2Strategy(TransformerBlock=Block)
-    with strategy.tensor_init_context():
+    with strategy.tensor_init_context(empty_init=True):
         model = small()
     assert all(p.is_meta for p in model.parameters())
     strategy.connect(model)
@@ -257,7 +261,7 @@ def regression_parallelize_fn_meta_model_keeps_ties():
         return module
 
     strategy = FSDP2Strategy(parallelize_fn=blocks_only)
-    with strategy.tensor_init_context():
+    with strategy.tensor_init_context(empty_init=True):
         model = small()
     assert model.head.weight is model.tok_emb.weight
     strategy.connect(model)
@@ -678,6 +682,193 @@ def checkpoint_io_and_remove_checkpoint():
     expect_error(FileNotFoundError, lambda: plain.load_checkpoint(tmp / "missing.ckpt"), "missing.ckpt")
     expect_error(TypeError, lambda: plain.save_checkpoint({"bad": object()}, tmp / "y.ckpt"), "weights_only")
     assert not (tmp / "y.ckpt").exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# issue 12 §2: the seed API without surprises (each case fails with its bug put back)
+
+
+def raised_everywhere(fn: Callable[..., Any], *args: Any) -> BaseException:
+    """``fn(*args)`` raises on every rank, the SAME exception type everywhere; returns this rank's."""
+    try:
+        fn(*args)
+    except Exception as e:  # noqa: BLE001 - compared across ranks below
+        error = e
+    else:
+        error = None
+    kinds: list = [None] * world()
+    dist.all_gather_object(kinds, None if error is None else type(error).__name__)
+    assert None not in kinds, f"not raised on every rank: {kinds}"
+    assert len(set(kinds)) == 1, f"ranks raised different exception types: {kinds}"
+    return error
+
+
+def full_params(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: full(p).detach().clone() for n, p in model.named_parameters()}
+
+
+@case
+def regression_user_opt_step_counts_and_is_saved():
+    """§2.2: a loop that calls ``opt.step()`` itself (the seeds show no ``optimizer_step``) used to
+    leave ``current_epoch_step`` at 0 and save ``global_step 0``."""
+    tmp = shared_tmp()
+    strategy, _ = gpt_strategy()
+    opt = strategy.optimizers[0]
+    loader = strategy.process_dataloader(DataLoader(MaskedLM(), batch_size=PER_RANK))
+    for i, batch in enumerate(loader):
+        if i == 3:
+            break
+        strategy.training_step(batch, i).backward()
+        opt.step()  # not strategy.optimizer_step()
+        opt.zero_grad()
+    assert strategy.current_epoch_step == 3, strategy.current_epoch_step
+    path = tmp / "user_steps.ckpt"
+    strategy.save_checkpoint({}, path)
+    assert torch.load(path, weights_only=True)["global_step"] == 3
+    resumed, _ = gpt_strategy(seed=1)
+    resumed.load_checkpoint(path)
+    resumed.training_step(batch, 3)  # applies the saved optimizer state: restoring is not a step
+    assert resumed.current_epoch_step == 3, resumed.current_epoch_step
+
+
+class ZeroHead(nn.Module):
+    """Custom initialisation in ``__init__`` (as pretrained/special inits do): ``reset_parameters``
+    would overwrite it with random values."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 4)
+        nn.init.zeros_(self.head.weight)
+        nn.init.constant_(self.head.bias, 0.25)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.body(x)))
+
+
+@case
+def regression_tensor_init_context_keeps_init_in_init():
+    """§2.4: a module built under ``tensor_init_context()`` (NeMo's context does nothing) keeps the
+    values its ``__init__`` set; it used to go to meta and be refilled by ``reset_parameters()``."""
+    strategy = FSDP2Strategy(TransformerBlock=nn.Linear)
+    torch.manual_seed(0)
+    with strategy.tensor_init_context():
+        model = ZeroHead()
+    ref = copy.deepcopy(model)
+    strategy.connect(model)
+    strategy.parallelize()
+    params = full_params(model)
+    assert torch.equal(params["head.weight"], torch.zeros(4, 8)), "nn.init.zeros_ in __init__ was replaced"
+    assert torch.equal(params["head.bias"], torch.full((4,), 0.25))
+    assert_params_match(model, ref, atol=0.0)
+
+
+@case
+def regression_remove_checkpoint_refuses_user_data():
+    """§2.5: ``remove_checkpoint`` deleted any directory it was given, e.g. a data folder."""
+    tmp = shared_tmp()
+    data_dir, notes = tmp / "my_data", tmp / "notes.txt"
+    if rank() == 0:
+        data_dir.mkdir()
+        (data_dir / "train.bin").write_bytes(b"precious")
+        notes.write_text("not a checkpoint")
+    dist.barrier()
+    strategy, _ = gpt_strategy()
+    for target in (data_dir, notes):
+        error = raised_everywhere(strategy.remove_checkpoint, target)
+        assert isinstance(error, ValueError) and str(target) in str(error) and "refusing" in str(error), error
+    dist.barrier()
+    assert (data_dir / "train.bin").read_bytes() == b"precious", "the data folder was touched"
+    assert notes.read_text() == "not a checkpoint"
+    strategy.remove_checkpoint(tmp / "never_written.ckpt")  # nothing there: nothing to do
+
+
+@case
+def regression_bad_file_same_error_type_every_rank():
+    """§2.6 and §2.8: the same bad file raised ``RuntimeError``/``UnpicklingError`` on rank 0 and
+    ``CheckpointError`` elsewhere, with torch's messages that do not name the path."""
+    from zeta_fsdp import CheckpointError
+
+    tmp = shared_tmp()
+    strategy, _ = gpt_strategy()
+    good = tmp / "good.ckpt"
+    strategy.save_checkpoint({}, good)
+    garbage, truncated, pickled, folder = (tmp / n for n in ("garbage.ckpt", "truncated.ckpt", "pickled.ckpt", "dir"))
+    if rank() == 0:
+        garbage.write_bytes(b"this is not a zip archive" * 10)
+        truncated.write_bytes(good.read_bytes()[: good.stat().st_size // 2])
+        torch.save({"state_dict": {}, "obj": EpochStep(1, 2)}, pickled)  # a class weights_only refuses
+        folder.mkdir()
+    dist.barrier()
+    before = full_params(strategy.model)
+    for path, needle in ((garbage, "not a readable"), (truncated, "not a readable"), (pickled, "weights_only")):
+        error = raised_everywhere(strategy.load_checkpoint, path)
+        assert isinstance(error, CheckpointError), f"{path.name}: {type(error).__name__}: {error}"
+        assert str(path) in str(error) and needle in str(error), error
+    error = raised_everywhere(lambda: strategy.load_checkpoint(folder))
+    assert isinstance(error, CheckpointError) and str(folder) in str(error), error
+    error = raised_everywhere(lambda: strategy.load_checkpoint(tmp / "missing.ckpt"))
+    assert isinstance(error, FileNotFoundError) and "missing.ckpt" in str(error), error
+    for name, value in full_params(strategy.model).items():
+        assert torch.equal(value, before[name]), f"{name} changed by a failed load"
+    assert strategy.current_epoch_step == 0
+
+
+@case
+def regression_error_messages_name_the_path():
+    """§2.8: ``/proc/x.ckpt`` gave ``[enforce fail at inline_container.cc] . open file failed``, an
+    empty path ``Device or resource busy: '..incomplete' -> '.'``, and a sharded save onto a
+    full-format checkpoint said it "exists and is not a checkpoint"."""
+    tmp = shared_tmp()
+    strategy, _ = gpt_strategy()
+    error = raised_everywhere(lambda: strategy.save_checkpoint({}, "/proc/x.ckpt"))
+    assert "/proc/x.ckpt" in str(error) and "cannot write" in str(error), error
+    for empty in ("", "  "):
+        error = raised_everywhere(strategy.save_checkpoint, {}, empty)
+        assert isinstance(error, ValueError) and "is empty" in str(error), error
+        error = raised_everywhere(strategy.load_checkpoint, empty)
+        assert isinstance(error, ValueError) and "is empty" in str(error), error
+    full_ckpt = tmp / "full.ckpt"
+    strategy.save_checkpoint({}, full_ckpt)
+    kept = full_ckpt.read_bytes()
+    sharded, _ = gpt_strategy(checkpoint_format="sharded")
+    error = raised_everywhere(lambda: sharded.save_checkpoint({}, full_ckpt))
+    assert "is a full-format checkpoint" in str(error) and str(full_ckpt) in str(error), error
+    assert "not a checkpoint" not in str(error), error
+    assert full_ckpt.read_bytes() == kept, "the full-format checkpoint was changed"
+    error = raised_everywhere(lambda: strategy.save_checkpoint({}, tmp))
+    assert isinstance(error, IsADirectoryError) and str(tmp) in str(error), error
+
+
+@case
+def regression_adam_checkpoint_into_sgd_refused_before_change():
+    """§2.7: an AdamW checkpoint loaded into an SGD optimizer succeeded; the error came at the first
+    ``training_step`` (every step), after the weights and the step had been replaced."""
+    from zeta_fsdp import CheckpointError
+
+    tmp = shared_tmp()
+    for fmt in ("full", "sharded"):
+        strategy, _ = gpt_strategy(checkpoint_format=fmt)
+        loader = strategy.process_dataloader(DataLoader(MaskedLM(), batch_size=PER_RANK))
+        train(strategy, loader, 2)
+        path = tmp / f"adam_{fmt}"
+        strategy.save_checkpoint({}, path)
+        torch.manual_seed(1)
+        model = small()
+        sgd = FSDP2Strategy(TransformerBlock=Block, checkpoint_format=fmt)
+        sgd.connect(model)
+        sgd.setup_optimizers(lambda m: torch.optim.SGD(m.parameters(), lr=0.1))
+        before = full_params(model)
+        error = raised_everywhere(sgd.load_checkpoint, path)
+        assert isinstance(error, CheckpointError), f"{fmt}: {type(error).__name__}: {error}"
+        assert "AdamW" in str(error) and "SGD" in str(error) and str(path) in str(error), error
+        for name, value in full_params(model).items():
+            assert torch.equal(value, before[name]), f"{fmt}: {name} changed before the error"
+        assert sgd.current_epoch_step == 0 and sgd._optimizer_state_to_restore is None
+        batch = next(iter(sgd.process_dataloader(DataLoader(MaskedLM(), batch_size=PER_RANK))))
+        sgd.training_step(batch, 0).backward()  # the strategy still trains
+        sgd.optimizer_step()
+        assert sgd.current_epoch_step == 1
 
 
 # ---------------------------------------------------------------------------------------------

@@ -18,6 +18,12 @@ TWO_RANK_CASES = [
     "tensor_init_context_meta_then_materialized",
     "regression_parallelize_fn_meta_model_keeps_ties",
     "regression_token_weighted_training_parity",
+    "regression_user_opt_step_counts_and_is_saved",
+    "regression_tensor_init_context_keeps_init_in_init",
+    "regression_remove_checkpoint_refuses_user_data",
+    "regression_bad_file_same_error_type_every_rank",
+    "regression_error_messages_name_the_path",
+    "regression_adam_checkpoint_into_sgd_refused_before_change",
     "process_dataloader_sampler_and_epochs",
     "lightning_style_module_hooks",
     "plain_module_eval_steps_and_loss_reduction",
@@ -96,12 +102,12 @@ def test_constructor_validates_before_any_process_group():
     from zeta_fsdp.strategy import FSDP2Strategy
 
     assert not dist.is_initialized()
-    with pytest.raises(ValueError, match=r"data_parallel_size='auto' x tensor_parallel_size=2 .*world size 1"):
-        FSDP2Strategy(tensor_parallel_size=2)
     with pytest.raises(ValueError, match="tensor_parallel_size=0"):
         FSDP2Strategy(tensor_parallel_size=0)
-    with pytest.raises(ValueError, match="data_parallel_size=2 x tensor_parallel_size=1"):
-        FSDP2Strategy(data_parallel_size=2)
+    with pytest.raises(ValueError, match="process_group_backend='mpi'"):
+        FSDP2Strategy(process_group_backend="mpi")
+    with pytest.raises(ValueError, match="timeout=30"):
+        FSDP2Strategy(timeout=30)
     with pytest.raises(ValueError, match="checkpoint_format='zip'"):
         FSDP2Strategy(checkpoint_format="zip")
     with pytest.raises(ValueError, match="shard_strat"):
@@ -121,6 +127,112 @@ def test_constructor_validates_before_any_process_group():
         shard_strat="SHARD_GRAD", TransformerBlock="Block", tp_plan={}, checkpoint_format="sharded"
     )
     assert strategy.fsdp_kwargs == {"shard_strat": "SHARD_GRAD", "TransformerBlock": "Block"}
+
+
+def test_regression_sizes_checked_at_setup_environment_not_construction(monkeypatch):
+    """Issue 12 §2.1/§2.9: the world size is unknown when Lightning's launcher or SLURM builds the
+    strategy (no WORLD_SIZE, or WORLD_SIZE without RANK): construction accepts the sizes and
+    Lightning's own options; setup_environment() refuses a wrong product before any process group."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from zeta_fsdp.strategy import FSDP2Strategy
+
+    for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(var, raising=False)
+    strategy = FSDP2Strategy(data_parallel_size=2, process_group_backend="gloo", timeout=datetime.timedelta(seconds=60))
+    assert strategy.options.process_group_backend == "gloo"
+    with pytest.raises(ValueError, match=r"data_parallel_size=2 x tensor_parallel_size=1 = 2, but the world size is 1"):
+        strategy.setup_environment()
+    with pytest.raises(ValueError, match=r"data_parallel_size='auto' x tensor_parallel_size=2 .*world size 1"):
+        FSDP2Strategy(tensor_parallel_size=2).setup_environment()
+    # a Lightning child before its process group: WORLD_SIZE and MASTER_* but no RANK yet
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "29999")
+    FSDP2Strategy(data_parallel_size=2, tensor_parallel_size=1)
+    assert not dist.is_initialized(), "a size check started a process group"
+
+
+class _StopError(Exception):
+    """Raised by a recorder in place of starting a process group."""
+
+
+def test_regression_lightning_kwargs_reach_init_process_group(monkeypatch):
+    """Issue 12 §2.9: ``process_group_backend`` / ``timeout`` (Lightning's strategy options) were
+    rejected; accepted, they must really reach ``init_process_group`` (not be dropped)."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from zeta_fsdp.strategy import FSDP2Strategy
+
+    for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(var, raising=False)
+    seen = []
+
+    def record(*args, **kwargs):
+        seen.append(kwargs)
+        raise _StopError
+
+    monkeypatch.setattr(dist, "init_process_group", record)
+    # a backend this CPU run would never choose by itself, so a dropped option cannot pass
+    strategy = FSDP2Strategy(process_group_backend="cuda:nccl,cpu:gloo", timeout=datetime.timedelta(seconds=42))
+    with pytest.raises(_StopError):
+        strategy.setup_environment()
+    assert seen[-1]["backend"] == "cuda:nccl,cpu:gloo" and seen[-1]["timeout"] == datetime.timedelta(seconds=42)
+    with pytest.raises(_StopError):
+        FSDP2Strategy().setup_environment()
+    assert seen[-1]["backend"] == "gloo" and seen[-1]["timeout"] == datetime.timedelta(minutes=30)
+    assert not dist.is_initialized()
+
+
+def test_regression_lightning_adapter_passes_backend_and_timeout(monkeypatch):
+    """Issue 12 §2.9, the Lightning adapter: its own process-group start uses the options."""
+    pytest.importorskip("lightning")
+    import datetime
+
+    from lightning.fabric.plugins.environments import LightningEnvironment
+    from lightning.pytorch.strategies import ParallelStrategy
+
+    import zeta_fsdp.lightning as zl
+
+    for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "NODE_RANK"):
+        monkeypatch.delenv(var, raising=False)
+    seen = []
+
+    def record(env, backend, **kwargs):
+        seen.append({"backend": backend, **kwargs})
+        raise _StopError
+
+    monkeypatch.setattr(ParallelStrategy, "setup_environment", lambda self: None)  # the accelerator's set-up
+    monkeypatch.setattr(zl, "_init_dist_connection", record)
+    for options, backend, timeout in (
+        ({"process_group_backend": "cuda:nccl,cpu:gloo", "timeout": datetime.timedelta(seconds=42)}, None, None),
+        ({}, "gloo", datetime.timedelta(minutes=30)),
+    ):
+        strategy = zl.FSDP2Strategy(**options)
+        strategy.parallel_devices = [torch.device("cpu")]
+        strategy.cluster_environment = LightningEnvironment()
+        with pytest.raises(_StopError):
+            strategy.setup_environment()
+        assert seen[-1]["backend"] == (backend or options["process_group_backend"]), seen[-1]
+        assert seen[-1]["timeout"] == (timeout or options["timeout"]), seen[-1]
+
+
+def test_regression_current_epoch_step_is_the_step_number():
+    """Issue 12 §2.3: NeMo's current_epoch_step is an int; comparisons and arithmetic must work."""
+    from zeta_fsdp.strategy import EpochStep
+
+    step = EpochStep(epoch=2, step=5)
+    assert step >= 4 and step + 1 == 6 and int(step) == 5 and f"{step:d}" == "5"
+    assert step.epoch == 2 and step.step == 5 and tuple(step) == (2, 5) and step[0] == 2
+    epoch, n = step
+    assert (epoch, n) == (2, 5) and step == (2, 5) and step != (1, 5)
+    import pickle
+
+    assert pickle.loads(pickle.dumps(step)).epoch == 2
 
 
 def test_unknown_fsdp_kwarg_is_an_error_at_construction():
@@ -175,7 +287,8 @@ def test_every_public_name_has_a_docstring_example():
 
 
 def test_resolve_sizes_and_optimizer_forms():
-    from zeta_fsdp.strategy import _parse_optimizers, _resolve_sizes
+    from zeta_fsdp.strategy_options import resolve_sizes as _resolve_sizes
+    from zeta_fsdp.strategy_steps import parse_optimizers as _parse_optimizers
 
     assert _resolve_sizes("auto", "auto", 8) == (8, 1)
     assert _resolve_sizes("auto", 2, 8) == (4, 2)

@@ -3,6 +3,9 @@
 Example:
     >>> from zeta_fsdp import fsdp
     >>> model = fsdp(model, auto_wrap=True, mp="bf16", shard_strat="FULL_SHARD", TransformerBlock=Block)
+
+Optional, imported only on demand (never by ``import zeta_fsdp``): ``zeta_fsdp.lightning.FSDP2Strategy``,
+a Lightning ``Trainer`` strategy (``pip install "zeta-fsdp[lightning]"``).
 """
 
 from .data import ResumableLoader, shard_dataloader

@@ -21,7 +21,7 @@ import os
 import time
 import warnings
 from datetime import timedelta
-from typing import Any, Iterator, Optional, Union
+from typing import Any, Callable, Iterator, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -41,6 +41,7 @@ __all__ = [
     "build_dp_tp_mesh",
     "shard_group_size",
     "shutdown",
+    "on_all_ranks",
 ]
 
 # Groups this package started, so shutdown() never tears down one the user made.
@@ -126,7 +127,9 @@ def _backend_devices() -> set[str]:
     return {part.split(":")[0] for part in backend.split(",")}
 
 
-def ensure_process_group(device: torch.device, *, cpu_offload: bool = False, timeout_s: float = 1800) -> bool:
+def ensure_process_group(
+    device: torch.device, *, cpu_offload: bool = False, timeout_s: float = 1800, backend: Optional[str] = None
+) -> bool:
     """Start the default process group if none exists. Returns ``True`` if this call started it.
 
     Under ``torchrun`` (``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT`` set) it joins the
@@ -147,7 +150,7 @@ def ensure_process_group(device: torch.device, *, cpu_offload: bool = False, tim
                 stacklevel=3,
             )
         return False
-    backend = default_backend(device, cpu_offload)
+    backend = backend or default_backend(device, cpu_offload)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     kwargs = {"timeout": timedelta(seconds=timeout_s)}
@@ -277,8 +280,10 @@ def build_mesh(spec: ShardingSpec, device: torch.device, *, replicate_size: Opti
     return init_device_mesh(device.type, shape, mesh_dim_names=names)
 
 
-def build_dp_tp_mesh(device: torch.device, dp: int, tp: int) -> DeviceMesh:
+def build_dp_tp_mesh(device: torch.device, dp: int, tp: int, *, names: tuple[str, str] = ("dp", "tp")) -> DeviceMesh:
     """A 2-D ``(dp, tp)`` mesh over the default group: data parallel x tensor parallel.
+
+    ``names`` are the dimension names (Lightning's adapter: ``("data_parallel", "tensor_parallel")``).
 
     Tensor-parallel ranks are adjacent (the last dimension), so they share a node when ``tp``
     divides the ranks per node: TP's per-layer collectives stay on the fast links.
@@ -288,7 +293,7 @@ def build_dp_tp_mesh(device: torch.device, dp: int, tp: int) -> DeviceMesh:
         >>> mesh["dp"].size(), mesh["tp"].size()  # doctest: +SKIP
         (2, 2)
     """
-    return init_device_mesh(device.type, (dp, tp), mesh_dim_names=("dp", "tp"))
+    return init_device_mesh(device.type, (dp, tp), mesh_dim_names=tuple(names))
 
 
 def shutdown(*, force: bool = False, timeout_s: float = 300.0) -> None:
@@ -325,3 +330,54 @@ def shutdown(*, force: bool = False, timeout_s: float = 300.0) -> None:
             pass
     dist.destroy_process_group()
     _CREATED_BY_US["group"] = None
+
+
+# Exception types rebuilt by name on every rank by on_all_ranks(); anything else becomes RuntimeError.
+_SHARED_ERRORS = (
+    FileNotFoundError,
+    FileExistsError,
+    IsADirectoryError,
+    NotADirectoryError,
+    PermissionError,
+    OSError,
+    TypeError,
+    ValueError,
+    NotImplementedError,
+    RuntimeError,
+)
+
+
+def on_all_ranks(fn: Callable[[], Any], *, rank0_only: bool = False, errors: tuple[type, ...] = ()) -> Any:
+    """Run ``fn`` on every rank (or rank 0 only); if it raised anywhere, the same error is raised everywhere.
+
+    A rank that raised alone would leave its peers waiting in their next collective, and a
+    per-type ``except`` would see different types on different ranks. So each rank reports
+    "ok or (type, message)" in one all-gather, and every rank raises an exception of the first
+    failing rank's type (``errors`` adds types to the built-in ones; others become
+    ``RuntimeError``) with its message, chained to the original where it happened.
+    Other ranks return ``None`` with ``rank0_only``.
+
+    Example:
+        >>> on_all_ranks(lambda: torch.load(path), rank0_only=True)  # doctest: +SKIP
+    """
+    on = dist.is_available() and dist.is_initialized()
+    world = dist.get_world_size() if on else 1
+    me = dist.get_rank() if on else 0
+    result, error = None, None
+    if me == 0 or not rank0_only:
+        try:
+            result = fn()
+        except Exception as e:  # noqa: BLE001 - re-raised below, on every rank
+            error = e
+    if world > 1:
+        reports: list = [None] * world
+        dist.all_gather_object(reports, None if error is None else (type(error).__name__, str(error)))
+    else:
+        reports = [None if error is None else (type(error).__name__, str(error))]
+    failed = [(r, item) for r, item in enumerate(reports) if item is not None]
+    if not failed:
+        return result
+    where, (name, message) = failed[0]
+    known = {cls.__name__: cls for cls in (*errors, *_SHARED_ERRORS)}
+    raised = known.get(name, RuntimeError)(message if world == 1 else f"{message} (reported by rank {where})")
+    raise raised from (error if where == me else None)

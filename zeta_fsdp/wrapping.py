@@ -439,3 +439,13 @@ def build_wrap_plan(
         ignored_param_names=ignored_names,
         scalar_param_names=scalar_names,
     )
+
+
+def tied_groups(model: nn.Module) -> list[list[str]]:
+    """Names of parameters that are one tensor (tied weights), one list per tensor shared by several names.
+
+    Example:
+        >>> tied_groups(gpt)  # embedding and head tied
+        [['tok_emb.weight', 'head.weight']]
+    """
+    return _tied_groups(model)

@@ -1,0 +1,237 @@
+"""``FSDP2Strategy``'s constructor arguments, checked in one place, and its ``(dp, tp)`` sizes.
+
+Pure: nothing here starts a process group or reads one. The constructor runs
+``validate_strategy_options`` (every option, no world size: under Lightning's launcher or a
+SLURM launch the world is not known yet); ``resolve_sizes`` turns ``"auto"`` sizes into numbers
+once the world size is known (``setup_environment()``, or before Lightning launches its ranks).
+
+Example:
+    >>> opts = validate_strategy_options("auto", "auto", mp="bf16")
+    >>> resolve_sizes(opts.data_parallel_size, opts.tensor_parallel_size, world=4)
+    (4, 1)
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any, Callable, Optional, Union
+
+import torch.nn as nn
+from torch.distributed.fsdp import MixedPrecisionPolicy
+
+from .fsdp import fsdp
+from .options import resolve_mixed_precision, resolve_sharding
+from .state_dict.preemption import resolve_signals
+
+__all__ = ["StrategyOptions", "fsdp_option_names", "resolve_sizes", "tp_style", "validate_strategy_options"]
+
+CHECKPOINT_FORMATS = ("full", "sharded")
+# Strategy options that never reach fsdp(); Lightning's own strategy options are accepted too.
+STRATEGY_KWARGS = (
+    "checkpoint_format",
+    "tp_plan",
+    "device",
+    "process_group_backend",
+    "timeout",
+    "async_save",
+    "keep_last",
+    "preemption_signals",
+)
+_BACKENDS = ("gloo", "nccl", "cuda:nccl,cpu:gloo")
+
+
+@dataclass
+class StrategyOptions:
+    """Every ``FSDP2Strategy`` argument, checked.
+
+    Example:
+        >>> validate_strategy_options(2, "auto").data_parallel_size
+        2
+    """
+
+    data_parallel_size: Union[str, int]
+    tensor_parallel_size: Union[str, int]
+    mp_policy: MixedPrecisionPolicy
+    checkpoint_format: str = "full"
+    tp_plan: Any = None
+    device: Any = None
+    process_group_backend: Optional[str] = None
+    timeout: Optional[timedelta] = None
+    data_sampler: Any = None
+    checkpoint_io: Any = None
+    parallelize_fn: Optional[Callable[..., Optional[nn.Module]]] = None
+    fsdp_kwargs: dict[str, Any] = field(default_factory=dict)
+    # Long jobs (sharded format): save in the background, keep the newest K, save on a signal.
+    async_save: bool = False
+    keep_last: Optional[int] = None
+    preemption_signals: tuple = ()
+
+
+def _check_size(name: str, value: Any) -> None:
+    if value != "auto" and not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+        raise ValueError(f"FSDP2Strategy: {name}={value!r} is not accepted. Accepted: 'auto' or an int >= 1.")
+
+
+def resolve_sizes(dp: Union[str, int], tp: Union[str, int], world: int) -> tuple[int, int]:
+    """``"auto"`` sizes to numbers: tp 1 unless given, dp = world / tp; the product must be the world.
+
+    Example:
+        >>> resolve_sizes("auto", 2, world=4)
+        (2, 2)
+    """
+    _check_size("data_parallel_size", dp)
+    _check_size("tensor_parallel_size", tp)
+    tp_size = 1 if tp == "auto" else tp
+    if dp == "auto":
+        if world % tp_size != 0:
+            raise ValueError(
+                f"FSDP2Strategy: data_parallel_size='auto' x tensor_parallel_size={tp_size} cannot equal the "
+                f"world size {world}: tensor_parallel_size={tp_size} does not divide it."
+            )
+        dp_size = world // tp_size
+    else:
+        dp_size = dp
+    if dp_size * tp_size != world:
+        raise ValueError(
+            f"FSDP2Strategy: data_parallel_size={dp_size} x tensor_parallel_size={tp_size} = "
+            f"{dp_size * tp_size}, but the world size is {world}; the product must equal it."
+        )
+    return dp_size, tp_size
+
+
+def tp_style(style: Any) -> Any:
+    """Hugging Face style plan strings to torch ``ParallelStyle`` objects; objects pass through.
+
+    Example:
+        >>> type(tp_style("colwise")).__name__
+        'ColwiseParallel'
+    """
+    if not isinstance(style, str):
+        return style
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+    if style.lower() not in styles:
+        raise ValueError(f"FSDP2Strategy: unknown tensor-parallel style {style!r}. Accepted: {sorted(styles)}.")
+    return styles[style.lower()]()
+
+
+def fsdp_option_names(parallelize_fn: Optional[Callable[..., Any]] = None) -> list[str]:
+    """The ``**kwargs`` names the strategy passes on: ``fsdp()``'s options (not the model, nor the
+    strategy's own ``mp``/``device``), plus a custom ``parallelize_fn``'s own keyword parameters.
+
+    Example:
+        >>> "shard_strat" in fsdp_option_names()
+        True
+    """
+    names = [n for n in inspect.signature(fsdp).parameters if n not in ("model", "mp", "device")]
+    if parallelize_fn is not None:
+        try:
+            params = inspect.signature(parallelize_fn).parameters.values()
+        except (TypeError, ValueError):  # a builtin without a signature: fsdp()'s names only
+            params = []
+        skip = ("module", "device_mesh", "mp_policy")
+        kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+        names += [p.name for p in params if p.kind in kinds and p.name not in skip and p.name not in names]
+    return names
+
+
+def validate_strategy_options(
+    data_parallel_size: Union[str, int] = "auto",
+    tensor_parallel_size: Union[str, int] = "auto",
+    data_sampler: Any = None,
+    checkpoint_io: Any = None,
+    mp_policy: Union[MixedPrecisionPolicy, str, None] = None,
+    parallelize_fn: Optional[Callable[..., Optional[nn.Module]]] = None,
+    **kwargs: Any,
+) -> StrategyOptions:
+    """Check every ``FSDP2Strategy`` argument without a process group or a world size.
+
+    A bad value raises ``ValueError`` naming it and what is accepted. Sizes are checked for their
+    form here and against the world size later (``resolve_sizes``).
+
+    Example:
+        >>> validate_strategy_options(mp_policy="bf16", TransformerBlok=object)
+        Traceback (most recent call last):
+        ...
+        ValueError: FSDP2Strategy: unknown keyword argument(s) ['TransformerBlok']. ...
+    """
+    _check_size("data_parallel_size", data_parallel_size)
+    _check_size("tensor_parallel_size", tensor_parallel_size)
+    kwargs = dict(kwargs)
+    checkpoint_format = kwargs.pop("checkpoint_format", "full")
+    if checkpoint_format not in CHECKPOINT_FORMATS:
+        raise ValueError(
+            f"FSDP2Strategy: checkpoint_format={checkpoint_format!r} is not accepted. Accepted: {CHECKPOINT_FORMATS}."
+        )
+    if checkpoint_io is not None and checkpoint_format == "sharded":
+        raise ValueError(
+            "FSDP2Strategy: checkpoint_io replaces the writer of the full format; the sharded format "
+            "is written by DCP on every rank. Use one or the other."
+        )
+    if checkpoint_io is not None:
+        needed = ("save_checkpoint", "load_checkpoint", "remove_checkpoint")
+        missing = [m for m in needed if not callable(getattr(checkpoint_io, m, None))]
+        if missing:
+            raise ValueError(f"FSDP2Strategy: checkpoint_io lacks {missing}; it needs {list(needed)}.")
+    backend = kwargs.pop("process_group_backend", None)
+    if backend is not None and backend not in _BACKENDS:
+        raise ValueError(f"FSDP2Strategy: process_group_backend={backend!r} is not accepted. Accepted: {_BACKENDS}.")
+    timeout = kwargs.pop("timeout", None)
+    if timeout is not None and not isinstance(timeout, timedelta):
+        raise ValueError(f"FSDP2Strategy: timeout={timeout!r} is not accepted. Accepted: a datetime.timedelta.")
+    if mp_policy is not None and "mp" in kwargs:
+        raise ValueError("FSDP2Strategy: pass mixed precision once, as mp_policy or as mp, not both.")
+    policy = resolve_mixed_precision(mp_policy if mp_policy is not None else kwargs.pop("mp", None))
+    if parallelize_fn is not None and not callable(parallelize_fn):
+        raise ValueError(f"FSDP2Strategy: parallelize_fn={parallelize_fn!r} is not callable.")
+    tp_plan = kwargs.pop("tp_plan", None)
+    device = kwargs.pop("device", None)
+    long_jobs = _long_job_options(kwargs, checkpoint_format)
+    accepted = fsdp_option_names(parallelize_fn)
+    unknown = [k for k in kwargs if k not in accepted]
+    if unknown:
+        raise ValueError(
+            f"FSDP2Strategy: unknown keyword argument(s) {unknown}. Accepted: the strategy's own "
+            f"{list(STRATEGY_KWARGS)} and mp, and fsdp()'s options {accepted}."
+        )
+    if "shard_strat" in kwargs:
+        resolve_sharding(kwargs["shard_strat"])  # ValueError now, not at parallelize()
+    return StrategyOptions(
+        data_parallel_size=data_parallel_size,
+        tensor_parallel_size=tensor_parallel_size,
+        mp_policy=policy,
+        checkpoint_format=checkpoint_format,
+        tp_plan=tp_plan,
+        device=device,
+        process_group_backend=backend,
+        timeout=timeout,
+        data_sampler=data_sampler,
+        checkpoint_io=checkpoint_io,
+        parallelize_fn=parallelize_fn,
+        fsdp_kwargs=kwargs,
+        **long_jobs,
+    )
+
+
+def _long_job_options(kwargs: dict[str, Any], checkpoint_format: str) -> dict[str, Any]:
+    """Pop and check ``async_save`` / ``keep_last`` / ``preemption_signals`` (no process group needed)."""
+    options = {
+        "async_save": kwargs.pop("async_save", False),
+        "keep_last": kwargs.pop("keep_last", None),
+        "preemption_signals": tuple(kwargs.pop("preemption_signals", ()) or ()),
+    }
+    if not isinstance(options["async_save"], bool):
+        raise ValueError(f"FSDP2Strategy: async_save must be True or False, got {options['async_save']!r}.")
+    keep = options["keep_last"]
+    if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
+        raise ValueError(f"FSDP2Strategy: keep_last must be a positive int or None, got {keep!r}.")
+    if (options["async_save"] or keep is not None) and checkpoint_format != "sharded":
+        raise ValueError(
+            'FSDP2Strategy: async_save and keep_last apply to checkpoint_format="sharded" (DCP directories); '
+            f"checkpoint_format is {checkpoint_format!r}."
+        )
+    resolve_signals(options["preemption_signals"])  # a bad name is a ValueError now
+    return options

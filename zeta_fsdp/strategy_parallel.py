@@ -1,0 +1,134 @@
+"""How ``FSDP2Strategy`` shards its module: tensor parallel, then ``fsdp()``, then meta materialization.
+
+Plain functions: the strategy's ``tensor_init_context`` and ``parallelize`` delegate here.
+
+Example:
+    >>> module = shard_module(model, None, mesh, policy, torch.device("cpu"), TransformerBlock=Block)  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy
+
+from .fsdp import fsdp, is_fsdp_wrapped, materialize_meta_model
+from .options import resolve_sharding
+from .strategy_options import tp_style
+from .wrapping import tied_groups
+
+__all__ = ["current_ties", "default_parallelize", "shard_module", "tensor_init_context"]
+
+
+def tensor_init_context(empty_init: Optional[bool] = None) -> contextlib.AbstractContextManager:
+    """Real tensors (NeMo's context does nothing), or ``meta`` with ``empty_init=True`` only.
+
+    ``None`` keeps real tensors on purpose: Lightning passes it around ``configure_model``, where
+    models load pretrained weights, and ``__init__`` may initialise tensors itself (``nn.init.zeros_``);
+    on ``meta`` both would be replaced by ``reset_parameters()``.
+
+    Example:
+        >>> with tensor_init_context(empty_init=True):
+        ...     layer = nn.Linear(2, 2)
+        >>> layer.weight.is_meta
+        True
+    """
+    if empty_init:
+        return torch.device("meta")
+    return contextlib.nullcontext()
+
+
+def default_parallelize(
+    module: nn.Module,
+    device_mesh: DeviceMesh,
+    mp_policy: MixedPrecisionPolicy,
+    *,
+    tp_plan: Any = None,
+    device: Optional[torch.device] = None,
+    dim_names: Sequence[str] = ("dp", "tp"),
+    **kwargs: Any,
+) -> nn.Module:
+    """Tensor parallel on the tp mesh (when tp > 1; ``tp_plan`` or the module's ``tp_plan``), then
+    ``fsdp()`` on the dp mesh (``auto_wrap=True``, ``shard_strat="FULL_SHARD"`` unless given).
+
+    Example:
+        >>> default_parallelize(model, mesh, policy, TransformerBlock=Block)  # doctest: +SKIP
+    """
+    dp_name, tp_name = dim_names
+    tp_mesh = device_mesh[tp_name]
+    if tp_mesh.size() > 1:
+        from torch.distributed.tensor.parallel import parallelize_module
+
+        plan = tp_plan if tp_plan is not None else getattr(module, "tp_plan", None)
+        if callable(plan):
+            plan = plan(tp_mesh)
+        if not plan:
+            raise ValueError(
+                f"FSDP2Strategy: tensor_parallel_size={tp_mesh.size()} needs a tensor-parallel "
+                "plan: pass tp_plan={'layers.*.up': ColwiseParallel(), ...} or give the module a tp_plan attribute."
+            )
+        parallelize_module(module, tp_mesh, {k: tp_style(v) for k, v in plan.items()})
+    options = {"auto_wrap": True, "shard_strat": "FULL_SHARD", **kwargs}
+    spec = resolve_sharding(options["shard_strat"])
+    if "mesh" not in options:
+        if spec.mesh_ndim == 1:
+            options["mesh"] = device_mesh[dp_name]
+        elif tp_mesh.size() > 1:
+            raise ValueError(
+                f"FSDP2Strategy: shard_strat={spec.name!r} needs a 2-D data-parallel mesh, which is not "
+                "combined with tensor parallel here. Use FULL_SHARD or SHARD_GRAD with tensor_parallel_size > 1."
+            )
+        # tp == 1: fsdp() builds its 2-D (replicate, shard) mesh over the same ranks as the dp dimension.
+    return fsdp(module, mp=mp_policy, device=device, **options)
+
+
+def current_ties(module: nn.Module, before: list[list[str]]) -> list[list[str]]:
+    """Tie groups to restore: those recorded before ``parallelize_fn`` whose names still exist, plus
+    ties the module still shows under names a wrapper may have changed.
+
+    Example:
+        >>> current_ties(model, [["head.weight", "tok_emb.weight"]])  # doctest: +SKIP
+        [['head.weight', 'tok_emb.weight']]
+    """
+    names = {n for n, _ in module.named_parameters(remove_duplicate=False)}
+    ties = [group for group in before if all(n in names for n in group)]
+    covered = {n for group in ties for n in group}
+    return ties + [group for group in tied_groups(module) if not covered.intersection(group)]
+
+
+def shard_module(
+    module: nn.Module,
+    parallelize_fn: Optional[Callable[..., Optional[nn.Module]]],
+    device_mesh: DeviceMesh,
+    mp_policy: MixedPrecisionPolicy,
+    device: torch.device,
+    **kwargs: Any,
+) -> nn.Module:
+    """Run ``parallelize_fn`` (``default_parallelize`` when ``None``), check the result is sharded,
+    materialize a meta model (ties kept); returns the sharded module.
+
+    A ``parallelize_fn`` that leaves the module without FSDP is an error, never a silently
+    unsharded model.
+
+    Example:
+        >>> model = shard_module(model, None, mesh, policy, torch.device("cpu"), TransformerBlock=Block)  # doctest: +SKIP
+    """
+    fn = parallelize_fn or default_parallelize
+    tied = tied_groups(module)
+    result = fn(module, device_mesh=device_mesh, mp_policy=mp_policy, **kwargs)
+    if result is not None:
+        module = result
+    if not is_fsdp_wrapped(module):
+        raise RuntimeError(
+            "FSDP2Strategy.parallelize(): the module is not sharded after parallelize_fn "
+            f"({getattr(fn, '__name__', fn)}); it must apply fully_shard/fsdp(). Pass parallelize_fn=None "
+            "for the default (tensor parallel when configured, then fsdp())."
+        )
+    if any(t.is_meta for t in list(module.parameters()) + list(module.buffers())):
+        # ties as they were before parallelize_fn ran: sharding may replace the shared parameter
+        materialize_meta_model(module, device, current_ties(module, tied))
+    return module

@@ -1,0 +1,111 @@
+"""The strategy's progress: ``EpochStep`` (``current_epoch_step``, an int that knows its epoch) and
+``StepCounter`` (counts real optimizer steps, however they are made).
+
+Example:
+    >>> EpochStep(epoch=1, step=250) >= 200
+    True
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator, Optional
+
+import torch
+
+__all__ = ["EpochStep", "StepCounter"]
+
+
+class EpochStep(int):
+    """``strategy.current_epoch_step``: the number of optimizer steps taken, which also knows its epoch.
+
+    It is the step number wherever an int is (``step >= 4``, ``step + 1``, ``int(step)``, NeMo's
+    int), and unpacks / indexes as ``(epoch, step)``.
+
+    Example:
+        >>> s = EpochStep(epoch=1, step=250)
+        >>> s + 1, s.epoch, s.step, tuple(s)
+        (251, 1, 250, (1, 250))
+    """
+
+    epoch: int
+
+    def __new__(cls, epoch: int = 0, step: int = 0) -> EpochStep:
+        obj = super().__new__(cls, int(step))
+        obj.epoch = int(epoch)
+        return obj
+
+    @property
+    def step(self) -> int:
+        """The step number as a plain int.
+
+        Example:
+            >>> EpochStep(0, 7).step
+            7
+        """
+        return int(self)
+
+    def __iter__(self):
+        return iter((self.epoch, int(self)))
+
+    def __getitem__(self, index: int) -> int:
+        return (self.epoch, int(self))[index]
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, tuple):
+            return (self.epoch, int(self)) == other
+        return int(self) == other
+
+    __hash__ = int.__hash__
+
+    def __repr__(self) -> str:
+        return f"EpochStep(epoch={self.epoch}, step={int(self)})"
+
+    def __reduce__(self):
+        return (EpochStep, (self.epoch, int(self)))
+
+
+class StepCounter:
+    """Counts the steps of one optimizer through a step post-hook: ``opt.step()`` called by the
+    user, by ``FSDP2Strategy.optimizer_step()`` or by Lightning all count (the seeds call ``opt.step()``).
+
+    Example:
+        >>> opt = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)
+        >>> counter = StepCounter(); counter.watch(opt); opt.step(); counter.step
+        1
+    """
+
+    def __init__(self) -> None:
+        self.step = 0
+        self._hook: Any = None
+        self._paused = False
+
+    def watch(self, optimizer: Optional[torch.optim.Optimizer]) -> None:
+        """Count ``optimizer``'s steps from now on (``None``: count nothing); replaces the previous one.
+
+        Example:
+            >>> counter.watch(strategy.optimizers[0])  # doctest: +SKIP
+        """
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+        if optimizer is not None:
+            self._hook = optimizer.register_step_post_hook(self._count)
+
+    def _count(self, *_: Any) -> None:
+        if not self._paused:
+            self.step += 1
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Steps inside do not count (restoring an optimizer state steps it to create the state).
+
+        Example:
+            >>> with counter.paused():  # doctest: +SKIP
+            ...     restore_optimizer_states(model, optimizers, pending)
+        """
+        self._paused = True
+        try:
+            yield
+        finally:
+            self._paused = False

@@ -1,0 +1,310 @@
+"""How the strategy calls a module: its own hooks, through the FSDP root, what they return, the loss.
+
+Plain functions shared by ``zeta_fsdp.strategy`` and ``zeta_fsdp.lightning``.
+
+Example:
+    >>> defines(model, "training_step")  # doctest: +SKIP
+    True
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, Callable, Mapping, Optional
+
+import torch
+import torch.nn as nn
+from torch.distributed.fsdp import FSDPModule
+
+from .loss import MaskedTokenLossReduction
+
+__all__ = [
+    "LossTotals",
+    "StepLosses",
+    "create_optimizers",
+    "STEP_TYPES",
+    "call_through_root",
+    "defines",
+    "forward_batch",
+    "logits_of",
+    "module_loss_reduction",
+    "parse_optimizers",
+    "run_step",
+]
+
+STEP_TYPES = ("training", "validation", "test", "predict")
+
+
+def defines(module: nn.Module, name: str) -> bool:
+    """``True`` when the module's class defines ``name`` itself (not a plain ``nn.Module``).
+
+    Example:
+        >>> defines(nn.Linear(2, 2), "training_step")
+        False
+    """
+    attr = getattr(type(module), name, None)
+    return callable(attr) and getattr(nn.Module, name, None) is not attr
+
+
+def call_through_root(module: nn.Module, method: str, *args: Any) -> Any:
+    """Call ``module.<method>(*args)`` from inside ``module(...)``, so FSDP's root hooks wrap it.
+
+    FSDP2 treats the first unit whose ``forward`` runs as the root. A LightningModule step that
+    calls ``self.model(x)`` (not ``self(x)``) would make a child unit the root and leave the real
+    root's parameters sharded. So, like Lightning's forward redirection, ``forward`` is swapped
+    for the step for exactly one call; the step's own ``self(...)`` calls reach the real forward.
+
+    Example:
+        >>> loss = call_through_root(model, "training_step", batch, 0)  # doctest: +SKIP
+    """
+    if not isinstance(module, FSDPModule):
+        return getattr(module, method)(*args)
+    had_own = "forward" in vars(module)
+    original = module.forward
+
+    def restore() -> None:
+        if had_own:
+            module.forward = original
+        else:
+            vars(module).pop("forward", None)
+
+    def redirected(*inner_args: Any, **inner_kwargs: Any) -> Any:
+        restore()
+        return getattr(module, method)(*inner_args, **inner_kwargs)
+
+    module.forward = redirected
+    try:
+        return module(*args)
+    finally:
+        restore()
+
+
+def parse_optimizers(result: Any) -> tuple[list[torch.optim.Optimizer], list[Any]]:
+    """Lightning's ``configure_optimizers`` return forms -> (optimizers, schedulers).
+
+    Example:
+        >>> opt = torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1)
+        >>> parse_optimizers({"optimizer": opt}) == ([opt], [])
+        True
+    """
+    if result is None:
+        return [], []
+    if isinstance(result, torch.optim.Optimizer):
+        return [result], []
+    if isinstance(result, Mapping):
+        scheduler = result.get("lr_scheduler")
+        if isinstance(scheduler, Mapping):
+            scheduler = scheduler.get("scheduler")
+        return [result["optimizer"]], [scheduler] if scheduler is not None else []
+    if isinstance(result, tuple) and len(result) == 2 and all(isinstance(r, (list, tuple)) for r in result):
+        optimizers, schedulers = result
+        return list(optimizers), [s.get("scheduler") if isinstance(s, Mapping) else s for s in schedulers]
+    if isinstance(result, (list, tuple)):
+        optimizers, schedulers = [], []
+        for item in result:
+            opts, scheds = parse_optimizers(item)
+            optimizers += opts
+            schedulers += scheds
+        return optimizers, schedulers
+    raise ValueError(f"FSDP2Strategy: configure_optimizers returned {type(result).__name__}, not an optimizer.")
+
+
+def module_loss_reduction(module: Optional[nn.Module], step_type: str) -> Any:
+    """The module's own ``<step_type>_loss_reduction`` or ``loss_reduction`` (an object, or a callable
+    returning one), else ``None``; an unknown ``step_type`` is a ``ValueError``.
+
+    Example:
+        >>> module_loss_reduction(nn.Linear(2, 2), "training") is None
+        True
+    """
+    if step_type not in STEP_TYPES:
+        raise ValueError(f"FSDP2Strategy: unknown step type {step_type!r}. Accepted: {STEP_TYPES}.")
+    for name in (f"{step_type}_loss_reduction", "loss_reduction"):
+        found = getattr(module, name, None) if module is not None else None
+        if found is not None:
+            if callable(found) and not hasattr(found, "reduce"):
+                found = found()
+            return found
+    return None
+
+
+def forward_batch(module: nn.Module, batch: Any) -> Any:
+    """Call a plain module with the batch: matching keyword arguments, else the inputs tensor.
+
+    Example:
+        >>> forward_batch(nn.Linear(2, 1), {"input": torch.ones(1, 2)}).shape
+        torch.Size([1, 1])
+    """
+    if isinstance(batch, Mapping):
+        params = inspect.signature(module.forward).parameters
+        takes_kwargs = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+        # labels / loss_mask are for the loss reduction; a model computing its own per-rank
+        # mean loss from them is exactly the error the reduction exists to avoid.
+        kwargs = {k: v for k, v in batch.items() if k in params or (takes_kwargs and k not in ("labels", "loss_mask"))}
+        if kwargs:
+            return module(**kwargs)
+        for key in ("input_ids", "inputs", "input", "x"):
+            if key in batch:
+                return module(batch[key])
+        raise ValueError(
+            f"FSDP2Strategy: cannot call {type(module).__name__}.forward with batch keys {sorted(batch)}; "
+            "define training_step(batch, batch_idx) on the module or use matching argument names."
+        )
+    if isinstance(batch, (tuple, list)) and len(batch) == 2:
+        return module(batch[0])  # (inputs, labels)
+    return module(batch)
+
+
+def logits_of(output: Any) -> torch.Tensor:
+    """The logits (or per-token losses) in a module's output: a tensor, ``["logits"]`` or ``.logits``.
+
+    Example:
+        >>> logits_of({"logits": torch.zeros(2)})
+        tensor([0., 0.])
+    """
+    if isinstance(output, torch.Tensor):
+        return output
+    logits = output.get("logits") if isinstance(output, Mapping) else getattr(output, "logits", None)
+    if isinstance(logits, torch.Tensor):
+        return logits
+    raise ValueError(
+        f"FSDP2Strategy: the module returned {type(output).__name__}; the loss reduction needs logits or "
+        "per-token losses (a tensor, or an output with .logits). A loss already averaged on each rank "
+        "cannot be re-weighted: return logits, or define training_step on the module."
+    )
+
+
+class LossTotals:
+    """Running sums of loss-reduction records per step type: memory stays constant however long
+    nobody asks, and one reduction (one all-reduce) gives the mean since the last ``pop``.
+
+    Example:
+        >>> totals = LossTotals()
+        >>> totals.add("training", reduction, {"avg": torch.tensor([2.0, 4.0])})  # doctest: +SKIP
+        >>> reduction.reduce([totals.pop("training")[1]])  # doctest: +SKIP
+    """
+
+    def __init__(self) -> None:
+        self._totals: dict[str, tuple[Any, str, torch.Tensor]] = {}
+
+    def add(self, step_type: str, reduction: Any, record: Mapping[str, torch.Tensor]) -> None:
+        """Add one step's record (its first entry) to the running sum of ``step_type``.
+
+        Example:
+            >>> LossTotals().add("validation", reduction, record)  # doctest: +SKIP
+        """
+        key = next(iter(record))
+        value = record[key].detach()
+        if step_type in self._totals:
+            value = value + self._totals[step_type][2]
+        self._totals[step_type] = (reduction, key, value)
+
+    def pop(self, step_type: str) -> Optional[tuple[Any, dict[str, torch.Tensor]]]:
+        """``(reduction, {key: summed record})`` of ``step_type`` and forget it; ``None`` if empty.
+
+        Example:
+            >>> LossTotals().pop("training") is None
+            True
+        """
+        if step_type not in self._totals:
+            return None
+        reduction, key, total = self._totals.pop(step_type)
+        return reduction, {key: total}
+
+
+def run_step(
+    module: nn.Module, step_type: str, batch: Any, batch_idx: Optional[int], reduce: Callable[[str, Any], Any]
+) -> Any:
+    """One ``step_type`` step: the module's own ``<step_type>_step`` through the FSDP root, else
+    ``reduce(step_type, batch)`` (``"predict"``: the module's output). Training runs in train mode;
+    evaluation in eval mode without gradients, the previous mode restored after.
+
+    Example:
+        >>> loss = run_step(model, "training", batch, 0, reduce_fn)  # doctest: +SKIP
+    """
+    name = f"{step_type}_step"
+    if step_type == "training":
+        module.train()
+        return call_through_root(module, name, batch, batch_idx) if defines(module, name) else reduce(step_type, batch)
+    was_training = module.training
+    module.eval()
+    try:
+        with torch.no_grad():
+            if defines(module, name):
+                return call_through_root(module, name, batch, batch_idx)
+            if step_type == "predict":
+                return forward_batch(module, batch)
+            return reduce(step_type, batch)
+    finally:
+        module.train(was_training)
+
+
+class StepLosses:
+    """The strategy's loss bookkeeping: which reduction a step uses (the module's own, else a
+    ``MaskedTokenLossReduction`` over the data-parallel group ``group_fn()`` gives), the loss of a
+    plain module's step, and the global mean since the last ``reduced`` call.
+
+    Example:
+        >>> losses = StepLosses(lambda: mesh["dp"].get_group())  # doctest: +SKIP
+        >>> loss = losses.step(model, "training", batch); losses.reduced(model, "training")  # doctest: +SKIP
+    """
+
+    def __init__(self, group_fn: Callable[[], Any]) -> None:
+        self._group_fn = group_fn
+        self._defaults: dict[str, Any] = {}
+        self._totals = LossTotals()
+
+    def reduction(self, module: Optional[nn.Module], step_type: str) -> Any:
+        """The module's ``<step_type>_loss_reduction`` / ``loss_reduction``, else the token-weighted default.
+
+        Example:
+            >>> losses.reduction(model, "validation")  # doctest: +SKIP
+        """
+        own = module_loss_reduction(module, step_type)
+        if own is not None:
+            return own
+        if step_type not in self._defaults:
+            self._defaults[step_type] = MaskedTokenLossReduction(
+                validation_step=step_type != "training", group=self._group_fn()
+            )
+        return self._defaults[step_type]
+
+    def step(self, module: nn.Module, step_type: str, batch: Any) -> torch.Tensor:
+        """This rank's loss of ``module`` on ``batch``; its record joins the running total.
+
+        Example:
+            >>> loss = losses.step(model, "training", batch)  # doctest: +SKIP
+        """
+        reduction = self.reduction(module, step_type)
+        loss, record = reduction.forward(batch, logits_of(forward_batch(module, batch)))
+        self._totals.add(step_type, reduction, record)
+        return loss
+
+    def reduced(self, module: Optional[nn.Module], step_type: str) -> torch.Tensor:
+        """Global mean of the ``step_type`` steps since the last call (one all-reduce); forgets them.
+
+        Example:
+            >>> losses.reduced(model, "validation")  # doctest: +SKIP
+        """
+        popped = self._totals.pop(step_type)
+        if popped is None:
+            return self.reduction(module, step_type).reduce([])
+        reduction, total = popped
+        return reduction.reduce([total])
+
+
+def create_optimizers(
+    module: nn.Module, fn: Optional[Callable[[nn.Module], Any]]
+) -> Optional[tuple[list[torch.optim.Optimizer], list[Any]]]:
+    """``fn(module)``, else the module's ``configure_optimizers()``, as (optimizers, schedulers);
+    ``None`` when there is neither.
+
+    Example:
+        >>> create_optimizers(nn.Linear(2, 2), None) is None
+        True
+    """
+    if fn is not None:
+        return parse_optimizers(fn(module))
+    if callable(getattr(module, "configure_optimizers", None)):
+        return parse_optimizers(module.configure_optimizers())
+    return None
