@@ -7,6 +7,7 @@ Example:
 
 from .distributed import shutdown
 from .fsdp import fsdp, get_wrap_plan, is_fsdp_wrapped
+from .hf import consolidate_to_hf, load_pretrained, save_pretrained
 from .loss import MaskedTokenLossReduction, PerSampleLossReduction
 from .options import ShardingSpec, resolve_mixed_precision, resolve_sharding
 from .planner import DryRunResult, MemoryPlan, UnitEstimate, dry_run, meta_model_from_spec, plan
@@ -49,6 +50,9 @@ __all__ = [
     "load_optimizer_state_dict",
     "load_sharded_state_dict",
     "save_checkpoint",
+    "consolidate_to_hf",
+    "load_pretrained",
+    "save_pretrained",
     "DryRunResult",
     "MemoryPlan",
     "UnitEstimate",

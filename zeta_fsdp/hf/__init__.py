@@ -5,7 +5,8 @@ Example:
     >>> save_pretrained(model, "out/llama")
 """
 
+from .consolidate import consolidate_to_hf
 from .load import load_pretrained
 from .save import save_pretrained
 
-__all__ = ["load_pretrained", "save_pretrained"]
+__all__ = ["consolidate_to_hf", "load_pretrained", "save_pretrained"]

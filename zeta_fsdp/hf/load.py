@@ -210,7 +210,7 @@ def load_pretrained(model: nn.Module, path: Union[str, os.PathLike], *, strict: 
             m.reshard()
     entries, plan, tensors, aliases = on_all_ranks(lambda: _check(model, path, strict))
     if any(t.is_meta for t in tensors.values()):
-        _allocate(model, tensors, aliases)
+        on_all_ranks(lambda: _allocate(model, tensors, aliases))
         tensors = model_tensors(model)
 
     def fill() -> None:

@@ -40,7 +40,7 @@ from .files import (
 )
 from .naming import hf_class, is_hf_model, model_tensors, saved_tensors, tied_aliases
 
-__all__ = ["plan_hf_files", "save_pretrained", "write_hf_config"]
+__all__ = ["cast", "check_dtype", "plan_hf_files", "save_pretrained", "write_hf_config", "write_index"]
 
 _CALLER = "save_pretrained()"
 
@@ -94,7 +94,8 @@ def write_hf_config(model_or_config: Any, out: Path, dtype: Optional[torch.dtype
         generation.save_pretrained(out)
 
 
-def _write_index(out: Path, where: dict[str, str], files: dict[str, dict]) -> None:
+def write_index(out: Path, where: dict[str, str], files: dict[str, dict]) -> None:
+    """``model.safetensors.index.json`` into ``out`` when there is more than one file."""
     if len(files) < 2:
         return
     total = sum(d.itemsize * int(torch.Size(s).numel()) for f in files.values() for d, s in f.values())
@@ -171,28 +172,36 @@ def save_pretrained(
         def write() -> None:
             open_writers: dict[str, SafetensorsStreamWriter] = {}
             left = {name: len(layout) for name, layout in files.items()}
+            failed: Optional[BaseException] = None
             try:
                 for key, entries in saved.items():
                     t = tensors[key]
                     full = t.full_tensor() if isinstance(t, DTensor) else t  # collective: every rank, same order
                     mine = [k for k in entries if writer_of[where[k]] == rank()]
-                    if mine:
-                        pieces = saved_tensors(model, key, cast(full.detach(), dtype))
-                        for k in mine:
-                            name = where[k]
-                            if name not in open_writers:
-                                open_writers[name] = SafetensorsStreamWriter(tmp / name, files[name])
-                            open_writers[name].write(k, pieces[k])
-                            left[name] -= 1
-                            if not left[name]:
-                                open_writers.pop(name).close()
-                        del pieces
+                    if mine and failed is None:
+                        # A failed write must not leave this rank's peers waiting in the next gather:
+                        # keep gathering, stop writing, report once every tensor went round.
+                        try:
+                            pieces = saved_tensors(model, key, cast(full.detach(), dtype))
+                            for k in mine:
+                                name = where[k]
+                                if name not in open_writers:
+                                    open_writers[name] = SafetensorsStreamWriter(tmp / name, files[name])
+                                open_writers[name].write(k, pieces[k])
+                                left[name] -= 1
+                                if not left[name]:
+                                    open_writers.pop(name).close()
+                            del pieces
+                        except Exception as e:
+                            failed = e
                     del full
             finally:
                 for w in open_writers.values():
                     w.__exit__(RuntimeError, None, None)
+            if failed is not None:
+                raise failed
             if rank() == 0:
-                _write_index(tmp, where, files)
+                write_index(tmp, where, files)
                 if is_hf_model(model):
                     saved_dtype = dtype or next((t.dtype for t in tensors.values() if t.is_floating_point()), None)
                     write_hf_config(model, tmp, saved_dtype, hf_class(model).__name__)
