@@ -176,11 +176,14 @@ def read_checkpoint_index(path: Union[str, os.PathLike]) -> dict[str, TensorEntr
     )
 
 
-def read_rows(entry: TensorEntry, start: int = 0, count: Optional[int] = None) -> torch.Tensor:
+def read_rows(
+    entry: TensorEntry, start: int = 0, count: Optional[int] = None, *, out: Optional[torch.Tensor] = None
+) -> torch.Tensor:
     """Rows ``start:start+count`` (along dim 0) of a stored tensor, read with one ``pread``.
 
     Rows of a row-major tensor are one contiguous byte range, so a rank reads exactly the bytes
-    of its shard; nothing is memory-mapped. ``count=None`` reads to the end.
+    of its shard; nothing is memory-mapped. ``count=None`` reads to the end. ``out``: a contiguous
+    CPU tensor of the stored dtype and the rows' shape to read straight into (no extra copy).
 
     Example:
         >>> read_rows(entry, 4, 2).shape  # rows 4 and 5
@@ -191,7 +194,10 @@ def read_rows(entry: TensorEntry, start: int = 0, count: Optional[int] = None) -
     else:
         count = entry.shape[0] - start if count is None else count
         shape = (count, *entry.shape[1:])
-    out = torch.empty(shape, dtype=entry.dtype)
+    if out is None:
+        out = torch.empty(shape, dtype=entry.dtype)
+    elif out.dtype != entry.dtype or tuple(out.shape) != tuple(shape) or not out.is_contiguous() or out.is_cuda:
+        raise ValueError(f"read_rows(): out must be a contiguous CPU {entry.dtype} tensor of shape {tuple(shape)}.")
     nbytes = count * entry.row_bytes
     if nbytes:
         buf = memoryview(out.view(-1).view(torch.uint8).numpy())

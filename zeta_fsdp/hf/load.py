@@ -219,7 +219,13 @@ def load_pretrained(model: nn.Module, path: Union[str, os.PathLike], *, strict: 
                 t = tensors[key]
                 box = local_box(t)
                 local = t.to_local() if isinstance(t, DTensor) else t
-                local.copy_(_read_piece(entries[source], box).reshape(local.shape))
+                entry = entries[source]
+                whole_rows = all(b == (0, n) for b, n in zip(box[1:], entry.shape[1:]))
+                if local.dtype == entry.dtype and local.device.type == "cpu" and local.is_contiguous() and whole_rows:
+                    # The shard's bytes are one contiguous range of the file: read them in place.
+                    read_rows(entry, *((box[0][0], box[0][1] - box[0][0]) if box else ()), out=local.view(local.shape))
+                else:
+                    local.copy_(_read_piece(entry, box).reshape(local.shape))
             for key, (_, build) in plan.converted.items():
                 t = tensors[key]
                 full = build(lambda k: read_rows(entries[k]))  # one fused tensor at a time
@@ -227,7 +233,7 @@ def load_pretrained(model: nn.Module, path: Union[str, os.PathLike], *, strict: 
                 local.copy_(_cut(full, local_box(t), rows_read=False))
                 del full
 
-    on_all_ranks(fill, errors=(OSError, CheckpointError))
+    on_all_ranks(fill)  # an I/O error on one rank raises on all (no peer left waiting)
     left = [k for k, t in model_tensors(model).items() if t.is_meta]
     if left:
         raise CheckpointError(f"{_CALLER}: these tensors are still on the meta device: {_short(left)}")

@@ -159,7 +159,12 @@ def save_pretrained(
     for m in model.modules():  # gather from shards, not from unsharded parameters left by a forward
         if isinstance(m, FSDPModule):
             m.reshard()
-    saved, where, files = on_all_ranks(prepare, errors=(ValueError, OSError))
+    try:
+        saved, where, files = on_all_ranks(prepare)
+    except Exception:
+        for made in tmp_holder:  # rank 0 staged before another rank refused: leave nothing behind
+            shutil.rmtree(made, ignore_errors=True)
+        raise
     tmp_list = [tmp_holder[0] if tmp_holder else None]
     if world() > 1:
         dist.broadcast_object_list(tmp_list, src=0)
@@ -206,13 +211,13 @@ def save_pretrained(
                     saved_dtype = dtype or next((t.dtype for t in tensors.values() if t.is_floating_point()), None)
                     write_hf_config(model, tmp, saved_dtype, hf_class(model).__name__)
 
-        on_all_ranks(write, errors=(Exception,))
+        on_all_ranks(write)
 
         def publish() -> None:
             if rank() == 0:
                 publish_dir(tmp, path)
 
-        on_all_ranks(publish, errors=(OSError,))
+        on_all_ranks(publish)
         published = True
     finally:
         if rank() == 0 and not published and tmp is not None:
