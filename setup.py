@@ -15,11 +15,13 @@ setup(
     install_requires=["torch>=2.6", "einops", "typing-extensions", "numpy"],
     extras_require={
         # safetensors and matplotlib let the suite cover the .safetensors export and the demo plot
-        "test": ["pytest", "safetensors", "matplotlib", "lightning>=2.4"],
+        "test": ["pytest", "safetensors", "matplotlib", "lightning>=2.4", "transformers>=5"],
         "dev": ["ruff==0.17.6", "pytest"],
         "bench": ["matplotlib", "accelerate"],
         "demo": ["tqdm", "matplotlib"],
-        "docs": ["safetensors"],
+        "docs": ["safetensors", "transformers>=5"],
+        # load_pretrained / save_pretrained / consolidate_to_hf (transformers' key conversions, configs)
+        "hf": ["transformers>=5", "safetensors"],
         "safetensors": ["safetensors"],
         "lightning": ["lightning>=2.4"],
     },

@@ -11,6 +11,7 @@ a Lightning ``Trainer`` strategy (``pip install "zeta-fsdp[lightning]"``).
 from .data import ResumableLoader, shard_dataloader
 from .distributed import shutdown
 from .fsdp import fsdp, get_wrap_plan, is_fsdp_wrapped
+from .hf import consolidate_to_hf, load_pretrained, save_pretrained
 from .loss import MaskedTokenLossReduction, PerSampleLossReduction
 from .options import ShardingSpec, resolve_master_dtype, resolve_mixed_precision, resolve_sharding
 from .planner import DryRunResult, MemoryPlan, UnitEstimate, dry_run, meta_model_from_spec, plan
@@ -65,6 +66,9 @@ __all__ = [
     "prune_checkpoints",
     "ResumableLoader",
     "shard_dataloader",
+    "consolidate_to_hf",
+    "load_pretrained",
+    "save_pretrained",
     "DryRunResult",
     "MemoryPlan",
     "UnitEstimate",

@@ -1,0 +1,444 @@
+"""Hugging Face weights in and out of sharded models, on real gloo ranks (see ``tests/test_hf.py``).
+
+Each architecture is a tiny config (no download). The reference is the unsharded model built
+with a fixed seed (the same on every rank); rank 0 writes it with transformers' own
+``save_pretrained``. Weights must come back bit-exact (a load or save only copies, casts and
+re-lays out bytes: no arithmetic), and so must the sharded model's outputs: its forward runs the
+same kernels on the same full (all-gathered) fp32 weights and the same inputs as the reference.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+from worker import ARGS, Cases, expect_error, full, rank, run_cases, world
+
+from zeta_fsdp import consolidate_to_hf, fsdp, load_pretrained, save_checkpoint, save_pretrained
+from zeta_fsdp.state_dict import CheckpointError
+
+warnings.filterwarnings("ignore")
+os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+import transformers as T  # noqa: E402
+
+T.logging.set_verbosity_error()
+T.utils.logging.disable_progress_bar()
+
+CASES = Cases()
+case = CASES.case
+STRATS = {
+    "FULL_SHARD": {"shard_strat": "FULL_SHARD"},
+    "SHARD_GRAD": {"shard_strat": "SHARD_GRAD"},
+    "NO_SHARD": {"shard_strat": "NO_SHARD"},
+    "HYBRID_SHARD": {"shard_strat": "HYBRID_SHARD", "replicate_size": 2},
+}
+LM = dict(vocab_size=96, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=40)
+
+
+def _llama(tied: bool):
+    cfg = T.LlamaConfig(**LM, num_key_value_heads=2, tie_word_embeddings=tied)
+    return T.LlamaForCausalLM, T.AutoModelForCausalLM, cfg
+
+
+ARCHS = {
+    "llama_tied": lambda: _llama(True),
+    "llama_untied": lambda: _llama(False),
+    "gpt2": lambda: (
+        T.GPT2LMHeadModel,
+        T.AutoModelForCausalLM,
+        T.GPT2Config(vocab_size=96, n_embd=32, n_layer=2, n_head=4, n_positions=32),
+    ),
+    "bert_mlm": lambda: (T.BertForMaskedLM, T.AutoModelForMaskedLM, T.BertConfig(**LM)),
+    "mixtral": lambda: (
+        T.MixtralForCausalLM,
+        T.AutoModelForCausalLM,
+        T.MixtralConfig(**LM, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2),
+    ),
+    "t5": lambda: (
+        T.T5ForConditionalGeneration,
+        T.AutoModelForSeq2SeqLM,
+        T.T5Config(vocab_size=96, d_model=32, d_kv=8, d_ff=40, num_layers=2, num_decoder_layers=2, num_heads=4),
+    ),
+    "bart": lambda: (
+        T.BartForConditionalGeneration,
+        T.AutoModelForSeq2SeqLM,
+        T.BartConfig(
+            vocab_size=96,
+            d_model=32,
+            encoder_layers=2,
+            decoder_layers=2,
+            encoder_attention_heads=4,
+            decoder_attention_heads=4,
+            encoder_ffn_dim=40,
+            decoder_ffn_dim=40,
+            max_position_embeddings=32,
+        ),
+    ),  # fmt: skip
+    "vit": lambda: (
+        T.ViTForImageClassification,
+        T.AutoModelForImageClassification,
+        T.ViTConfig(
+            image_size=16,
+            patch_size=8,
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            intermediate_size=40,
+            num_labels=3,
+        ),
+    ),  # fmt: skip
+    "clip": lambda: (
+        T.CLIPModel,
+        T.AutoModel,
+        T.CLIPConfig(
+            text_config=dict(
+                vocab_size=96,
+                hidden_size=32,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                intermediate_size=40,
+                max_position_embeddings=16,
+            ),
+            vision_config=dict(
+                image_size=16,
+                patch_size=8,
+                hidden_size=32,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                intermediate_size=40,
+            ),
+            projection_dim=16,
+        ),
+    ),  # fmt: skip
+}
+ZOO = [a for a in ARCHS if a != "clip"]
+
+
+def build(arch: str, seed: int = 0, meta: bool = False) -> torch.nn.Module:
+    cls, _, cfg = ARCHS[arch]()
+    torch.manual_seed(seed)
+    if meta:
+        with torch.device("meta"):
+            return cls(cfg).eval()
+    return cls(cfg).eval()
+
+
+def inputs(arch: str) -> dict:
+    g = torch.Generator().manual_seed(7)
+    ids = torch.randint(1, 90, (2, 9), generator=g)
+    if arch == "vit":
+        return {"pixel_values": torch.randn(2, 3, 16, 16, generator=g)}
+    if arch == "clip":
+        return {"input_ids": ids, "pixel_values": torch.randn(2, 3, 16, 16, generator=g)}
+    if arch in ("t5", "bart"):
+        return {"input_ids": ids, "decoder_input_ids": ids[:, :5]}
+    return {"input_ids": ids}
+
+
+def outputs(model: torch.nn.Module, arch: str) -> torch.Tensor:
+    with torch.no_grad():
+        out = model(**inputs(arch))
+    return out.logits_per_image if arch == "clip" else out.logits
+
+
+def work() -> Path:
+    d = Path(ARGS.out) / "work"
+    d.mkdir(parents=True, exist_ok=True)  # no barrier: rank-0-only checks call this too
+    return d
+
+
+def on_rank0(fn) -> None:
+    """Run ``fn`` on rank 0 only; every rank raises if it failed (collectives stay paired)."""
+    error = [None]
+    if rank() == 0:
+        try:
+            fn()
+        except Exception:  # reported on every rank below
+            import traceback
+
+            error[0] = traceback.format_exc()
+    dist.broadcast_object_list(error, src=0)
+    if error[0] is not None:
+        raise AssertionError(f"rank 0 failed:\n{error[0]}")
+
+
+def write_references(out: Path) -> None:
+    """transformers' own ``save_pretrained`` of every reference, in a process with no process group."""
+    for arch in ARCHS:
+        build(arch, seed=1).save_pretrained(out / arch)
+    build("llama_untied", seed=1).save_pretrained(out / "sharded_index", max_shard_size="20KB")
+    (out / "sharded_index" / "stale.safetensors").write_bytes(b"not read: the index does not name it")
+
+
+def reference_dir(arch: str) -> tuple[torch.nn.Module, Path]:
+    """The reference model and the directory transformers' own ``save_pretrained`` wrote it to.
+
+    Under a process group transformers' ``save_pretrained`` writes on rank 0 only and ends with a
+    barrier, so the references are written once, by a separate one-process run.
+    """
+    refs = work() / "refs"
+    if rank() == 0 and not refs.exists():
+        code = f"import hf_cases; hf_cases.write_references(__import__('pathlib').Path({str(refs)!r}))"
+        env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+        proc = subprocess.run(
+            [sys.executable, "-c", code], cwd=Path(__file__).parent, env=env, capture_output=True, text=True
+        )
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    dist.barrier()
+    return build(arch, seed=1), refs / arch
+
+
+def assert_weights(model: torch.nn.Module, want: dict[str, torch.Tensor], what: str) -> None:
+    got = model.state_dict()
+    assert set(got) == set(want), f"{what}: keys differ: {sorted(set(got) ^ set(want))[:6]}"
+    for k, v in want.items():
+        g = full(got[k]).detach()
+        assert g.dtype == v.dtype and torch.equal(g, v), (
+            f"{what}: {k} differs (max {((g.double() - v.double()).abs().max())})"
+        )
+
+
+def check_load(arch: str, strat: str, meta: bool = False, materialize: bool = True) -> None:
+    ref, d = reference_dir(arch)
+    model = fsdp(build(arch, seed=2, meta=meta), auto_wrap=True, materialize=materialize, **STRATS[strat])
+    load_pretrained(model, d)
+    assert_weights(model, ref.state_dict(), f"{arch}/{strat}")
+    left = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
+    assert not left, f"still on meta: {left}"
+    # Same fp32 weights, same kernels, same inputs: the outputs are bit-identical.
+    got, want = outputs(model, arch), outputs(ref, arch)
+    assert torch.equal(got, want), f"{arch}/{strat}: outputs differ by {(got - want).abs().max():.3e}"
+
+
+def check_save(arch: str, strat: str, dtype=None) -> None:
+    ref, _ = reference_dir(arch)
+    model = fsdp(copy.deepcopy(ref), auto_wrap=True, **STRATS[strat])
+    out = work() / f"saved_{arch}_{strat}_{dtype}".replace("torch.", "")
+    save_pretrained(model, out, dtype=dtype, max_shard_size="16KB", overwrite=True)
+
+    def check() -> None:
+        auto = ARCHS[arch]()[1]
+        back = auto.from_pretrained(out).eval()
+        assert type(back).__name__ == type(ref).__name__, type(back).__name__
+        want = {k: v.to(dtype) if dtype and v.is_floating_point() else v for k, v in ref.state_dict().items()}
+        assert_weights(back, want, f"save {arch}/{strat}")
+        # ties stored once, as transformers stores them
+        from safetensors import safe_open
+
+        stored = set()
+        for f in out.glob("*.safetensors"):
+            with safe_open(str(f), "pt") as sf:
+                stored |= set(sf.keys())
+        ties = getattr(ref, "all_tied_weights_keys", None) or {}
+        dropped = {a for a, k in ties.items() if ref.get_parameter(a) is ref.get_parameter(k)}
+        assert not (stored & dropped), f"tied aliases stored: {stored & dropped}"
+        assert (out / "config.json").is_file()
+
+    on_rank0(check)
+
+
+def _make_cases() -> None:
+    for arch in ZOO:
+        for strat in ("FULL_SHARD", "SHARD_GRAD", "NO_SHARD"):
+            CASES[f"load_{arch}_{strat}"] = lambda a=arch, s=strat: check_load(a, s)
+        CASES[f"save_{arch}"] = lambda a=arch: check_save(a, "FULL_SHARD")
+        CASES[f"load_{arch}_HYBRID_SHARD"] = lambda a=arch: check_load(a, "HYBRID_SHARD")
+        CASES[f"save_{arch}_HYBRID_SHARD"] = lambda a=arch: check_save(a, "HYBRID_SHARD")
+    for arch in ("llama_tied", "bert_mlm", "mixtral", "gpt2"):
+        CASES[f"load_meta_unmaterialized_{arch}"] = lambda a=arch: check_load(a, "FULL_SHARD", True, False)
+    CASES["clip_load_and_save"] = lambda: (check_load("clip", "FULL_SHARD"), check_save("clip", "FULL_SHARD"))
+
+
+_make_cases()
+
+
+@case
+def load_meta_materialized_llama_tied() -> None:
+    check_load("llama_tied", "FULL_SHARD", meta=True, materialize=True)
+
+
+@case
+def meta_unmaterialized_ties_share_storage() -> None:
+    _, d = reference_dir("llama_tied")
+    model = fsdp(build("llama_tied", meta=True), auto_wrap=True, shard_strat="FULL_SHARD", materialize=False)
+    load_pretrained(model, d)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    inv = model.model.rotary_emb.inv_freq
+    want = build("llama_tied").model.rotary_emb.inv_freq
+    assert torch.equal(inv, want), "rotary inv_freq not recomputed"
+
+
+@case
+def save_bf16_cast_on_write() -> None:
+    check_save("llama_tied", "FULL_SHARD", dtype=torch.bfloat16)
+
+    def check() -> None:
+        from safetensors import safe_open
+
+        out = work() / "saved_llama_tied_FULL_SHARD_bfloat16"
+        for f in out.glob("*.safetensors"):
+            with safe_open(str(f), "pt") as sf:
+                for k in sf.keys():
+                    assert sf.get_slice(k).get_dtype() == "BF16", (f, k)
+        assert T.AutoConfig.from_pretrained(out).dtype == torch.bfloat16
+
+    on_rank0(check)
+
+
+def _snapshot(model) -> dict[str, torch.Tensor]:
+    return {k: full(v).detach().clone() for k, v in model.state_dict().items()}
+
+
+def _unchanged(model, before) -> None:
+    for k, v in _snapshot(model).items():
+        assert torch.equal(v, before[k]), f"{k} changed by a refused load"
+
+
+def _edited_checkpoint(name: str, edit) -> Path:
+    """A copy of the llama_untied reference with its tensors edited by ``edit(dict)``."""
+    from safetensors.torch import load_file, save_file
+
+    _, d = reference_dir("llama_untied")
+    out = work() / name
+    dist.barrier()
+    if rank() == 0 and not out.exists():
+        tensors = load_file(str(d / "model.safetensors"))
+        edit(tensors)
+        out.mkdir()
+        save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    dist.barrier()
+    return out
+
+
+@case
+def strict_errors_on_every_rank_before_change() -> None:
+    model = fsdp(build("llama_untied", seed=3), auto_wrap=True, shard_strat="FULL_SHARD")
+    before = _snapshot(model)
+    missing = _edited_checkpoint("missing", lambda t: t.pop("lm_head.weight"))
+    expect_error(CheckpointError, lambda: load_pretrained(model, missing), "missing keys", "lm_head.weight")
+    _unchanged(model, before)
+    extra = _edited_checkpoint("extra", lambda t: t.update({"model.bogus.weight": torch.zeros(2)}))
+    expect_error(CheckpointError, lambda: load_pretrained(model, extra), "unexpected keys", "model.bogus.weight")
+    _unchanged(model, before)
+    load_pretrained(model, extra, strict=False)  # unexpected keys are fine when not strict
+    wrong = _edited_checkpoint("wrong_shape", lambda t: t.update({"model.norm.weight": torch.ones(7)}))
+    expect_error(CheckpointError, lambda: load_pretrained(model, wrong, strict=False), "shape", "model.norm.weight")
+    expect_error(FileNotFoundError, lambda: load_pretrained(model, work() / "nowhere"), "nowhere")
+
+
+@case
+def error_on_one_rank_raises_on_all() -> None:
+    _, d = reference_dir("llama_untied")
+    model = fsdp(build("llama_untied", seed=3), auto_wrap=True, shard_strat="FULL_SHARD")
+    before = _snapshot(model)
+    path = d if rank() == 0 else work() / "only_rank1_misses_this"
+    msg = expect_error(FileNotFoundError, lambda: load_pretrained(model, path), "only_rank1_misses_this")
+    assert rank() != 0 or "rank 1" in msg, msg
+    _unchanged(model, before)
+
+
+@case
+def load_single_file_and_index() -> None:
+    ref, d = reference_dir("llama_untied")
+    model = fsdp(build("llama_untied", seed=3), auto_wrap=True, shard_strat="FULL_SHARD")
+    load_pretrained(model, d / "model.safetensors")
+    assert_weights(model, ref.state_dict(), "single file")
+    sharded = d.parent / "sharded_index"
+    assert (sharded / "model.safetensors.index.json").is_file()
+    model = fsdp(build("llama_untied", seed=4), auto_wrap=True, shard_strat="SHARD_GRAD")
+    load_pretrained(model, sharded)
+    assert_weights(model, ref.state_dict(), "index")
+
+
+@case
+def existing_dir_refused_and_failed_save_keeps_it() -> None:
+    ref, _ = reference_dir("llama_untied")
+    model = fsdp(copy.deepcopy(ref), auto_wrap=True, shard_strat="FULL_SHARD")
+    out = work() / "users_dir"
+    if rank() == 0:
+        out.mkdir(exist_ok=True)
+        (out / "keep.txt").write_text("mine")
+    dist.barrier()
+    expect_error(FileExistsError, lambda: save_pretrained(model, out), "overwrite=True")
+    expect_error(ValueError, lambda: save_pretrained(model, out, overwrite=True, dtype=torch.int8), "dtype")
+    expect_error(ValueError, lambda: save_pretrained(model, out, overwrite=True, max_shard_size="lots"), "lots")
+    import zeta_fsdp.hf.save as save_mod
+
+    real = save_mod.SafetensorsStreamWriter
+
+    class Failing(real):
+        def write(self, key, tensor):
+            if rank() == world() - 1:
+                raise OSError("disk full (injected)")
+            super().write(key, tensor)
+
+    save_mod.SafetensorsStreamWriter = Failing
+    try:
+        expect_error(Exception, lambda: save_pretrained(model, out, overwrite=True, max_shard_size="8KB"), "injected")
+    finally:
+        save_mod.SafetensorsStreamWriter = real
+    dist.barrier()
+    assert (out / "keep.txt").read_text() == "mine" and sorted(p.name for p in out.iterdir()) == ["keep.txt"]
+    assert not (out.parent / ".users_dir.incomplete").exists()
+    save_pretrained(model, out, overwrite=True)
+    assert not (out / "keep.txt").exists() and (out / "model.safetensors").is_file()
+
+
+@case
+def consolidate_checkpoint_to_hf() -> None:
+    ref, d = reference_dir("mixtral")
+    model = fsdp(copy.deepcopy(ref), auto_wrap=True, shard_strat="FULL_SHARD")
+    ckpt = work() / "ckpt_mixtral"
+    save_checkpoint(ckpt, model, overwrite=True)
+
+    def check() -> None:
+        out = consolidate_to_hf(ckpt, work() / "cons_mixtral", config=d, max_shard_size="16KB", overwrite=True)
+        back = T.AutoModelForCausalLM.from_pretrained(out)
+        assert_weights(back, ref.state_dict(), "consolidate_to_hf")
+        cli = work() / "cons_cli"
+        cmd = [sys.executable, "-m", "zeta_fsdp", "consolidate", str(ckpt), str(cli), "--hf", "--config", str(d)]
+        proc = subprocess.run(cmd + ["--dtype", "bf16"], capture_output=True, text=True)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        back = T.AutoModelForCausalLM.from_pretrained(cli)
+        assert back.dtype == torch.bfloat16
+        assert_weights(back, {k: v.to(torch.bfloat16) for k, v in ref.state_dict().items()}, "cli")
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        assert proc.returncode != 0 and "overwrite" in proc.stderr + proc.stdout, proc.stderr
+
+    on_rank0(check)
+
+
+@case
+def sharded_shapes_are_real_shards() -> None:
+    """Guards the premise of the memory claim: under FULL_SHARD each rank holds 1/world of a weight."""
+    model = fsdp(build("llama_untied"), auto_wrap=True, shard_strat="FULL_SHARD")
+    w = model.lm_head.weight
+    assert isinstance(w, DTensor) and w.to_local().shape[0] == w.shape[0] // world()
+
+
+def _traced(name, fn):
+    def run():
+        import faulthandler
+
+        print(f"[rank {rank()}] {name}", file=sys.stderr, flush=True)
+        faulthandler.dump_traceback_later(60, exit=False)
+        try:
+            return fn()
+        finally:
+            faulthandler.cancel_dump_traceback_later()
+
+    return run
+
+
+if __name__ == "__main__":
+    if os.environ.get("ZETA_HF_TRACE"):  # which case a hung launch was in
+        for _name in list(CASES):
+            CASES[_name] = _traced(_name, CASES[_name])
+    run_cases(CASES)

@@ -1,0 +1,190 @@
+"""``consolidate_to_hf``: a sharded ``save_checkpoint`` checkpoint -> a Hugging Face model directory, offline.
+
+One CPU process, no process group. Tensors are read from the DCP checkpoint one at a time (DCP
+reads only that tensor's chunks) and streamed into safetensors files, so the peak is one tensor,
+whatever the model's size.
+
+Where ``config.json`` comes from: our checkpoints hold weights, optimizer state and the user's
+``extra``, not the model's Hugging Face config. Pass ``config=`` (a model directory or a
+``config.json``; e.g. the directory the model was first loaded from). With it the output is a
+complete ``from_pretrained`` directory: the architecture's tie rules and transformers' key
+conversions (MoE experts) are applied, and the checkpoint's keys are checked against it. Without
+it, the weights are written under the checkpoint's own names and no ``config.json`` is written.
+
+Example:
+    >>> consolidate_to_hf("ckpt/step_100", "out/hf", config="meta-llama/Llama-3.2-1B-dir")
+    $ python -m zeta_fsdp consolidate ckpt/step_100 out/hf --hf --config llama-dir --dtype bf16
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import torch
+import torch.nn as nn
+
+from ..state_dict import CheckpointError, is_checkpoint
+from .files import SafetensorsStreamWriter, parse_size, publish_dir, staging_dir
+from .naming import hf_class, model_tensors, saved_tensors, tied_aliases
+from .save import cast, check_dtype, plan_hf_files, write_hf_config, write_index
+
+__all__ = ["consolidate_to_hf", "meta_model_from_config"]
+
+_CALLER = "consolidate_to_hf()"
+_MODEL = "model."  # save_checkpoint's prefix for the model's tensors
+
+
+def meta_model_from_config(config: Union[str, os.PathLike]) -> nn.Module:
+    """The Hugging Face model ``config`` (a model directory or a ``config.json``) describes, built on ``meta``.
+
+    Its class is the config's first ``architectures`` entry. Nothing is allocated.
+
+    Example:
+        >>> meta_model_from_config("llama-dir").lm_head.weight.device
+        device(type='meta')
+    """
+    import transformers
+
+    config = Path(config)
+    if not config.exists():
+        raise FileNotFoundError(f"{_CALLER}: config={str(config)!r} does not exist.")
+    file = config / "config.json" if config.is_dir() else config
+    if not file.is_file():
+        raise FileNotFoundError(f"{_CALLER}: {config} holds no config.json.")
+    raw = json.loads(file.read_text())
+    try:
+        cfg = transformers.AutoConfig.for_model(raw.pop("model_type"), **raw)
+    except (KeyError, ValueError) as e:
+        raise ValueError(f"{_CALLER}: {file} is not a Hugging Face config (no known model_type): {e}") from e
+    names = list(getattr(cfg, "architectures", None) or [])
+    cls = getattr(transformers, names[0], None) if names else None
+    if cls is None:
+        raise ValueError(
+            f"{_CALLER}: {file} names architectures={names}; need one transformers model class to build the layout."
+        )
+    with torch.device("meta"):
+        return cls(cfg)
+
+
+def consolidate_to_hf(
+    ckpt_dir: Union[str, os.PathLike],
+    out_dir: Union[str, os.PathLike],
+    *,
+    config: Union[str, os.PathLike, None] = None,
+    dtype: Optional[torch.dtype] = None,
+    max_shard_size: Union[int, str] = "5GB",
+    overwrite: bool = False,
+) -> Path:
+    """Turn a ``save_checkpoint`` checkpoint into a Hugging Face model directory; one process, tensor by tensor.
+
+    ``config``: the model's Hugging Face config (directory or ``config.json``): written as
+    ``config.json``, and used for the architecture's tie rules, its MoE key conversions and to check
+    every key. ``dtype`` casts floating-point tensors; ``max_shard_size`` as in ``save_pretrained``.
+    ``out_dir`` must not exist or be empty unless ``overwrite=True``; it is written beside and
+    renamed into place, so a failure leaves what was there untouched. Returns ``out_dir``.
+
+    Also: ``python -m zeta_fsdp consolidate CKPT OUT --hf [--config DIR] [--dtype bf16]``.
+
+    Raises:
+        FileNotFoundError: ``ckpt_dir`` or ``config`` does not exist.
+        CheckpointError: not a checkpoint, no model weights, or keys that do not match ``config``'s model.
+        FileExistsError: ``out_dir`` exists and is not empty (without ``overwrite=True``).
+
+    Example:
+        >>> consolidate_to_hf("ckpt/step_100", "out/llama", config="llama-dir", dtype=torch.bfloat16)
+        >>> LlamaForCausalLM.from_pretrained("out/llama")
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    src = Path(ckpt_dir)
+    check_dtype(dtype, _CALLER)
+    limit = parse_size(max_shard_size)
+    if not src.exists():
+        raise FileNotFoundError(f"{_CALLER}: no checkpoint at {src}: the path does not exist.")
+    if not is_checkpoint(src):
+        raise CheckpointError(f"{_CALLER}: {src} is not a checkpoint written by save_checkpoint().")
+    # Note: plain DCP metadata reader (the hardened allow-list reader is private to zeta_fsdp.state_dict).
+    metadata = FileSystemReader(src).read_metadata()
+    stored = {
+        k[len(_MODEL) :]: md
+        for k, md in metadata.state_dict_metadata.items()
+        if k.startswith(_MODEL) and isinstance(md, TensorStorageMetadata)
+    }
+    if not stored:
+        raise CheckpointError(f"{_CALLER}: {src} holds no model weights (no '{_MODEL}*' tensors).")
+    model: Optional[nn.Module] = meta_model_from_config(config) if config is not None else None
+    source: dict[str, str] = {k: k for k in stored}  # output key (model's kept name) -> stored name
+    if model is not None:
+        tensors = model_tensors(model)
+        aliases = tied_aliases(model, tensors)
+        groups: dict[str, list[str]] = {}
+        for alias, kept in aliases.items():
+            groups.setdefault(kept, [kept]).append(alias)
+        source = {}
+        for key in tensors:
+            if key in aliases:
+                continue
+            found = next((n for n in groups.get(key, [key]) if n in stored), None)
+            if found is not None:
+                source[key] = found
+        missing = [k for k in tensors if k not in aliases and k not in source]
+        used = set(source.values())
+        unexpected = [k for k in stored if k not in used and aliases.get(k) not in source]
+        wrong = [
+            f"{k}: checkpoint {list(stored[s].size)} vs model {list(tensors[k].shape)}"
+            for k, s in source.items()
+            if tuple(stored[s].size) != tuple(tensors[k].shape)
+        ]
+        if missing or unexpected or wrong:
+            raise CheckpointError(
+                f"{_CALLER}: {src} does not match the {hf_class(model).__name__} of {config}: "
+                f"missing {missing[:8]}, unexpected {unexpected[:8]}, shape mismatches {wrong[:8]}"
+            )
+
+    def pieces(key: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
+        return saved_tensors(model, key, tensor) if model is not None else {key: tensor}
+
+    saved: dict[str, dict[str, tuple[torch.dtype, tuple[int, ...]]]] = {}
+    for key, name in source.items():
+        md = stored[name]
+        meta = torch.empty(tuple(md.size), dtype=md.properties.dtype, device="meta")
+        saved[key] = {k: (v.dtype, tuple(v.shape)) for k, v in pieces(key, cast(meta, dtype)).items()}
+    layout = {k: v for entries in saved.values() for k, v in entries.items()}
+    where, files = plan_hf_files(layout, limit)
+    tmp = staging_dir(out_dir, overwrite=overwrite, caller=_CALLER)
+    try:
+        writers: dict[str, SafetensorsStreamWriter] = {}
+        left = {name: len(f) for name, f in files.items()}
+        for key, entries in saved.items():
+            md = stored[source[key]]
+            state: dict[str, Any] = {_MODEL + source[key]: torch.empty(tuple(md.size), dtype=md.properties.dtype)}
+            try:
+                dcp.load(state, storage_reader=FileSystemReader(src), no_dist=True)
+            except BaseException as e:  # DCP's CheckpointException is a BaseException
+                if not isinstance(e, Exception) and type(e).__name__ != "CheckpointException":
+                    raise
+                raise CheckpointError(f"{_CALLER}: reading {source[key]!r} from {src} failed: {e}") from None
+            out = pieces(key, cast(state.pop(_MODEL + source[key]), dtype))
+            for k in entries:
+                name = where[k]
+                if name not in writers:
+                    writers[name] = SafetensorsStreamWriter(tmp / name, files[name])
+                writers[name].write(k, out[k])
+                left[name] -= 1
+                if not left[name]:
+                    writers.pop(name).close()
+        write_index(tmp, where, files)
+        if model is not None:
+            first = next((d for d, _ in layout.values() if d.is_floating_point), None)
+            write_hf_config(model, tmp, dtype or first, hf_class(model).__name__)
+        publish_dir(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return Path(out_dir)

@@ -1,0 +1,239 @@
+"""``load_pretrained``: Hugging Face safetensors weights straight into a sharded model's shards.
+
+Every rank reads the checkpoint's headers, checks them against the model (keys, shapes) and only
+then reads, with one ``pread`` per tensor, the rows of its own shard: nothing is broadcast, no rank
+reads or holds another rank's shard, and nothing is memory-mapped (a mapped page counts in RSS).
+
+Why not torch's ``HuggingFaceStorageReader`` (DCP): it maps whole files, so every page a rank
+touches stays in its RSS (measured 1.03-1.26x the model's bytes per rank at 2 ranks, against
+0.51x for these reads); it takes only a directory, ignores ``model.safetensors.index.json``
+(reading every ``*.safetensors`` it finds, a stale file included) and ignores extra keys.
+
+Example:
+    >>> model = fsdp(LlamaForCausalLM(cfg), auto_wrap=True, shard_strat="FULL_SHARD")
+    >>> load_pretrained(model, "llama-dir")  # every rank; each reads only its shards
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Union
+
+import torch
+import torch.nn as nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from ..state_dict import CheckpointError
+from .agree import on_all_ranks
+from .files import TensorEntry, read_checkpoint_index, read_rows
+from .naming import KeyPlan, is_hf_model, map_checkpoint_keys, model_tensors, tied_aliases
+
+__all__ = ["load_pretrained"]
+
+_CALLER = "load_pretrained()"
+
+
+def _short(names: list[str], limit: int = 8) -> str:
+    more = f", ... and {len(names) - limit} more" if len(names) > limit else ""
+    return "[" + ", ".join(names[:limit]) + more + "]"
+
+
+def local_box(t: torch.Tensor) -> list[tuple[int, int]]:
+    """``[(start, stop)]`` per dim: the part of the full tensor this rank's local shard of ``t`` holds.
+
+    FSDP2 shards with ``torch.chunk`` semantics (``Shard(d)``: ceil-sized pieces, the last ones
+    shorter or empty); ``Replicate`` keeps the whole range. Other placements are refused.
+
+    Example:
+        >>> local_box(sharded_weight)  # rank 1 of 2, weight (10, 4) sharded on dim 0
+        [(5, 10), (0, 4)]
+    """
+    box = [(0, n) for n in t.shape]
+    if not isinstance(t, DTensor):
+        return box
+    coord = t.device_mesh.get_coordinate()
+    for mesh_dim, placement in enumerate(t.placements):
+        if type(placement) is Replicate:
+            continue
+        if type(placement) is not Shard:
+            raise CheckpointError(f"{_CALLER}: unsupported DTensor placement {placement!r}: Shard and Replicate only.")
+        lo, hi = box[placement.dim]
+        n = t.device_mesh.size(mesh_dim)
+        chunk = -(-(hi - lo) // n)
+        start = min(lo + coord[mesh_dim] * chunk, hi)
+        box[placement.dim] = (start, min(start + chunk, hi))
+    local = t.to_local().shape
+    if tuple(b - a for a, b in box) != tuple(local):
+        raise CheckpointError(
+            f"{_CALLER}: a shard of shape {tuple(local)} does not match the expected piece {box} of "
+            f"{tuple(t.shape)}: unsupported sharding (placements {t.placements})."
+        )
+    return box
+
+
+def _cut(full_or_rows: torch.Tensor, box: list[tuple[int, int]], rows_read: bool) -> torch.Tensor:
+    out = full_or_rows
+    for dim, (a, b) in enumerate(box):
+        if dim == 0 and rows_read:
+            continue
+        if (a, b) != (0, out.shape[dim]):
+            out = out.narrow(dim, a, b - a)
+    return out
+
+
+def _read_piece(entry: TensorEntry, box: list[tuple[int, int]]) -> torch.Tensor:
+    """This rank's piece of a stored tensor: only its rows (dim 0) are read from disk."""
+    if not box:
+        return read_rows(entry)
+    a, b = box[0]
+    return _cut(read_rows(entry, a, b - a), box, rows_read=True)
+
+
+def _target_device(tensors: dict[str, torch.Tensor]) -> torch.device:
+    for t in tensors.values():
+        if isinstance(t, DTensor):
+            if t.device_mesh.device_type == "cuda":
+                return torch.device("cuda", torch.cuda.current_device())
+            return torch.device(t.device_mesh.device_type)
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def _buffer_owners(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """Modules holding non-persistent buffers (not in the checkpoint: they must be recomputed)."""
+    return [(name, m) for name, m in model.named_modules() if m._non_persistent_buffers_set]
+
+
+def _check(model: nn.Module, path: Path, strict: bool) -> tuple[dict[str, TensorEntry], KeyPlan, dict, dict]:
+    try:
+        entries = read_checkpoint_index(path)
+    except ValueError as e:
+        raise CheckpointError(f"{_CALLER}: {e}") from e
+    tensors = model_tensors(model)
+    aliases = tied_aliases(model, tensors)
+    wanted = {k: tuple(t.shape) for k, t in tensors.items() if k not in aliases}
+    try:
+        plan = map_checkpoint_keys(model, {k: (e.dtype, e.shape) for k, e in entries.items()}, wanted, aliases)
+    except (ValueError, RuntimeError) as e:  # transformers could not convert (e.g. expert count)
+        raise CheckpointError(f"{_CALLER}: {path} cannot be converted to {type(model).__name__}'s layout: {e}") from e
+    problems = []
+    if strict and plan.missing:
+        problems.append(f"missing keys (in the model, not in the checkpoint): {_short(plan.missing)}")
+    if strict and plan.unexpected:
+        problems.append(f"unexpected keys (in the checkpoint, not in the model): {_short(plan.unexpected)}")
+    shapes = [f"{k}: checkpoint {list(s)} vs model {list(wanted[k])}" for k, s in plan.shapes.items() if s != wanted[k]]
+    if shapes:
+        problems.append(f"shape mismatches: {_short(shapes)}")
+    on_meta = any(t.is_meta for t in tensors.values())
+    if on_meta and not strict and plan.missing:
+        problems.append(
+            f"the model is on meta and these tensors are not in the checkpoint, so nothing would fill "
+            f"them: {_short(plan.missing)}"
+        )
+    if on_meta and not is_hf_model(model):
+        lacking = [
+            f"{name or '<root>'} ({sorted(m._non_persistent_buffers_set)})"
+            for name, m in _buffer_owners(model)
+            if not callable(getattr(m, "reset_parameters", None))
+        ]
+        if lacking:
+            problems.append(
+                "the model is on meta and these modules hold non-persistent buffers (not in any checkpoint) "
+                f"but no reset_parameters() to recompute them: {_short(lacking)}. Define reset_parameters() "
+                "on them, or let fsdp() materialize the model (materialize=True) before loading."
+            )
+    if problems:
+        raise CheckpointError(
+            f"{_CALLER}: {path} does not match {type(model).__name__}; nothing was changed. " + "; ".join(problems)
+        )
+    return entries, plan, tensors, aliases
+
+
+def _allocate(model: nn.Module, tensors: dict[str, torch.Tensor], aliases: dict[str, str]) -> None:
+    """A model left on ``meta`` (``fsdp(..., materialize=False)``): allocate shards, no random init.
+
+    ``to_empty`` gives uninitialised memory; the checkpoint fills parameters and persistent
+    buffers right after, and non-persistent buffers (rotary ``inv_freq``, ``position_ids``,
+    ``embed_scale``) are recomputed here by the model's own code: transformers' ``_init_weights``
+    on just the modules holding them (it recomputes those buffers since transformers 5), else
+    each such module's ``reset_parameters()``.
+    """
+    device = _target_device(tensors)
+    model.to_empty(device=device)
+    for alias, kept in aliases.items():  # to_empty may hand tied names separate tensors: one again
+        owner_name, _, attr = alias.rpartition(".")
+        owner = model.get_submodule(owner_name)
+        kept_tensor = model.get_parameter(kept) if attr in owner._parameters else None
+        if kept_tensor is not None and owner._parameters[attr] is not kept_tensor:
+            owner.register_parameter(attr, kept_tensor)
+    with torch.no_grad():
+        hf = is_hf_model(model)
+        for _, module in _buffer_owners(model):
+            if hf:
+                model._init_weights(module)
+            else:
+                module.reset_parameters()
+
+
+def load_pretrained(model: nn.Module, path: Union[str, os.PathLike], *, strict: bool = True) -> None:
+    """Load Hugging Face safetensors weights into a model returned by ``fsdp()``, shard by shard.
+
+    Call on every rank. ``path``: a model directory (``model.safetensors``, or
+    ``model.safetensors.index.json`` with its shard files: only the files the index names are read)
+    or one ``.safetensors`` file. Each rank reads only the bytes of its own shards; no rank holds
+    the full model and nothing is broadcast. Works under every ``shard_strat``, on a model built
+    normally, built on ``meta`` and materialized, or left on ``meta`` by ``fsdp(...,
+    materialize=False)`` (then its shards are allocated here, with no random init, and its
+    non-persistent buffers recomputed). Tensors are converted to each parameter's dtype; a tied
+    weight stored once fills every name; checkpoints transformers 5 converts on load (Mixtral's
+    per-expert weights into fused ``experts.gate_up_proj``) are converted with transformers' own
+    mapping.
+
+    ``strict=True``: every model key must be in the checkpoint and every checkpoint key in the model
+    (keys Hugging Face itself ignores on load excepted). Shapes must match in either mode.
+
+    Raises:
+        FileNotFoundError: ``path`` (or a file its index names) does not exist.
+        CheckpointError: missing/unexpected keys or shape mismatches (named), or a file that is not
+            valid safetensors; raised on every rank before any parameter changes.
+
+    Example:
+        >>> model = fsdp(model, auto_wrap=True, shard_strat="FULL_SHARD")
+        >>> load_pretrained(model, "checkpoints/llama-3.2-1b")
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"{_CALLER}: model must be a torch.nn.Module, got {type(model).__name__}.")
+    path = Path(path)
+    for m in model.modules():  # shards registered, not unsharded parameters left by a forward
+        if isinstance(m, FSDPModule):
+            m.reshard()
+    entries, plan, tensors, aliases = on_all_ranks(lambda: _check(model, path, strict))
+    if any(t.is_meta for t in tensors.values()):
+        on_all_ranks(lambda: _allocate(model, tensors, aliases))
+        tensors = model_tensors(model)
+
+    def fill() -> None:
+        with torch.no_grad():
+            for key, source in plan.direct.items():
+                t = tensors[key]
+                box = local_box(t)
+                local = t.to_local() if isinstance(t, DTensor) else t
+                entry = entries[source]
+                whole_rows = all(b == (0, n) for b, n in zip(box[1:], entry.shape[1:]))
+                if local.dtype == entry.dtype and local.device.type == "cpu" and local.is_contiguous() and whole_rows:
+                    # The shard's bytes are one contiguous range of the file: read them in place.
+                    read_rows(entry, *((box[0][0], box[0][1] - box[0][0]) if box else ()), out=local.view(local.shape))
+                else:
+                    local.copy_(_read_piece(entry, box).reshape(local.shape))
+            for key, (_, build) in plan.converted.items():
+                t = tensors[key]
+                full = build(lambda k: read_rows(entries[k]))  # one fused tensor at a time
+                local = t.to_local() if isinstance(t, DTensor) else t
+                local.copy_(_cut(full, local_box(t), rows_read=False))
+                del full
+
+    on_all_ranks(fill)  # an I/O error on one rank raises on all (no peer left waiting)
+    left = [k for k, t in model_tensors(model).items() if t.is_meta]
+    if left:
+        raise CheckpointError(f"{_CALLER}: these tensors are still on the meta device: {_short(left)}")

@@ -1,0 +1,223 @@
+"""Which tensor of a model is which key of a Hugging Face checkpoint: ties and transformers' conversions.
+
+Pure: no file and no process group. Two things make a model's own names differ from the keys
+``save_pretrained`` writes:
+
+* tied weights are stored once, under the name Hugging Face keeps (``all_tied_weights_keys`` maps
+  each dropped alias to it; for other models the first name a parameter is reachable under);
+* transformers 5 fuses some weights in memory (Mixtral's per-expert ``w1``/``w3`` become one
+  ``mlp.experts.gate_up_proj``) and renames on load/save. We use transformers' own conversion
+  mapping (``get_model_conversion_mapping``: the one ``from_pretrained`` applies), so every
+  architecture transformers can load converts the same way here.
+
+transformers is imported only for a model whose class comes from it.
+
+Example:
+    >>> aliases = tied_aliases(model)  # {"lm_head.weight": "model.embed_tokens.weight"}
+    >>> plan = map_checkpoint_keys(model, checkpoint_shapes, model_shapes)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import torch
+import torch.nn as nn
+from torch.distributed.fsdp import FSDPModule
+
+__all__ = [
+    "KeyPlan",
+    "hf_class",
+    "is_hf_model",
+    "map_checkpoint_keys",
+    "model_tensors",
+    "saved_tensors",
+    "tied_aliases",
+]
+
+
+def is_hf_model(model: nn.Module) -> bool:
+    """``True`` for a transformers ``PreTrainedModel`` (sharded or not), without importing transformers otherwise.
+
+    Example:
+        >>> is_hf_model(nn.Linear(2, 2))
+        False
+    """
+    if not any(c.__module__.startswith("transformers.") for c in type(model).__mro__):
+        return False
+    from transformers import PreTrainedModel
+
+    return isinstance(model, PreTrainedModel)
+
+
+def hf_class(model: nn.Module) -> type:
+    """The model's own class: ``fully_shard`` swaps in a generated ``FSDP<Name>`` subclass.
+
+    Example:
+        >>> hf_class(fsdp(LlamaForCausalLM(cfg))).__name__  # doctest: +SKIP
+        'LlamaForCausalLM'
+    """
+    return next(c for c in type(model).__mro__ if not issubclass(c, FSDPModule))
+
+
+def model_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter and persistent buffer under every name (aliases included), in state-dict order.
+
+    Example:
+        >>> list(model_tensors(nn.Linear(2, 2)))
+        ['weight', 'bias']
+    """
+    return dict(model.state_dict(keep_vars=True))
+
+
+def tied_aliases(model: nn.Module, tensors: Optional[dict[str, torch.Tensor]] = None) -> dict[str, str]:
+    """``{alias: kept name}`` for every tensor reachable under several names.
+
+    The kept name is the one Hugging Face keeps (``all_tied_weights_keys``) when the model says,
+    else the first name in state-dict order.
+
+    Example:
+        >>> tied_aliases(tied_llama)
+        {'lm_head.weight': 'model.embed_tokens.weight'}
+    """
+    tensors = model_tensors(model) if tensors is None else tensors
+    names: dict[int, list[str]] = {}
+    for name, tensor in tensors.items():
+        names.setdefault(id(tensor), []).append(name)
+    hf_kept = dict(getattr(model, "all_tied_weights_keys", None) or {}) if is_hf_model(model) else {}
+    aliases: dict[str, str] = {}
+    for group in names.values():
+        if len(group) < 2:
+            continue
+        kept = next((hf_kept[n] for n in group if n in hf_kept and hf_kept[n] in group), group[0])
+        aliases.update({n: kept for n in group if n != kept})
+    return aliases
+
+
+def _transforms(model: nn.Module) -> tuple[list, list]:
+    """transformers' (renamings, converters) for ``model``; empty for other models."""
+    if not is_hf_model(model):
+        return [], []
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightConverter, WeightRenaming
+
+    transforms = get_model_conversion_mapping(model)
+    return (
+        [t for t in transforms if isinstance(t, WeightRenaming)],
+        [t for t in transforms if isinstance(t, WeightConverter)],
+    )
+
+
+@dataclass
+class KeyPlan:
+    """Where each model tensor comes from in a checkpoint.
+
+    ``direct``: model key -> checkpoint key (same tensor, maybe renamed). ``converted``: model key
+    -> (checkpoint keys in order, ``build(read)``: the full tensor from ``read(ckpt_key)``).
+    ``unexpected``: checkpoint keys that match nothing. ``missing``: model keys nothing provides.
+    ``shapes``: the full shape each model key gets from the checkpoint.
+    """
+
+    direct: dict[str, str] = field(default_factory=dict)
+    converted: dict[str, tuple[list[str], Callable[[Callable[[str], torch.Tensor]], torch.Tensor]]] = field(
+        default_factory=dict
+    )
+    unexpected: list[str] = field(default_factory=list)
+    missing: list[str] = field(default_factory=list)
+    shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
+
+
+def map_checkpoint_keys(
+    model: nn.Module,
+    checkpoint: dict[str, tuple[torch.dtype, tuple[int, ...]]],
+    wanted: dict[str, tuple[int, ...]],
+    aliases: dict[str, str],
+) -> KeyPlan:
+    """Match checkpoint keys to the model's kept keys (``wanted``: key -> shape), as ``from_pretrained`` would.
+
+    ``checkpoint``: key -> (dtype, shape). A checkpoint key naming a tied alias serves the kept
+    name. Keys Hugging Face itself ignores on load (``_keys_to_ignore_on_load_unexpected``/
+    ``_missing``, old ``position_ids``/``rotary_emb.inv_freq`` buffers) are not reported.
+
+    Example:
+        >>> plan = map_checkpoint_keys(model, {"w": (torch.float32, (2, 2))}, {"w": (2, 2)}, {})
+        >>> plan.direct
+        {'w': 'w'}
+    """
+    import re
+
+    renamings, converters = _transforms(model)
+    plan = KeyPlan()
+    known = {k: True for k in list(wanted) + list(aliases)}
+    groups: dict[str, tuple[Any, list[tuple[str, str]]]] = {}
+    keys = list(checkpoint)
+    if renamings or converters:
+        from transformers.core_model_loading import dot_natural_key, rename_source_key
+
+        keys.sort(key=dot_natural_key)  # experts 0, 1, ..., 10 in numeric order: the fused tensor's order
+        pattern_to_converter = {p: c for c in converters for p in c.source_patterns}
+        prefix = getattr(model, "base_model_prefix", None) or None
+    for key in keys:
+        target, pattern = key, None
+        if renamings or converters:
+            target, pattern = rename_source_key(key, renamings, converters, prefix, known)
+            if target not in known and key in known:
+                target, pattern = key, None
+        target = aliases.get(target, target)
+        if target not in wanted:
+            plan.unexpected.append(key)
+        elif pattern is not None:
+            from copy import deepcopy
+
+            conv, sources = groups.setdefault(target, (deepcopy(pattern_to_converter[pattern]), []))
+            sources.append((key, pattern))
+        elif target not in plan.direct:
+            plan.direct[target] = key
+            plan.shapes[target] = tuple(checkpoint[key][1])
+    for target, (conv, sources) in groups.items():
+
+        def build(read: Callable[[str], torch.Tensor], conv: Any = conv, sources: list = sources, target: str = target):
+            from copy import deepcopy
+
+            fresh = deepcopy(conv)  # convert() consumes what was collected
+            for key, pattern in sources:
+                fresh.add_tensor(target, key, pattern, (lambda k=key: read(k)))
+            out = fresh.convert(target, model=model, config=getattr(model, "config", None))
+            if target not in out:
+                raise ValueError(f"converting {[k for k, _ in sources]} gave {list(out)}, not {target!r}")
+            value = out[target]
+            return value[0] if isinstance(value, list) else value
+
+        plan.converted[target] = ([k for k, _ in sources], build)
+        meta = build(lambda k: torch.empty(checkpoint[k][1], dtype=checkpoint[k][0], device="meta"))
+        plan.shapes[target] = tuple(meta.shape)
+    ignore_unexpected = list(getattr(model, "_keys_to_ignore_on_load_unexpected", None) or [])
+    ignore_missing = list(getattr(model, "_keys_to_ignore_on_load_missing", None) or [])
+    if is_hf_model(model):
+        ignore_unexpected += [r"rotary_emb\.inv_freq", r"(^|\.)position_ids$"]
+    plan.unexpected = [k for k in plan.unexpected if not any(re.search(p, k) for p in ignore_unexpected)]
+    plan.missing = [
+        k
+        for k in wanted
+        if k not in plan.direct and k not in plan.converted and not any(re.search(p, k) for p in ignore_missing)
+    ]
+    return plan
+
+
+def saved_tensors(model: nn.Module, key: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The checkpoint entries one model tensor is saved as (``save_pretrained``'s names and layout).
+
+    Usually ``{key: tensor}``; a fused MoE tensor becomes its per-expert tensors, under the names
+    transformers' own ``save_pretrained`` writes. Works on ``meta`` tensors (to plan files ahead).
+
+    Example:
+        >>> list(saved_tensors(mixtral, "model.layers.0.mlp.experts.down_proj", t))[:1]
+        ['model.layers.0.block_sparse_moe.experts.0.w2.weight']
+    """
+    renamings, converters = _transforms(model)
+    if not renamings and not converters:
+        return {key: tensor}
+    from transformers.core_model_loading import revert_weight_conversion
+
+    return revert_weight_conversion(model, {key: tensor})

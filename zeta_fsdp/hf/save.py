@@ -1,0 +1,225 @@
+"""``save_pretrained``: a sharded model written in Hugging Face's layout, without any rank holding it whole.
+
+The files are planned before any byte moves: every kept tensor's saved names, dtypes and shapes
+(ties dropped as Hugging Face drops them; fused MoE tensors split back into transformers'
+per-expert keys), cut into files of at most ``max_shard_size``, file ``i`` written by rank
+``i % world``. Then, one tensor at a time, every rank takes part in gathering it and the rank that
+owns its file streams it to disk (``SafetensorsStreamWriter``: header first, then the bytes), so a
+rank's peak is its own shards plus one full tensor. Everything is written into a hidden directory
+beside ``path`` and renamed into place once complete.
+
+Example:
+    >>> save_pretrained(model, "out/llama", dtype=torch.bfloat16)
+    >>> LlamaForCausalLM.from_pretrained("out/llama")  # single process, unsharded
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+
+from .agree import on_all_ranks, rank, world
+from .files import (
+    INDEX_NAME,
+    SafetensorsStreamWriter,
+    parse_size,
+    plan_shard_files,
+    publish_dir,
+    shard_file_names,
+    staging_dir,
+)
+from .naming import hf_class, is_hf_model, model_tensors, saved_tensors, tied_aliases
+
+__all__ = ["cast", "check_dtype", "plan_hf_files", "save_pretrained", "write_hf_config", "write_index"]
+
+_CALLER = "save_pretrained()"
+
+
+def check_dtype(dtype: Optional[torch.dtype], caller: str) -> None:
+    """``dtype`` must be ``None`` or a floating-point ``torch.dtype``."""
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise ValueError(
+            f"{caller}: dtype={dtype!r} is not accepted. Accepted: None (keep each tensor's dtype) or a "
+            "floating-point torch.dtype such as torch.bfloat16."
+        )
+
+
+def cast(t: torch.Tensor, dtype: Optional[torch.dtype]) -> torch.Tensor:
+    """Floating-point tensors to ``dtype`` (integers and bools keep theirs)."""
+    return t.to(dtype) if dtype is not None and t.is_floating_point() else t
+
+
+def plan_hf_files(
+    layout: dict[str, tuple[torch.dtype, tuple[int, ...]]], max_shard_size: int
+) -> tuple[dict[str, str], dict[str, dict[str, tuple[torch.dtype, tuple[int, ...]]]]]:
+    """``({saved key: file name}, {file name: its layout})`` for saved keys in order.
+
+    Example:
+        >>> where, files = plan_hf_files({"w": (torch.float32, (2, 2))}, 10**9)
+        >>> where
+        {'w': 'model.safetensors'}
+    """
+    sizes = {k: d.itemsize * int(torch.Size(s).numel()) for k, (d, s) in layout.items()}
+    groups = plan_shard_files(sizes, max_shard_size)
+    names = shard_file_names(len(groups))
+    where = {k: name for name, keys in zip(names, groups) for k in keys}
+    files = {name: {k: layout[k] for k in keys} for name, keys in zip(names, groups)}
+    return where, files
+
+
+def write_hf_config(model_or_config: Any, out: Path, dtype: Optional[torch.dtype], architecture: Optional[str]) -> None:
+    """``config.json`` (and ``generation_config.json`` when the model generates) into ``out``.
+
+    The written config names the saved dtype and the model's own class (not FSDP's subclass).
+    """
+    config = copy.deepcopy(getattr(model_or_config, "config", model_or_config))
+    if dtype is not None:
+        config.dtype = str(dtype).removeprefix("torch.")
+    if architecture is not None:
+        config.architectures = [architecture]
+    config.save_pretrained(out)
+    generation = getattr(model_or_config, "generation_config", None)
+    can_generate = getattr(model_or_config, "can_generate", None)
+    if generation is not None and callable(can_generate) and can_generate():
+        generation.save_pretrained(out)
+
+
+def write_index(out: Path, where: dict[str, str], files: dict[str, dict]) -> None:
+    """``model.safetensors.index.json`` into ``out`` when there is more than one file."""
+    if len(files) < 2:
+        return
+    total = sum(d.itemsize * int(torch.Size(s).numel()) for f in files.values() for d, s in f.values())
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(where.items()))}
+    (out / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
+
+
+def save_pretrained(
+    model: nn.Module,
+    path: Union[str, os.PathLike],
+    *,
+    dtype: Optional[torch.dtype] = None,
+    max_shard_size: Union[int, str] = "5GB",
+    overwrite: bool = False,
+) -> Path:
+    """Write a model returned by ``fsdp()`` as a Hugging Face model directory; returns ``path``.
+
+    Call on every rank. Writes ``model.safetensors`` (or ``model-0000i-of-0000n.safetensors`` files
+    of at most ``max_shard_size`` plus ``model.safetensors.index.json``), and ``config.json`` /
+    ``generation_config.json`` when the model has a Hugging Face ``.config``, so
+    ``AutoModelFor*.from_pretrained(path)`` loads it. No rank holds the whole model: tensors are
+    gathered one at a time and streamed to disk by the rank writing their file. Tied weights are
+    stored once, as Hugging Face stores them; fused MoE tensors are written under the per-expert keys
+    transformers' own ``save_pretrained`` uses. ``dtype`` casts floating-point tensors on write.
+
+    ``path`` must not exist, or be an empty directory, unless ``overwrite=True``. The files are
+    written into ``.<name>.incomplete`` beside ``path`` and renamed into place once complete: a
+    refused or failed save leaves what was at ``path`` untouched. With several nodes, ``path``
+    must be on a file system every rank sees.
+
+    Raises:
+        FileExistsError: ``path`` exists and is not empty (without ``overwrite=True``), or is a file.
+        ValueError: a bad ``dtype`` or ``max_shard_size``.
+
+    Example:
+        >>> save_pretrained(model, "out/llama", dtype=torch.bfloat16, max_shard_size="2GB")
+        >>> AutoModelForCausalLM.from_pretrained("out/llama")
+    """
+    path = Path(path)
+    tmp_holder: list[Path] = []
+
+    def prepare() -> tuple[dict, dict, dict]:
+        check_dtype(dtype, _CALLER)
+        limit = parse_size(max_shard_size)
+        if not isinstance(overwrite, bool):
+            raise ValueError(f"{_CALLER}: overwrite={overwrite!r} is not accepted. Accepted: True or False.")
+        tensors = model_tensors(model)
+        aliases = tied_aliases(model, tensors)
+        saved: dict[str, dict[str, tuple[torch.dtype, tuple[int, ...]]]] = {}
+        for key, t in tensors.items():
+            if key in aliases:
+                continue
+            meta = torch.empty(t.shape, dtype=cast(torch.empty((), dtype=t.dtype), dtype).dtype, device="meta")
+            saved[key] = {k: (v.dtype, tuple(v.shape)) for k, v in saved_tensors(model, key, meta).items()}
+        layout = {k: v for entries in saved.values() for k, v in entries.items()}
+        where, files = plan_hf_files(layout, limit)
+        if rank() == 0:
+            tmp_holder.append(staging_dir(path, overwrite=overwrite, caller=_CALLER))
+        return saved, where, files
+
+    for m in model.modules():  # gather from shards, not from unsharded parameters left by a forward
+        if isinstance(m, FSDPModule):
+            m.reshard()
+    try:
+        saved, where, files = on_all_ranks(prepare)
+    except Exception:
+        for made in tmp_holder:  # rank 0 staged before another rank refused: leave nothing behind
+            shutil.rmtree(made, ignore_errors=True)
+        raise
+    tmp_list = [tmp_holder[0] if tmp_holder else None]
+    if world() > 1:
+        dist.broadcast_object_list(tmp_list, src=0)
+    tmp: Path = tmp_list[0]
+    writer_of = {name: i % world() for i, name in enumerate(files)}
+    tensors = model_tensors(model)
+    published = False
+    try:
+
+        def write() -> None:
+            open_writers: dict[str, SafetensorsStreamWriter] = {}
+            left = {name: len(layout) for name, layout in files.items()}
+            failed: Optional[BaseException] = None
+            try:
+                for key, entries in saved.items():
+                    t = tensors[key]
+                    full = t.full_tensor() if isinstance(t, DTensor) else t  # collective: every rank, same order
+                    mine = [k for k in entries if writer_of[where[k]] == rank()]
+                    if mine and failed is None:
+                        # A failed write must not leave this rank's peers waiting in the next gather:
+                        # keep gathering, stop writing, report once every tensor went round.
+                        try:
+                            pieces = saved_tensors(model, key, cast(full.detach(), dtype))
+                            for k in mine:
+                                name = where[k]
+                                if name not in open_writers:
+                                    open_writers[name] = SafetensorsStreamWriter(tmp / name, files[name])
+                                open_writers[name].write(k, pieces[k])
+                                left[name] -= 1
+                                if not left[name]:
+                                    open_writers.pop(name).close()
+                            del pieces
+                        except Exception as e:
+                            failed = e
+                    del full
+            finally:
+                for w in open_writers.values():
+                    w.__exit__(RuntimeError, None, None)
+            if failed is not None:
+                raise failed
+            if rank() == 0:
+                write_index(tmp, where, files)
+                if is_hf_model(model):
+                    saved_dtype = dtype or next((t.dtype for t in tensors.values() if t.is_floating_point()), None)
+                    write_hf_config(model, tmp, saved_dtype, hf_class(model).__name__)
+
+        on_all_ranks(write)
+
+        def publish() -> None:
+            if rank() == 0:
+                publish_dir(tmp, path)
+
+        on_all_ranks(publish)
+        published = True
+    finally:
+        if rank() == 0 and not published and tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return path
