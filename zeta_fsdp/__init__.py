@@ -5,11 +5,12 @@ Example:
     >>> model = fsdp(model, auto_wrap=True, mp="bf16", shard_strat="FULL_SHARD", TransformerBlock=Block)
 """
 
+from .cli.model_spec import meta_model_from_spec
 from .distributed import shutdown
 from .fsdp import fsdp, get_wrap_plan, is_fsdp_wrapped
 from .loss import MaskedTokenLossReduction, PerSampleLossReduction
 from .options import ShardingSpec, resolve_mixed_precision, resolve_sharding
-from .planner import DryRunResult, MemoryPlan, UnitEstimate, dry_run, meta_model_from_spec, plan
+from .planner import DryRunResult, MemoryPlan, UnitEstimate, dry_run, plan
 from .state_dict import (
     CheckpointError,
     consolidate_checkpoint,

@@ -36,7 +36,7 @@ from .distributed import (
 from .options import resolve_mixed_precision, resolve_sharding, validate_reshard_after_forward
 from .wrapping import BlockSpec, WrapPlan, build_wrap_plan
 
-__all__ = ["fsdp", "get_wrap_plan", "is_fsdp_wrapped"]
+__all__ = ["fsdp", "fsdp_param_groups", "fsdp_state", "get_wrap_plan", "is_fsdp_wrapped"]
 
 _PLAN_ATTR = "_zeta_fsdp_plan"
 
@@ -49,6 +49,48 @@ def is_fsdp_wrapped(model: nn.Module) -> bool:
         False
     """
     return any(isinstance(m, FSDPModule) for m in model.modules())
+
+
+def fsdp_state(module: nn.Module) -> Optional[Any]:
+    """FSDP2's private per-module state (``module._get_fsdp_state()``), or ``None`` when the module
+    is not sharded or this torch does not expose it. The one place the package reads it.
+
+    Example:
+        >>> fsdp_state(nn.Linear(2, 2)) is None
+        True
+    """
+    if not isinstance(module, FSDPModule):
+        return None
+    try:
+        return module._get_fsdp_state()
+    except Exception:  # noqa: BLE001 - an unreadable state: callers fall back to FSDP's defaults
+        return None
+
+
+def fsdp_param_groups(module: nn.Module) -> Optional[list]:
+    """The FSDP parameter groups of one sharded module (``[]`` if it owns none), or ``None`` when
+    they cannot be read.
+
+    Private torch attributes: ``_fsdp_param_groups`` (a list, newer torch) or
+    ``_fsdp_param_group`` (one group or ``None``, older torch; in newer torch a property that
+    raises when a unit has several groups).
+
+    Example:
+        >>> fsdp_param_groups(nn.Linear(2, 2)) is None  # not sharded: no state to read
+        True
+    """
+    state = fsdp_state(module)
+    if state is None:
+        return None
+    for name in ("_fsdp_param_groups", "_fsdp_param_group"):
+        try:
+            groups = getattr(state, name)
+        except Exception:  # noqa: BLE001 - absent, or the property refused: try the other name
+            continue
+        if groups is None:
+            return []
+        return list(groups) if isinstance(groups, (list, tuple)) else [groups]
+    return None
 
 
 def get_wrap_plan(model: nn.Module) -> Optional[WrapPlan]:

@@ -74,11 +74,6 @@ class ShardingSpec:
     replicate_all: bool
     reshard_after_forward: bool
 
-    @property
-    def is_hybrid(self) -> bool:
-        """``True`` for HYBRID_SHARD and HYBRID_SHARD_ZERO2 (shard within, replicate across)."""
-        return self.mesh_ndim == 2 and not self.replicate_all
-
 
 _SHARDING_TABLE: dict[str, ShardingSpec] = {
     "FULL_SHARD": ShardingSpec("FULL_SHARD", 1, False, True),
@@ -103,11 +98,14 @@ SHARDING_ALIASES: dict[str, str] = {
 }
 
 
-def resolve_mixed_precision(mp: Union[str, MixedPrecisionPolicy, None]) -> MixedPrecisionPolicy:
+def resolve_mixed_precision(
+    mp: Union[str, MixedPrecisionPolicy, None], *, caller: str = "fsdp"
+) -> MixedPrecisionPolicy:
     """Turn Zeta's ``mp`` string into the FSDP2 ``MixedPrecisionPolicy`` used for every unit.
 
     ``"fp32"`` (default) casts nothing; ``"bf16"``/``"fp16"`` compute in the low dtype and reduce
     gradients in fp32. A ``MixedPrecisionPolicy`` is returned as given. Case-insensitive.
+    A bad value raises ``ValueError`` whose message starts with ``caller`` (the function the user called).
 
     Example:
         >>> resolve_mixed_precision("FP16")
@@ -123,15 +121,17 @@ def resolve_mixed_precision(mp: Union[str, MixedPrecisionPolicy, None]) -> Mixed
     if key not in MIXED_PRECISION_ALIASES:
         accepted = ", ".join(repr(a) for a in MIXED_PRECISION_ALIASES)
         raise ValueError(
-            f"fsdp(): unknown mp={mp!r}. Accepted (case-insensitive): {accepted}, "
+            f"{caller}(): unknown mp={mp!r}. Accepted (case-insensitive): {accepted}, "
             "or a torch.distributed.fsdp.MixedPrecisionPolicy."
         )
     param_dtype, reduce_dtype = _MP_TABLE[MIXED_PRECISION_ALIASES[key]]
     return MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
 
 
-def resolve_sharding(shard_strat: Union[str, enum.Enum, None]) -> ShardingSpec:
+def resolve_sharding(shard_strat: Union[str, enum.Enum, None], *, caller: str = "fsdp") -> ShardingSpec:
     """Turn Zeta's ``shard_strat`` (or an FSDP1 ``ShardingStrategy`` member) into a ShardingSpec.
+
+    A bad value raises ``ValueError`` whose message starts with ``caller`` (the function the user called).
 
     Example:
         >>> from torch.distributed.fsdp import ShardingStrategy
@@ -145,7 +145,7 @@ def resolve_sharding(shard_strat: Union[str, enum.Enum, None]) -> ShardingSpec:
     if key not in SHARDING_ALIASES:
         accepted = ", ".join(repr(a) for a in SHARDING_ALIASES)
         raise ValueError(
-            f"fsdp(): unknown shard_strat={shard_strat!r}. Accepted (case-insensitive): "
+            f"{caller}(): unknown shard_strat={shard_strat!r}. Accepted (case-insensitive): "
             f"{accepted}, or a torch.distributed.fsdp.ShardingStrategy member."
         )
     return _SHARDING_TABLE[SHARDING_ALIASES[key]]
