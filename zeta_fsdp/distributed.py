@@ -10,8 +10,10 @@ Every ``torch.distributed`` set-up call of the package lives here. The rules:
 
 Example:
     >>> from zeta_fsdp.distributed import ensure_process_group, shutdown
-    >>> created = ensure_process_group(torch.device("cpu"))  # doctest: +SKIP
-    >>> shutdown()  # doctest: +SKIP
+    >>> ensure_process_group(torch.device("cpu"))  # no group yet: a one-process gloo group
+    True
+    >>> get_world_size(), shutdown(), is_distributed()  # shutdown() destroys only a group we started
+    (1, None, False)
 """
 
 from __future__ import annotations
@@ -208,8 +210,8 @@ def ensure_process_group(device: torch.device, *, cpu_offload: bool = False, tim
     job through ``env://``; otherwise it starts a one-process group on an in-memory store.
 
     Example:
-        >>> ensure_process_group(torch.device("cpu"))  # doctest: +SKIP
-        True
+        ensure_process_group(torch.device("cpu"))
+        # -> True
     """
     if not dist.is_available():
         raise RuntimeError("fsdp(): this PyTorch build has no torch.distributed support.")
@@ -245,8 +247,8 @@ def fake_process_group(world_size: int, rank: int = 0) -> Iterator[None]:
     ``planner.dry_run`` does). Refuses to run when a process group already exists.
 
     Example:
-        >>> with fake_process_group(world_size=1024, rank=7):  # doctest: +SKIP
-        ...     fsdp(meta_model, materialize=False)
+        with fake_process_group(world_size=1024, rank=7):
+            fsdp(meta_model, materialize=False)
     """
     from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
 
@@ -310,8 +312,8 @@ def shard_group_size(
     """Number of ranks one parameter is sharded over (the last mesh dimension).
 
     Example:
-        >>> shard_group_size(resolve_sharding("FULL_SHARD"))  # doctest: +SKIP
-        2
+        shard_group_size(resolve_sharding("FULL_SHARD"))
+        # -> 2
     """
     if mesh is not None:
         return mesh.size(-1)
@@ -337,7 +339,7 @@ def build_mesh(spec: ShardingSpec, device: torch.device, *, replicate_size: Opti
     """Build the DeviceMesh ``spec`` needs over the default group (which must exist).
 
     Example:
-        >>> mesh = build_mesh(resolve_sharding("FULL_SHARD"), torch.device("cpu"))  # doctest: +SKIP
+        mesh = build_mesh(resolve_sharding("FULL_SHARD"), torch.device("cpu"))
     """
     shape = mesh_shape(spec, dist.get_world_size(), local_world_size=_local_world_size(), replicate_size=replicate_size)
     names = ("dp_shard",) if len(shape) == 1 else ("dp_replicate", "dp_shard")
@@ -351,9 +353,9 @@ def build_dp_tp_mesh(device: torch.device, dp: int, tp: int) -> DeviceMesh:
     divides the ranks per node: TP's per-layer collectives stay on the fast links.
 
     Example:
-        >>> mesh = build_dp_tp_mesh(torch.device("cpu"), dp=2, tp=2)  # doctest: +SKIP
-        >>> mesh["dp"].size(), mesh["tp"].size()  # doctest: +SKIP
-        (2, 2)
+        mesh = build_dp_tp_mesh(torch.device("cpu"), dp=2, tp=2)
+        mesh["dp"].size(), mesh["tp"].size()
+        # -> (2, 2)
     """
     return init_device_mesh(device.type, (dp, tp), mesh_dim_names=("dp", "tp"))
 

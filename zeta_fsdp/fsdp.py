@@ -9,8 +9,8 @@ Steps, in order (each a plain function below):
     -> materialize a meta-device model (``to_empty``, init, re-tie).
 
 Example:
-    >>> from zeta_fsdp import fsdp
-    >>> model = fsdp(nn.Sequential(nn.Linear(784, 256), nn.ReLU(), nn.Linear(256, 10)))
+    from zeta_fsdp import fsdp
+    model = fsdp(nn.Sequential(nn.Linear(784, 256), nn.ReLU(), nn.Linear(256, 10)))
 """
 
 from __future__ import annotations
@@ -39,6 +39,19 @@ from .wrapping import BlockSpec, WrapPlan, build_wrap_plan
 __all__ = ["fsdp", "fsdp_param_groups", "fsdp_state", "get_wrap_plan", "is_fsdp_wrapped"]
 
 _PLAN_ATTR = "_zeta_fsdp_plan"
+
+# What this torch's fully_shard takes, read from its signature (not its version string):
+# ``ignored_params`` came in torch 2.7, ``reshard_after_forward=None`` ("let FSDP decide": the
+# root keeps its parameters after forward) in torch 2.7 too. On older torch the root is given
+# ``True``, which its lazy init overrides for the root anyway (the root never reshards after forward).
+_FULLY_SHARD_PARAMS = inspect.signature(fully_shard).parameters
+_TAKES_IGNORED_PARAMS = "ignored_params" in _FULLY_SHARD_PARAMS
+_ROOT_RESHARD = (
+    None
+    if "None" in str(_FULLY_SHARD_PARAMS["reshard_after_forward"].annotation)
+    or "Optional" in str(_FULLY_SHARD_PARAMS["reshard_after_forward"].annotation)
+    else True
+)
 
 
 def is_fsdp_wrapped(model: nn.Module) -> bool:
@@ -97,8 +110,8 @@ def get_wrap_plan(model: nn.Module) -> Optional[WrapPlan]:
     """The ``WrapPlan`` ``fsdp()`` applied to ``model`` (``None`` if ``fsdp()`` did not wrap it).
 
     Example:
-        >>> model = fsdp(small(), auto_wrap=True)  # doctest: +SKIP
-        >>> print(get_wrap_plan(model).table())  # doctest: +SKIP
+        model = fsdp(small(), auto_wrap=True)
+        print(get_wrap_plan(model).table())
     """
     return model.__dict__.get(_PLAN_ATTR)
 
@@ -150,6 +163,11 @@ def _ignored_parameters(
     stray = [p for p in ignored if id(p) not in own]
     if stray:
         raise ValueError(f"fsdp(): {len(stray)} ignored parameter(s) do not belong to the model.")
+    if ignored and not _TAKES_IGNORED_PARAMS:
+        raise ValueError(
+            f"fsdp(): ignored_params/ignored_modules need torch >= 2.7 (fully_shard(ignored_params=...)); "
+            f"this is torch {torch.__version__}. Accepted here: None."
+        )
     return ignored
 
 
@@ -212,15 +230,17 @@ def shard_units(
     The root keeps its parameters after forward (``reshard_after_forward=None``): backward starts
     with it, so freeing and re-gathering would be pure waste.
     """
+    # Only passed when there are some: a torch without the keyword then still works.
+    extra = {"ignored_params": ignored_params} if ignored_params else {}
     for unit in plan.units:
         is_root = unit.kind == "root"
         fully_shard(
             unit.target,
             mesh=mesh,
-            reshard_after_forward=None if is_root else reshard_after_forward,
+            reshard_after_forward=_ROOT_RESHARD if is_root else reshard_after_forward,
             mp_policy=mp_policy,
             offload_policy=offload_policy,
-            ignored_params=ignored_params or None,
+            **extra,
         )
 
 
@@ -269,8 +289,8 @@ def materialize_meta_model(
     state is left as it was.
 
     Example:
-        >>> materialize_meta_model(meta_built_and_sharded, torch.device("cpu"), [])  # doctest: +SKIP
-        True
+        materialize_meta_model(meta_built_and_sharded, torch.device("cpu"), [])
+        # -> True
     """
     tensors = dict(model.named_parameters())
     tensors.update(model.named_buffers())
@@ -354,8 +374,8 @@ def fsdp(
         ValueError: for any bad argument, before a process group starts or the model changes.
 
     Example:
-        >>> model = fsdp(model, auto_wrap=True, mp="bf16", shard_strat="FULL_SHARD", TransformerBlock=Block)
-        >>> optimizer = torch.optim.AdamW(model.parameters())  # after wrapping: DTensor parameters
+        model = fsdp(model, auto_wrap=True, mp="bf16", shard_strat="FULL_SHARD", TransformerBlock=Block)
+        optimizer = torch.optim.AdamW(model.parameters())  # after wrapping: DTensor parameters
     """
     # 1. Validate everything first: nothing below may run if an argument is bad.
     if not isinstance(model, nn.Module):

@@ -13,9 +13,11 @@ token-weighted (or sample-weighted) mean instead:
 
 Example:
     >>> reduction = MaskedTokenLossReduction()
-    >>> loss, record = reduction.forward({"labels": labels, "loss_mask": mask}, logits)  # doctest: +SKIP
-    >>> loss.backward()  # doctest: +SKIP
-    >>> reduction.reduce([record])  # the global token-weighted mean  # doctest: +SKIP
+    >>> logits = torch.zeros(1, 3, 5)  # uniform over a vocabulary of 5
+    >>> batch = {"labels": torch.tensor([[1, 2, -100]]), "loss_mask": torch.tensor([[1, 1, 0]])}
+    >>> loss, record = reduction.forward(batch, logits)  # loss.backward() in training
+    >>> round(reduction.reduce([record]).item(), 4)  # the global token-weighted mean: log(5)
+    1.6094
 """
 
 from __future__ import annotations

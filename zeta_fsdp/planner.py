@@ -24,7 +24,8 @@ Example:
     >>> p = plan(model, world_size=2, shard_strat="FULL_SHARD")
     >>> p.param_bytes
     69960
-    >>> print(p.report())  # doctest: +SKIP
+    >>> print(p.report().splitlines()[0])
+    GPT: 34,950 parameters (136.52 KiB unsharded)
 """
 
 from __future__ import annotations
@@ -85,7 +86,10 @@ class UnitEstimate:
         optimizer_bytes: optimizer state on the rank (unpadded local shard).
 
     Example:
-        >>> plan(model, world_size=8).units[0].param_bytes  # doctest: +SKIP
+        >>> from zeta_fsdp.models.gpt import small
+        >>> with torch.device("meta"): model = small()  # the demo GPT, nothing allocated
+        >>> plan(model, world_size=8).units[0].param_bytes
+        5796
     """
 
     name: str
@@ -111,7 +115,7 @@ class DryRunResult:
         wrap_seconds: wall time of the ``fsdp()`` call; load_seconds: unpickling the meta copy.
 
     Example:
-        >>> dry_run(model, world_size=1024).wrap_seconds  # doctest: +SKIP
+        dry_run(model, world_size=1024).wrap_seconds
     """
 
     world_size: int
@@ -136,6 +140,8 @@ def _units_total(attribute: str, doc: str, example: int, plus: str = "") -> prop
     doc += f"""
 
         Example:
+            >>> from zeta_fsdp.models.gpt import small
+            >>> with torch.device("meta"): model = small()  # the demo GPT, nothing allocated
             >>> plan(model, world_size=2).{attribute}
             {example}
         """
@@ -151,8 +157,11 @@ class MemoryPlan:
     module's example), planned with the defaults (FULL_SHARD, fp32, AdamW).
 
     Example:
-        >>> p = plan(model, world_size=64, shard_strat="HYBRID_SHARD")  # doctest: +SKIP
-        >>> p.param_bytes, p.grad_bytes, p.optimizer_bytes, p.allgather_peak_bytes  # doctest: +SKIP
+        >>> from zeta_fsdp.models.gpt import small
+        >>> with torch.device("meta"): model = small()  # the demo GPT, nothing allocated
+        >>> p = plan(model, world_size=64, shard_strat="HYBRID_SHARD")
+        >>> p.param_bytes, p.grad_bytes, p.optimizer_bytes, p.allgather_peak_bytes
+        (18260, 18260, 36668, 99712)
     """
 
     model_name: str
@@ -177,6 +186,8 @@ class MemoryPlan:
         """Ranks one parameter is sharded over (the last mesh dimension).
 
         Example:
+            >>> from zeta_fsdp.models.gpt import small
+            >>> with torch.device("meta"): model = small()  # the demo GPT, nothing allocated
             >>> plan(model, world_size=64, shard_strat="HYBRID_SHARD").shard_size  # 8 x 8 mesh
             8
         """
@@ -208,6 +219,8 @@ class MemoryPlan:
         """Parameters + gradients + optimizer state + all-gather peak (no activations).
 
         Example:
+            >>> from zeta_fsdp.models.gpt import small
+            >>> with torch.device("meta"): model = small()  # the demo GPT, nothing allocated
             >>> p = plan(model, world_size=2)
             >>> p.total_bytes == p.param_bytes + p.grad_bytes + p.optimizer_bytes + p.allgather_peak_bytes
             True
@@ -221,8 +234,8 @@ class MemoryPlan:
         ``None`` without a dry run (``plan(..., dry_run=False)``, the default).
 
         Example:
-            >>> plan(model, world_size=8, dry_run=True).dry_run_matches  # doctest: +SKIP
-            True
+            plan(model, world_size=8, dry_run=True).dry_run_matches
+            # -> True
         """
         if self.dry_run is None:
             return None
@@ -232,6 +245,8 @@ class MemoryPlan:
         """Plain JSON-ready data: every figure in bytes, totals included.
 
         Example:
+            >>> from zeta_fsdp.models.gpt import small
+            >>> with torch.device("meta"): model = small()  # the demo GPT, nothing allocated
             >>> data = plan(model, world_size=2).to_dict()
             >>> data["param_bytes"], data["total_bytes"], data["dry_run"]
             (69960, 375508, None)
@@ -253,6 +268,8 @@ class MemoryPlan:
         """A printable report: the job, one row per unit (identical blocks folded), per-rank totals.
 
         Example:
+            >>> from zeta_fsdp.models.gpt import small
+            >>> with torch.device("meta"): model = small()  # the demo GPT, nothing allocated
             >>> print(plan(model, world_size=2).report())  # doctest: +ELLIPSIS
             GPT: 34,950 parameters (136.52 KiB unsharded)
             FULL_SHARD on 2 ranks: mesh 2 (parameters sharded over 2), mp=fp32 (no casting), optimizer=adamw
@@ -390,10 +407,12 @@ def plan(
     Raises ``ValueError`` for a bad argument (the message lists the accepted values).
 
     Example:
+        >>> from zeta_fsdp.models.gpt import small
         >>> with torch.device("meta"):
         ...     model = small()
         >>> p = plan(model, world_size=1024, shard_strat="HYBRID_SHARD", mp="bf16")
-        >>> print(p.report())  # doctest: +SKIP
+        >>> p.mesh_shape, p.param_bytes
+        ((128, 8), 18260)
     """
     if not isinstance(model, nn.Module):
         raise ValueError(f"plan(): model must be a torch.nn.Module, got {type(model).__name__}.")
@@ -574,9 +593,11 @@ def dry_run(
     ``ignored_param_names``: parameters (by name) that ``fsdp()`` leaves unsharded.
 
     Example:
-        >>> with torch.device("meta"):
-        ...     model = small(dim=4096, n_heads=32, n_layers=32, vocab_size=128256)
-        >>> dry_run(model, 1024, "HYBRID_SHARD").param_bytes  # doctest: +SKIP
+        >>> from zeta_fsdp.models.gpt import small
+        >>> with torch.device("meta"): model = small()  # the demo GPT, nothing allocated
+        >>> result = dry_run(model, 1024, "HYBRID_SHARD")  # model: the demo GPT on meta
+        >>> result.mesh_shape, result.param_bytes == plan(model, 1024, "HYBRID_SHARD").param_bytes
+        ((128, 8), True)
     """
     job = _dry_run_job(
         world_size,

@@ -8,11 +8,11 @@
   optimizer state, next to what the unsharded tensors would take.
 
 Example:
-    >>> for i, batch in enumerate(micro_batches):  # doctest: +SKIP
-    ...     with no_sync(model) if i < len(micro_batches) - 1 else contextlib.nullcontext():
-    ...         (loss_fn(model(batch)) / len(micro_batches)).backward()
-    >>> norm = clip_grad_norm_(model, 1.0)  # doctest: +SKIP
-    >>> print(memory_report(model, optimizer).table())  # doctest: +SKIP
+    for i, batch in enumerate(micro_batches):
+        with no_sync(model) if i < len(micro_batches) - 1 else contextlib.nullcontext():
+            (loss_fn(model(batch)) / len(micro_batches)).backward()
+    norm = clip_grad_norm_(model, 1.0)
+    print(memory_report(model, optimizer).table())
 """
 
 from __future__ import annotations
@@ -70,9 +70,9 @@ def no_sync(model: nn.Module) -> Iterator[nn.Module]:
     model without FSDP units is left alone (a DDP model uses its own ``no_sync``).
 
     Example:
-        >>> with no_sync(model):  # doctest: +SKIP
-        ...     (loss_fn(model(batch0)) / 2).backward()  # no collective for gradients
-        >>> (loss_fn(model(batch1)) / 2).backward()  # reduces both micro-batches  # doctest: +SKIP
+        with no_sync(model):
+            (loss_fn(model(batch0)) / 2).backward()  # no collective for gradients
+        (loss_fn(model(batch1)) / 2).backward()  # reduces both micro-batches
     """
     modules = _fsdp_modules(model)
     if not modules:
@@ -157,9 +157,9 @@ def clip_grad_norm_(
     magnitude); anything else is a ``ValueError`` naming it.
 
     Example:
-        >>> loss.backward()  # doctest: +SKIP
-        >>> norm = clip_grad_norm_(model, max_norm=1.0)  # doctest: +SKIP
-        >>> optimizer.step()  # doctest: +SKIP
+        loss.backward()
+        norm = clip_grad_norm_(model, max_norm=1.0)
+        optimizer.step()
     """
     norm_type = _norm_order(norm_type)
     params = _parameters(model_or_params)
@@ -193,9 +193,9 @@ class MemoryReport(dict):
     """``memory_report``'s result: a dict (see there) with ``table()`` for a readable view.
 
     Example:
-        >>> report = memory_report(model, optimizer)  # doctest: +SKIP
-        >>> report["params"]["local_bytes"], report["params"]["full_bytes"]  # doctest: +SKIP
-        >>> print(report.table())  # doctest: +SKIP
+        report = memory_report(model, optimizer)
+        report["params"]["local_bytes"], report["params"]["full_bytes"]
+        print(report.table())
     """
 
     ROWS = (
@@ -253,9 +253,9 @@ def memory_report(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] =
     are ``None`` count zero. ``report.table()`` (or ``print(report)``) gives a readable view.
 
     Example:
-        >>> report = memory_report(model, optimizer)  # doctest: +SKIP
-        >>> report["params"]["local_bytes"] / report["params"]["full_bytes"]  # ~1/world with FULL_SHARD  # doctest: +SKIP
-        0.5
+        report = memory_report(model, optimizer)
+        report["params"]["local_bytes"] / report["params"]["full_bytes"]  # ~1/world with FULL_SHARD
+        # -> 0.5
     """
     params = list(model.parameters())
     report = MemoryReport(
