@@ -15,7 +15,7 @@ setup(
     # torch.distributed.tensor.debug (CommDebugMode: zeta_fsdp.measure, the demo) imports it
     # and torch does not depend on it. The torch floor is the oldest release the suite passes
     # on (docs/install.md says how it was checked).
-    install_requires=["torch>=2.6", "einops", "numpy"],
+    install_requires=["torch>=2.13", "einops", "numpy"],
     extras_require={
         "hf": ["transformers>=4.40", "safetensors"],
         "lightning": ["lightning>=2.4"],

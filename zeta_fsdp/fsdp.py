@@ -40,19 +40,6 @@ __all__ = ["fsdp", "fsdp_param_groups", "fsdp_state", "get_wrap_plan", "is_fsdp_
 
 _PLAN_ATTR = "_zeta_fsdp_plan"
 
-# What this torch's fully_shard takes, read from its signature (not its version string):
-# ``ignored_params`` came in torch 2.7, ``reshard_after_forward=None`` ("let FSDP decide": the
-# root keeps its parameters after forward) in torch 2.7 too. On older torch the root is given
-# ``True``, which its lazy init overrides for the root anyway (the root never reshards after forward).
-_FULLY_SHARD_PARAMS = inspect.signature(fully_shard).parameters
-_TAKES_IGNORED_PARAMS = "ignored_params" in _FULLY_SHARD_PARAMS
-_ROOT_RESHARD = (
-    None
-    if "None" in str(_FULLY_SHARD_PARAMS["reshard_after_forward"].annotation)
-    or "Optional" in str(_FULLY_SHARD_PARAMS["reshard_after_forward"].annotation)
-    else True
-)
-
 
 def is_fsdp_wrapped(model: nn.Module) -> bool:
     """``True`` if ``model`` or any submodule has already been passed to ``fully_shard``.
@@ -163,11 +150,6 @@ def _ignored_parameters(
     stray = [p for p in ignored if id(p) not in own]
     if stray:
         raise ValueError(f"fsdp(): {len(stray)} ignored parameter(s) do not belong to the model.")
-    if ignored and not _TAKES_IGNORED_PARAMS:
-        raise ValueError(
-            f"fsdp(): ignored_params/ignored_modules need torch >= 2.7 (fully_shard(ignored_params=...)); "
-            f"this is torch {torch.__version__}. Accepted here: None."
-        )
     return ignored
 
 
@@ -230,17 +212,15 @@ def shard_units(
     The root keeps its parameters after forward (``reshard_after_forward=None``): backward starts
     with it, so freeing and re-gathering would be pure waste.
     """
-    # Only passed when there are some: a torch without the keyword then still works.
-    extra = {"ignored_params": ignored_params} if ignored_params else {}
     for unit in plan.units:
         is_root = unit.kind == "root"
         fully_shard(
             unit.target,
             mesh=mesh,
-            reshard_after_forward=_ROOT_RESHARD if is_root else reshard_after_forward,
+            reshard_after_forward=None if is_root else reshard_after_forward,
             mp_policy=mp_policy,
             offload_policy=offload_policy,
-            **extra,
+            ignored_params=ignored_params or None,
         )
 
 
