@@ -19,6 +19,8 @@ import traceback
 from pathlib import Path
 from typing import Any, Optional, TextIO
 
+from ..files import atomic_write
+
 __all__ = ["LEARNING_RATE", "PER_RANK_BATCH", "SEQ_LEN", "main", "strategies_for"]
 
 LEARNING_RATE = 3e-3
@@ -189,7 +191,8 @@ def main(argv: list[str]) -> None:
             result = {"model": model, "nproc": world, "steps": args.steps, "mp": args.mp}
             result.update(device=device.type, backend=default_backend(device))
             result["rows"] = rows
-            (out / "result.json").write_text(json.dumps(result))
+            # all or nothing: the launcher treats a present result.json as a finished run
+            atomic_write(out / "result.json", lambda tmp: tmp.write_text(json.dumps(result)))
         shutdown()
     except BaseException:
         (out / f"error_rank{rank}.txt").write_text(traceback.format_exc())
