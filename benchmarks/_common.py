@@ -7,7 +7,7 @@ Every benchmark script is both a rank program and its own launcher:
 * started plainly (``python benchmarks/bench_x.py``) it relaunches itself under ``torchrun``
   with ``--nproc`` ranks, so tests and users need not type the launcher.
 
-Measurement itself comes from ``zeta_fsdp._measure`` (FSDPMemTracker, CommDebugMode, timers);
+Measurement itself comes from ``zeta_fsdp.measure`` (FSDPMemTracker, CommDebugMode, timers);
 this module only adds what the benchmarks need around it: interleaved A/B timing, the
 hand-written ``fully_shard`` reference, and the results-file format.
 
@@ -47,8 +47,8 @@ from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 from torch.distributed.fsdp import fully_shard  # noqa: E402
 
 from zeta_fsdp import shutdown  # noqa: E402
-from zeta_fsdp._measure import median_step_seconds  # noqa: E402
 from zeta_fsdp.distributed import ensure_process_group  # noqa: E402
+from zeta_fsdp.measure import median_step_seconds  # noqa: E402
 from zeta_fsdp.models.gpt import GPT, Block, GPTConfig, lm_loss  # noqa: E402
 from zeta_fsdp.options import resolve_mixed_precision  # noqa: E402
 

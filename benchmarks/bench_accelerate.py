@@ -45,7 +45,7 @@ from _common import (
 )
 
 from zeta_fsdp import fsdp
-from zeta_fsdp._measure import collectives_per_step, peak_memory_by_category
+from zeta_fsdp.measure import collectives_per_step, peak_memory_by_category
 
 SKIP_MESSAGE = "bench_accelerate: skipped: accelerate is not installed (benchmark-only extra: pip install accelerate)"
 

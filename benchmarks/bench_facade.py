@@ -48,7 +48,7 @@ from _common import (
 )
 
 from zeta_fsdp import fsdp
-from zeta_fsdp._measure import collectives_per_step, peak_memory_by_category
+from zeta_fsdp.measure import collectives_per_step, peak_memory_by_category
 from zeta_fsdp.models.gpt import llama_1b_config
 
 QUICK_WRAP_CONFIG = GPTConfig(vocab_size=1024, dim=128, n_heads=4, n_layers=2, max_seq_len=128)

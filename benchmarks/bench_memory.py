@@ -45,7 +45,7 @@ from _common import (
 )
 
 from zeta_fsdp import fsdp
-from zeta_fsdp._measure import peak_memory_by_category
+from zeta_fsdp.measure import peak_memory_by_category
 
 # Wider than the step-time model and a small batch, so parameter, gradient and optimizer
 # state (what sharding divides) dominate activations (what it does not).

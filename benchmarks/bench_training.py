@@ -47,8 +47,8 @@ from _common import (  # noqa: E402
 )
 
 from zeta_fsdp import fsdp  # noqa: E402
-from zeta_fsdp._measure import collectives_per_step  # noqa: E402
 from zeta_fsdp.loss import MaskedTokenLossReduction  # noqa: E402
+from zeta_fsdp.measure import collectives_per_step  # noqa: E402
 from zeta_fsdp.strategy import FSDP2Strategy  # noqa: E402
 from zeta_fsdp.training import no_sync  # noqa: E402
 

@@ -56,7 +56,7 @@ for step in range(5):
 # ## 4. Memory by category (FSDPMemTracker, exact on CPU)
 
 # %%
-from zeta_fsdp._measure import peak_memory_by_category  # noqa: E402
+from zeta_fsdp import peak_memory_by_category  # noqa: E402
 
 
 def train_step():

@@ -162,7 +162,7 @@ def parity_compiled_blocks():
 
 
 def _measure_memory_without_training(model: nn.Module) -> None:
-    from zeta_fsdp._measure import peak_memory_by_category
+    from zeta_fsdp.measure import peak_memory_by_category
 
     x, y = global_batch(99)
 

@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor
 from worker import SEQ, Cases, rank, run_cases
 
 from zeta_fsdp import fsdp
-from zeta_fsdp._measure import _restore_fsdp_hooks
+from zeta_fsdp.measure import restore_fsdp_hooks
 from zeta_fsdp.models.gpt import lm_loss, small
 
 BATCH = 4
@@ -65,7 +65,7 @@ def measure(name: str) -> dict:
     opt.step()
     opt.zero_grad()
     maxima: dict[str, int] = {}
-    with _restore_fsdp_hooks(model):
+    with restore_fsdp_hooks(model):
         tracker = FSDPMemTracker(model, opt)
         tracker.track_inputs((tokens,))
         update = tracker._update_peak_stats

@@ -1,4 +1,4 @@
-"""`python -m zeta_fsdp demo | plan | bench`: the demo end to end, bad input, Ctrl-C with no orphan rank."""
+"""`python -m zeta_fsdp demo | plan | consolidate`: the demo end to end, bad input, Ctrl-C with no orphan rank."""
 
 from __future__ import annotations
 
@@ -107,7 +107,7 @@ def test_demo_says_where_it_runs_and_what_strategies_are(demo):
 def test_demo_device_choice(monkeypatch, available, count, nproc, expected):
     import torch
 
-    from zeta_fsdp.demo import demo_device
+    from zeta_fsdp.cli.demo import demo_device
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: available)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
@@ -118,7 +118,7 @@ def test_demo_ranks_get_the_chosen_device(monkeypatch):
     """On a GPU machine the launcher hands ``--device cuda`` to the ranks and says so (no GPU needed)."""
     import io
 
-    import zeta_fsdp.demo as demo
+    import zeta_fsdp.cli.demo as demo
 
     launched = []
 
@@ -218,9 +218,7 @@ BAD_INPUT = [
     (["plan", "zeta_fsdp.models.gpt:small", "--world-size", "2", "--rank", "2"], "Accepted: an int in [0, 1]"),
     (["plan", "zeta_fsdp.models.gpt:small", "--block", "Nope"], "matches no submodule"),
     (["plan", "/no/such/config.json"], "no config file"),
-    (["bench", "nope"], "unknown benchmark 'nope'; accepted: facade, memory, step_time, accelerate, gpu, checkpoint,"),
-    (["bench", "step_time", "facade", "bogus"], "unknown benchmark 'bogus'"),
-    (["bench", "checkpoint", "--out", "/tmp/x"], "(it has no --out)"),
+    (["bench"], "invalid choice: 'bench'"),  # benchmarks are repository scripts: benchmarks/README.md
 ]
 
 
@@ -236,6 +234,22 @@ def test_bad_input_in_process(argv, message, capsys):
     assert len(err.strip().splitlines()) == 1, err
     assert message in err, err
     assert "launching" not in err, "ranks were launched for bad input"
+
+
+def test_plan_finds_a_model_in_the_current_folder(tmp_path):
+    """``plan mymodels:build`` imports ./mymodels.py, as ``python -m`` would, dry run included."""
+    (tmp_path / "mymodels.py").write_text(
+        "import torch.nn as nn\n\n"
+        "def build(width=8):\n"
+        "    return nn.Sequential(nn.Linear(width, width), nn.Linear(width, 4))\n"
+    )
+    cmd = [sys.executable, "-m", "zeta_fsdp", "plan", "mymodels:build", "width=16", "--world-size", "2", "--json"]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=rank_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(proc.stdout)
+    # fp32, 2 ranks, one unit: weights 16x16 and 4x16 split by rows (8 + 2 rows), biases 16 and 4 (8 + 2).
+    assert data["param_bytes"] == 4 * (8 * 16 + 8 + 2 * 16 + 2)
+    assert data["dry_run_matches"] is True, data["dry_run"]
 
 
 def test_bad_input_real_process():
@@ -299,7 +313,7 @@ def _alive(pid: int) -> bool:
 
 def _is_rank(pid: int) -> bool:
     try:
-        return b"zeta_fsdp.demo" in Path(f"/proc/{pid}/cmdline").read_bytes()
+        return b"zeta_fsdp.cli.demo_rank" in Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:
         return False
 
@@ -314,7 +328,7 @@ def test_sigint_stops_every_rank():
         while time.monotonic() < deadline and proc.poll() is None:
             tree = _tree(proc.pid)
             ranks = [p for p in tree if _is_rank(p)]
-            # torchrun itself has zeta_fsdp.demo in its command line too: launcher + 2 ranks
+            # torchrun itself has the rank module in its command line too: launcher + 2 ranks
             if len(ranks) >= 3:
                 break
             time.sleep(0.2)
@@ -338,56 +352,10 @@ def test_sigint_stops_every_rank():
 
 
 def test_a_failing_rank_is_reported_in_one_line(tmp_path):
-    from zeta_fsdp.demo import _failure_summary
+    from zeta_fsdp.cli.demo import _failure_summary
 
     (tmp_path / "error_rank1.txt").write_text("Traceback (most recent call last):\n  ...\nRuntimeError: boom\n")
     line = _failure_summary(tmp_path, 1)
     assert line == f"rank1 failed: RuntimeError: boom (full log: {tmp_path / 'launcher.log'})"
     (tmp_path / "error_rank1.txt").unlink()
     assert _failure_summary(tmp_path, -15).startswith("the ranks exited with code -15")
-
-
-# ------------------------------------------------------------------ bench: the repository's benchmark scripts
-
-BENCH_NAMES = ["facade", "memory", "step_time", "accelerate", "gpu", "checkpoint", "training", "long_jobs"]
-
-
-def test_bench_lists_every_benchmark(capsys):
-    assert main(["bench"]) == 0
-    out, err = capsys.readouterr()
-    listed = [line.split()[0] for line in out.splitlines() if line.startswith("  ")]
-    assert listed == BENCH_NAMES, out
-    assert all(len(line.split()) > 3 for line in out.splitlines() if line.startswith("  ")), "one-line descriptions"
-    assert err == ""
-
-
-def test_bench_names_are_the_scripts():
-    from zeta_fsdp._cmd_bench import BENCHMARKS
-
-    scripts = sorted(p.name for p in (ROOT / "benchmarks").glob("bench_*.py"))
-    assert sorted(script for script, _ in BENCHMARKS.values()) == scripts
-    assert all(script == f"bench_{name}.py" for name, (script, _) in BENCHMARKS.items())
-
-
-def test_bench_without_benchmarks_folder_is_one_line(monkeypatch, capsys, tmp_path):
-    import zeta_fsdp._cmd_bench as bench
-
-    monkeypatch.setattr(bench, "_BENCH_DIR", tmp_path / "benchmarks")
-    assert main(["bench", "step_time", "--quick"]) == 2
-    out, err = capsys.readouterr()
-    assert out == "" and len(err.strip().splitlines()) == 1
-    assert "benchmarks/ folder, not found at" in err
-
-
-def test_bench_quick_run_writes_its_results(tmp_path):
-    committed = ROOT / "benchmarks" / "results" / "step_time.md"
-    before = committed.read_bytes()
-    proc = run_cli("bench", "step_time", "--quick", "--out", str(tmp_path), timeout=300)
-    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    assert "== step_time: python benchmarks/bench_step_time.py --quick --out" in proc.stderr
-    data = json.loads((tmp_path / "step_time.json").read_text())
-    assert "benchmarks/bench_step_time.py --quick" in data["command"], data["command"]
-    assert sorted(data["timing"]) == ["DDP", "fsdp() FULL_SHARD", "fsdp() NO_SHARD", "hand-written"]
-    assert data["command"] in (tmp_path / "step_time.md").read_text()
-    assert f"wrote {tmp_path / 'step_time.md'}" in proc.stdout
-    assert committed.read_bytes() == before, "a quick run must not touch the committed results"

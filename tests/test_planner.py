@@ -13,11 +13,12 @@ import torch.distributed as dist
 import torch.nn as nn
 from conftest import launch_worker
 
-import zeta_fsdp.demo
+import zeta_fsdp.cli.demo
 import zeta_fsdp.planner
+from zeta_fsdp.cli.model_spec import meta_model_from_spec
 from zeta_fsdp.distributed import fake_process_group
 from zeta_fsdp.models.gpt import small
-from zeta_fsdp.planner import MemoryPlan, _dry_run_batch, _dry_run_job, dry_run, meta_model_from_spec, plan
+from zeta_fsdp.planner import MemoryPlan, _dry_run_batch, _dry_run_job, dry_run, plan
 from zeta_fsdp.wrapping import build_wrap_plan
 
 
@@ -359,7 +360,7 @@ def _public_members(module) -> list[tuple[str, object]]:
     return found
 
 
-@pytest.mark.parametrize("module", [zeta_fsdp.planner, zeta_fsdp.demo], ids=lambda m: m.__name__)
+@pytest.mark.parametrize("module", [zeta_fsdp.planner, zeta_fsdp.cli.demo], ids=lambda m: m.__name__)
 def test_public_api_docstrings_have_an_example(module):
     lacking = [name for name, obj in _public_members(module) if "Example:" not in (inspect.getdoc(obj) or "")]
     assert not lacking, f"{module.__name__}: no 'Example:' in the docstring of {lacking}"
@@ -374,3 +375,19 @@ def test_memory_plan_examples_run():
     for test in tests:
         runner.run(test)
     assert runner.summarize(verbose=False).failed == 0
+
+
+def test_errors_name_the_function_called():
+    """plan() and dry_run() validate with the façade's code, but the message names what the user called."""
+    model = meta_gpt()
+    for kwargs, message in [
+        ({"shard_strat": "ZERO4"}, "plan(): unknown shard_strat='ZERO4'"),
+        ({"mp": "int8"}, "plan(): unknown mp='int8'"),
+        ({"TransformerBlock": "Nope"}, "plan(): TransformerBlock='Nope' matches no submodule"),
+        ({"shard_strat": "HYBRID_SHARD", "replicate_size": 3}, "plan(): replicate_size=3 must divide"),
+    ]:
+        with pytest.raises(ValueError) as info:
+            plan(model, 8, **kwargs)
+        assert str(info.value).startswith(message), info.value
+    with pytest.raises(ValueError, match=r"^dry_run\(\): unknown shard_strat='ZERO4'"):
+        dry_run(model, 8, "ZERO4")

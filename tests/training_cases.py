@@ -37,8 +37,8 @@ from worker import (
 )
 
 from zeta_fsdp import fsdp
-from zeta_fsdp._measure import collectives_per_step
 from zeta_fsdp.loss import MaskedTokenLossReduction, PerSampleLossReduction
+from zeta_fsdp.measure import collectives_per_step
 from zeta_fsdp.models.gpt import Block, lm_loss, small
 from zeta_fsdp.training import clip_grad_norm_, memory_report, no_sync
 

@@ -1,20 +1,22 @@
 """zeta_fsdp: one line that turns any PyTorch model into a correctly sharded FSDP2 model.
 
 Example:
-    >>> from zeta_fsdp import fsdp
-    >>> model = fsdp(model, auto_wrap=True, mp="bf16", shard_strat="FULL_SHARD", TransformerBlock=Block)
+    from zeta_fsdp import fsdp
+    model = fsdp(model, auto_wrap=True, mp="bf16", shard_strat="FULL_SHARD", TransformerBlock=Block)
 
 Optional, imported only on demand (never by ``import zeta_fsdp``): ``zeta_fsdp.lightning.FSDP2Strategy``,
 a Lightning ``Trainer`` strategy (``pip install "zeta-fsdp[lightning]"``).
 """
 
+from .cli.model_spec import meta_model_from_spec
 from .data import ResumableLoader, shard_dataloader
 from .distributed import shutdown
 from .fsdp import fsdp, get_wrap_plan, is_fsdp_wrapped
 from .hf import consolidate_to_hf, load_pretrained, save_pretrained
 from .loss import MaskedTokenLossReduction, PerSampleLossReduction
+from .measure import collectives_per_step, median_step_seconds, peak_memory_by_category
 from .options import ShardingSpec, resolve_master_dtype, resolve_mixed_precision, resolve_sharding
-from .planner import DryRunResult, MemoryPlan, UnitEstimate, dry_run, meta_model_from_spec, plan
+from .planner import DryRunResult, MemoryPlan, UnitEstimate, dry_run, plan
 from .state_dict import (
     AsyncCheckpointer,
     CheckpointError,
@@ -46,7 +48,10 @@ __all__ = [
     "MemoryReport",
     "PerSampleLossReduction",
     "clip_grad_norm_",
+    "collectives_per_step",
+    "median_step_seconds",
     "memory_report",
+    "peak_memory_by_category",
     "no_sync",
     "CheckpointError",
     "consolidate_checkpoint",

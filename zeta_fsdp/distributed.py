@@ -10,8 +10,10 @@ Every ``torch.distributed`` set-up call of the package lives here. The rules:
 
 Example:
     >>> from zeta_fsdp.distributed import ensure_process_group, shutdown
-    >>> created = ensure_process_group(torch.device("cpu"))  # doctest: +SKIP
-    >>> shutdown()  # doctest: +SKIP
+    >>> ensure_process_group(torch.device("cpu"))  # no group yet: a one-process gloo group
+    True
+    >>> get_world_size(), shutdown(), is_distributed()  # shutdown() destroys only a group we started
+    (1, None, False)
 """
 
 from __future__ import annotations
@@ -31,6 +33,12 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from .options import ShardingSpec
 
 __all__ = [
+    "LAUNCHER_ENV_VARS",
+    "comm_device",
+    "get_rank",
+    "get_world_size",
+    "is_distributed",
+    "without_launcher_env",
     "choose_device",
     "default_backend",
     "ensure_process_group",
@@ -47,6 +55,75 @@ __all__ = [
 # Groups this package started, so shutdown() never tears down one the user made.
 _CREATED_BY_US: dict[str, Any] = {"group": None, "shutdowns": 0}
 _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+# What a launcher (torchrun, SLURM via torchrun) sets for each rank: a process we start must not
+# inherit them, or it would join (or wait for) the job that started us.
+LAUNCHER_ENV_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+GroupLike = Union[dist.ProcessGroup, DeviceMesh, None]
+
+
+def is_distributed() -> bool:
+    """``True`` when a default process group exists (``torch.distributed`` is built and initialized).
+
+    Example:
+        >>> is_distributed()  # in a notebook before fsdp()
+        False
+    """
+    return dist.is_available() and dist.is_initialized()
+
+
+def _as_process_group(group: GroupLike) -> Optional[dist.ProcessGroup]:
+    return group.get_group() if isinstance(group, DeviceMesh) else group
+
+
+def get_rank(group: GroupLike = None) -> int:
+    """This process's rank in ``group`` (a process group or a 1-D mesh; default: the world); 0 without a group.
+
+    Example:
+        >>> get_rank()  # no process group: a single process
+        0
+    """
+    return dist.get_rank(_as_process_group(group)) if is_distributed() else 0
+
+
+def get_world_size(group: GroupLike = None) -> int:
+    """Ranks in ``group`` (a process group or a 1-D mesh; default: the world); 1 without a group.
+
+    Example:
+        >>> get_world_size()  # no process group: a single process
+        1
+    """
+    return dist.get_world_size(_as_process_group(group)) if is_distributed() else 1
+
+
+def comm_device(group: GroupLike = None) -> torch.device:
+    """Where a tensor must live for a collective of ``group``: the current CUDA device under NCCL
+    (which takes no CPU tensors), else the CPU (also without a process group).
+
+    Example:
+        >>> comm_device()  # gloo, or no process group
+        device(type='cpu')
+    """
+    if not is_distributed():
+        return torch.device("cpu")
+    backend = str(dist.get_backend(_as_process_group(group)))
+    if "nccl" in backend and "cpu:" not in backend:
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def without_launcher_env(env: Optional[dict[str, str]] = None) -> dict[str, str]:
+    """A copy of ``env`` (default ``os.environ``) without the launcher's per-rank variables
+    (``LAUNCHER_ENV_VARS``): for a subprocess that must start its own job, not join ours.
+
+    Example:
+        >>> without_launcher_env({"RANK": "3", "PATH": "/bin"})
+        {'PATH': '/bin'}
+    """
+    env = dict(os.environ if env is None else env)
+    for var in LAUNCHER_ENV_VARS:
+        env.pop(var, None)
+    return env
 
 
 def _running_under_torchrun() -> bool:
@@ -72,7 +149,7 @@ def expected_world_size() -> int:
         >>> expected_world_size()  # in a notebook
         1
     """
-    if dist.is_available() and dist.is_initialized():
+    if is_distributed():
         return dist.get_world_size()
     if _running_under_torchrun():
         return int(os.environ["WORLD_SIZE"])
@@ -136,8 +213,8 @@ def ensure_process_group(
     job through ``env://``; otherwise it starts a one-process group on an in-memory store.
 
     Example:
-        >>> ensure_process_group(torch.device("cpu"))  # doctest: +SKIP
-        True
+        ensure_process_group(torch.device("cpu"))
+        # -> True
     """
     if not dist.is_available():
         raise RuntimeError("fsdp(): this PyTorch build has no torch.distributed support.")
@@ -187,8 +264,8 @@ def fake_process_group(world_size: int, rank: int = 0) -> Iterator[None]:
     ``planner.dry_run`` does). Refuses to run when a process group already exists.
 
     Example:
-        >>> with fake_process_group(world_size=1024, rank=7):  # doctest: +SKIP
-        ...     fsdp(meta_model, materialize=False)
+        with fake_process_group(world_size=1024, rank=7):
+            fsdp(meta_model, materialize=False)
     """
     from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
 
@@ -203,12 +280,18 @@ def fake_process_group(world_size: int, rank: int = 0) -> Iterator[None]:
 
 
 def mesh_shape(
-    spec: ShardingSpec, world_size: int, *, local_world_size: Optional[int] = None, replicate_size: Optional[int] = None
+    spec: ShardingSpec,
+    world_size: int,
+    *,
+    local_world_size: Optional[int] = None,
+    replicate_size: Optional[int] = None,
+    caller: str = "fsdp",
 ) -> tuple[int, ...]:
     """The mesh shape ``spec`` needs at ``world_size`` ranks. Pure; raises ``ValueError`` when impossible.
 
     HYBRID replicates across nodes by default (``world_size // LOCAL_WORLD_SIZE`` groups) and
-    shards within a node; ``replicate_size`` overrides the number of replicas.
+    shards within a node; ``replicate_size`` overrides the number of replicas. Error messages
+    start with ``caller``, the public function the user called.
 
     Example:
         >>> from zeta_fsdp.options import resolve_sharding
@@ -218,14 +301,14 @@ def mesh_shape(
     if spec.mesh_ndim == 1:
         if replicate_size not in (None, 1):
             raise ValueError(
-                f"fsdp(): replicate_size={replicate_size!r} only applies to HYBRID_SHARD / "
+                f"{caller}(): replicate_size={replicate_size!r} only applies to HYBRID_SHARD / "
                 f"HYBRID_SHARD_ZERO2, not {spec.name}."
             )
         return (world_size,)
     if spec.replicate_all:
         if replicate_size not in (None, world_size):
             raise ValueError(
-                f"fsdp(): replicate_size={replicate_size!r} does not apply to NO_SHARD, which replicates "
+                f"{caller}(): replicate_size={replicate_size!r} does not apply to NO_SHARD, which replicates "
                 f"over all {world_size} ranks. Accepted: None or {world_size}."
             )
         return (world_size, 1)
@@ -235,7 +318,7 @@ def mesh_shape(
     if not isinstance(replicate_size, int) or replicate_size < 1 or world_size % replicate_size != 0:
         divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
         raise ValueError(
-            f"fsdp(): replicate_size={replicate_size!r} must divide the world size {world_size}. Accepted: {divisors}."
+            f"{caller}(): replicate_size={replicate_size!r} must divide the world size {world_size}. Accepted: {divisors}."
         )
     return (replicate_size, world_size // replicate_size)
 
@@ -246,8 +329,8 @@ def shard_group_size(
     """Number of ranks one parameter is sharded over (the last mesh dimension).
 
     Example:
-        >>> shard_group_size(resolve_sharding("FULL_SHARD"))  # doctest: +SKIP
-        2
+        shard_group_size(resolve_sharding("FULL_SHARD"))
+        # -> 2
     """
     if mesh is not None:
         return mesh.size(-1)
@@ -273,7 +356,7 @@ def build_mesh(spec: ShardingSpec, device: torch.device, *, replicate_size: Opti
     """Build the DeviceMesh ``spec`` needs over the default group (which must exist).
 
     Example:
-        >>> mesh = build_mesh(resolve_sharding("FULL_SHARD"), torch.device("cpu"))  # doctest: +SKIP
+        mesh = build_mesh(resolve_sharding("FULL_SHARD"), torch.device("cpu"))
     """
     shape = mesh_shape(spec, dist.get_world_size(), local_world_size=_local_world_size(), replicate_size=replicate_size)
     names = ("dp_shard",) if len(shape) == 1 else ("dp_replicate", "dp_shard")
@@ -289,9 +372,9 @@ def build_dp_tp_mesh(device: torch.device, dp: int, tp: int, *, names: tuple[str
     divides the ranks per node: TP's per-layer collectives stay on the fast links.
 
     Example:
-        >>> mesh = build_dp_tp_mesh(torch.device("cpu"), dp=2, tp=2)  # doctest: +SKIP
-        >>> mesh["dp"].size(), mesh["tp"].size()  # doctest: +SKIP
-        (2, 2)
+        mesh = build_dp_tp_mesh(torch.device("cpu"), dp=2, tp=2)
+        mesh["dp"].size(), mesh["tp"].size()
+        # -> (2, 2)
     """
     return init_device_mesh(device.type, (dp, tp), mesh_dim_names=tuple(names))
 
@@ -307,7 +390,7 @@ def shutdown(*, force: bool = False, timeout_s: float = 300.0) -> None:
     Example:
         >>> shutdown()  # at the end of a training script started by fsdp()
     """
-    if not (dist.is_available() and dist.is_initialized()):
+    if not is_distributed():
         return
     ours = _CREATED_BY_US["group"] is not None and _CREATED_BY_US["group"] is dist.group.WORLD
     if not (force or ours):

@@ -9,8 +9,8 @@ Steps, in order (each a plain function below):
     -> materialize a meta-device model (``to_empty``, init, re-tie).
 
 Example:
-    >>> from zeta_fsdp import fsdp
-    >>> model = fsdp(nn.Sequential(nn.Linear(784, 256), nn.ReLU(), nn.Linear(256, 10)))
+    from zeta_fsdp import fsdp
+    model = fsdp(nn.Sequential(nn.Linear(784, 256), nn.ReLU(), nn.Linear(256, 10)))
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from .options import (
 )
 from .wrapping import BlockSpec, WrapPlan, build_wrap_plan
 
-__all__ = ["fsdp", "get_wrap_plan", "is_fsdp_wrapped"]
+__all__ = ["fsdp", "fsdp_param_groups", "fsdp_state", "get_wrap_plan", "is_fsdp_wrapped"]
 
 _PLAN_ATTR = "_zeta_fsdp_plan"
 
@@ -56,12 +56,54 @@ def is_fsdp_wrapped(model: nn.Module) -> bool:
     return any(isinstance(m, FSDPModule) for m in model.modules())
 
 
+def fsdp_state(module: nn.Module) -> Optional[Any]:
+    """FSDP2's private per-module state (``module._get_fsdp_state()``), or ``None`` when the module
+    is not sharded or this torch does not expose it. The one place the package reads it.
+
+    Example:
+        >>> fsdp_state(nn.Linear(2, 2)) is None
+        True
+    """
+    if not isinstance(module, FSDPModule):
+        return None
+    try:
+        return module._get_fsdp_state()
+    except Exception:  # noqa: BLE001 - an unreadable state: callers fall back to FSDP's defaults
+        return None
+
+
+def fsdp_param_groups(module: nn.Module) -> Optional[list]:
+    """The FSDP parameter groups of one sharded module (``[]`` if it owns none), or ``None`` when
+    they cannot be read.
+
+    Private torch attributes: ``_fsdp_param_groups`` (a list, newer torch) or
+    ``_fsdp_param_group`` (one group or ``None``, older torch; in newer torch a property that
+    raises when a unit has several groups).
+
+    Example:
+        >>> fsdp_param_groups(nn.Linear(2, 2)) is None  # not sharded: no state to read
+        True
+    """
+    state = fsdp_state(module)
+    if state is None:
+        return None
+    for name in ("_fsdp_param_groups", "_fsdp_param_group"):
+        try:
+            groups = getattr(state, name)
+        except Exception:  # noqa: BLE001 - absent, or the property refused: try the other name
+            continue
+        if groups is None:
+            return []
+        return list(groups) if isinstance(groups, (list, tuple)) else [groups]
+    return None
+
+
 def get_wrap_plan(model: nn.Module) -> Optional[WrapPlan]:
     """The ``WrapPlan`` ``fsdp()`` applied to ``model`` (``None`` if ``fsdp()`` did not wrap it).
 
     Example:
-        >>> model = fsdp(small(), auto_wrap=True)  # doctest: +SKIP
-        >>> print(get_wrap_plan(model).table())  # doctest: +SKIP
+        model = fsdp(small(), auto_wrap=True)
+        print(get_wrap_plan(model).table())
     """
     return model.__dict__.get(_PLAN_ATTR)
 
@@ -332,8 +374,8 @@ def materialize_meta_model(
     state is left as it was.
 
     Example:
-        >>> materialize_meta_model(meta_built_and_sharded, torch.device("cpu"), [])  # doctest: +SKIP
-        True
+        materialize_meta_model(meta_built_and_sharded, torch.device("cpu"), [])
+        # -> True
     """
     tensors = dict(model.named_parameters())
     tensors.update(model.named_buffers())
@@ -434,8 +476,8 @@ def fsdp(
         ValueError: for any bad argument, before a process group starts or the model changes.
 
     Example:
-        >>> model = fsdp(model, auto_wrap=True, mp="bf16", shard_strat="FULL_SHARD", TransformerBlock=Block)
-        >>> optimizer = torch.optim.AdamW(model.parameters())  # after wrapping: DTensor parameters
+        model = fsdp(model, auto_wrap=True, mp="bf16", shard_strat="FULL_SHARD", TransformerBlock=Block)
+        optimizer = torch.optim.AdamW(model.parameters())  # after wrapping: DTensor parameters
     """
     # 1. Validate everything first: nothing below may run if an argument is bad.
     if not isinstance(model, nn.Module):

@@ -13,9 +13,11 @@ token-weighted (or sample-weighted) mean instead:
 
 Example:
     >>> reduction = MaskedTokenLossReduction()
-    >>> loss, record = reduction.forward({"labels": labels, "loss_mask": mask}, logits)  # doctest: +SKIP
-    >>> loss.backward()  # doctest: +SKIP
-    >>> reduction.reduce([record])  # the global token-weighted mean  # doctest: +SKIP
+    >>> logits = torch.zeros(1, 3, 5)  # uniform over a vocabulary of 5
+    >>> batch = {"labels": torch.tensor([[1, 2, -100]]), "loss_mask": torch.tensor([[1, 1, 0]])}
+    >>> loss, record = reduction.forward(batch, logits)  # loss.backward() in training
+    >>> round(reduction.reduce([record]).item(), 4)  # the global token-weighted mean: log(5)
+    1.6094
 """
 
 from __future__ import annotations
@@ -27,12 +29,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 
+from .distributed import GroupLike, comm_device, get_world_size
+
 __all__ = ["MaskedTokenLossReduction", "PerSampleLossReduction"]
 
 # NeMo's record key: users of its MaskedTokenLossReduction read the same name.
 RECORD_KEY = "loss_sum_and_ub_size"
-
-GroupLike = Union[dist.ProcessGroup, DeviceMesh, None]
 
 
 def _labels_and_mask(batch: Any) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
@@ -66,19 +68,10 @@ class _GlobalMeanReduction:
         return self.group
 
     def _dp_size(self) -> int:
-        if not (dist.is_available() and dist.is_initialized()):
-            return 1
-        return dist.get_world_size(self._process_group())
+        return get_world_size(self.group)
 
     def _comm_device(self) -> torch.device:
-        """Where a tensor must be for a collective of the group: the current CUDA device under
-        NCCL (which has no CPU tensors), else the CPU."""
-        if not (dist.is_available() and dist.is_initialized()):
-            return torch.device("cpu")
-        backend = str(dist.get_backend(self._process_group()))
-        if "nccl" in backend and "cpu:" not in backend:
-            return torch.device("cuda", torch.cuda.current_device())
-        return torch.device("cpu")
+        return comm_device(self.group)
 
     def _all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum ``tensor`` over the group, in place when it already lives on the communication

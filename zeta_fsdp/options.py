@@ -95,11 +95,6 @@ class ShardingSpec:
     replicate_all: bool
     reshard_after_forward: bool
 
-    @property
-    def is_hybrid(self) -> bool:
-        """``True`` for HYBRID_SHARD and HYBRID_SHARD_ZERO2 (shard within, replicate across)."""
-        return self.mesh_ndim == 2 and not self.replicate_all
-
 
 _SHARDING_TABLE: dict[str, ShardingSpec] = {
     "FULL_SHARD": ShardingSpec("FULL_SHARD", 1, False, True),
@@ -124,11 +119,14 @@ SHARDING_ALIASES: dict[str, str] = {
 }
 
 
-def resolve_mixed_precision(mp: Union[str, MixedPrecisionPolicy, None]) -> MixedPrecisionPolicy:
+def resolve_mixed_precision(
+    mp: Union[str, MixedPrecisionPolicy, None], *, caller: str = "fsdp"
+) -> MixedPrecisionPolicy:
     """Turn Zeta's ``mp`` string into the FSDP2 ``MixedPrecisionPolicy`` used for every unit.
 
     ``"fp32"`` (default) casts nothing; ``"bf16"``/``"fp16"`` compute in the low dtype and reduce
     gradients in fp32. A ``MixedPrecisionPolicy`` is returned as given. Case-insensitive.
+    A bad value raises ``ValueError`` whose message starts with ``caller`` (the function the user called).
 
     Example:
         >>> resolve_mixed_precision("FP16")
@@ -144,15 +142,17 @@ def resolve_mixed_precision(mp: Union[str, MixedPrecisionPolicy, None]) -> Mixed
     if key not in MIXED_PRECISION_ALIASES:
         accepted = ", ".join(repr(a) for a in MIXED_PRECISION_ALIASES)
         raise ValueError(
-            f"fsdp(): unknown mp={mp!r}. Accepted (case-insensitive): {accepted}, "
+            f"{caller}(): unknown mp={mp!r}. Accepted (case-insensitive): {accepted}, "
             "or a torch.distributed.fsdp.MixedPrecisionPolicy."
         )
     param_dtype, reduce_dtype = _MP_TABLE[MIXED_PRECISION_ALIASES[key]]
     return MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
 
 
-def resolve_sharding(shard_strat: Union[str, enum.Enum, None]) -> ShardingSpec:
+def resolve_sharding(shard_strat: Union[str, enum.Enum, None], *, caller: str = "fsdp") -> ShardingSpec:
     """Turn Zeta's ``shard_strat`` (or an FSDP1 ``ShardingStrategy`` member) into a ShardingSpec.
+
+    A bad value raises ``ValueError`` whose message starts with ``caller`` (the function the user called).
 
     Example:
         >>> from torch.distributed.fsdp import ShardingStrategy
@@ -166,7 +166,7 @@ def resolve_sharding(shard_strat: Union[str, enum.Enum, None]) -> ShardingSpec:
     if key not in SHARDING_ALIASES:
         accepted = ", ".join(repr(a) for a in SHARDING_ALIASES)
         raise ValueError(
-            f"fsdp(): unknown shard_strat={shard_strat!r}. Accepted (case-insensitive): "
+            f"{caller}(): unknown shard_strat={shard_strat!r}. Accepted (case-insensitive): "
             f"{accepted}, or a torch.distributed.fsdp.ShardingStrategy member."
         )
     return _SHARDING_TABLE[SHARDING_ALIASES[key]]
@@ -205,7 +205,7 @@ def validate_reshard_after_forward(
     return value
 
 
-def resolve_master_dtype(master_dtype: Union[str, torch.dtype, None]) -> Optional[torch.dtype]:
+def resolve_master_dtype(master_dtype: Union[str, torch.dtype, None], *, caller: str = "fsdp") -> Optional[torch.dtype]:
     """Turn ``fsdp(master_dtype=...)`` into the dtype of the sharded (master) parameters, or ``None``.
 
     The master copy is what the optimizer reads and updates, so its dtype is the optimizer
@@ -226,7 +226,7 @@ def resolve_master_dtype(master_dtype: Union[str, torch.dtype, None]) -> Optiona
     if isinstance(master_dtype, torch.dtype):
         if not master_dtype.is_floating_point:
             raise ValueError(
-                f"fsdp(): master_dtype={master_dtype} is not a floating-point dtype. Accepted: "
+                f"{caller}(): master_dtype={master_dtype} is not a floating-point dtype. Accepted: "
                 "torch.float32, torch.float64, torch.bfloat16, torch.float16, their names, or None."
             )
         return master_dtype
@@ -234,7 +234,7 @@ def resolve_master_dtype(master_dtype: Union[str, torch.dtype, None]) -> Optiona
     if key not in MASTER_DTYPE_ALIASES:
         accepted = ", ".join(repr(a) for a in MASTER_DTYPE_ALIASES)
         raise ValueError(
-            f"fsdp(): unknown master_dtype={master_dtype!r}. Accepted (case-insensitive): {accepted}, "
+            f"{caller}(): unknown master_dtype={master_dtype!r}. Accepted (case-insensitive): {accepted}, "
             "None (keep each parameter's dtype), or a floating torch.dtype."
         )
     return MASTER_DTYPE_ALIASES[key]

@@ -24,13 +24,13 @@ Example:
     >>> p = plan(model, world_size=2, shard_strat="FULL_SHARD")
     >>> p.param_bytes
     69960
-    >>> print(p.report())  # doctest: +SKIP
+    >>> print(p.report().splitlines()[0])
+    GPT: 34,950 parameters (136.52 KiB unsharded)
 """
 
 from __future__ import annotations
 
 import copy
-import importlib
 import json
 import math
 import os
@@ -46,8 +46,10 @@ import torch
 import torch.nn as nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
-from .distributed import expected_world_size, fake_process_group, mesh_shape
+from .distributed import expected_world_size, fake_process_group, mesh_shape, without_launcher_env
+from .fsdp import fsdp_param_groups
 from .options import resolve_master_dtype, resolve_mixed_precision, resolve_sharding
+from .report import format_bytes, render_table
 from .wrapping import BlockSpec, build_wrap_plan
 
 __all__ = [
@@ -56,7 +58,6 @@ __all__ = [
     "MemoryPlan",
     "UnitEstimate",
     "dry_run",
-    "meta_model_from_spec",
     "plan",
 ]
 
@@ -85,7 +86,10 @@ class UnitEstimate:
         optimizer_bytes: optimizer state on the rank (unpadded local shard).
 
     Example:
-        >>> plan(model, world_size=8).units[0].param_bytes  # doctest: +SKIP
+        >>> from zeta_fsdp.models.gpt import small
+        >>> with torch.device("meta"): model = small()  # the demo GPT, nothing allocated
+        >>> plan(model, world_size=8).units[0].param_bytes
+        5796
     """
 
     name: str
@@ -111,7 +115,7 @@ class DryRunResult:
         wrap_seconds: wall time of the ``fsdp()`` call; load_seconds: unpickling the meta copy.
 
     Example:
-        >>> dry_run(model, world_size=1024).wrap_seconds  # doctest: +SKIP
+        dry_run(model, world_size=1024).wrap_seconds
     """
 
     world_size: int
@@ -136,6 +140,8 @@ def _units_total(attribute: str, doc: str, example: int, plus: str = "") -> prop
     doc += f"""
 
         Example:
+            >>> from zeta_fsdp.models.gpt import small
+            >>> with torch.device("meta"): model = small()  # the demo GPT, nothing allocated
             >>> plan(model, world_size=2).{attribute}
             {example}
         """
@@ -151,8 +157,11 @@ class MemoryPlan:
     module's example), planned with the defaults (FULL_SHARD, fp32, AdamW).
 
     Example:
-        >>> p = plan(model, world_size=64, shard_strat="HYBRID_SHARD")  # doctest: +SKIP
-        >>> p.param_bytes, p.grad_bytes, p.optimizer_bytes, p.allgather_peak_bytes  # doctest: +SKIP
+        >>> from zeta_fsdp.models.gpt import small
+        >>> with torch.device("meta"): model = small()  # the demo GPT, nothing allocated
+        >>> p = plan(model, world_size=64, shard_strat="HYBRID_SHARD")
+        >>> p.param_bytes, p.grad_bytes, p.optimizer_bytes, p.allgather_peak_bytes
+        (18260, 18260, 36668, 99712)
     """
 
     model_name: str
@@ -181,6 +190,8 @@ class MemoryPlan:
         """Ranks one parameter is sharded over (the last mesh dimension).
 
         Example:
+            >>> from zeta_fsdp.models.gpt import small
+            >>> with torch.device("meta"): model = small()  # the demo GPT, nothing allocated
             >>> plan(model, world_size=64, shard_strat="HYBRID_SHARD").shard_size  # 8 x 8 mesh
             8
         """
@@ -212,6 +223,8 @@ class MemoryPlan:
         """Parameters + gradients + optimizer state + all-gather peak (no activations).
 
         Example:
+            >>> from zeta_fsdp.models.gpt import small
+            >>> with torch.device("meta"): model = small()  # the demo GPT, nothing allocated
             >>> p = plan(model, world_size=2)
             >>> p.total_bytes == p.param_bytes + p.grad_bytes + p.optimizer_bytes + p.allgather_peak_bytes
             True
@@ -225,8 +238,8 @@ class MemoryPlan:
         ``None`` without a dry run (``plan(..., dry_run=False)``, the default).
 
         Example:
-            >>> plan(model, world_size=8, dry_run=True).dry_run_matches  # doctest: +SKIP
-            True
+            plan(model, world_size=8, dry_run=True).dry_run_matches
+            # -> True
         """
         if self.dry_run is None:
             return None
@@ -236,6 +249,8 @@ class MemoryPlan:
         """Plain JSON-ready data: every figure in bytes, totals included.
 
         Example:
+            >>> from zeta_fsdp.models.gpt import small
+            >>> with torch.device("meta"): model = small()  # the demo GPT, nothing allocated
             >>> data = plan(model, world_size=2).to_dict()
             >>> data["param_bytes"], data["total_bytes"], data["dry_run"]
             (69960, 375508, None)
@@ -257,6 +272,8 @@ class MemoryPlan:
         """A printable report: the job, one row per unit (identical blocks folded), per-rank totals.
 
         Example:
+            >>> from zeta_fsdp.models.gpt import small
+            >>> with torch.device("meta"): model = small()  # the demo GPT, nothing allocated
             >>> print(plan(model, world_size=2).report())  # doctest: +ELLIPSIS
             GPT: 34,950 parameters (136.52 KiB unsharded)
             FULL_SHARD on 2 ranks: mesh 2 (parameters sharded over 2), mp=fp32 (no casting), optimizer=adamw
@@ -264,7 +281,7 @@ class MemoryPlan:
         """
         mesh = "x".join(str(s) for s in self.mesh_shape)
         lines = [
-            f"{self.model_name}: {self.numel:,} parameters ({_fmt(self.model_bytes)} unsharded)",
+            f"{self.model_name}: {self.numel:,} parameters ({format_bytes(self.model_bytes)} unsharded)",
             f"{self.strategy} on {self.world_size} ranks: mesh {mesh} (parameters sharded over {self.shard_size}), "
             f"mp={self.mp}, optimizer={self.optimizer}",
             f"master weights {self.master_dtype}, optimizer state "
@@ -283,18 +300,18 @@ class MemoryPlan:
                     first.kind,
                     str(first.num_params),
                     f"{first.numel:,}",
-                    _fmt(first.unsharded_bytes),
-                    _fmt(first.param_bytes),
+                    format_bytes(first.unsharded_bytes),
+                    format_bytes(first.param_bytes),
                 )
             )
-        lines += _table(rows)
+        lines += render_table(rows, align="llrrrr").splitlines()
         lines += [
             "",
-            f"  parameters (sharded)        {_fmt(self.param_bytes):>12}",
-            f"  gradients (sharded)         {_fmt(self.grad_bytes):>12}",
-            f"  optimizer state ({self.optimizer:<5})     {_fmt(self.optimizer_bytes):>12}",
-            f"  all-gather peak             {_fmt(self.allgather_peak_bytes):>12}",
-            f"  total, without activations  {_fmt(self.total_bytes):>12}",
+            f"  parameters (sharded)        {format_bytes(self.param_bytes):>12}",
+            f"  gradients (sharded)         {format_bytes(self.grad_bytes):>12}",
+            f"  optimizer state ({self.optimizer:<5})     {format_bytes(self.optimizer_bytes):>12}",
+            f"  all-gather peak             {format_bytes(self.allgather_peak_bytes):>12}",
+            f"  total, without activations  {format_bytes(self.total_bytes):>12}",
         ]
         if self.ignored_param_names:
             lines.append(f"  ({len(self.ignored_param_names)} ignored parameter(s) kept whole on every rank)")
@@ -331,26 +348,6 @@ def _same_shape(a: UnitEstimate, b: UnitEstimate) -> bool:
     return all(getattr(a, k) == getattr(b, k) for k in keys)
 
 
-def _table(rows: list[tuple[str, ...]]) -> list[str]:
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    out = []
-    for i, row in enumerate(rows):
-        out.append("  ".join(c.ljust(widths[j]) if j < 2 else c.rjust(widths[j]) for j, c in enumerate(row)))
-        if i == 0:
-            out.append("  ".join("-" * w for w in widths))
-    return out
-
-
-def _fmt(nbytes: int) -> str:
-    """Bytes with a binary unit: ``1536 -> '1.50 KiB'``."""
-    value = float(nbytes)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(value) < 1024 or unit == "TiB":
-            return f"{int(value)} B" if unit == "B" else f"{value:.2f} {unit}"
-        value /= 1024
-    raise AssertionError("unreachable")
-
-
 def _dtype_name(dtype: Optional[torch.dtype]) -> str:
     return "none" if dtype is None else str(dtype).replace("torch.", "")
 
@@ -362,15 +359,17 @@ def _mp_label(policy: MixedPrecisionPolicy) -> str:
 
 
 def _resolve_world_and_mesh(
-    spec: Any, world_size: Optional[int], replicate_size: Optional[int], local_world_size: Optional[int]
+    spec: Any, world_size: Optional[int], replicate_size: Optional[int], local_world_size: Optional[int], caller: str
 ) -> tuple[int, tuple[int, ...]]:
     if world_size is None:
         world_size = expected_world_size()
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"plan(): world_size={world_size!r} is not accepted. Accepted: a positive int.")
+        raise ValueError(f"{caller}(): world_size={world_size!r} is not accepted. Accepted: a positive int.")
     if local_world_size is None:
         local_world_size = min(world_size, _DEFAULT_LOCAL_WORLD_SIZE)
-    shape = mesh_shape(spec, world_size, local_world_size=local_world_size, replicate_size=replicate_size)
+    shape = mesh_shape(
+        spec, world_size, local_world_size=local_world_size, replicate_size=replicate_size, caller=caller
+    )
     return world_size, shape
 
 
@@ -417,25 +416,29 @@ def plan(
     Raises ``ValueError`` for a bad argument (the message lists the accepted values).
 
     Example:
+        >>> from zeta_fsdp.models.gpt import small
         >>> with torch.device("meta"):
         ...     model = small()
         >>> p = plan(model, world_size=1024, shard_strat="HYBRID_SHARD", mp="bf16")
-        >>> print(p.report())  # doctest: +SKIP
+        >>> p.mesh_shape, p.param_bytes
+        ((128, 8), 18260)
     """
     if not isinstance(model, nn.Module):
         raise ValueError(f"plan(): model must be a torch.nn.Module, got {type(model).__name__}.")
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"plan(): unknown optimizer={optimizer!r}. Accepted: {', '.join(map(repr, OPTIMIZERS))}.")
-    policy = resolve_mixed_precision(mp)
-    master = resolve_master_dtype(master_dtype)
-    spec = resolve_sharding(shard_strat)
-    world_size, shape = _resolve_world_and_mesh(spec, world_size, replicate_size, local_world_size)
+    policy = resolve_mixed_precision(mp, caller="plan")
+    master = resolve_master_dtype(master_dtype, caller="plan")
+    spec = resolve_sharding(shard_strat, caller="plan")
+    world_size, shape = _resolve_world_and_mesh(spec, world_size, replicate_size, local_world_size, "plan")
     if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
         raise ValueError(f"plan(): rank={rank!r} is not accepted. Accepted: an int in [0, {world_size - 1}].")
     shard_size = shape[-1]
     shard_rank = rank % shard_size  # meshes are row-major: (replicate, shard)
     ignored = set(ignored_params or ())
-    wrap = build_wrap_plan(model, auto_wrap=auto_wrap, transformer_block=TransformerBlock, ignored_params=ignored)
+    wrap = build_wrap_plan(
+        model, auto_wrap=auto_wrap, transformer_block=TransformerBlock, ignored_params=ignored, caller="plan"
+    )
     params = dict(model.named_parameters())
     n_state = OPTIMIZERS[optimizer]
 
@@ -585,13 +588,12 @@ def _block_spec_names(spec: BlockSpec) -> Optional[list[str]]:
 
 
 def _child_env() -> dict[str, str]:
-    env = dict(os.environ)
-    # The child must import what the parent imports (the model's classes, this package).
-    paths = [str(Path(__file__).resolve().parents[1])] + [p for p in sys.path if p]
+    env = without_launcher_env()  # the child runs its own fake job, never joins ours
+    # The child must import what the parent imports (the model's classes, this package): the
+    # parent's import path, as it is now, goes first.
+    paths = [p for p in sys.path if p] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
     env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
     env.setdefault("OMP_NUM_THREADS", "1")
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(var, None)
     return env
 
 
@@ -618,9 +620,11 @@ def dry_run(
     ``ignored_param_names``: parameters (by name) that ``fsdp()`` leaves unsharded.
 
     Example:
-        >>> with torch.device("meta"):
-        ...     model = small(dim=4096, n_heads=32, n_layers=32, vocab_size=128256)
-        >>> dry_run(model, 1024, "HYBRID_SHARD").param_bytes  # doctest: +SKIP
+        >>> from zeta_fsdp.models.gpt import small
+        >>> with torch.device("meta"): model = small()  # the demo GPT, nothing allocated
+        >>> result = dry_run(model, 1024, "HYBRID_SHARD")  # model: the demo GPT on meta
+        >>> result.mesh_shape, result.param_bytes == plan(model, 1024, "HYBRID_SHARD").param_bytes
+        ((128, 8), True)
     """
     job = _dry_run_job(
         world_size,
@@ -649,10 +653,10 @@ def _dry_run_job(
     master_dtype: Union[str, torch.dtype, None] = "fp32",
 ) -> dict[str, Any]:
     """Validate one dry-run configuration and turn it into plain JSON for the subprocess."""
-    policy = resolve_mixed_precision(mp)
-    master = resolve_master_dtype(master_dtype)
-    spec = resolve_sharding(shard_strat)
-    world_size, shape = _resolve_world_and_mesh(spec, world_size, replicate_size, local_world_size)
+    policy = resolve_mixed_precision(mp, caller="dry_run")
+    master = resolve_master_dtype(master_dtype, caller="dry_run")
+    spec = resolve_sharding(shard_strat, caller="dry_run")
+    world_size, shape = _resolve_world_and_mesh(spec, world_size, replicate_size, local_world_size, "dry_run")
     if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
         raise ValueError(f"dry_run(): rank={rank!r} is not accepted. Accepted: an int in [0, {world_size - 1}].")
     return {
@@ -741,11 +745,7 @@ def _dry_run_one(fsdp: Any, model: nn.Module, job: dict[str, Any], load_seconds:
         # Each FSDP2 shard owns its own padded storage; .to_local() is a narrow of it.
         storage += tensor.untyped_storage().nbytes() if isinstance(param, DTensor) else tensor.numel() * size
         local += tensor.numel() * size
-    groups = {
-        id(m._get_fsdp_state()._fsdp_param_group)
-        for m in model.modules()
-        if hasattr(m, "_get_fsdp_state") and m._get_fsdp_state()._fsdp_param_group is not None
-    }
+    groups = {id(group) for m in model.modules() for group in fsdp_param_groups(m) or ()}
     return {
         "world_size": job["world_size"],
         "rank": job["rank"],
@@ -756,104 +756,3 @@ def _dry_run_one(fsdp: Any, model: nn.Module, job: dict[str, Any], load_seconds:
         "wrap_seconds": wrap_seconds,
         "load_seconds": load_seconds,
     }
-
-
-# --------------------------------------------------------------------------------------------
-# Model specs for the command line: a factory path or a Hugging Face config, built on meta.
-# --------------------------------------------------------------------------------------------
-
-MODEL_SPEC_HELP = (
-    "'package.module:factory' (e.g. zeta_fsdp.models.gpt:small), a local Hugging Face config.json (or its folder), "
-    "or a transformers config class name (e.g. LlamaConfig)"
-)
-
-
-def meta_model_from_spec(spec: str, overrides: Optional[dict[str, Any]] = None) -> nn.Module:
-    """Build a model on ``meta`` from a command-line spec, with ``key=value`` overrides.
-
-    ``"pkg.mod:factory"`` calls ``factory(**overrides)``; a path to a ``config.json`` (or a folder
-    holding one) or a ``transformers`` config class name builds ``AutoModelForCausalLM.from_config``.
-    Never downloads. Raises ``ValueError`` with a one-line reason when the spec cannot be used.
-
-    Example:
-        >>> model = meta_model_from_spec("zeta_fsdp.models.gpt:small", {"n_layers": 4})
-        >>> next(model.parameters()).device
-        device(type='meta')
-    """
-    overrides = dict(overrides or {})
-    if ":" in spec and not Path(spec).exists():
-        return _from_factory(spec, overrides)
-    path = Path(spec)
-    if path.is_dir():
-        path = path / "config.json"
-    if path.suffix == ".json" or path.exists():
-        if not path.is_file():
-            raise ValueError(f"no config file at {str(path)!r}. MODEL is {MODEL_SPEC_HELP}.")
-        return _from_hf_config(path, overrides)
-    if spec.isidentifier() and spec.endswith("Config"):
-        return _from_hf_config(spec, overrides)
-    raise ValueError(f"cannot use {spec!r} as a model. MODEL is {MODEL_SPEC_HELP}.")
-
-
-def _from_factory(spec: str, overrides: dict[str, Any]) -> nn.Module:
-    module_name, _, attr = spec.partition(":")
-    if not module_name or not attr:
-        raise ValueError(f"cannot use {spec!r} as a model. MODEL is {MODEL_SPEC_HELP}.")
-    if os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())  # like ``python -m``: the current folder is importable
-    try:
-        module = importlib.import_module(module_name)
-    except Exception as e:  # any import-time failure is the user's path, not our bug
-        raise ValueError(f"cannot import {module_name!r} ({type(e).__name__}: {e}). MODEL is {MODEL_SPEC_HELP}.") from e
-    factory = module
-    for part in attr.split("."):
-        factory = getattr(factory, part, None)
-        if factory is None:
-            raise ValueError(f"{module_name!r} has no attribute {attr!r}. MODEL is {MODEL_SPEC_HELP}.")
-    if not callable(factory):
-        raise ValueError(f"{spec!r} is not callable. MODEL is {MODEL_SPEC_HELP}.")
-    try:
-        with torch.device("meta"):
-            model = factory(**overrides)
-    except Exception as e:
-        args = ", ".join(f"{k}={v!r}" for k, v in overrides.items())
-        raise ValueError(f"{spec}({args}) failed: {type(e).__name__}: {e}") from e
-    if not isinstance(model, nn.Module):
-        raise ValueError(f"{spec} returned {type(model).__name__}, not a torch.nn.Module.")
-    return model
-
-
-def _from_hf_config(source: Union[str, Path], overrides: dict[str, Any]) -> nn.Module:
-    try:
-        import transformers
-    except ImportError:
-        raise ValueError("a Hugging Face config needs the 'transformers' package (pip install transformers).") from None
-    fields: dict[str, Any] = {}
-    if isinstance(source, Path):
-        # The local file only: nothing is looked up on the Hub.
-        fields = json.loads(source.read_text())
-        model_type = fields.pop("model_type", None)
-        if not model_type:
-            raise ValueError(f"{str(source)!r} has no 'model_type'; cannot tell which model it configures.")
-        try:
-            config_cls = type(transformers.AutoConfig.for_model(model_type))
-        except ValueError:
-            raise ValueError(
-                f"{str(source)!r}: model_type {model_type!r} is unknown to transformers {transformers.__version__}."
-            ) from None
-    else:
-        config_cls = getattr(transformers, source, None)
-        if not (isinstance(config_cls, type) and issubclass(config_cls, transformers.PretrainedConfig)):
-            raise ValueError(f"transformers has no config class {source!r}. MODEL is {MODEL_SPEC_HELP}.")
-    # Configs accept any keyword silently, so a typo would plan the default model: refuse it.
-    known = set(config_cls().to_dict())
-    unknown = sorted(set(overrides) - known)
-    if unknown:
-        raise ValueError(f"{config_cls.__name__} has no field(s) {', '.join(map(repr, unknown))}.")
-    # Overrides go through __init__: derived fields (head_dim, ...) are computed there.
-    config = config_cls(**{**fields, **overrides})
-    try:
-        with torch.device("meta"):
-            return transformers.AutoModelForCausalLM.from_config(config)
-    except Exception as e:
-        raise ValueError(f"building a causal LM from {config_cls.__name__} failed: {type(e).__name__}: {e}") from e

@@ -19,7 +19,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from .fsdp import fsdp, is_fsdp_wrapped, materialize_meta_model
 from .options import resolve_sharding
 from .strategy_options import tp_style
-from .wrapping import tied_groups
+from .wrapping import tied_parameter_groups
 
 __all__ = ["current_ties", "default_parallelize", "shard_module", "tensor_init_context"]
 
@@ -97,7 +97,7 @@ def current_ties(module: nn.Module, before: list[list[str]]) -> list[list[str]]:
     names = {n for n, _ in module.named_parameters(remove_duplicate=False)}
     ties = [group for group in before if all(n in names for n in group)]
     covered = {n for group in ties for n in group}
-    return ties + [group for group in tied_groups(module) if not covered.intersection(group)]
+    return ties + [group for group in tied_parameter_groups(module) if not covered.intersection(group)]
 
 
 def shard_module(
@@ -118,7 +118,7 @@ def shard_module(
         >>> model = shard_module(model, None, mesh, policy, torch.device("cpu"), TransformerBlock=Block)  # doctest: +SKIP
     """
     fn = parallelize_fn or default_parallelize
-    tied = tied_groups(module)
+    tied = tied_parameter_groups(module)
     result = fn(module, device_mesh=device_mesh, mp_policy=mp_policy, **kwargs)
     if result is not None:
         module = result

@@ -8,11 +8,11 @@
   optimizer state, next to what the unsharded tensors would take.
 
 Example:
-    >>> for i, batch in enumerate(micro_batches):  # doctest: +SKIP
-    ...     with no_sync(model) if i < len(micro_batches) - 1 else contextlib.nullcontext():
-    ...         (loss_fn(model(batch)) / len(micro_batches)).backward()
-    >>> norm = clip_grad_norm_(model, 1.0)  # doctest: +SKIP
-    >>> print(memory_report(model, optimizer).table())  # doctest: +SKIP
+    for i, batch in enumerate(micro_batches):
+        with no_sync(model) if i < len(micro_batches) - 1 else contextlib.nullcontext():
+            (loss_fn(model(batch)) / len(micro_batches)).backward()
+    norm = clip_grad_norm_(model, 1.0)
+    print(memory_report(model, optimizer).table())
 """
 
 from __future__ import annotations
@@ -22,10 +22,13 @@ import numbers
 from typing import Iterable, Iterator, Optional, Union
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
+
+from .distributed import get_rank, get_world_size
+from .fsdp import fsdp_param_groups
+from .report import format_bytes, render_table
 
 __all__ = ["MemoryReport", "clip_grad_norm_", "memory_report", "no_sync"]
 
@@ -34,41 +37,10 @@ def _fsdp_modules(model: nn.Module) -> list[FSDPModule]:
     return [m for m in model.modules() if isinstance(m, FSDPModule)]
 
 
-def _param_groups_of(module: FSDPModule) -> Optional[list]:
-    """The FSDP parameter groups of one module's state, or ``None`` when they cannot be read.
-
-    Private torch attributes: ``_fsdp_param_groups`` (a list, newer torch) or
-    ``_fsdp_param_group`` (one group or ``None``, older torch; in newer torch a property that
-    raises when a unit has several groups).
-    """
-    try:
-        state = module._get_fsdp_state()
-    except Exception:  # noqa: BLE001 - an unreadable state: the caller falls back to defaults
-        return None
-    for name in ("_fsdp_param_groups", "_fsdp_param_group"):
-        try:
-            groups = getattr(state, name)
-        except Exception:  # noqa: BLE001 - absent, or the property refused: try the other name
-            continue
-        if groups is None:
-            return []
-        return list(groups) if isinstance(groups, (list, tuple)) else [groups]
-    return None
-
-
-def _fsdp_param_groups(model: nn.Module) -> list:
-    """Every readable FSDP parameter group of ``model`` once (a multi-module unit shares one state)."""
-    groups: dict[int, object] = {}
-    for module in _fsdp_modules(model):
-        for group in _param_groups_of(module) or ():
-            groups[id(group)] = group
-    return list(groups.values())
-
-
 def _sync_setting(module: FSDPModule) -> tuple[bool, bool]:
     """``(requires_gradient_sync, requires_all_reduce)`` of one unit; ``(True, True)`` (FSDP's
     default) when its state cannot be read."""
-    groups = _param_groups_of(module)
+    groups = fsdp_param_groups(module)
     if not groups:
         return True, True
     return (
@@ -98,9 +70,9 @@ def no_sync(model: nn.Module) -> Iterator[nn.Module]:
     model without FSDP units is left alone (a DDP model uses its own ``no_sync``).
 
     Example:
-        >>> with no_sync(model):  # doctest: +SKIP
-        ...     (loss_fn(model(batch0)) / 2).backward()  # no collective for gradients
-        >>> (loss_fn(model(batch1)) / 2).backward()  # reduces both micro-batches  # doctest: +SKIP
+        with no_sync(model):
+            (loss_fn(model(batch0)) / 2).backward()  # no collective for gradients
+        (loss_fn(model(batch1)) / 2).backward()  # reduces both micro-batches
     """
     modules = _fsdp_modules(model)
     if not modules:
@@ -185,9 +157,9 @@ def clip_grad_norm_(
     magnitude); anything else is a ``ValueError`` naming it.
 
     Example:
-        >>> loss.backward()  # doctest: +SKIP
-        >>> norm = clip_grad_norm_(model, max_norm=1.0)  # doctest: +SKIP
-        >>> optimizer.step()  # doctest: +SKIP
+        loss.backward()
+        norm = clip_grad_norm_(model, max_norm=1.0)
+        optimizer.step()
     """
     norm_type = _norm_order(norm_type)
     params = _parameters(model_or_params)
@@ -221,9 +193,9 @@ class MemoryReport(dict):
     """``memory_report``'s result: a dict (see there) with ``table()`` for a readable view.
 
     Example:
-        >>> report = memory_report(model, optimizer)  # doctest: +SKIP
-        >>> report["params"]["local_bytes"], report["params"]["full_bytes"]  # doctest: +SKIP
-        >>> print(report.table())  # doctest: +SKIP
+        report = memory_report(model, optimizer)
+        report["params"]["local_bytes"], report["params"]["full_bytes"]
+        print(report.table())
     """
 
     ROWS = (
@@ -247,26 +219,12 @@ class MemoryReport(dict):
             entry = self[key]
             local, full = entry["local_bytes"], entry["full_bytes"]
             ratio = f"{local / full:.3f}" if full else "-"
-            rows.append((label, _human(local), _human(full), ratio))
-        widths = [max(len(r[i]) for r in rows) for i in range(4)]
-        lines = []
-        for i, row in enumerate(rows):
-            lines.append("  ".join(c.ljust(widths[j]) if j == 0 else c.rjust(widths[j]) for j, c in enumerate(row)))
-            if i == 0 or i == len(rows) - 2:
-                lines.append("  ".join("-" * w for w in widths))
-        lines.append(f"master weights {dtypes['params']}; optimizer state {dtypes['optimizer_state']}")
-        return "\n".join(lines)
+            rows.append((label, format_bytes(local), format_bytes(full), ratio))
+        table = render_table(rows, rules=(0, -2))
+        return f"{table}\nmaster weights {dtypes['params']}; optimizer state {dtypes['optimizer_state']}"
 
     def __str__(self) -> str:
         return self.table()
-
-
-def _human(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
 
 
 def _entry(tensors: Iterable[torch.Tensor], skip_scalar_dtypes: bool = False) -> dict:
@@ -303,14 +261,14 @@ def memory_report(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] =
     are ``None`` count zero. ``report.table()`` (or ``print(report)``) gives a readable view.
 
     Example:
-        >>> report = memory_report(model, optimizer)  # doctest: +SKIP
-        >>> report["params"]["local_bytes"] / report["params"]["full_bytes"]  # ~1/world with FULL_SHARD  # doctest: +SKIP
-        0.5
+        report = memory_report(model, optimizer)
+        report["params"]["local_bytes"] / report["params"]["full_bytes"]  # ~1/world with FULL_SHARD
+        # -> 0.5
     """
     params = list(model.parameters())
     report = MemoryReport(
-        rank=dist.get_rank() if dist.is_available() and dist.is_initialized() else 0,
-        world_size=dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1,
+        rank=get_rank(),
+        world_size=get_world_size(),
         params=_entry(params),
         grads=_entry(p.grad for p in params if p.grad is not None),
         optimizer_state=_entry(_optimizer_tensors(optimizer), skip_scalar_dtypes=True),

@@ -25,7 +25,9 @@ from typing import Iterable, Optional, Sequence, Union
 import torch
 import torch.nn as nn
 
-__all__ = ["BlockSpec", "WrapPlan", "WrapUnit", "build_wrap_plan", "detect_block_classes"]
+from .report import render_table
+
+__all__ = ["BlockSpec", "WrapPlan", "WrapUnit", "build_wrap_plan", "detect_block_classes", "tied_parameter_groups"]
 
 BlockSpec = Union[type, str, Sequence[Union[type, str]], None]
 
@@ -46,8 +48,9 @@ class WrapUnit:
         dtypes: dtypes of the owned parameters.
 
     Example:
-        >>> unit = build_wrap_plan(model, auto_wrap=True).units[0]  # doctest: +SKIP
-        >>> unit.name, unit.kind, unit.numel  # doctest: +SKIP
+        >>> from zeta_fsdp.models.gpt import small
+        >>> unit = build_wrap_plan(small(), auto_wrap=True).units[0]
+        >>> unit.name, unit.kind, unit.numel
         ('blocks.0', 'block', 11100)
     """
 
@@ -86,7 +89,17 @@ class WrapPlan:
     across ranks itself; they are listed in ``ignored_param_names`` too and owned by no unit.
 
     Example:
-        >>> print(plan.table())  # doctest: +SKIP
+        >>> from zeta_fsdp.models.gpt import small
+        >>> print(build_wrap_plan(small(), auto_wrap=True).table())
+        unit                            kind            params   numel   MiB
+        ------------------------------  --------------  ------  ------  ----
+        blocks.0                        block               11  11,100  0.04
+        blocks.1                        block               11  11,100  0.04
+        blocks.2                        block               11  11,100  0.04
+        [tok_emb, pos_emb, norm, head]  embedding+head       4   1,650  0.01
+        <root>                          root                 0       0  0.00
+        ------------------------------  --------------  ------  ------  ----
+        total                                               37  34,950  0.13
     """
 
     units: list[WrapUnit]
@@ -139,35 +152,23 @@ class WrapPlan:
                 f"{self.nbytes / 2**20:.2f}",
             )
         )
-        widths = [min(60, max(len(r[i]) for r in rows)) for i in range(len(rows[0]))]
-        lines = []
-        for i, r in enumerate(rows):
-            cells = [c if len(c) <= widths[j] else c[: widths[j] - 3] + "..." for j, c in enumerate(r)]
-            lines.append("  ".join(c.ljust(widths[j]) if j < 2 else c.rjust(widths[j]) for j, c in enumerate(cells)))
-            if i == 0 or i == len(rows) - 2:
-                lines.append("  ".join("-" * w for w in widths))
-        return "\n".join(lines)
+        return render_table(rows, align="llrrr", rules=(0, -2), max_width=60)
 
 
-def _class_name_matches(module: nn.Module, name: str) -> bool:
-    cls = type(module)
-    return name in (cls.__name__, cls.__qualname__, f"{cls.__module__}.{cls.__qualname__}")
-
-
-def _normalize_block_spec(transformer_block: BlockSpec) -> list[Union[type, str]]:
+def _normalize_block_spec(transformer_block: BlockSpec, caller: str) -> list[Union[type, str]]:
     specs = (
         list(transformer_block) if isinstance(transformer_block, (tuple, list, set, frozenset)) else [transformer_block]
     )
     for spec in specs:
         if not (isinstance(spec, str) or (isinstance(spec, type) and issubclass(spec, nn.Module))):
             raise ValueError(
-                f"fsdp(): TransformerBlock={transformer_block!r} is not accepted. Accepted: an "
+                f"{caller}(): TransformerBlock={transformer_block!r} is not accepted. Accepted: an "
                 "nn.Module subclass, a class name string, or a tuple of those."
             )
     return specs
 
 
-def _resolve_block_classes(model: nn.Module, specs: list[Union[type, str]]) -> tuple[type, ...]:
+def _resolve_block_classes(model: nn.Module, specs: list[Union[type, str]], caller: str) -> tuple[type, ...]:
     """Map each spec to the module classes present in ``model``; a spec matching nothing is an error."""
     present = {type(m) for _, m in model.named_modules() if m is not model}
     classes: list[type] = []
@@ -180,7 +181,7 @@ def _resolve_block_classes(model: nn.Module, specs: list[Union[type, str]]) -> t
             shown = sorted({c.__name__ for c in present})
             name = spec if isinstance(spec, str) else spec.__name__
             raise ValueError(
-                f"fsdp(): TransformerBlock={name!r} matches no submodule of {type(model).__name__}. "
+                f"{caller}(): TransformerBlock={name!r} matches no submodule of {type(model).__name__}. "
                 f"Module classes present: {', '.join(shown[:40])}{' ...' if len(shown) > 40 else ''}."
             )
         classes.extend(c for c in found if c not in classes)
@@ -289,7 +290,15 @@ def _embedding_and_head_modules(
     return embeddings, tail
 
 
-def _tied_groups(model: nn.Module) -> list[list[str]]:
+def tied_parameter_groups(model: nn.Module) -> list[list[str]]:
+    """Names of parameters that are one object (tied weights), one list per tie, in module order.
+
+    Example:
+        >>> model = nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 10, bias=False))
+        >>> model[1].weight = model[0].weight
+        >>> tied_parameter_groups(model)
+        [['0.weight', '1.weight']]
+    """
     by_id: dict[int, list[str]] = {}
     for name, param in model.named_parameters(remove_duplicate=False):
         by_id.setdefault(id(param), []).append(name)
@@ -308,7 +317,9 @@ def _claiming_unit(module_name: str, units: list[WrapUnit]) -> int:
     raise AssertionError("the root unit claims every module")
 
 
-def _resolve_ties(units: list[WrapUnit], tied: list[list[str]], singletons: set[str]) -> list[WrapUnit]:
+def _resolve_ties(
+    units: list[WrapUnit], tied: list[list[str]], singletons: set[str], caller: str = "fsdp"
+) -> list[WrapUnit]:
     """Merge or drop units so that every tied parameter's holders fall in a single unit.
 
     ``singletons``: block units whose class occurs once in the model. Hugging Face lists the
@@ -339,7 +350,7 @@ def _resolve_ties(units: list[WrapUnit], tied: list[list[str]], singletons: set[
             continue
         dropped = [units[i] for i in conflict if units[i].kind != "root"]
         warnings.warn(
-            "fsdp(): parameters tied across "
+            f"{caller}(): parameters tied across "
             + ", ".join(u.name for u in dropped)
             + " cannot be split into separate FSDP units; those modules are sharded with their parent instead.",
             stacklevel=3,
@@ -375,6 +386,7 @@ def build_wrap_plan(
     auto_wrap: bool = False,
     transformer_block: BlockSpec = None,
     ignored_params: Optional[set[nn.Parameter]] = None,
+    caller: str = "fsdp",
 ) -> WrapPlan:
     """Plan the FSDP units of ``model`` without changing it.
 
@@ -383,20 +395,23 @@ def build_wrap_plan(
     detected ones when it is ``None``) is a unit, then the input embeddings, then the modules after
     the last block (final norm + head), then the root.
 
-    Raises ``ValueError`` when ``transformer_block`` is malformed or matches no submodule.
+    Raises ``ValueError`` when ``transformer_block`` is malformed or matches no submodule; its
+    message starts with ``caller`` (the public function the user called: ``fsdp``, ``plan``, ...).
 
     Example:
-        >>> plan = build_wrap_plan(model, auto_wrap=True, transformer_block="Block")  # doctest: +SKIP
-        >>> print(plan.table())  # doctest: +SKIP
+        >>> from zeta_fsdp.models.gpt import small
+        >>> plan = build_wrap_plan(small(), auto_wrap=True, transformer_block="Block")
+        >>> [unit.kind for unit in plan.units]
+        ['block', 'block', 'block', 'embedding+head', 'root']
     """
     classes: tuple[type, ...] = ()
     if transformer_block is not None:
-        specs = _normalize_block_spec(transformer_block)
+        specs = _normalize_block_spec(transformer_block, caller)
         if auto_wrap:
-            classes = _resolve_block_classes(model, specs)
+            classes = _resolve_block_classes(model, specs, caller)
         else:
             warnings.warn(
-                "fsdp(): TransformerBlock is only used with auto_wrap=True (as in Zeta's fsdp); "
+                f"{caller}(): TransformerBlock is only used with auto_wrap=True (as in Zeta's fsdp); "
                 "the whole model is one FSDP unit. Pass auto_wrap=True to shard per block.",
                 stacklevel=3,
             )
@@ -426,8 +441,8 @@ def build_wrap_plan(
             units.append(WrapUnit("head", [n for n, _ in head], [m for _, m in head]))
     units.append(WrapUnit("root", [""], [model]))
 
-    tied = _tied_groups(model)
-    units = _resolve_ties(units, tied, singletons)
+    tied = tied_parameter_groups(model)
+    units = _resolve_ties(units, tied, singletons, caller)
     ignored = {id(p) for p in (ignored_params or ())}
     ignored_names, scalar_names = _fill_params(units, model, ignored)
     # A unit with no parameters would only add hooks and an empty all-gather.
@@ -439,13 +454,3 @@ def build_wrap_plan(
         ignored_param_names=ignored_names,
         scalar_param_names=scalar_names,
     )
-
-
-def tied_groups(model: nn.Module) -> list[list[str]]:
-    """Names of parameters that are one tensor (tied weights), one list per tensor shared by several names.
-
-    Example:
-        >>> tied_groups(gpt)  # embedding and head tied
-        [['tok_emb.weight', 'head.weight']]
-    """
-    return _tied_groups(model)

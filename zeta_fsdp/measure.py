@@ -1,12 +1,22 @@
-"""Measurement helpers shared by the demo, the planner's accuracy checks and the benchmarks.
+"""Measuring a training step: peak memory by category, collectives, step time.
+
+Shared by the demo, the planner's accuracy checks, the benchmarks and users' notebooks.
 
 Memory comes from PyTorch's ``FSDPMemTracker`` (exact on CPU: it counts tensor storages by
 category), collectives from ``CommDebugMode``, time from ``time.perf_counter``. Nothing here
 asserts anything: callers decide what the numbers mean.
 
 Example:
-    >>> peak = peak_memory_by_category(model, optimizer, lambda: train_step(batch), inputs=(batch,))  # doctest: +SKIP
-    >>> peak["Sharded Param"]  # doctest: +SKIP
+    >>> model = torch.nn.Linear(4, 4)
+    >>> collectives_per_step(lambda: model(torch.ones(2, 4)).sum().backward())  # no process group: none
+    {}
+    >>> median_step_seconds(lambda: None, steps=3) < 1.0
+    True
+
+    With a sharded model (see ``examples/notebook.py``)::
+
+        peak = peak_memory_by_category(model, optimizer, lambda: train_step(batch), inputs=(batch,))
+        peak["Sharded Param"], peak["OptState"], peak["Total"]
 """
 
 from __future__ import annotations
@@ -18,11 +28,15 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 import torch.nn as nn
 
+from .fsdp import fsdp_param_groups, fsdp_state
+
+__all__ = ["collectives_per_step", "median_step_seconds", "peak_memory_by_category", "restore_fsdp_hooks"]
+
 _HOOK_DICTS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks", "_forward_hooks_with_kwargs")
 
 
 @contextlib.contextmanager
-def _restore_fsdp_hooks(model: nn.Module) -> Iterator[None]:
+def restore_fsdp_hooks(model: nn.Module) -> Iterator[None]:
     """Put every module's forward hooks (and FSDP's hook handles) back as they were.
 
     ``FSDPMemTracker`` (torch 2.13) swaps FSDP's forward hooks for its own and, on exit,
@@ -30,15 +44,20 @@ def _restore_fsdp_hooks(model: nn.Module) -> Iterator[None]:
     (``fully_shard([norm, head])``): the group's shared hook is lost and tracker hooks are left
     behind, and the group's backward methods stay patched. Restoring the exact hook tables and
     methods keeps the model trainable after a measurement.
+
+    Example:
+        # what peak_memory_by_category does around the tracker
+        with restore_fsdp_hooks(model), FSDPMemTracker(model, optimizer):
+            train_step(batch)
     """
     saved = [(m, {name: dict(getattr(m, name)) for name in _HOOK_DICTS}) for m in model.modules()]
     states = []
+    groups: dict[int, Any] = {}
     for module in model.modules():
-        get_state = getattr(module, "_get_fsdp_state", None)
-        if get_state is not None:
-            state = get_state()
+        state = fsdp_state(module)
+        if state is not None:
             states.append((state, state._pre_forward_hook_handle, state._post_forward_hook_handle))
-    groups = {id(s._fsdp_param_group): s._fsdp_param_group for s, _, _ in states if s._fsdp_param_group is not None}
+            groups.update((id(group), group) for group in fsdp_param_groups(module) or ())
     patched = ("pre_backward", "post_backward")
     group_attrs = [(g, {a: vars(g)[a] for a in patched if a in vars(g)}) for g in groups.values()]
     try:
@@ -69,12 +88,16 @@ def peak_memory_by_category(
 
     ``warmup`` steps run first, untracked, so lazily created optimizer state exists and the
     tracked step is a steady-state one. Adds ``"Total"`` (peak of the sum, not sum of peaks).
+
+    Example:
+        peak = peak_memory_by_category(model, optimizer, lambda: train_step(batch), inputs=(batch,))
+        peak["Sharded Param"], peak["Total"]
     """
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 
     for _ in range(warmup):
         step()
-    with _restore_fsdp_hooks(model):
+    with restore_fsdp_hooks(model):
         tracker = FSDPMemTracker(model, optimizer)
         if inputs:
             tracker.track_inputs(inputs)
@@ -86,7 +109,12 @@ def peak_memory_by_category(
 
 
 def collectives_per_step(step: Callable[[], Any]) -> dict[str, int]:
-    """Collective ops issued by one ``step()``, by op name (e.g. ``"all_gather_into_tensor"``)."""
+    """Collective ops issued by one ``step()``, by op name (e.g. ``"all_gather_into_tensor"``).
+
+    Example:
+        >>> collectives_per_step(lambda: None)
+        {}
+    """
     from torch.distributed.tensor.debug import CommDebugMode
 
     comm = CommDebugMode()
@@ -100,7 +128,12 @@ def collectives_per_step(step: Callable[[], Any]) -> dict[str, int]:
 
 
 def median_step_seconds(step: Callable[[], Any], *, steps: int = 5, warmup: int = 1) -> float:
-    """Median wall time of ``step()`` over ``steps`` runs after ``warmup`` runs."""
+    """Median wall time of ``step()`` over ``steps`` runs after ``warmup`` runs.
+
+    Example:
+        >>> median_step_seconds(lambda: sum(range(1000)), steps=3) >= 0.0
+        True
+    """
     for _ in range(warmup):
         step()
     times = []

@@ -1,0 +1,75 @@
+"""``python -m zeta_fsdp consolidate DIR OUT``: argument parsing only; the work is ``consolidate_checkpoint``.
+
+Example:
+    $ python -m zeta_fsdp consolidate checkpoints/step_100 model.safetensors
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from .args import UsageError
+
+HELP = "turn a sharded checkpoint into one torch.save or .safetensors file of the model's weights"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The subcommand's arguments (``DIR OUT [--overwrite] [--hf [--config C] [--dtype D] [--max-shard-size S]]``).
+
+    Example:
+        >>> add_arguments(parser := argparse.ArgumentParser())
+        >>> parser.parse_args(["ckpt", "out.pt"]).overwrite
+        False
+    """
+    parser.add_argument("dcp_dir", metavar="DIR", help="checkpoint directory written by save_checkpoint()")
+    parser.add_argument("out", metavar="OUT", help="output file: *.safetensors (needs safetensors) or torch.save")
+    parser.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
+    parser.add_argument("--hf", action="store_true", help="write OUT as a Hugging Face model directory")
+    parser.add_argument("--config", metavar="DIR_OR_FILE", help="with --hf: the model's HF config (dir or config.json)")
+    parser.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], help="with --hf: cast floating-point weights")
+    parser.add_argument("--max-shard-size", default="5GB", help="with --hf: largest file (default 5GB)")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Consolidate ``args.dcp_dir`` into ``args.out``; bad input raises ``UsageError`` (one line).
+
+    Example:
+        >>> run(argparse.Namespace(dcp_dir="/no/such/dir", out="x.pt", overwrite=False, hf=False))  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        zeta_fsdp.cli.args.UsageError: ...
+    """
+    # Imported here: `python -m zeta_fsdp --help` need not load torch.distributed.checkpoint.
+    from ..state_dict import CheckpointError, consolidate_checkpoint
+
+    try:
+        if args.hf:
+            return _to_hf(args)
+        out = consolidate_checkpoint(args.dcp_dir, args.out, overwrite=args.overwrite)
+    except FileExistsError as e:
+        raise UsageError(f"{args.out} already exists; pass --overwrite to replace it.") from e
+    except (FileNotFoundError, CheckpointError, ImportError, ValueError) as e:  # a corrupted checkpoint: one line
+        raise UsageError(str(e)) from e
+    except OSError as e:  # reading DIR or writing OUT failed (permissions, full disk); the error names the file
+        raise UsageError(str(e)) from e
+    print(f"wrote {out} ({out.stat().st_size / 2**20:.1f} MiB)")
+    return 0
+
+
+def _to_hf(args: argparse.Namespace) -> int:
+    """``--hf``: a Hugging Face model directory (``consolidate_to_hf``), streamed tensor by tensor."""
+    import torch
+
+    from ..hf import consolidate_to_hf
+
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}.get(args.dtype)
+    out = consolidate_to_hf(
+        args.dcp_dir,
+        args.out,
+        config=args.config,
+        dtype=dtype,
+        max_shard_size=args.max_shard_size,
+        overwrite=args.overwrite,
+    )
+    print(f"wrote {out} ({sum(f.stat().st_size for f in out.iterdir()) / 2**20:.1f} MiB)")
+    return 0

@@ -1,0 +1,351 @@
+"""``python -m zeta_fsdp demo``: train the tiny GPT under every sharding strategy and compare.
+
+``run_demo`` starts ``nproc`` local ranks (``launch``: ``torch.distributed.run``, stopped as a
+whole on Ctrl-C), on CUDA with nccl when there is a GPU per rank, else on CPU with gloo
+(``demo_device``), waits, and returns one row per strategy: the loss after N steps (the same for
+every strategy: same seed, same data), per-rank peak memory by category (``FSDPMemTracker``),
+step time and collectives per step (``CommDebugMode``). What each rank does is ``demo_rank``.
+
+Example:
+    >>> losses_equal({"mp": "fp32", "rows": [{"loss_final": 3.0}, {"loss_final": 3.0}]})
+    (True, 0.0)
+
+    From a shell::
+
+        python -m zeta_fsdp demo --nproc 2 --steps 8 --plot memory.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any, Optional, TextIO
+
+from ..options import MIXED_PRECISION_ALIASES
+from ..report import render_table
+from .args import UsageError, choice, int_in
+from .launch import LaunchTimeoutError, launch_and_wait, progress_tty
+
+__all__ = [
+    "HELP",
+    "MAX_NPROC",
+    "MAX_STEPS",
+    "DemoError",
+    "add_arguments",
+    "demo_device",
+    "format_table",
+    "losses_equal",
+    "run",
+    "run_demo",
+    "write_plot",
+]
+
+HELP = (
+    "train a small GPT under every sharding strategy on local ranks and compare "
+    "(CUDA/nccl with a GPU per rank, else CPU/gloo)"
+)
+# More local CPU ranks than this only measures the machine's scheduler, not FSDP.
+MAX_NPROC = 32
+MAX_STEPS = 1000
+# Same seed and data everywhere: strategies differ only in reduction order (~1e-7 in fp32).
+LOSS_TOLERANCE = {"fp32": 1e-4, "bf16": 5e-2, "fp16": 5e-2}
+# The module every rank runs (``python -m``): its name also marks our processes for clean-up.
+RANK_MODULE = "zeta_fsdp.cli.demo_rank"
+# What each strategy is in the terms users know (the legend under the demo's table).
+_STRATEGY_NOTES = {
+    "FULL_SHARD": "ZeRO-3",
+    "SHARD_GRAD": "ZeRO-2",
+    "NO_SHARD": "DDP-like",
+    "HYBRID_SHARD": "ZeRO-3 in 2 replicas",
+}
+
+
+# --------------------------------------------------------------------------------------------
+# The subcommand
+# --------------------------------------------------------------------------------------------
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The subcommand's arguments.
+
+    Example:
+        >>> add_arguments(parser := argparse.ArgumentParser())
+        >>> parser.parse_args(["--nproc", "4"]).steps
+        8
+    """
+    nproc = int_in(1, MAX_NPROC, "--nproc")
+    parser.add_argument("--nproc", type=nproc, default=2, help="local ranks to launch (default 2)")
+    steps = int_in(1, MAX_STEPS, "--steps")
+    parser.add_argument("--steps", type=steps, default=8, help="training steps per strategy (default 8)")
+    mp = choice("mp", MIXED_PRECISION_ALIASES, str.lower)
+    parser.add_argument("--mp", type=mp, default="fp32", help="mixed precision: fp32 (default), bf16, fp16")
+    parser.add_argument("--plot", metavar="OUT.png", help="also write a bar chart of memory per strategy (matplotlib)")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the demo and print its table; bad input raises ``UsageError``, a failed rank returns 1.
+
+    Example:
+        # two ranks on this machine, about a minute on CPU
+        run(argparse.Namespace(nproc=2, steps=2, mp="fp32", plot=None))
+    """
+    try:
+        result = run_demo(nproc=args.nproc, steps=args.steps, mp=args.mp, plot=args.plot, log=sys.stderr)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    except DemoError as e:
+        sys.stderr.write(f"python -m zeta_fsdp demo: {e}\n")
+        return 1
+    print(format_table(result))
+    if args.plot:
+        print(f"memory chart written to {args.plot}")
+    return 0
+
+
+# --------------------------------------------------------------------------------------------
+# Launcher side
+# --------------------------------------------------------------------------------------------
+
+
+class DemoError(RuntimeError):
+    """A rank failed or the launcher could not run: the message is one line (plus the log path).
+
+    Example:
+        try:
+            run_demo(nproc=2)
+        except DemoError as e:
+            print(e)  # e.g. "rank1 failed: RuntimeError: ... (full log: /tmp/.../launcher.log)"
+    """
+
+
+def demo_device(nproc: int) -> tuple[str, str]:
+    """(device type, backend) the demo's ``nproc`` ranks use: ``("cuda", "nccl")`` when CUDA is
+    available with a GPU for every rank, else ``("cpu", "gloo")`` (CPU is enough for the demo).
+
+    Example:
+        >>> demo_device(2)  # on a machine without a GPU
+        ('cpu', 'gloo')
+    """
+    import torch
+
+    if torch.cuda.is_available() and nproc <= torch.cuda.device_count():
+        return "cuda", "nccl"
+    return "cpu", "gloo"
+
+
+def _validate(nproc: int, steps: int, mp: str, plot: Optional[str]) -> None:
+    if isinstance(nproc, bool) or not isinstance(nproc, int) or not 1 <= nproc <= MAX_NPROC:
+        raise ValueError(f"nproc={nproc!r} is not accepted. Accepted: an int from 1 to {MAX_NPROC}.")
+    if isinstance(steps, bool) or not isinstance(steps, int) or not 1 <= steps <= MAX_STEPS:
+        raise ValueError(f"steps={steps!r} is not accepted. Accepted: an int from 1 to {MAX_STEPS}.")
+    if MIXED_PRECISION_ALIASES.get(str(mp).lower()) not in LOSS_TOLERANCE:
+        raise ValueError(f"mp={mp!r} is not accepted. Accepted: {', '.join(map(repr, MIXED_PRECISION_ALIASES))}.")
+    if plot is not None:
+        # The target is checked first: that error does not depend on what is installed.
+        parent = Path(plot).resolve().parent
+        if not parent.is_dir():
+            raise ValueError(f"cannot write the plot to {plot!r}: folder {str(parent)!r} does not exist.")
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise ValueError("--plot needs matplotlib, which is not installed (pip install matplotlib).") from None
+
+
+def run_demo(
+    nproc: int = 2,
+    steps: int = 8,
+    mp: str = "fp32",
+    plot: Optional[str] = None,
+    *,
+    progress: Optional[bool] = None,
+    log: Optional[TextIO] = None,
+    timeout_s: float = 600.0,
+) -> dict[str, Any]:
+    """Launch ``nproc`` local ranks, run every strategy for ``steps`` steps, return the results.
+
+    ``progress``: show a progress bar on the launcher's terminal (default: only when stderr is a
+    TTY, so CI logs stay clean). ``plot``: also write a memory bar chart there (needs matplotlib).
+    ``log``: where to say that the ranks are being launched (nothing is said when ``None``).
+    Raises ``ValueError`` for bad arguments (before anything starts), ``DemoError`` when a rank
+    fails, ``KeyboardInterrupt`` after stopping every rank on Ctrl-C.
+
+    Example:
+        # launches two ranks; tests/test_cli.py checks a real run
+        result = run_demo(nproc=2, steps=4)
+        [row["strategy"] for row in result["rows"]]  # ['FULL_SHARD', 'SHARD_GRAD', 'NO_SHARD']
+    """
+    _validate(nproc, steps, mp, plot)
+    mp = MIXED_PRECISION_ALIASES[mp.lower()]
+    device, backend = demo_device(nproc)
+    workdir = Path(tempfile.mkdtemp(prefix="zeta_fsdp_demo_"))
+    tty = progress_tty() if progress in (None, True) else ""
+    if log is not None:
+        log.write(f"launching {nproc} rank(s) on {device.upper()} ({backend}): {steps} steps per strategy ...\n")
+        log.flush()
+    try:
+        command = _rank_command(nproc, steps, mp, workdir, tty, device)
+        returncode = _launch_and_wait(command, workdir, timeout_s)
+    except BaseException:
+        shutil.rmtree(workdir, ignore_errors=True)
+        raise
+    result_path = workdir / "result.json"
+    if returncode != 0 or not result_path.exists():
+        raise DemoError(_failure_summary(workdir, returncode))  # workdir kept: it holds the log
+    result = json.loads(result_path.read_text())
+    shutil.rmtree(workdir, ignore_errors=True)
+    if plot is not None:
+        write_plot(result, plot)
+    return result
+
+
+def _rank_command(nproc: int, steps: int, mp: str, workdir: Path, tty: str, device: str = "cpu") -> list[str]:
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+    worker = ["--module", RANK_MODULE, "--out", str(workdir), "--steps", str(steps), "--mp", mp]
+    worker += ["--device", device]
+    return launcher + worker + (["--tty", tty] if tty else [])
+
+
+def _launch_and_wait(cmd: list[str], workdir: Path, timeout_s: float) -> int:
+    """Run the launcher (log in ``workdir``); on Ctrl-C, SIGTERM or timeout every rank is stopped first."""
+    try:
+        return launch_and_wait(cmd, workdir / "launcher.log", timeout_s, marker=RANK_MODULE)
+    except LaunchTimeoutError as e:
+        raise DemoError(str(e)) from None
+
+
+def _failure_summary(workdir: Path, returncode: int) -> str:
+    """One line: the first failing rank's last traceback line, and where the full log is."""
+    log_path = workdir / "launcher.log"
+    for path in sorted(workdir.glob("error_rank*.txt")):
+        lines = [line.strip() for line in path.read_text().splitlines() if line.strip()]
+        if lines:
+            return f"{path.stem.replace('error_', '')} failed: {lines[-1]} (full log: {log_path})"
+    return f"the ranks exited with code {returncode} (full log: {log_path})"
+
+
+# --------------------------------------------------------------------------------------------
+# Output
+# --------------------------------------------------------------------------------------------
+
+_COLUMNS = (
+    ("params", ("Sharded Param",)),
+    ("grads", ("Sharded Grad", "Unsharded Grad", "Reduce Scatter")),
+    ("optim", ("OptState",)),
+    ("gathered", ("Unsharded Param", "All Gather")),
+    ("activ", ("Activation", "Temp", "Inputs", "Buffer")),
+)
+
+
+def _kib(nbytes: int) -> str:
+    return f"{nbytes / 1024:.1f}"
+
+
+def _collectives(counts: dict[str, int]) -> str:
+    # CommDebugMode names the c10d ops (gloo) or the functional collectives (compiled code).
+    short = {
+        "_allgather_base_": "AG",
+        "all_gather_into_tensor": "AG",
+        "_reduce_scatter_base_": "RS",
+        "reduce_scatter_tensor": "RS",
+        "allreduce_": "AR",
+        "all_reduce": "AR",
+    }
+    if not counts:
+        return "0"
+    merged: dict[str, int] = {}
+    for op, n in counts.items():
+        merged[short.get(op, op)] = merged.get(short.get(op, op), 0) + n
+    parts = [f"{n} {op}" for op, n in sorted(merged.items())]
+    return f"{sum(counts.values())} ({', '.join(parts)})"
+
+
+def losses_equal(result: dict[str, Any]) -> tuple[bool, float]:
+    """Do all strategies end at the same loss? Returns (within tolerance, largest difference).
+
+    Example:
+        >>> losses_equal({"mp": "fp32", "rows": [{"loss_final": 3.0}, {"loss_final": 3.0}]})
+        (True, 0.0)
+    """
+    finals = [row["loss_final"] for row in result["rows"]]
+    spread = max(finals) - min(finals)
+    return spread <= LOSS_TOLERANCE[result["mp"]], spread
+
+
+def format_table(result: dict[str, Any]) -> str:
+    """The demo's printed report: one row per strategy, then the loss-equality verdict.
+
+    Example:
+        >>> row = {"strategy": "FULL_SHARD", "loss_first": 4.2, "loss_final": 3.1, "memory": {"Total": 2048},
+        ...        "step_seconds": 0.01, "collectives": {"all_gather_into_tensor": 4}}
+        >>> table = format_table({"model": "GPT", "nproc": 2, "steps": 8, "mp": "fp32", "rows": [row]})
+        >>> print(table.splitlines()[-1])
+        loss after 8 steps: equal across strategies (largest difference 0.0e+00)
+    """
+    n = result["steps"]
+    header = (
+        "strategy",
+        f"loss 1st -> {n}",
+        *(name for name, _ in _COLUMNS),
+        "peak",
+        "step ms",
+        "collectives/step",
+    )
+    device, backend = result.get("device", "cpu"), result.get("backend", "gloo")
+    rows = [header]
+    for row in result["rows"]:
+        mem = row["memory"]
+        cells = [_kib(sum(mem.get(c, 0) for c in cats)) for _, cats in _COLUMNS]
+        rows.append(
+            (
+                row["strategy"],
+                f"{row['loss_first']:.4f} -> {row['loss_final']:.4f}",
+                *cells,
+                _kib(mem.get("Total", 0)),
+                f"{row['step_seconds'] * 1000:.1f}",
+                _collectives(row["collectives"]),
+            )
+        )
+    lines = [
+        f"zeta_fsdp demo: {result['model']} on {result['nproc']} {device.upper()} rank(s) ({backend}), "
+        f"mp={result['mp']}, {n} AdamW steps from one seed on the same data",
+        "per-rank memory in KiB at the step's peak (FSDPMemTracker, worst rank); "
+        "gathered = unsharded params + all-gather buffers",
+        "",
+    ]
+    lines.append(render_table(rows, align="ll" + "r" * (len(header) - 3) + "l"))
+    names = [row["strategy"] for row in result["rows"]]
+    lines.append("(" + ", ".join(f"{s} = {_STRATEGY_NOTES[s]}" for s in names if s in _STRATEGY_NOTES) + ")")
+    equal, spread = losses_equal(result)
+    verdict = "equal across strategies" if equal else "NOT equal across strategies"
+    lines += ["", f"loss after {n} steps: {verdict} (largest difference {spread:.1e})"]
+    return "\n".join(lines)
+
+
+def write_plot(result: dict[str, Any], path: str) -> None:
+    """Write a stacked bar chart of per-rank peak memory by category, one bar per strategy.
+
+    Example:
+        write_plot(run_demo(nproc=2), "memory.png")
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display needed
+    import matplotlib.pyplot as plt
+
+    names = [row["strategy"] for row in result["rows"]]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    bottom = [0.0] * len(names)
+    for label, cats in _COLUMNS:
+        values = [sum(row["memory"].get(c, 0) for c in cats) / 1024 for row in result["rows"]]
+        ax.bar(names, values, bottom=bottom, label=label)
+        bottom = [b + v for b, v in zip(bottom, values)]
+    ax.set_ylabel("KiB per rank at the step's peak")
+    ax.set_title(f"zeta_fsdp demo: {result['nproc']} ranks, mp={result['mp']}")
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)

@@ -1,0 +1,203 @@
+"""One rank of ``python -m zeta_fsdp demo`` (started by ``torch.distributed.run``, see ``demo``).
+
+Each rank wraps the demo GPT with ``fsdp()`` once per strategy, trains it on its slice of the
+same global batches, measures peak memory (``measure.peak_memory_by_category``), collectives and
+step time, and rank 0 writes every result as JSON for the launcher.
+
+Example:
+    >>> strategies_for(4)
+    ['FULL_SHARD', 'SHARD_GRAD', 'NO_SHARD', 'HYBRID_SHARD']
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import traceback
+from pathlib import Path
+from typing import Any, Optional, TextIO
+
+from ..files import atomic_write
+
+__all__ = ["LEARNING_RATE", "PER_RANK_BATCH", "SEQ_LEN", "main", "strategies_for"]
+
+LEARNING_RATE = 3e-3
+SEQ_LEN = 12  # tokens per sample; the demo GPT has max_seq_len 16
+PER_RANK_BATCH = 4
+
+
+def strategies_for(nproc: int) -> list[str]:
+    """The strategies the demo compares at ``nproc`` ranks (HYBRID needs 2 replicas of >= 2 ranks).
+
+    Example:
+        >>> strategies_for(4)
+        ['FULL_SHARD', 'SHARD_GRAD', 'NO_SHARD', 'HYBRID_SHARD']
+    """
+    names = ["FULL_SHARD", "SHARD_GRAD", "NO_SHARD"]
+    if nproc >= 4 and nproc % 2 == 0:
+        names.append("HYBRID_SHARD")
+    return names
+
+
+class _Progress:
+    """A progress bar on ``stream``: tqdm when installed, else a plain ``\\r`` bar; silent without a stream."""
+
+    def __init__(self, total: int, stream: Optional[TextIO]):
+        self.total, self.done, self.stream, self.bar = total, 0, stream, None
+        if stream is None:
+            return
+        try:
+            from tqdm import tqdm
+        except ImportError:
+            return
+        self.bar = tqdm(total=total, file=stream, unit="step", leave=False, dynamic_ncols=True)
+
+    def update(self, label: str) -> None:
+        self.done += 1
+        if self.bar is not None:
+            self.bar.set_description(label, refresh=False)
+            self.bar.update(1)
+        elif self.stream is not None:
+            filled = int(30 * self.done / self.total)
+            bar = "#" * filled + "." * (30 - filled)
+            self.stream.write(f"\r{label:<13} [{bar}] {self.done}/{self.total}")
+            self.stream.flush()
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        elif self.stream is not None:
+            self.stream.write("\r" + " " * 60 + "\r")
+            self.stream.flush()
+
+
+def _counting_batch(vocab_size: int, rows: int, seed: int) -> Any:
+    """Sequences that count up from a random start (mod vocab): the loss visibly drops in a few steps."""
+    import torch
+
+    generator = torch.Generator().manual_seed(seed)
+    start = torch.randint(0, vocab_size, (rows, 1), generator=generator)
+    return (start + torch.arange(SEQ_LEN + 1)) % vocab_size
+
+
+def _run_strategy(gpt: Any, strategy: str, steps: int, mp: str, progress: _Progress, device: Any) -> dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.fsdp import FSDPModule
+
+    from ..fsdp import fsdp
+    from ..measure import collectives_per_step, median_step_seconds, peak_memory_by_category
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = gpt.small()
+    vocab = model.cfg.vocab_size
+    extra = {"replicate_size": 2} if strategy.startswith("HYBRID") else {}
+    fsdp(model, auto_wrap=True, mp=mp, shard_strat=strategy, TransformerBlock=gpt.Block, device=device, **extra)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE)
+
+    def local(tokens: torch.Tensor) -> torch.Tensor:
+        return tokens[rank * PER_RANK_BATCH : (rank + 1) * PER_RANK_BATCH].to(device)
+
+    def mean_loss(loss: torch.Tensor) -> float:
+        value = loss.detach().float().clone()
+        dist.all_reduce(value)
+        return value.item() / world
+
+    def train_step(tokens: torch.Tensor) -> torch.Tensor:
+        loss = gpt.lm_loss(model(tokens[:, :-1]).float(), tokens[:, 1:])
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)  # step times are wall times of finished steps
+        return loss
+
+    first = None
+    for step in range(steps):
+        # The same global batch for every strategy; each rank trains its own slice of it.
+        loss = train_step(local(_counting_batch(vocab, PER_RANK_BATCH * world, seed=step)))
+        if first is None:
+            first = mean_loss(loss)
+        progress.update(strategy)
+    with torch.no_grad():
+        held_out = local(_counting_batch(vocab, PER_RANK_BATCH * world, seed=10_000))
+        final = mean_loss(gpt.lm_loss(model(held_out[:, :-1]).float(), held_out[:, 1:]))
+    for module in model.modules():  # a no-grad forward leaves ZeRO-2 units unsharded
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+    batch = local(_counting_batch(vocab, PER_RANK_BATCH * world, seed=0))
+    memory = peak_memory_by_category(model, optimizer, lambda: train_step(batch), inputs=(batch,), warmup=0)
+    collectives = collectives_per_step(lambda: train_step(batch))
+    seconds = median_step_seconds(lambda: train_step(batch), steps=3, warmup=0)
+    per_rank: list[Any] = [None] * world
+    dist.all_gather_object(per_rank, {"memory": memory, "seconds": seconds})
+    worst = {k: max(r["memory"].get(k, 0) for r in per_rank) for k in memory}
+    return {
+        "strategy": strategy,
+        "loss_first": first,
+        "loss_final": final,
+        "memory": worst,
+        "memory_per_rank": [r["memory"] for r in per_rank],
+        "step_seconds": max(r["seconds"] for r in per_rank),
+        "collectives": collectives,
+    }
+
+
+def main(argv: list[str]) -> None:
+    """One rank of the demo (started by ``torch.distributed.run``; ``argv`` from the launcher).
+
+    Example:
+        # what the launcher runs, per rank
+        python -m zeta_fsdp.cli.demo_rank --out DIR --steps 8 --mp fp32 --device cpu
+    """
+    parser = argparse.ArgumentParser(prog="zeta_fsdp.cli.demo_rank")
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--steps", type=int, required=True)
+    parser.add_argument("--mp", required=True)
+    parser.add_argument("--tty", default="")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    args = parser.parse_args(argv)
+    out = Path(args.out)
+    rank = int(os.environ.get("RANK", "0"))
+    try:
+        import torch
+
+        from ..distributed import choose_device, default_backend, ensure_process_group, shutdown
+
+        torch.set_num_threads(1)
+        device = choose_device(device=args.device)  # "cuda" -> cuda:LOCAL_RANK
+        ensure_process_group(device, timeout_s=120)  # nccl on CUDA, gloo on CPU
+        from ..models import gpt
+
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        strategies = strategies_for(world)
+        stream = open(args.tty, "w") if args.tty and rank == 0 else None  # noqa: SIM115 - closed below
+        progress = _Progress(args.steps * len(strategies), stream)
+        try:
+            rows = [_run_strategy(gpt, s, args.steps, args.mp, progress, device) for s in strategies]
+        finally:
+            progress.close()
+            if stream is not None:
+                stream.close()
+        if rank == 0:
+            reference = gpt.small()
+            numel = sum(p.numel() for p in reference.parameters())
+            tied = ", tied embedding/head" if reference.cfg.tie_weights else ""
+            model = f"GPT ({numel:,} parameters, {reference.cfg.n_layers} blocks{tied})"
+            result = {"model": model, "nproc": world, "steps": args.steps, "mp": args.mp}
+            result.update(device=device.type, backend=default_backend(device))
+            result["rows"] = rows
+            # all or nothing: the launcher treats a present result.json as a finished run
+            atomic_write(out / "result.json", lambda tmp: tmp.write_text(json.dumps(result)))
+        shutdown()
+    except BaseException:
+        (out / f"error_rank{rank}.txt").write_text(traceback.format_exc())
+        raise
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,112 @@
+"""``python -m zeta_fsdp plan MODEL [KEY=VALUE ...]``: argument parsing only; the work is ``planner.plan``.
+
+MODEL is a spec (see ``model_spec``); a ``module:factory`` spec may name a module in the current
+folder, as ``python -m`` would find it.
+
+Example:
+    $ python -m zeta_fsdp plan zeta_fsdp.models.gpt:small dim=4096 n_layers=32 --world-size 1024 --mp bf16
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from ..options import MIXED_PRECISION_ALIASES, SHARDING_ALIASES
+from .args import UsageError, choice, int_in, parse_overrides
+from .model_spec import MODEL_SPEC_HELP, importable_cwd, meta_model_from_spec
+
+HELP = "per-rank memory plan of fsdp() for a model at any world size, checked by a fake-process-group dry run"
+_MAX_WORLD_SIZE = 1 << 20
+# Mirrors planner.OPTIMIZERS (checked by the planner too); listed here so --help needs no torch import.
+_OPTIMIZERS = ("adamw", "adam", "none")
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"--rank must be an int >= 0, got {text!r}")
+    return value
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The subcommand's arguments.
+
+    Example:
+        >>> add_arguments(parser := argparse.ArgumentParser())
+        >>> parser.parse_args(["zeta_fsdp.models.gpt:small", "n_layers=4"]).world_size
+        8
+    """
+    parser.add_argument("model", metavar="MODEL", help=MODEL_SPEC_HELP + "; built on the meta device")
+    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="factory arguments / config fields")
+    world = int_in(1, _MAX_WORLD_SIZE, "--world-size")
+    parser.add_argument("--world-size", type=world, default=8, help="ranks (default 8)")
+    parser.add_argument(
+        "--shard-strat",
+        type=choice("--shard-strat", SHARDING_ALIASES, lambda t: t.strip().upper().replace("-", "_")),
+        default="FULL_SHARD",
+        help="FULL_SHARD (default), SHARD_GRAD, NO_SHARD, HYBRID_SHARD, HYBRID_SHARD_ZERO2",
+    )
+    parser.add_argument(
+        "--mp",
+        type=choice("--mp", MIXED_PRECISION_ALIASES, lambda t: t.strip().lower()),
+        default="fp32",
+        help="fp32 (default), bf16, fp16",
+    )
+    parser.add_argument("--no-auto-wrap", action="store_true", help="the whole model as one FSDP unit")
+    parser.add_argument("--block", metavar="CLASS", help="transformer block class name (default: detected)")
+    parser.add_argument("--rank", type=_non_negative_int, default=0, help="rank to report (default 0, the largest)")
+    parser.add_argument("--replicate-size", type=int_in(1, _MAX_WORLD_SIZE, "--replicate-size"), help="HYBRID replicas")
+    parser.add_argument(
+        "--gpus-per-node",
+        type=int_in(1, _MAX_WORLD_SIZE, "--gpus-per-node"),
+        help="HYBRID: one replica per node (default 8)",
+    )
+    parser.add_argument("--optimizer", choices=list(_OPTIMIZERS), default="adamw")
+    parser.add_argument("--no-dry-run", action="store_true", help="skip the fake-process-group run of fsdp()")
+    parser.add_argument("--json", action="store_true", help="print the plan as JSON")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Build the model on ``meta``, plan it (with a dry run unless ``--no-dry-run``), print the report.
+
+    Returns 1 when the dry run disagrees with the plan or fails, 0 otherwise.
+
+    Example:
+        >>> parser = argparse.ArgumentParser()
+        >>> add_arguments(parser)
+        >>> run(parser.parse_args(["zeta_fsdp.models.gpt:small", "--world-size", "2", "--no-dry-run"]))  # doctest: +ELLIPSIS
+        GPT: 34,950 parameters (136.52 KiB unsharded)
+        ...
+        0
+    """
+    from ..planner import plan
+
+    overrides = parse_overrides(args.overrides)
+    try:
+        with importable_cwd():  # the model's module, and the dry run's subprocess, may import from here
+            model = meta_model_from_spec(args.model, overrides)
+            result = plan(
+                model,
+                args.world_size,
+                shard_strat=args.shard_strat,
+                mp=args.mp,
+                auto_wrap=not args.no_auto_wrap,
+                TransformerBlock=args.block,
+                rank=args.rank,
+                replicate_size=args.replicate_size,
+                local_world_size=args.gpus_per_node,
+                optimizer=args.optimizer,
+                dry_run=not args.no_dry_run,
+            )
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    except RuntimeError as e:  # the dry-run subprocess failed
+        sys.stderr.write(f"python -m zeta_fsdp plan: {e}\n")
+        return 1
+    print(json.dumps(result.to_dict(), indent=2, default=str) if args.json else result.report())
+    return 1 if result.dry_run_matches is False else 0

@@ -1,0 +1,75 @@
+"""Plain-text figures for people: byte sizes and fixed-width tables (no torch, no state).
+
+Every printed report of the package (``WrapPlan.table``, ``MemoryReport.table``, the planner's
+report, the demo's table) goes through these two functions, so sizes and columns read alike.
+
+Example:
+    >>> from zeta_fsdp.report import format_bytes, render_table
+    >>> format_bytes(1536)
+    '1.50 KiB'
+    >>> print(render_table([("name", "bytes"), ("a", "12"), ("bb", "3")]))
+    name  bytes
+    ----  -----
+    a        12
+    bb        3
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+__all__ = ["format_bytes", "render_table"]
+
+_UNITS = ("B", "KiB", "MiB", "GiB", "TiB")
+
+
+def format_bytes(nbytes: float) -> str:
+    """Bytes with a binary unit, two decimals above 1 KiB: ``1536 -> '1.50 KiB'``.
+
+    Example:
+        >>> format_bytes(440), format_bytes(3 * 2**30)
+        ('440 B', '3.00 GiB')
+    """
+    value = float(nbytes)
+    for unit in _UNITS:
+        if abs(value) < 1024 or unit == _UNITS[-1]:
+            return f"{int(value)} B" if unit == "B" else f"{value:.2f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
+
+
+def render_table(
+    rows: Sequence[Sequence[str]],
+    *,
+    align: Optional[str] = None,
+    rules: Sequence[int] = (0,),
+    max_width: Optional[int] = None,
+) -> str:
+    """Fixed-width columns separated by two spaces, with dashed rules after the given rows.
+
+    ``align``: one letter per column, ``"l"`` or ``"r"`` (default: first column left, the rest
+    right). ``rules``: indices of the rows a dashed line follows (negative counts from the end:
+    ``-2`` puts one above a total row). ``max_width``: cells longer than this are cut with
+    ``...``. Trailing spaces are stripped.
+
+    Example:
+        >>> print(render_table([("unit", "MiB"), ("a", "1.00"), ("total", "1.00")], rules=(0, -2)))
+        unit    MiB
+        -----  ----
+        a      1.00
+        -----  ----
+        total  1.00
+    """
+    columns = len(rows[0])
+    align = align or "l" + "r" * (columns - 1)
+    if max_width is not None:
+        rows = [[c if len(c) <= max_width else c[: max_width - 3] + "..." for c in row] for row in rows]
+    widths = [max(len(row[i]) for row in rows) for i in range(columns)]
+    after = {i % len(rows) for i in rules}
+    lines = []
+    for i, row in enumerate(rows):
+        cells = [c.rjust(widths[j]) if align[j] == "r" else c.ljust(widths[j]) for j, c in enumerate(row)]
+        lines.append("  ".join(cells).rstrip())
+        if i in after:
+            lines.append("  ".join("-" * w for w in widths))
+    return "\n".join(lines)
