@@ -430,37 +430,48 @@ _SHARED_ERRORS = (
 )
 
 
-def on_all_ranks(fn: Callable[[], Any], *, rank0_only: bool = False, errors: tuple[type, ...] = ()) -> Any:
+def on_all_ranks(
+    fn: Callable[[], Any],
+    *,
+    rank0_only: bool = False,
+    errors: tuple[type, ...] = (),
+    catch: tuple[type, ...] = (Exception,),
+    default: type = RuntimeError,
+    describe: Callable[[BaseException], str] = str,
+) -> Any:
     """Run ``fn`` on every rank (or rank 0 only); if it raised anywhere, the same error is raised everywhere.
 
     A rank that raised alone would leave its peers waiting in their next collective, and a
     per-type ``except`` would see different types on different ranks. So each rank reports
     "ok or (type, message)" in one all-gather, and every rank raises an exception of the first
-    failing rank's type (``errors`` adds types to the built-in ones; others become
-    ``RuntimeError``) with its message, chained to the original where it happened.
-    Other ranks return ``None`` with ``rank0_only``.
+    failing rank's type (``errors`` adds types to the built-in ones; others become ``default``)
+    with its message (``describe(error)``), chained to the original where it happened. Alone (no
+    peers) the original is raised as it is. ``catch``: what counts as failing (DCP's
+    ``CheckpointException`` is a ``BaseException``). Other ranks return ``None`` with ``rank0_only``.
 
     Example:
-        >>> on_all_ranks(lambda: torch.load(path), rank0_only=True)  # doctest: +SKIP
+        >>> on_all_ranks(lambda: 1 + 1)
+        2
     """
-    on = dist.is_available() and dist.is_initialized()
-    world = dist.get_world_size() if on else 1
-    me = dist.get_rank() if on else 0
+    world, me = get_world_size(), get_rank()
     result, error = None, None
     if me == 0 or not rank0_only:
         try:
             result = fn()
-        except Exception as e:  # noqa: BLE001 - re-raised below, on every rank
+        except catch as e:  # re-raised below, on every rank
             error = e
+    report = None if error is None else (type(error).__name__, describe(error))
     if world > 1:
         reports: list = [None] * world
-        dist.all_gather_object(reports, None if error is None else (type(error).__name__, str(error)))
+        dist.all_gather_object(reports, report)
     else:
-        reports = [None if error is None else (type(error).__name__, str(error))]
+        reports = [report]
     failed = [(r, item) for r, item in enumerate(reports) if item is not None]
     if not failed:
         return result
+    if world == 1:
+        raise error
     where, (name, message) = failed[0]
-    known = {cls.__name__: cls for cls in (*errors, *_SHARED_ERRORS)}
-    raised = known.get(name, RuntimeError)(message if world == 1 else f"{message} (reported by rank {where})")
+    known = {cls.__name__: cls for cls in (*_SHARED_ERRORS, *errors)}
+    raised = known.get(name, default)(f"{message} (reported by rank {where})")
     raise raised from (error if where == me else None)

@@ -294,7 +294,17 @@ def shard_units(
         )
 
 
-def _retie(model: nn.Module, tied_params: list[list[str]]) -> None:
+def retie(model: nn.Module, tied_params: list[list[str]]) -> None:
+    """Make every name of each group in ``tied_params`` hold the group's first parameter again.
+
+    ``to_empty`` (meta init, loading into a meta model) hands tied names separate tensors.
+
+    Example:
+        >>> model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+        >>> retie(model, [["0.weight", "1.weight"]])
+        >>> model[1].weight is model[0].weight
+        True
+    """
     for names in tied_params:
         first = model.get_parameter(names[0])
         for name in names[1:]:
@@ -401,7 +411,7 @@ def materialize_meta_model(
                 module.reset_parameters()
         if callable(getattr(model, "init_weights", None)):
             model.init_weights()
-    _retie(model, tied_params)
+    retie(model, tied_params)
     left = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
     if left:
         raise RuntimeError(f"fsdp(): these tensors are still on the meta device after materialization: {left[:10]}")

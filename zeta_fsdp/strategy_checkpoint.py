@@ -27,7 +27,8 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from . import state_dict as sd
-from .distributed import on_all_ranks
+from .distributed import get_rank, get_world_size, on_all_ranks
+from .files import atomic_write
 from .state_dict import CheckpointError, is_checkpoint
 
 __all__ = [
@@ -62,10 +63,6 @@ class Gathered(dict):
         >>> isinstance(Gathered({"w": 1}), dict)
         True
     """
-
-
-def _rank() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
 def is_full_checkpoint(path: PathLike) -> bool:
@@ -156,15 +153,11 @@ def write_full_checkpoint(
             extra = {} if storage_options is None else {"storage_options": storage_options}
             checkpoint_io.save_checkpoint(dict(payload), filepath, **extra)
             return
-        tmp = path.parent / f".{path.name}.incomplete"
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            torch.save(dict(payload), tmp)
-            os.replace(tmp, path)
+            atomic_write(path, lambda tmp: torch.save(dict(payload), tmp))
         except Exception as e:  # noqa: BLE001 - torch's own messages do not name the path
             raise OSError(f"FSDP2Strategy.save_checkpoint(): cannot write {path}: {type(e).__name__}: {e}") from e
-        finally:
-            tmp.unlink(missing_ok=True)
 
     on_all_ranks(write, rank0_only=True)
 
@@ -214,15 +207,15 @@ def read_full_checkpoint(
         return _torch_load(path, weights_only is not False)
 
     ckpt = on_all_ranks(read, rank0_only=True, errors=(CheckpointError,))
-    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+    if get_world_size() == 1:
         return ckpt
     small = None
-    if _rank() == 0:
+    if get_rank() == 0:
         small = {k: v for k, v in ckpt.items() if k not in _TENSORS}
         small["optimizer_states"] = len(ckpt.get("optimizer_states") or [])
     box = [small]
     dist.broadcast_object_list(box, src=0)
-    if _rank() == 0:
+    if get_rank() == 0:
         return ckpt
     ckpt = box[0]
     ckpt["state_dict"] = {}

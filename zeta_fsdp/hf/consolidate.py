@@ -27,8 +27,9 @@ from typing import Any, Optional, Union
 import torch
 import torch.nn as nn
 
+from ..files import publish_dir
 from ..state_dict import CheckpointError, is_checkpoint
-from .files import SafetensorsStreamWriter, parse_size, publish_dir, staging_dir
+from .files import SafetensorsStreamWriter, parse_size, staging_dir
 from .naming import hf_class, model_tensors, saved_tensors, tied_aliases
 from .save import cast, check_dtype, plan_hf_files, write_hf_config, write_index
 

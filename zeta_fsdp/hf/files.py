@@ -24,6 +24,8 @@ from typing import BinaryIO, Optional, Union
 
 import torch
 
+from ..files import incomplete_path
+
 __all__ = [
     "INDEX_NAME",
     "SINGLE_NAME",
@@ -35,7 +37,6 @@ __all__ = [
     "read_rows",
     "read_safetensors_header",
     "shard_file_names",
-    "publish_dir",
     "staging_dir",
 ]
 
@@ -350,34 +351,8 @@ def staging_dir(path: Union[str, os.PathLike], *, overwrite: bool, caller: str) 
         if any(path.iterdir()) and not overwrite:
             raise FileExistsError(f"{caller}: {path} exists and is not empty; pass overwrite=True to replace it.")
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.parent / f".{path.name}.incomplete"
+    tmp = incomplete_path(path)
     if tmp.exists():  # left by an interrupted save: ours, never the user's
         shutil.rmtree(tmp)
     tmp.mkdir()
     return tmp
-
-
-def publish_dir(tmp: Path, path: Union[str, os.PathLike]) -> Path:
-    """Put the finished ``tmp`` at ``path``; what was at ``path`` is removed only once ``tmp`` is in place.
-
-    Example:
-        >>> publish_dir(tmp, "out/llama")
-    """
-    import shutil
-
-    path = Path(path)
-    old = path.parent / f".{path.name}.replaced"
-    if old.exists():
-        shutil.rmtree(old)
-    replacing = path.exists()
-    if replacing:
-        path.rename(old)
-    try:
-        tmp.rename(path)
-    except BaseException:
-        if replacing and not path.exists():
-            old.rename(path)  # put the previous directory back
-        raise
-    if replacing:
-        shutil.rmtree(old, ignore_errors=True)
-    return path

@@ -25,8 +25,9 @@ import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from ..fsdp import retie
 from ..state_dict import CheckpointError
-from .agree import on_all_ranks
+from ..state_dict.checks import on_all_ranks
 from .files import TensorEntry, read_checkpoint_index, read_rows
 from .naming import KeyPlan, is_hf_model, map_checkpoint_keys, model_tensors, tied_aliases
 
@@ -161,12 +162,9 @@ def _allocate(model: nn.Module, tensors: dict[str, torch.Tensor], aliases: dict[
     """
     device = _target_device(tensors)
     model.to_empty(device=device)
-    for alias, kept in aliases.items():  # to_empty may hand tied names separate tensors: one again
-        owner_name, _, attr = alias.rpartition(".")
-        owner = model.get_submodule(owner_name)
-        kept_tensor = model.get_parameter(kept) if attr in owner._parameters else None
-        if kept_tensor is not None and owner._parameters[attr] is not kept_tensor:
-            owner.register_parameter(attr, kept_tensor)
+    # to_empty may hand tied names separate tensors: one again (tied parameters; buffers stay apart)
+    params = dict(model.named_parameters(remove_duplicate=False))
+    retie(model, [[kept, alias] for alias, kept in aliases.items() if alias in params and kept in params])
     with torch.no_grad():
         hf = is_hf_model(model)
         for _, module in _buffer_owners(model):

@@ -28,13 +28,15 @@ import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from .agree import on_all_ranks, rank, world
+from ..distributed import get_rank as rank
+from ..distributed import get_world_size as world
+from ..files import publish_dir
+from ..state_dict.checks import on_all_ranks
 from .files import (
     INDEX_NAME,
     SafetensorsStreamWriter,
     parse_size,
     plan_shard_files,
-    publish_dir,
     shard_file_names,
     staging_dir,
 )

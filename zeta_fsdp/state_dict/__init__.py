@@ -41,8 +41,8 @@ Example:
 from __future__ import annotations
 
 from .async_save import AsyncCheckpointer
-from .checkpoint import check_loadable, load_checkpoint, save_checkpoint
-from .checks import CheckpointError, current_rank, on_all_ranks
+from .checkpoint import load_checkpoint, save_checkpoint
+from .checks import CheckpointError
 from .consolidate import consolidate_checkpoint
 from .manager import CheckpointManager, latest_checkpoint, prune_checkpoints
 from .model import get_full_state_dict, get_sharded_state_dict, load_full_state_dict, load_sharded_state_dict
@@ -69,9 +69,3 @@ __all__ = [
     "prune_checkpoints",
     "save_checkpoint",
 ]
-
-# The names strategy.py used while this was one module; kept until it uses the public ones
-# (``checks.on_all_ranks``, ``checks.current_rank``, ``checkpoint.check_loadable``).
-_on_all_ranks = on_all_ranks
-_rank = current_rank
-_check_loadable = check_loadable

@@ -6,11 +6,11 @@ import os
 from typing import Any, Callable, Mapping, Optional, Union
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.checkpoint import (
-    CheckpointException,
-)
+from torch.distributed.checkpoint import CheckpointException
+
+from ..distributed import get_rank, get_world_size, is_distributed
+from ..distributed import on_all_ranks as _on_all_ranks
 
 PathLike = Union[str, os.PathLike]
 # DCP's CheckpointException derives from BaseException, not Exception: catch it explicitly.
@@ -46,43 +46,11 @@ class CheckpointError(ValueError):
     """
 
 
-# --- ranks
+# --- ranks: one home, ``zeta_fsdp.distributed``; these names are what the package's modules use
 
-
-def dist_on() -> bool:
-    return dist.is_available() and dist.is_initialized()
-
-
-def current_rank() -> int:
-    return dist.get_rank() if dist_on() else 0
-
-
-def world_size() -> int:
-    return dist.get_world_size() if dist_on() else 1
-
-
-_ERROR_TYPES = {cls.__name__: cls for cls in (FileNotFoundError, FileExistsError, TypeError, ImportError)}
-
-
-def _agree(error: Optional[BaseException]) -> None:
-    """Raise on every rank when any rank failed.
-
-    A rank that raised alone would leave its peers waiting in the next collective until the group's
-    timeout, so each check ends with one all-gather of "ok or what went wrong".
-    """
-    if world_size() > 1:
-        text = (
-            None if error is None else (error_reason(error) if isinstance(error, CheckpointException) else str(error))
-        )
-        report = None if error is None else (type(error).__name__, text)
-        reports: list = [None] * world_size()
-        dist.all_gather_object(reports, report)
-        if error is None:
-            for rank, item in enumerate(reports):
-                if item is not None:
-                    raise _ERROR_TYPES.get(item[0], CheckpointError)(f"{item[1]} (reported by rank {rank})")
-    if error is not None:
-        raise error
+dist_on = is_distributed
+current_rank = get_rank
+world_size = get_world_size
 
 
 def error_reason(error: BaseException) -> str:
@@ -95,13 +63,23 @@ def error_reason(error: BaseException) -> str:
 
 
 def on_all_ranks(fn: Callable[[], Any]) -> Any:
-    """Run ``fn`` on every rank; if it raises anywhere, raise everywhere (see ``_agree``)."""
-    try:
-        result, error = fn(), None
-    except FAILURES as e:  # re-raised below, on every rank
-        result, error = None, e
-    _agree(error)
-    return result
+    """Run ``fn`` on every rank; if it raises anywhere, raise the same error everywhere.
+
+    ``distributed.on_all_ranks`` with the checkpoint code's vocabulary: DCP's exceptions count
+    (a ``BaseException``) and read as one line per failing rank, and an error of another type
+    than the built-in ones arrives as ``CheckpointError``.
+
+    Example:
+        >>> on_all_ranks(lambda: "ok")
+        'ok'
+    """
+    return _on_all_ranks(
+        fn,
+        errors=(CheckpointError, ImportError),
+        catch=FAILURES,
+        default=CheckpointError,
+        describe=lambda e: error_reason(e) if isinstance(e, CheckpointException) else str(e),
+    )
 
 
 # --- names and shapes

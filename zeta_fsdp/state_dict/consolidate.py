@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from ..files import atomic_write
 from .checks import FAILURES, LAYOUT_KEY, MODEL_PREFIX, CheckpointError, PathLike, error_reason, short_list
 from .reader import dcp_load, open_checkpoint
 
@@ -68,18 +68,11 @@ def consolidate_checkpoint(dcp_dir: PathLike, out_file: PathLike, *, overwrite: 
     order = [k for k in layout.get("keys", []) if k in weights]
     listed = set(order)
     weights = {k: weights[k] for k in order + [k for k in weights if k not in listed]}
-    tmp = out.parent / f".{out.name}.incomplete"
     if use_safetensors:
         odd = [k for k, v in weights.items() if not isinstance(v, torch.Tensor)]
         if odd:
             raise CheckpointError(f"{caller}: safetensors holds tensors only; these entries are not: {short_list(odd)}")
     out.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        if use_safetensors:
-            save_file({k: v.contiguous() for k, v in weights.items()}, str(tmp))
-        else:
-            torch.save(weights, tmp)
-        os.replace(tmp, out)
-    finally:
-        tmp.unlink(missing_ok=True)  # after a failure: no half-written file left next to out
-    return out
+    if use_safetensors:
+        return atomic_write(out, lambda tmp: save_file({k: v.contiguous() for k, v in weights.items()}, str(tmp)))
+    return atomic_write(out, lambda tmp: torch.save(weights, tmp))

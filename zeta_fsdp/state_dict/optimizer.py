@@ -17,6 +17,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from ..distributed import comm_device
 from .checks import (
     FAILURES,
     GROUPS_PREFIX,
@@ -324,7 +325,7 @@ def _distribute_full(
         ):
             out[key] = entry
             continue
-        device = like.device if isinstance(like, DTensor) else _comm_device()
+        device = like.device if isinstance(like, DTensor) else comm_device()
         if key in full:
             value = full[key].detach().to(device=device, dtype=like.dtype)
         else:
@@ -337,11 +338,3 @@ def _distribute_full(
             value = distribute_tensor(value, like.device_mesh, like.placements, src_data_rank=None)
         out[key] = value
     return out
-
-
-def _comm_device() -> torch.device:
-    """Where a plain (unsharded) tensor must be to take part in a collective of the default group."""
-    backend = str(dist.get_backend()) if dist_on() else "gloo"
-    if "nccl" in backend and "cpu:" not in backend:
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")

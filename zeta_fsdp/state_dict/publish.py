@@ -8,6 +8,7 @@ import shutil
 import warnings
 from pathlib import Path
 
+from ..files import incomplete_path, publish_dir, replaced_path
 from .checks import METADATA_FILE, PathLike
 
 
@@ -25,14 +26,10 @@ def is_checkpoint(path: PathLike) -> bool:
     return (Path(path) / METADATA_FILE).is_file()
 
 
-def incomplete_dir(path: Path) -> Path:
-    """Where ``save_checkpoint`` writes before renaming into place."""
-    return path.parent / f".{path.name}.incomplete"
-
-
-def replaced_dir(path: Path) -> Path:
-    """Where ``save_checkpoint(overwrite=True)`` moves the previous checkpoint until the new one is in place."""
-    return path.parent / f".{path.name}.replaced"
+# Where save_checkpoint writes before renaming into place, and where overwrite=True keeps the
+# previous checkpoint until the new one is in place (zeta_fsdp.files: one naming for every write).
+incomplete_dir = incomplete_path
+replaced_dir = replaced_path
 
 
 def discard_checkpoint_dir(path: Path) -> None:
@@ -104,16 +101,5 @@ def publish_checkpoint(path: Path) -> None:
     ``.<name>.replaced`` and the new one, complete, in ``.<name>.incomplete``: the next
     ``is_checkpoint``, load or save of ``path`` finishes the job (``recover``).
     """
-    tmp, old = incomplete_dir(path), replaced_dir(path)
-    replacing = path.exists()
-    if replacing:
-        discard_checkpoint_dir(old)  # left by an interrupted clean-up: the checkpoint at path is the complete one
-        path.rename(old)
-    try:
-        tmp.rename(path)
-    except BaseException:
-        if replacing and not path.exists():
-            old.rename(path)  # put the previous checkpoint back
-        raise
+    publish_dir(incomplete_dir(path), path, discard=discard_checkpoint_dir)
     fsync_dir(path.parent)
-    discard_checkpoint_dir(old)  # only now: the new checkpoint is in place
