@@ -18,7 +18,9 @@ import zeta_fsdp.planner
 from zeta_fsdp.cli.model_spec import meta_model_from_spec
 from zeta_fsdp.distributed import fake_process_group
 from zeta_fsdp.models.gpt import small
-from zeta_fsdp.planner import MemoryPlan, _dry_run_batch, _dry_run_job, dry_run, plan
+from zeta_fsdp.planner import MemoryPlan, dry_run, plan
+from zeta_fsdp.planner.dry_run import dry_run_batch as _dry_run_batch
+from zeta_fsdp.planner.dry_run import dry_run_job as _dry_run_job
 from zeta_fsdp.wrapping import build_wrap_plan
 
 

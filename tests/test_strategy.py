@@ -287,8 +287,8 @@ def test_every_public_name_has_a_docstring_example():
 
 
 def test_resolve_sizes_and_optimizer_forms():
-    from zeta_fsdp.strategy_options import resolve_sizes as _resolve_sizes
-    from zeta_fsdp.strategy_steps import parse_optimizers as _parse_optimizers
+    from zeta_fsdp.strategy.options import resolve_sizes as _resolve_sizes
+    from zeta_fsdp.strategy.steps import parse_optimizers as _parse_optimizers
 
     assert _resolve_sizes("auto", "auto", 8) == (8, 1)
     assert _resolve_sizes("auto", 2, 8) == (4, 2)

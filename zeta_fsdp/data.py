@@ -37,8 +37,8 @@ def shard_dataloader(
     returned (or ``None``) is the one whose ``set_epoch`` reshuffles.
 
     Example:
-        >>> loader, sampler = shard_dataloader(DataLoader(ds, batch_size=4, shuffle=True), rank=0, world_size=2)
-        >>> sampler.set_epoch(1)
+        loader, sampler = shard_dataloader(DataLoader(ds, batch_size=4, shuffle=True), rank=0, world_size=2)
+        sampler.set_epoch(1)
     """
     if data_sampler is not None and callable(getattr(data_sampler, "transform_dataloader", None)):
         return data_sampler.transform_dataloader(dataloader), None
@@ -108,11 +108,11 @@ class ResumableLoader:
     ``DataLoader`` that reads the samples (``collate_fn``, ``num_workers``, ``pin_memory`` ...).
 
     Example:
-        >>> loader = ResumableLoader(dataset, global_batch_size=32, seed=0)
-        >>> for batch in loader:  # the rest of this epoch, this rank's 32 / world samples at a time
-        ...     train_step(batch)
-        >>> loader.state_dict()
-        {'epoch': 1, 'consumed': 0, 'seed': 0, 'global_batch_size': 32, 'shuffle': True, 'dataset_len': 1000}
+        loader = ResumableLoader(dataset, global_batch_size=32, seed=0)
+        for batch in loader:  # the rest of this epoch, this rank's 32 / world samples at a time
+            train_step(batch)
+        loader.state_dict()
+        # -> {'epoch': 1, 'consumed': 0, 'seed': 0, 'global_batch_size': 32, 'shuffle': True, 'dataset_len': 1000}
     """
 
     def __init__(
@@ -162,8 +162,8 @@ class ResumableLoader:
         """The sample indices of ``epoch`` in stream order (the same on every rank and at every world size).
 
         Example:
-            >>> loader.order(0)[:4]
-            tensor([ 3, 81, 47, 12])
+            loader.order(0)[:4]
+            # -> tensor([ 3, 81, 47, 12])
         """
         if not self.shuffle:
             return torch.arange(len(self.dataset))
@@ -173,8 +173,8 @@ class ResumableLoader:
         """The sample indices of global batch ``index`` of ``epoch`` (what all ranks together see).
 
         Example:
-            >>> loader.global_batch_indices(0, 0)
-            [3, 81, 47, 12, ...]
+            loader.global_batch_indices(0, 0)
+            # -> [3, 81, 47, 12, ...]
         """
         start = index * self.global_batch_size
         return self.order(epoch)[start : start + self.global_batch_size].tolist()
@@ -201,8 +201,8 @@ class ResumableLoader:
         """Where the stream is: epoch, samples consumed in it, seed (and what must match to resume).
 
         Example:
-            >>> loader.state_dict()["consumed"]
-            64
+            loader.state_dict()["consumed"]
+            # -> 64
         """
         return {
             "epoch": self.epoch,
@@ -217,7 +217,7 @@ class ResumableLoader:
         """Continue from a saved position (any world size); the global batch size and dataset must match.
 
         Example:
-            >>> loader.load_state_dict(saved["data"])
+            loader.load_state_dict(saved["data"])
         """
         for key, mine in (
             ("global_batch_size", self.global_batch_size),

@@ -10,9 +10,9 @@ resolves "auto" sizes the opposite way (tensor parallel over the node) and has i
 checkpoint format: nearly every method would be overridden.
 
 Example:
-    >>> from zeta_fsdp.lightning import FSDP2Strategy  # doctest: +SKIP
-    >>> trainer = L.Trainer(devices=2, accelerator="cpu", strategy=FSDP2Strategy(TransformerBlock=Block))  # doctest: +SKIP
-    >>> trainer.fit(module)  # doctest: +SKIP
+    from zeta_fsdp.lightning import FSDP2Strategy
+    trainer = L.Trainer(devices=2, accelerator="cpu", strategy=FSDP2Strategy(TransformerBlock=Block))
+    trainer.fit(module)
 """
 
 from __future__ import annotations
@@ -40,8 +40,8 @@ except ImportError as e:  # pragma: no cover - the extra is installed in CI
 
 from .options import resolve_mixed_precision
 from .strategy import FSDP2Strategy as CoreStrategy
-from .strategy_options import resolve_sizes
-from .strategy_steps import call_through_root
+from .strategy.options import resolve_sizes
+from .strategy.steps import call_through_root
 from .training import clip_grad_norm_
 
 __all__ = ["FSDP2Strategy", "MESH_DIM_NAMES", "precision_policy"]
@@ -121,8 +121,8 @@ class FSDP2Strategy(ParallelStrategy):
     ``trainer.fit(model, ckpt_path=...)``.
 
     Example:
-        >>> trainer = L.Trainer(devices=2, accelerator="cpu", precision="bf16-mixed",  # doctest: +SKIP
-        ...                     strategy=FSDP2Strategy(TransformerBlock=Block), gradient_clip_val=1.0)
+        trainer = L.Trainer(devices=2, accelerator="cpu", precision="bf16-mixed",
+                            strategy=FSDP2Strategy(TransformerBlock=Block), gradient_clip_val=1.0)
     """
 
     strategy_name = "zeta_fsdp2"
@@ -156,8 +156,8 @@ class FSDP2Strategy(ParallelStrategy):
         """This rank's device (Lightning's choice).
 
         Example:
-            >>> trainer.strategy.root_device  # doctest: +SKIP
-            device(type='cpu')
+            trainer.strategy.root_device
+            # -> device(type='cpu')
         """
         assert self.parallel_devices is not None
         return self.parallel_devices[self.local_rank]
@@ -167,8 +167,8 @@ class FSDP2Strategy(ParallelStrategy):
         """Processes on this node.
 
         Example:
-            >>> trainer.strategy.num_processes  # doctest: +SKIP
-            2
+            trainer.strategy.num_processes
+            # -> 2
         """
         return len(self.parallel_devices) if self.parallel_devices is not None else 0
 
@@ -188,8 +188,8 @@ class FSDP2Strategy(ParallelStrategy):
         ``("data_parallel", "tensor_parallel")``; also ``self.device_mesh`` in the LightningModule.
 
         Example:
-            >>> trainer.strategy.device_mesh["data_parallel"].size()  # doctest: +SKIP
-            2
+            trainer.strategy.device_mesh["data_parallel"].size()
+            # -> 2
         """
         return self.core.device_mesh
 
@@ -198,8 +198,8 @@ class FSDP2Strategy(ParallelStrategy):
         """Lightning's ``DistributedSampler`` splits over the data-parallel group (tp peers read alike).
 
         Example:
-            >>> trainer.strategy.distributed_sampler_kwargs  # doctest: +SKIP
-            {'num_replicas': 2, 'rank': 0}
+            trainer.strategy.distributed_sampler_kwargs
+            # -> {'num_replicas': 2, 'rank': 0}
         """
         return {"num_replicas": self.core.data_parallel_size, "rank": self.core.data_parallel_rank}
 
@@ -239,7 +239,7 @@ class FSDP2Strategy(ParallelStrategy):
         """Tell the cluster environment this process's global rank and the world size.
 
         Example:
-            >>> trainer.strategy.set_world_ranks()  # doctest: +SKIP
+            trainer.strategy.set_world_ranks()
         """
         if self.cluster_environment is not None:
             self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
@@ -256,8 +256,8 @@ class FSDP2Strategy(ParallelStrategy):
         """Lightning's precision plugin, replaced by one that lets FSDP2 cast and zeta clip.
 
         Example:
-            >>> trainer.strategy.precision_plugin.precision  # doctest: +SKIP
-            'bf16-mixed'
+            trainer.strategy.precision_plugin.precision
+            # -> 'bf16-mixed'
         """
         return self._precision_plugin if self._precision_plugin is not None else _FullPrecision()
 
@@ -288,7 +288,7 @@ class FSDP2Strategy(ParallelStrategy):
         """Join (start) the process group the Lightning way, then build zeta's ``(dp, tp)`` mesh.
 
         Example:
-            >>> trainer.strategy.setup_environment()  # Lightning calls it  # doctest: +SKIP
+            trainer.strategy.setup_environment()  # Lightning calls it
         """
         super().setup_environment()
         self.set_world_ranks()
@@ -306,8 +306,8 @@ class FSDP2Strategy(ParallelStrategy):
         Lightning passes ``empty_init=None``: a model that loads pretrained weights there keeps them.
 
         Example:
-            >>> with trainer.strategy.tensor_init_context(empty_init=True):  # doctest: +SKIP
-            ...     model = GPT(cfg)
+            with trainer.strategy.tensor_init_context(empty_init=True):
+                model = GPT(cfg)
         """
         return self.core.tensor_init_context(empty_init)
 
@@ -315,7 +315,7 @@ class FSDP2Strategy(ParallelStrategy):
         """Shard the module with zeta (after ``configure_model``), then let Lightning create the optimizers.
 
         Example:
-            >>> trainer.strategy.setup(trainer)  # Lightning calls it  # doctest: +SKIP
+            trainer.strategy.setup(trainer)  # Lightning calls it
         """
         assert self.lightning_module is not None
         self.accelerator.setup(trainer)
@@ -333,14 +333,14 @@ class FSDP2Strategy(ParallelStrategy):
         """Nothing to move: sharding placed every shard on its device.
 
         Example:
-            >>> trainer.strategy.model_to_device()  # doctest: +SKIP
+            trainer.strategy.model_to_device()
         """
 
     def process_dataloader(self, dataloader: Any) -> Any:
         """Lightning already split the data over dp ranks; a ``data_sampler`` given to the strategy applies.
 
         Example:
-            >>> loader = trainer.strategy.process_dataloader(loader)  # doctest: +SKIP
+            loader = trainer.strategy.process_dataloader(loader)
         """
         if self.core.data_sampler is not None:
             return self.core.process_dataloader(dataloader)
@@ -357,7 +357,7 @@ class FSDP2Strategy(ParallelStrategy):
         """The module's ``training_step``, run inside the FSDP root's forward.
 
         Example:
-            >>> trainer.strategy.training_step(batch, 0)  # Lightning calls it  # doctest: +SKIP
+            trainer.strategy.training_step(batch, 0)  # Lightning calls it
         """
         return self._step("training_step", self.precision_plugin.train_step_context(), *args, *kwargs.values())
 
@@ -365,7 +365,7 @@ class FSDP2Strategy(ParallelStrategy):
         """The module's ``validation_step`` through the FSDP root.
 
         Example:
-            >>> trainer.strategy.validation_step(batch, 0)  # doctest: +SKIP
+            trainer.strategy.validation_step(batch, 0)
         """
         return self._step("validation_step", self.precision_plugin.val_step_context(), *args, *kwargs.values())
 
@@ -373,7 +373,7 @@ class FSDP2Strategy(ParallelStrategy):
         """The module's ``test_step`` through the FSDP root.
 
         Example:
-            >>> trainer.strategy.test_step(batch, 0)  # doctest: +SKIP
+            trainer.strategy.test_step(batch, 0)
         """
         return self._step("test_step", self.precision_plugin.test_step_context(), *args, *kwargs.values())
 
@@ -381,7 +381,7 @@ class FSDP2Strategy(ParallelStrategy):
         """The module's ``predict_step`` through the FSDP root.
 
         Example:
-            >>> trainer.strategy.predict_step(batch, 0)  # doctest: +SKIP
+            trainer.strategy.predict_step(batch, 0)
         """
         return self._step("predict_step", self.precision_plugin.predict_step_context(), *args, *kwargs.values())
 
@@ -391,7 +391,7 @@ class FSDP2Strategy(ParallelStrategy):
         """Every rank waits here.
 
         Example:
-            >>> trainer.strategy.barrier()  # doctest: +SKIP
+            trainer.strategy.barrier()
         """
         if dist.is_available() and dist.is_initialized():
             dist.barrier()
@@ -400,7 +400,7 @@ class FSDP2Strategy(ParallelStrategy):
         """``obj`` from rank ``src`` on every rank.
 
         Example:
-            >>> path = trainer.strategy.broadcast(path)  # doctest: +SKIP
+            path = trainer.strategy.broadcast(path)
         """
         if not (dist.is_available() and dist.is_initialized()):
             return obj
@@ -412,8 +412,8 @@ class FSDP2Strategy(ParallelStrategy):
         """All-reduce a tensor (mean by default), as Lightning's DDP does for ``self.log(sync_dist=True)``.
 
         Example:
-            >>> trainer.strategy.reduce(torch.tensor(1.0))  # doctest: +SKIP
-            tensor(1.)
+            trainer.strategy.reduce(torch.tensor(1.0))
+            # -> tensor(1.)
         """
         if isinstance(tensor, torch.Tensor):
             return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
@@ -425,7 +425,7 @@ class FSDP2Strategy(ParallelStrategy):
         """The full state dict on rank 0 (``{}`` elsewhere); ``save_checkpoint`` reuses it.
 
         Example:
-            >>> trainer.strategy.lightning_module_state_dict()  # doctest: +SKIP
+            trainer.strategy.lightning_module_state_dict()
         """
         return self.core.lightning_module_state_dict()
 
@@ -433,7 +433,7 @@ class FSDP2Strategy(ParallelStrategy):
         """The optimizer's full state keyed by parameter FQN on rank 0; ``save_checkpoint`` reuses it.
 
         Example:
-            >>> trainer.strategy.optimizer_state(trainer.optimizers[0])  # doctest: +SKIP
+            trainer.strategy.optimizer_state(trainer.optimizers[0])
         """
         return self.core.optimizer_state(optimizer)
 
@@ -441,7 +441,7 @@ class FSDP2Strategy(ParallelStrategy):
         """zeta's checkpoint (full file, or DCP directory with ``checkpoint_format="sharded"``); every rank calls it.
 
         Example:
-            >>> trainer.save_checkpoint("ckpt/manual.ckpt")  # doctest: +SKIP
+            trainer.save_checkpoint("ckpt/manual.ckpt")
         """
         self.core.save_checkpoint(checkpoint, self.broadcast(filepath), storage_options)
 
@@ -449,7 +449,7 @@ class FSDP2Strategy(ParallelStrategy):
         """Restore weights and optimizer state now; return the checkpoint for Lightning's loops and callbacks.
 
         Example:
-            >>> trainer.fit(module, ckpt_path="ckpt/last.ckpt")  # calls it  # doctest: +SKIP
+            trainer.fit(module, ckpt_path="ckpt/last.ckpt")  # calls it
         """
         # Lightning 2.6 drops trainer.fit(weights_only=...) for strategies restoring after setup, and
         # the file holds the module's hyperparameters (dataclasses...): allow exactly the classes the
@@ -463,21 +463,21 @@ class FSDP2Strategy(ParallelStrategy):
         """Nothing: ``load_checkpoint`` restored the weights already (other ranks hold an empty dict).
 
         Example:
-            >>> trainer.strategy.load_model_state_dict(ckpt)  # doctest: +SKIP
+            trainer.strategy.load_model_state_dict(ckpt)
         """
 
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         """Nothing: ``load_checkpoint`` restored the optimizers already.
 
         Example:
-            >>> trainer.strategy.load_optimizer_state_dict(ckpt)  # doctest: +SKIP
+            trainer.strategy.load_optimizer_state_dict(ckpt)
         """
 
     def remove_checkpoint(self, filepath: Any) -> None:
         """Delete a checkpoint (refusing anything that is not one); every rank calls it.
 
         Example:
-            >>> trainer.strategy.remove_checkpoint("ckpt/old.ckpt")  # doctest: +SKIP
+            trainer.strategy.remove_checkpoint("ckpt/old.ckpt")
         """
         self.core.remove_checkpoint(filepath)
 
@@ -485,7 +485,7 @@ class FSDP2Strategy(ParallelStrategy):
         """Release Lightning's pieces; the process group stays (Lightning's own strategies keep it too).
 
         Example:
-            >>> trainer.strategy.teardown()  # doctest: +SKIP
+            trainer.strategy.teardown()
         """
         assert self.cluster_environment is not None
         self.cluster_environment.teardown()

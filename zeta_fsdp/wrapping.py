@@ -130,8 +130,8 @@ class WrapPlan:
         (``get_wrap_plan``) shows what was sharded.
 
         Example:
-            >>> plan = build_wrap_plan(model.bfloat16())  # doctest: +SKIP
-            >>> plan.recount(model.float())  # doctest: +SKIP
+            plan = build_wrap_plan(model.bfloat16())
+            plan.recount(model.float())
         """
         params = dict(model.named_parameters())
         for unit in self.units:

@@ -1,8 +1,8 @@
 """Hugging Face weights in and out of sharded models: ``load_pretrained``, ``save_pretrained``, ``consolidate_to_hf``.
 
 Example:
-    >>> load_pretrained(model, "llama-dir")
-    >>> save_pretrained(model, "out/llama")
+    load_pretrained(model, "llama-dir")
+    save_pretrained(model, "out/llama")
 """
 
 from .consolidate import consolidate_to_hf

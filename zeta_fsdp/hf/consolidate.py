@@ -12,8 +12,8 @@ conversions (MoE experts) are applied, and the checkpoint's keys are checked aga
 it, the weights are written under the checkpoint's own names and no ``config.json`` is written.
 
 Example:
-    >>> consolidate_to_hf("ckpt/step_100", "out/hf", config="meta-llama/Llama-3.2-1B-dir")
-    $ python -m zeta_fsdp consolidate ckpt/step_100 out/hf --hf --config llama-dir --dtype bf16
+    consolidate_to_hf("ckpt/step_100", "out/hf", config="meta-llama/Llama-3.2-1B-dir")
+    # -> $ python -m zeta_fsdp consolidate ckpt/step_100 out/hf --hf --config llama-dir --dtype bf16
 """
 
 from __future__ import annotations
@@ -45,8 +45,8 @@ def meta_model_from_config(config: Union[str, os.PathLike]) -> nn.Module:
     Its class is the config's first ``architectures`` entry. Nothing is allocated.
 
     Example:
-        >>> meta_model_from_config("llama-dir").lm_head.weight.device
-        device(type='meta')
+        meta_model_from_config("llama-dir").lm_head.weight.device
+        # -> device(type='meta')
     """
     import transformers
 
@@ -96,8 +96,8 @@ def consolidate_to_hf(
         FileExistsError: ``out_dir`` exists and is not empty (without ``overwrite=True``).
 
     Example:
-        >>> consolidate_to_hf("ckpt/step_100", "out/llama", config="llama-dir", dtype=torch.bfloat16)
-        >>> LlamaForCausalLM.from_pretrained("out/llama")
+        consolidate_to_hf("ckpt/step_100", "out/llama", config="llama-dir", dtype=torch.bfloat16)
+        LlamaForCausalLM.from_pretrained("out/llama")
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemReader

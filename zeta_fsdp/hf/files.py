@@ -8,8 +8,8 @@ page of another rank's shard counts in this rank's RSS), and writing it ourselve
 streamed tensor by tensor without holding the whole file in memory first.
 
 Example:
-    >>> entries = read_checkpoint_index("llama-dir")  # {key: TensorEntry(file, dtype, shape, offset)}
-    >>> rows = read_rows(entries["lm_head.weight"], start=0, count=8)
+    entries = read_checkpoint_index("llama-dir")  # {key: TensorEntry(file, dtype, shape, offset)}
+    rows = read_rows(entries["lm_head.weight"], start=0, count=8)
 """
 
 from __future__ import annotations
@@ -66,9 +66,9 @@ class TensorEntry:
     """Where one tensor lives in a safetensors file: ``file``, its ``dtype`` and ``shape``, byte ``offset``.
 
     Example:
-        >>> entry = read_safetensors_header("model.safetensors")["wte.weight"]
-        >>> entry.shape, entry.dtype
-        ((50257, 768), torch.float32)
+        entry = read_safetensors_header("model.safetensors")["wte.weight"]
+        entry.shape, entry.dtype
+        # -> ((50257, 768), torch.float32)
     """
 
     file: Path
@@ -91,8 +91,8 @@ def read_safetensors_header(file: Union[str, os.PathLike]) -> dict[str, TensorEn
     tensor's bytes lie beyond the end of the file (a truncated download).
 
     Example:
-        >>> sorted(read_safetensors_header("model.safetensors"))[:2]
-        ['lm_head.weight', 'model.embed_tokens.weight']
+        sorted(read_safetensors_header("model.safetensors"))[:2]
+        # -> ['lm_head.weight', 'model.embed_tokens.weight']
     """
     file = Path(file)
     size = file.stat().st_size
@@ -142,7 +142,7 @@ def read_checkpoint_index(path: Union[str, os.PathLike]) -> dict[str, TensorEntr
         ValueError: a file is not valid safetensors, or the index names a key its file lacks.
 
     Example:
-        >>> entries = read_checkpoint_index("out/llama")  # dir with model.safetensors or an index
+        entries = read_checkpoint_index("out/llama")  # dir with model.safetensors or an index
     """
     path = Path(path)
     if not path.exists():
@@ -187,8 +187,8 @@ def read_rows(
     CPU tensor of the stored dtype and the rows' shape to read straight into (no extra copy).
 
     Example:
-        >>> read_rows(entry, 4, 2).shape  # rows 4 and 5
-        torch.Size([2, 768])
+        read_rows(entry, 4, 2).shape  # rows 4 and 5
+        # -> torch.Size([2, 768])
     """
     if not entry.shape:  # 0-dim
         start, count, shape = 0, 1, ()

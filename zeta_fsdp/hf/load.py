@@ -10,8 +10,8 @@ touches stays in its RSS (measured 1.03-1.26x the model's bytes per rank at 2 ra
 (reading every ``*.safetensors`` it finds, a stale file included) and ignores extra keys.
 
 Example:
-    >>> model = fsdp(LlamaForCausalLM(cfg), auto_wrap=True, shard_strat="FULL_SHARD")
-    >>> load_pretrained(model, "llama-dir")  # every rank; each reads only its shards
+    model = fsdp(LlamaForCausalLM(cfg), auto_wrap=True, shard_strat="FULL_SHARD")
+    load_pretrained(model, "llama-dir")  # every rank; each reads only its shards
 """
 
 from __future__ import annotations
@@ -48,8 +48,8 @@ def local_box(t: torch.Tensor) -> list[tuple[int, int]]:
     shorter or empty); ``Replicate`` keeps the whole range. Other placements are refused.
 
     Example:
-        >>> local_box(sharded_weight)  # rank 1 of 2, weight (10, 4) sharded on dim 0
-        [(5, 10), (0, 4)]
+        local_box(sharded_weight)  # rank 1 of 2, weight (10, 4) sharded on dim 0
+        # -> [(5, 10), (0, 4)]
     """
     box = [(0, n) for n in t.shape]
     if not isinstance(t, DTensor):
@@ -197,8 +197,8 @@ def load_pretrained(model: nn.Module, path: Union[str, os.PathLike], *, strict: 
             valid safetensors; raised on every rank before any parameter changes.
 
     Example:
-        >>> model = fsdp(model, auto_wrap=True, shard_strat="FULL_SHARD")
-        >>> load_pretrained(model, "checkpoints/llama-3.2-1b")
+        model = fsdp(model, auto_wrap=True, shard_strat="FULL_SHARD")
+        load_pretrained(model, "checkpoints/llama-3.2-1b")
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"{_CALLER}: model must be a torch.nn.Module, got {type(model).__name__}.")

@@ -13,8 +13,8 @@ Pure: no file and no process group. Two things make a model's own names differ f
 transformers is imported only for a model whose class comes from it.
 
 Example:
-    >>> aliases = tied_aliases(model)  # {"lm_head.weight": "model.embed_tokens.weight"}
-    >>> plan = map_checkpoint_keys(model, checkpoint_shapes, model_shapes)
+    aliases = tied_aliases(model)  # {"lm_head.weight": "model.embed_tokens.weight"}
+    plan = map_checkpoint_keys(model, checkpoint_shapes, model_shapes)
 """
 
 from __future__ import annotations
@@ -55,8 +55,8 @@ def hf_class(model: nn.Module) -> type:
     """The model's own class: ``fully_shard`` swaps in a generated ``FSDP<Name>`` subclass.
 
     Example:
-        >>> hf_class(fsdp(LlamaForCausalLM(cfg))).__name__  # doctest: +SKIP
-        'LlamaForCausalLM'
+        hf_class(fsdp(LlamaForCausalLM(cfg))).__name__
+        # -> 'LlamaForCausalLM'
     """
     return next(c for c in type(model).__mro__ if not issubclass(c, FSDPModule))
 
@@ -78,8 +78,8 @@ def tied_aliases(model: nn.Module, tensors: Optional[dict[str, torch.Tensor]] = 
     else the first name in state-dict order.
 
     Example:
-        >>> tied_aliases(tied_llama)
-        {'lm_head.weight': 'model.embed_tokens.weight'}
+        tied_aliases(tied_llama)
+        # -> {'lm_head.weight': 'model.embed_tokens.weight'}
     """
     tensors = model_tensors(model) if tensors is None else tensors
     names: dict[int, list[str]] = {}
@@ -141,9 +141,9 @@ def map_checkpoint_keys(
     ``_missing``, old ``position_ids``/``rotary_emb.inv_freq`` buffers) are not reported.
 
     Example:
-        >>> plan = map_checkpoint_keys(model, {"w": (torch.float32, (2, 2))}, {"w": (2, 2)}, {})
-        >>> plan.direct
-        {'w': 'w'}
+        plan = map_checkpoint_keys(model, {"w": (torch.float32, (2, 2))}, {"w": (2, 2)}, {})
+        plan.direct
+        # -> {'w': 'w'}
     """
     import re
 
@@ -212,8 +212,8 @@ def saved_tensors(model: nn.Module, key: str, tensor: torch.Tensor) -> dict[str,
     transformers' own ``save_pretrained`` writes. Works on ``meta`` tensors (to plan files ahead).
 
     Example:
-        >>> list(saved_tensors(mixtral, "model.layers.0.mlp.experts.down_proj", t))[:1]
-        ['model.layers.0.block_sparse_moe.experts.0.w2.weight']
+        list(saved_tensors(mixtral, "model.layers.0.mlp.experts.down_proj", t))[:1]
+        # -> ['model.layers.0.block_sparse_moe.experts.0.w2.weight']
     """
     renamings, converters = _transforms(model)
     if not renamings and not converters:

@@ -9,8 +9,8 @@ rank's peak is its own shards plus one full tensor. Everything is written into a
 beside ``path`` and renamed into place once complete.
 
 Example:
-    >>> save_pretrained(model, "out/llama", dtype=torch.bfloat16)
-    >>> LlamaForCausalLM.from_pretrained("out/llama")  # single process, unsharded
+    save_pretrained(model, "out/llama", dtype=torch.bfloat16)
+    LlamaForCausalLM.from_pretrained("out/llama")  # single process, unsharded
 """
 
 from __future__ import annotations
@@ -133,8 +133,8 @@ def save_pretrained(
         ValueError: a bad ``dtype`` or ``max_shard_size``.
 
     Example:
-        >>> save_pretrained(model, "out/llama", dtype=torch.bfloat16, max_shard_size="2GB")
-        >>> AutoModelForCausalLM.from_pretrained("out/llama")
+        save_pretrained(model, "out/llama", dtype=torch.bfloat16, max_shard_size="2GB")
+        AutoModelForCausalLM.from_pretrained("out/llama")
     """
     path = Path(path)
     tmp_holder: list[Path] = []

@@ -33,9 +33,9 @@ Layout of the package (one concern per module; the public names are re-exported 
 * ``manager``: ``CheckpointManager`` (every N steps, keep last K, resume latest).
 
 Example:
-    >>> save_checkpoint("ckpt/step_100", model, optimizer, extra={"step": 100})
-    >>> extra = load_checkpoint("ckpt/step_100", model, optimizer)  # any world size, any strategy
-    >>> consolidate_checkpoint("ckpt/step_100", "model.safetensors")  # offline, one process
+    save_checkpoint("ckpt/step_100", model, optimizer, extra={"step": 100})
+    extra = load_checkpoint("ckpt/step_100", model, optimizer)  # any world size, any strategy
+    consolidate_checkpoint("ckpt/step_100", "model.safetensors")  # offline, one process
 """
 
 from __future__ import annotations

@@ -96,10 +96,10 @@ class AsyncCheckpointer:
     kept for the next save unless ``reuse_buffers=False``. Create it, and call ``save``/``wait``/``close``, on every rank.
 
     Example:
-        >>> checkpointer = AsyncCheckpointer()
-        >>> checkpointer.save(f"ckpt/step_{step}", model, optimizer, extra={"step": step})
-        >>> ...  # keep training; the write goes on in the background
-        >>> checkpointer.wait()  # the checkpoint is complete (raises CheckpointError if it failed)
+        checkpointer = AsyncCheckpointer()
+        checkpointer.save(f"ckpt/step_{step}", model, optimizer, extra={"step": step})
+        ...  # keep training; the write goes on in the background
+        checkpointer.wait()  # the checkpoint is complete (raises CheckpointError if it failed)
     """
 
     def __init__(self, *, process_group: Optional[dist.ProcessGroup] = None, reuse_buffers: bool = True) -> None:
@@ -118,8 +118,7 @@ class AsyncCheckpointer:
         """The checkpoint being written now (``None`` when none is).
 
         Example:
-            >>> checkpointer.in_flight
-            PosixPath('ckpt/step_200')
+            checkpointer.in_flight  # -> PosixPath('ckpt/step_200') while that save is written
         """
         if self._pending is None or self._pending[2].done():
             return None
@@ -148,7 +147,7 @@ class AsyncCheckpointer:
         anything is written.
 
         Example:
-            >>> checkpointer.save("ckpt/step_100", model, optimizer, extra={"step": 100})
+            checkpointer.save("ckpt/step_100", model, optimizer, extra={"step": 100})
         """
         if self._closed:
             raise RuntimeError("AsyncCheckpointer.save(): the checkpointer was closed.")
@@ -187,8 +186,8 @@ class AsyncCheckpointer:
         partial directory is removed (the previous checkpoint stays the latest).
 
         Example:
-            >>> checkpointer.wait()
-            PosixPath('ckpt/step_100')
+            checkpointer.wait()
+            # -> PosixPath('ckpt/step_100')
         """
         if self._pending is None:
             return None
@@ -212,7 +211,7 @@ class AsyncCheckpointer:
         """Wait for the save in flight, then release the checkpointer's process group. Every rank.
 
         Example:
-            >>> checkpointer.close()
+            checkpointer.close()
         """
         if self._closed:
             return

@@ -92,8 +92,8 @@ def save_checkpoint(
     save removes what it wrote. Returns ``path``.
 
     Example:
-        >>> save_checkpoint(f"ckpt/step_{step}", model, optimizer,
-        ...                 extra={"step": step, "rng": torch.get_rng_state()})
+        save_checkpoint(f"ckpt/step_{step}", model, optimizer,
+                        extra={"step": step, "rng": torch.get_rng_state()})
     """
     path = Path(path)
     on_all_ranks(lambda: check_save_inputs(optimizer, extra))
@@ -217,9 +217,9 @@ def load_checkpoint(
         CheckpointError: not a checkpoint, corrupted or truncated, or of another model/optimizer.
 
     Example:
-        >>> extra = load_checkpoint("ckpt/step_100", model, optimizer)
-        >>> start_step = extra["step"]
-        >>> load_checkpoint("ckpt/step_100", model, optimizer, model_weights=False)  # optimizer only
+        extra = load_checkpoint("ckpt/step_100", model, optimizer)
+        start_step = extra["step"]
+        load_checkpoint("ckpt/step_100", model, optimizer, model_weights=False)  # optimizer only
     """
     path = Path(path)
     caller = "load_checkpoint()"

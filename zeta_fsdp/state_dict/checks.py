@@ -39,10 +39,10 @@ class CheckpointError(ValueError):
     Raised before the live model or optimizer is changed.
 
     Example:
-        >>> try:
-        ...     load_checkpoint("ckpt/other_model", model)
-        ... except CheckpointError as e:
-        ...     print(e)  # names the path and the mismatching keys/shapes
+        try:
+            load_checkpoint("ckpt/other_model", model)
+        except CheckpointError as e:
+            print(e)  # names the path and the mismatching keys/shapes
     """
 
 

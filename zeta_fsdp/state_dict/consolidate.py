@@ -27,8 +27,8 @@ def consolidate_checkpoint(dcp_dir: PathLike, out_file: PathLike, *, overwrite: 
     Also available as ``python -m zeta_fsdp consolidate DIR OUT``.
 
     Example:
-        >>> consolidate_checkpoint("ckpt/step_100", "model.pt")
-        >>> GPT(cfg).load_state_dict(torch.load("model.pt", weights_only=True))
+        consolidate_checkpoint("ckpt/step_100", "model.pt")
+        GPT(cfg).load_state_dict(torch.load("model.pt", weights_only=True))
     """
     caller = "consolidate_checkpoint()"
     src, out = Path(dcp_dir), Path(out_file)

@@ -30,8 +30,8 @@ def checkpoint_steps(root: PathLike) -> list[int]:
     """The steps of the complete ``root/step_<n>`` checkpoints, oldest first (``[]`` when none).
 
     Example:
-        >>> checkpoint_steps("ckpt")
-        [100, 200, 300]
+        checkpoint_steps("ckpt")
+        # -> [100, 200, 300]
     """
     root = Path(root)
     if not root.is_dir():
@@ -50,8 +50,8 @@ def latest_checkpoint(root: PathLike) -> Optional[Path]:
     One process's view of the file system; ``CheckpointManager.latest()`` agrees across ranks.
 
     Example:
-        >>> latest_checkpoint("ckpt")
-        PosixPath('ckpt/step_300')
+        latest_checkpoint("ckpt")
+        # -> PosixPath('ckpt/step_300')
     """
     steps = checkpoint_steps(root)
     return Path(root) / f"step_{steps[-1]}" if steps else None
@@ -65,8 +65,8 @@ def prune_checkpoints(root: PathLike, keep_last: int) -> list[Path]:
     so an interrupted delete never leaves a complete-looking checkpoint.
 
     Example:
-        >>> prune_checkpoints("ckpt", keep_last=2)
-        [PosixPath('ckpt/step_100')]
+        prune_checkpoints("ckpt", keep_last=2)
+        # -> [PosixPath('ckpt/step_100')]
     """
     if isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1:
         raise ValueError(f"prune_checkpoints(): keep_last must be a positive int, got {keep_last!r}.")
@@ -101,14 +101,14 @@ class CheckpointManager:
     Create it and call its methods on every rank.
 
     Example:
-        >>> manager = CheckpointManager("ckpt", model, optimizer, every=100, keep_last=3,
-        ...                             async_save=True, state={"data": loader})
-        >>> step = manager.resume()  # 0 on first launch
-        >>> while step < total_steps:
-        ...     train_step(next(batches)); step += 1
-        ...     if manager.after_step(step):
-        ...         break  # preempted: saved, stop cleanly
-        >>> manager.close()
+        manager = CheckpointManager("ckpt", model, optimizer, every=100, keep_last=3,
+                                    async_save=True, state={"data": loader})
+        step = manager.resume()  # 0 on first launch
+        while step < total_steps:
+            train_step(next(batches)); step += 1
+            if manager.after_step(step):
+                break  # preempted: saved, stop cleanly
+        manager.close()
     """
 
     def __init__(
@@ -147,8 +147,8 @@ class CheckpointManager:
         """The latest complete checkpoint under ``root`` (rank 0's view, the same on every rank), or ``None``.
 
         Example:
-            >>> manager.latest()
-            PosixPath('ckpt/step_300')
+            manager.latest()
+            # -> PosixPath('ckpt/step_300')
         """
         found = on_all_ranks(lambda: latest_checkpoint(self.root) if current_rank() == 0 else None)
         if dist_on() and world_size() > 1:
@@ -164,7 +164,7 @@ class CheckpointManager:
         that checkpoint is in ``manager.extra``.
 
         Example:
-            >>> start = manager.resume()
+            start = manager.resume()
         """
         on_all_ranks(self._remove_stale if current_rank() == 0 else lambda: None)
         path = self.latest()
@@ -188,8 +188,8 @@ class CheckpointManager:
         """Call at every step boundary; saves when due or preempted. ``True``: a preemption signal came, stop now.
 
         Example:
-            >>> if manager.after_step(step, extra={"loss": loss.item()}):
-            ...     break
+            if manager.after_step(step, extra={"loss": loss.item()}):
+                break
         """
         preempted = self.preemption is not None and self.preemption.stop_requested()
         due = self.every is not None and step % self.every == 0
@@ -203,8 +203,8 @@ class CheckpointManager:
         """Save ``root/step_<step>`` now (in the background with ``async_save``), then prune to ``keep_last``.
 
         Example:
-            >>> manager.save(step)
-            PosixPath('ckpt/step_120')
+            manager.save(step)
+            # -> PosixPath('ckpt/step_120')
         """
         path = self.root / f"step_{int(step)}"
         record = {"step": int(step), "state": {name: obj.state_dict() for name, obj in self.state.items()}}
@@ -223,7 +223,7 @@ class CheckpointManager:
         """Wait for a background save to be complete (and prune). Every rank.
 
         Example:
-            >>> manager.wait()
+            manager.wait()
         """
         if self.checkpointer is not None:
             self.checkpointer.wait()
@@ -233,7 +233,7 @@ class CheckpointManager:
         """Wait for the save in flight, restore the signal handlers, release the groups. Every rank.
 
         Example:
-            >>> manager.close()
+            manager.close()
         """
         try:
             if self.checkpointer is not None:

@@ -34,9 +34,9 @@ def get_sharded_state_dict(model: nn.Module) -> dict[str, Any]:
     the unwrapped model.
 
     Example:
-        >>> sd = get_sharded_state_dict(model)
-        >>> sd["blocks.0.attn.qkv.weight"].placements
-        (Shard(dim=0),)
+        sd = get_sharded_state_dict(model)
+        sd["blocks.0.attn.qkv.weight"].placements
+        # -> (Shard(dim=0),)
     """
     return {clean_fqn(k): v for k, v in get_model_state_dict(model).items()}
 
@@ -47,8 +47,8 @@ def load_sharded_state_dict(model: nn.Module, state_dict: Mapping[str, Any], *, 
     Keys and shapes are checked first; on a mismatch nothing is loaded.
 
     Example:
-        >>> sd = get_sharded_state_dict(model)
-        >>> load_sharded_state_dict(model, sd)
+        sd = get_sharded_state_dict(model)
+        load_sharded_state_dict(model, sd)
     """
     live = get_sharded_state_dict(model)
     state_dict = {clean_fqn(k): v for k, v in state_dict.items()}
@@ -111,9 +111,9 @@ def get_full_state_dict(model: nn.Module, *, cpu_offload: bool = True, rank0_onl
     does ``torch.save(sd, "model.pt")`` on rank 0.
 
     Example:
-        >>> sd = get_full_state_dict(model)
-        >>> if dist.get_rank() == 0:
-        ...     torch.save(sd, "model.pt")
+        sd = get_full_state_dict(model)
+        if dist.get_rank() == 0:
+            torch.save(sd, "model.pt")
     """
     return gather_full(
         get_sharded_state_dict(model), tied_aliases(model), cpu_offload=cpu_offload, rank0_only=rank0_only
@@ -136,11 +136,11 @@ def load_full_state_dict(
     Keys and shapes are checked before anything is loaded.
 
     Example:
-        >>> with torch.device("meta"):
-        ...     model = GPT(cfg)
-        >>> fsdp(model, auto_wrap=True, shard_strat="FULL_SHARD")
-        >>> sd = torch.load("model.pt", weights_only=True) if dist.get_rank() == 0 else None
-        >>> load_full_state_dict(model, sd)
+        with torch.device("meta"):
+            model = GPT(cfg)
+        fsdp(model, auto_wrap=True, shard_strat="FULL_SHARD")
+        sd = torch.load("model.pt", weights_only=True) if dist.get_rank() == 0 else None
+        load_full_state_dict(model, sd)
     """
     live = {k: shape_of(v) for k, v in get_sharded_state_dict(model).items()}
     holds = not (broadcast_from_rank0 and dist_on()) or current_rank() == 0

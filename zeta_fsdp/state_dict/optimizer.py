@@ -247,9 +247,9 @@ def get_optimizer_state_dict(
     ``get_full_state_dict``). An optimizer that never stepped yields its options only.
 
     Example:
-        >>> osd = get_optimizer_state_dict(model, optimizer, full=True)
-        >>> osd["state.head.weight.exp_avg"].shape  # on rank 0
-        torch.Size([37, 30])
+        osd = get_optimizer_state_dict(model, optimizer, full=True)
+        osd["state.head.weight.exp_avg"].shape  # on rank 0
+        # -> torch.Size([37, 30])
     """
     flat = flat_optimizer_state(model, optimizer)
     if not full:
@@ -272,8 +272,8 @@ def load_optimizer_state_dict(
     and state names are checked first; on a mismatch nothing changes.
 
     Example:
-        >>> osd = get_optimizer_state_dict(model, optimizer, full=True)
-        >>> load_optimizer_state_dict(model, optimizer, osd, full=True)
+        osd = get_optimizer_state_dict(model, optimizer, full=True)
+        load_optimizer_state_dict(model, optimizer, osd, full=True)
     """
     holds = not (full and broadcast_from_rank0 and dist_on()) or current_rank() == 0
     if holds and not isinstance(osd, Mapping):

@@ -47,13 +47,13 @@ class PreemptionHandler:
     first or only one rank. ``close()`` puts the previous handlers back. Create it on every rank.
 
     Example:
-        >>> preemption = PreemptionHandler(["SIGTERM", "SIGUSR1"])
-        >>> for step in range(start, steps):
-        ...     train_step()
-        ...     if preemption.stop_requested():
-        ...         save_checkpoint(f"ckpt/step_{step + 1}", model, optimizer)
-        ...         break
-        >>> preemption.close()
+        preemption = PreemptionHandler(["SIGTERM", "SIGUSR1"])
+        for step in range(start, steps):
+            train_step()
+            if preemption.stop_requested():
+                save_checkpoint(f"ckpt/step_{step + 1}", model, optimizer)
+                break
+        preemption.close()
     """
 
     def __init__(self, signals: Iterable[SignalLike] = (signal.SIGTERM,)) -> None:
@@ -71,8 +71,8 @@ class PreemptionHandler:
         """``True`` on every rank once any rank received one of the signals. Call on every rank, each step.
 
         Example:
-            >>> if preemption.stop_requested():
-            ...     break
+            if preemption.stop_requested():
+                break
         """
         flag = torch.tensor([1 if self.received is not None else 0], dtype=torch.int32)
         if self._group is not None:
@@ -83,7 +83,7 @@ class PreemptionHandler:
         """Restore the handlers that were installed before (every rank).
 
         Example:
-            >>> preemption.close()
+            preemption.close()
         """
         for sig, previous in self._previous.items():
             signal.signal(sig, previous if previous is not None else signal.SIG_DFL)

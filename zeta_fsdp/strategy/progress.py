@@ -84,7 +84,7 @@ class StepCounter:
         """Count ``optimizer``'s steps from now on (``None``: count nothing); replaces the previous one.
 
         Example:
-            >>> counter.watch(strategy.optimizers[0])  # doctest: +SKIP
+            counter.watch(strategy.optimizers[0])
         """
         if self._hook is not None:
             self._hook.remove()
@@ -101,8 +101,8 @@ class StepCounter:
         """Steps inside do not count (restoring an optimizer state steps it to create the state).
 
         Example:
-            >>> with counter.paused():  # doctest: +SKIP
-            ...     restore_optimizer_states(model, optimizers, pending)
+            with counter.paused():
+                restore_optimizer_states(model, optimizers, pending)
         """
         self._paused = True
         try:

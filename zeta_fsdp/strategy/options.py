@@ -21,9 +21,9 @@ from typing import Any, Callable, Optional, Union
 import torch.nn as nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
-from .fsdp import fsdp
-from .options import resolve_mixed_precision, resolve_sharding
-from .state_dict.preemption import resolve_signals
+from ..fsdp import fsdp
+from ..options import resolve_mixed_precision, resolve_sharding
+from ..state_dict.preemption import resolve_signals
 
 __all__ = ["StrategyOptions", "fsdp_option_names", "resolve_sizes", "tp_style", "validate_strategy_options"]
 

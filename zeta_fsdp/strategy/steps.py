@@ -3,8 +3,8 @@
 Plain functions shared by ``zeta_fsdp.strategy`` and ``zeta_fsdp.lightning``.
 
 Example:
-    >>> defines(model, "training_step")  # doctest: +SKIP
-    True
+    defines(model, "training_step")
+    # -> True
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule
 
-from .loss import MaskedTokenLossReduction
+from ..loss import MaskedTokenLossReduction
 
 __all__ = [
     "LossTotals",
@@ -55,7 +55,7 @@ def call_through_root(module: nn.Module, method: str, *args: Any) -> Any:
     for the step for exactly one call; the step's own ``self(...)`` calls reach the real forward.
 
     Example:
-        >>> loss = call_through_root(model, "training_step", batch, 0)  # doctest: +SKIP
+        loss = call_through_root(model, "training_step", batch, 0)
     """
     if not isinstance(module, FSDPModule):
         return getattr(module, method)(*args)
@@ -179,9 +179,9 @@ class LossTotals:
     nobody asks, and one reduction (one all-reduce) gives the mean since the last ``pop``.
 
     Example:
-        >>> totals = LossTotals()
-        >>> totals.add("training", reduction, {"avg": torch.tensor([2.0, 4.0])})  # doctest: +SKIP
-        >>> reduction.reduce([totals.pop("training")[1]])  # doctest: +SKIP
+        totals = LossTotals()
+        totals.add("training", reduction, {"avg": torch.tensor([2.0, 4.0])})
+        reduction.reduce([totals.pop("training")[1]])
     """
 
     def __init__(self) -> None:
@@ -191,7 +191,7 @@ class LossTotals:
         """Add one step's record (its first entry) to the running sum of ``step_type``.
 
         Example:
-            >>> LossTotals().add("validation", reduction, record)  # doctest: +SKIP
+            LossTotals().add("validation", reduction, record)
         """
         key = next(iter(record))
         value = record[key].detach()
@@ -220,7 +220,7 @@ def run_step(
     evaluation in eval mode without gradients, the previous mode restored after.
 
     Example:
-        >>> loss = run_step(model, "training", batch, 0, reduce_fn)  # doctest: +SKIP
+        loss = run_step(model, "training", batch, 0, reduce_fn)
     """
     name = f"{step_type}_step"
     if step_type == "training":
@@ -245,8 +245,8 @@ class StepLosses:
     plain module's step, and the global mean since the last ``reduced`` call.
 
     Example:
-        >>> losses = StepLosses(lambda: mesh["dp"].get_group())  # doctest: +SKIP
-        >>> loss = losses.step(model, "training", batch); losses.reduced(model, "training")  # doctest: +SKIP
+        losses = StepLosses(lambda: mesh["dp"].get_group())
+        loss = losses.step(model, "training", batch); losses.reduced(model, "training")
     """
 
     def __init__(self, group_fn: Callable[[], Any]) -> None:
@@ -258,7 +258,7 @@ class StepLosses:
         """The module's ``<step_type>_loss_reduction`` / ``loss_reduction``, else the token-weighted default.
 
         Example:
-            >>> losses.reduction(model, "validation")  # doctest: +SKIP
+            losses.reduction(model, "validation")
         """
         own = module_loss_reduction(module, step_type)
         if own is not None:
@@ -273,7 +273,7 @@ class StepLosses:
         """This rank's loss of ``module`` on ``batch``; its record joins the running total.
 
         Example:
-            >>> loss = losses.step(model, "training", batch)  # doctest: +SKIP
+            loss = losses.step(model, "training", batch)
         """
         reduction = self.reduction(module, step_type)
         loss, record = reduction.forward(batch, logits_of(forward_batch(module, batch)))
@@ -284,7 +284,7 @@ class StepLosses:
         """Global mean of the ``step_type`` steps since the last call (one all-reduce); forgets them.
 
         Example:
-            >>> losses.reduced(model, "validation")  # doctest: +SKIP
+            losses.reduced(model, "validation")
         """
         popped = self._totals.pop(step_type)
         if popped is None:

@@ -8,12 +8,12 @@ default, or sharded DCP). The class keeps NeMo's API; the work lives in plain fu
 ``configure_optimizers``... are called); a plain ``nn.Module``'s output is reduced per token.
 
 Example:
-    >>> strategy = FSDP2Strategy(TransformerBlock=Block)  # doctest: +SKIP
-    >>> strategy.connect(model)  # doctest: +SKIP
-    >>> strategy.setup_optimizers(lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3))  # doctest: +SKIP
-    >>> for i, batch in enumerate(strategy.process_dataloader(loader)):  # doctest: +SKIP
-    ...     strategy.training_step(batch, i).backward()
-    ...     strategy.optimizer_step(max_norm=1.0)
+    strategy = FSDP2Strategy(TransformerBlock=Block)
+    strategy.connect(model)
+    strategy.setup_optimizers(lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3))
+    for i, batch in enumerate(strategy.process_dataloader(loader)):
+        strategy.training_step(batch, i).backward()
+        strategy.optimizer_step(max_norm=1.0)
 """
 
 from __future__ import annotations
@@ -30,11 +30,9 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
-from . import state_dict as sd
-from . import strategy_checkpoint as ckpt_io
-from . import strategy_parallel
-from .data import shard_dataloader
-from .distributed import (
+from .. import state_dict as sd
+from ..data import shard_dataloader
+from ..distributed import (
     build_dp_tp_mesh,
     choose_device,
     ensure_process_group,
@@ -42,10 +40,12 @@ from .distributed import (
     on_all_ranks,
     shutdown,
 )
-from .strategy_options import resolve_sizes, validate_strategy_options
-from .strategy_progress import EpochStep, StepCounter
-from .strategy_steps import StepLosses, create_optimizers, run_step
-from .training import clip_grad_norm_, no_sync
+from ..training import clip_grad_norm_, no_sync
+from . import checkpoint as ckpt_io
+from . import parallel as strategy_parallel
+from .options import resolve_sizes, validate_strategy_options
+from .progress import EpochStep, StepCounter
+from .steps import StepLosses, create_optimizers, run_step
 
 __all__ = ["EpochStep", "FSDP2Strategy"]
 
@@ -75,9 +75,9 @@ class FSDP2Strategy:
             or ``shard_strat``: ``ValueError`` here, before any process group starts.
 
     Example:
-        >>> strategy = FSDP2Strategy(mp_policy="bf16", TransformerBlock=Block)  # doctest: +SKIP
-        >>> strategy.connect(model)  # doctest: +SKIP
-        >>> strategy.parallelize()  # process group, mesh, sharding, configure_optimizers()  # doctest: +SKIP
+        strategy = FSDP2Strategy(mp_policy="bf16", TransformerBlock=Block)
+        strategy.connect(model)
+        strategy.parallelize()  # process group, mesh, sharding, configure_optimizers()
     """
 
     # The mesh's dimension names; the Lightning adapter uses Lightning's ("data_parallel", "tensor_parallel").
@@ -275,8 +275,8 @@ class FSDP2Strategy:
         """The loss reduction for ``"training"``, ``"validation"``, ``"test"`` or ``"predict"``.
 
         Example:
-            >>> strategy._get_loss_reduction("training")  # doctest: +SKIP
-            <zeta_fsdp.loss.MaskedTokenLossReduction object at ...>
+            strategy._get_loss_reduction("training")
+            # -> <zeta_fsdp.loss.MaskedTokenLossReduction object at ...>
         """
         return self._losses.reduction(self._module, step_type)
 
@@ -287,9 +287,9 @@ class FSDP2Strategy:
         """Global token-weighted mean loss of the ``step_type`` steps since the last call (one all-reduce).
 
         Example:
-            >>> for batch in val_loader:  # doctest: +SKIP
-            ...     strategy.validation_step(batch)
-            >>> strategy.reduced_loss("validation")  # over all ranks and batches  # doctest: +SKIP
+            for batch in val_loader:
+                strategy.validation_step(batch)
+            strategy.reduced_loss("validation")  # over all ranks and batches
         """
         return self._losses.reduced(self._module, step_type)
 
@@ -353,10 +353,10 @@ class FSDP2Strategy:
         """The optimizer steps taken (an int, as NeMo's), with ``.epoch`` (``set_epoch``); saved in checkpoints.
 
         Example:
-            >>> strategy.current_epoch_step  # doctest: +SKIP
-            EpochStep(epoch=0, step=12)
-            >>> strategy.current_epoch_step >= 12, strategy.current_epoch_step.epoch  # doctest: +SKIP
-            (True, 0)
+            strategy.current_epoch_step
+            # -> EpochStep(epoch=0, step=12)
+            strategy.current_epoch_step >= 12, strategy.current_epoch_step.epoch
+            # -> (True, 0)
         """
         return EpochStep(self._epoch, self._counter.step)
 
@@ -381,7 +381,7 @@ class FSDP2Strategy:
         """Give each data-parallel rank its own part of the data.
 
         Example:
-            >>> loader = strategy.process_dataloader(DataLoader(dataset, batch_size=8, shuffle=True))  # doctest: +SKIP
+            loader = strategy.process_dataloader(DataLoader(dataset, batch_size=8, shuffle=True))
         """
         loader, sampler = shard_dataloader(
             dataloader,

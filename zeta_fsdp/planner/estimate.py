@@ -30,43 +30,27 @@ Example:
 
 from __future__ import annotations
 
-import copy
-import json
 import math
-import os
-import subprocess
-import sys
-import tempfile
-import time
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any, Iterable, Optional, Union
 
 import torch
 import torch.nn as nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
-from .distributed import expected_world_size, fake_process_group, mesh_shape, without_launcher_env
-from .fsdp import fsdp_param_groups
-from .options import resolve_master_dtype, resolve_mixed_precision, resolve_sharding
-from .report import format_bytes, render_table
-from .wrapping import BlockSpec, build_wrap_plan
+from ..options import resolve_master_dtype, resolve_mixed_precision, resolve_sharding
+from ..report import format_bytes, render_table
+from ..wrapping import BlockSpec, build_wrap_plan
+from .common import dtype_name as _dtype_name
+from .common import resolve_world_and_mesh as _resolve_world_and_mesh
+from .dry_run import DryRunResult, dry_run_batch, dry_run_job
 
-__all__ = [
-    "OPTIMIZERS",
-    "DryRunResult",
-    "MemoryPlan",
-    "UnitEstimate",
-    "dry_run",
-    "plan",
-]
+__all__ = ["OPTIMIZERS", "MemoryPlan", "UnitEstimate", "plan"]
 
 # Optimizer name -> number of parameter-sized state tensors (Adam/AdamW: exp_avg, exp_avg_sq).
 OPTIMIZERS: dict[str, int] = {"adamw": 2, "adam": 2, "none": 0}
 # Adam's ``step`` is a 0-d float32 tensor per parameter (torch's default scalar dtype).
 _STEP_BYTES = 4
-# Default GPUs per node for HYBRID meshes when planning a cluster from a laptop.
-_DEFAULT_LOCAL_WORLD_SIZE = 8
 # Units whose modules run at both ends of the forward (a tied embedding + head) stay unsharded
 # from their first module's forward to their last one: across every block in between.
 _SPANNING_KINDS = ("embedding+head",)
@@ -101,31 +85,6 @@ class UnitEstimate:
     local_param_bytes: int
     grad_bytes: int
     optimizer_bytes: int
-
-
-@dataclass(frozen=True)
-class DryRunResult:
-    """What the real ``fsdp()`` produced on a meta copy under the fake process group (one rank).
-
-    Attributes:
-        world_size, rank, mesh_shape: the simulated job and the rank looked at.
-        param_bytes: sharded parameter storage on that rank (sum of each shard's storage).
-        local_param_bytes: sum of ``DTensor.to_local()`` sizes on that rank.
-        num_units: number of FSDP parameter groups ``fsdp()`` created.
-        wrap_seconds: wall time of the ``fsdp()`` call; load_seconds: unpickling the meta copy.
-
-    Example:
-        dry_run(model, world_size=1024).wrap_seconds
-    """
-
-    world_size: int
-    rank: int
-    mesh_shape: tuple[int, ...]
-    param_bytes: int
-    local_param_bytes: int
-    num_units: int
-    wrap_seconds: float
-    load_seconds: float
 
 
 def _units_total(attribute: str, doc: str, example: int, plus: str = "") -> property:
@@ -348,29 +307,10 @@ def _same_shape(a: UnitEstimate, b: UnitEstimate) -> bool:
     return all(getattr(a, k) == getattr(b, k) for k in keys)
 
 
-def _dtype_name(dtype: Optional[torch.dtype]) -> str:
-    return "none" if dtype is None else str(dtype).replace("torch.", "")
-
-
 def _mp_label(policy: MixedPrecisionPolicy) -> str:
     if policy.param_dtype is None and policy.reduce_dtype is None:
         return "fp32 (no casting)"
     return f"compute {_dtype_name(policy.param_dtype)}, reduce {_dtype_name(policy.reduce_dtype)}"
-
-
-def _resolve_world_and_mesh(
-    spec: Any, world_size: Optional[int], replicate_size: Optional[int], local_world_size: Optional[int], caller: str
-) -> tuple[int, tuple[int, ...]]:
-    if world_size is None:
-        world_size = expected_world_size()
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"{caller}(): world_size={world_size!r} is not accepted. Accepted: a positive int.")
-    if local_world_size is None:
-        local_world_size = min(world_size, _DEFAULT_LOCAL_WORLD_SIZE)
-    shape = mesh_shape(
-        spec, world_size, local_world_size=local_world_size, replicate_size=replicate_size, caller=caller
-    )
-    return world_size, shape
 
 
 def _shard_geometry(param: torch.Tensor, shard_size: int, shard_rank: int) -> tuple[int, int, int]:
@@ -475,7 +415,7 @@ def plan(
             f"shard is {result.local_param_bytes:,} (optimizer state follows the logical shard)"
         )
     if dry_run:  # (the flag shadows the function dry_run(): call what it calls)
-        job = _dry_run_job(
+        job = dry_run_job(
             world_size,
             spec.name,
             policy,
@@ -486,7 +426,7 @@ def plan(
             ignored_param_names=wrap.ignored_param_names,
             master_dtype=master,
         )
-        result.dry_run = _dry_run_batch(model, [job])[0]
+        result.dry_run = dry_run_batch(model, [job])[0]
     return result
 
 
@@ -557,202 +497,3 @@ def _allgather_peak(units: list[UnitEstimate], reshard_after_forward: bool, shar
         stays = unit.kind == "root" or unit.kind in _SPANNING_KINDS
         moments.append(buffer if stays else unit.unsharded_bytes + buffer)
     return resident + max(moments)
-
-
-# --------------------------------------------------------------------------------------------
-# Dry run: the real fsdp() on a meta copy under the fake process group, in a subprocess.
-# --------------------------------------------------------------------------------------------
-
-
-def _meta_copy(model: nn.Module) -> nn.Module:
-    """A ``meta`` deep copy of ``model`` that allocates no parameter or buffer memory.
-
-    ``deepcopy``'s memo is pre-filled with a meta twin of every tensor, so the copy never touches
-    real storage (and tied parameters stay tied: one object, one twin).
-    """
-    memo: dict[int, Any] = {}
-    for param in model.parameters():
-        twin = nn.Parameter(torch.empty_like(param, device="meta"), requires_grad=param.requires_grad)
-        memo[id(param)] = twin
-    for buffer in model.buffers():
-        memo[id(buffer)] = torch.empty_like(buffer, device="meta")
-    return copy.deepcopy(model, memo)
-
-
-def _block_spec_names(spec: BlockSpec) -> Optional[list[str]]:
-    """A picklable form of ``TransformerBlock``: fully qualified class names."""
-    if spec is None:
-        return None
-    items = list(spec) if isinstance(spec, (tuple, list, set, frozenset)) else [spec]
-    return [s if isinstance(s, str) else f"{s.__module__}.{s.__qualname__}" for s in items]
-
-
-def _child_env() -> dict[str, str]:
-    env = without_launcher_env()  # the child runs its own fake job, never joins ours
-    # The child must import what the parent imports (the model's classes, this package): the
-    # parent's import path, as it is now, goes first.
-    paths = [p for p in sys.path if p] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
-    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
-    env.setdefault("OMP_NUM_THREADS", "1")
-    return env
-
-
-def dry_run(
-    model: nn.Module,
-    world_size: int,
-    shard_strat: Any = "FULL_SHARD",
-    mp: Union[str, MixedPrecisionPolicy] = "fp32",
-    auto_wrap: bool = True,
-    TransformerBlock: BlockSpec = None,  # noqa: N803 - the same name as fsdp()
-    *,
-    rank: int = 0,
-    replicate_size: Optional[int] = None,
-    local_world_size: Optional[int] = None,
-    ignored_param_names: Iterable[str] = (),
-    timeout_s: float = 600.0,
-) -> DryRunResult:
-    """Run the real ``fsdp()`` on a meta copy of ``model`` as ``rank`` of a fake ``world_size`` job.
-
-    One subprocess, ``torch.distributed``'s ``"fake"`` backend (``FakeStore``): no communication,
-    nothing allocated (the model stays on ``meta``; materialization is skipped). Reports the
-    sharded parameter bytes that rank would hold and the wrap time. The model's classes must be
-    importable (not defined in ``__main__``): the copy is pickled to the subprocess.
-    ``ignored_param_names``: parameters (by name) that ``fsdp()`` leaves unsharded.
-
-    Example:
-        >>> from zeta_fsdp.models.gpt import small
-        >>> with torch.device("meta"): model = small()  # the demo GPT, nothing allocated
-        >>> result = dry_run(model, 1024, "HYBRID_SHARD")  # model: the demo GPT on meta
-        >>> result.mesh_shape, result.param_bytes == plan(model, 1024, "HYBRID_SHARD").param_bytes
-        ((128, 8), True)
-    """
-    job = _dry_run_job(
-        world_size,
-        shard_strat,
-        mp,
-        auto_wrap,
-        TransformerBlock,
-        rank,
-        replicate_size,
-        local_world_size,
-        ignored_param_names=ignored_param_names,
-    )
-    return _dry_run_batch(model, [job], timeout_s=timeout_s)[0]
-
-
-def _dry_run_job(
-    world_size: int,
-    shard_strat: Any = "FULL_SHARD",
-    mp: Union[str, MixedPrecisionPolicy] = "fp32",
-    auto_wrap: bool = True,
-    transformer_block: BlockSpec = None,
-    rank: int = 0,
-    replicate_size: Optional[int] = None,
-    local_world_size: Optional[int] = None,
-    ignored_param_names: Iterable[str] = (),
-    master_dtype: Union[str, torch.dtype, None] = "fp32",
-) -> dict[str, Any]:
-    """Validate one dry-run configuration and turn it into plain JSON for the subprocess."""
-    policy = resolve_mixed_precision(mp, caller="dry_run")
-    master = resolve_master_dtype(master_dtype, caller="dry_run")
-    spec = resolve_sharding(shard_strat, caller="dry_run")
-    world_size, shape = _resolve_world_and_mesh(spec, world_size, replicate_size, local_world_size, "dry_run")
-    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
-        raise ValueError(f"dry_run(): rank={rank!r} is not accepted. Accepted: an int in [0, {world_size - 1}].")
-    return {
-        "world_size": world_size,
-        "rank": rank,
-        "shard_strat": spec.name,
-        "replicate_size": shape[0] if len(shape) == 2 else None,
-        "param_dtype": _dtype_name(policy.param_dtype),
-        "reduce_dtype": _dtype_name(policy.reduce_dtype),
-        "auto_wrap": auto_wrap,
-        "transformer_block": _block_spec_names(transformer_block),
-        "ignored_param_names": list(ignored_param_names),
-        "master_dtype": _dtype_name(master),
-    }
-
-
-def _dry_run_batch(model: nn.Module, jobs: list[dict[str, Any]], *, timeout_s: float = 600.0) -> list[DryRunResult]:
-    """Run several dry-run jobs (from ``_dry_run_job``) in one subprocess: start-up dominates."""
-    in_main = sorted({type(m).__name__ for m in model.modules() if type(m).__module__ == "__main__"})
-    if in_main:
-        raise ValueError(
-            f"dry_run(): module classes defined in __main__ ({', '.join(in_main)}) cannot be loaded by the "
-            "dry-run subprocess; define them in an importable module."
-        )
-    with tempfile.TemporaryDirectory(prefix="zeta_fsdp_dry_run_") as tmp:
-        torch.save(_meta_copy(model), Path(tmp) / "model.pt")
-        (Path(tmp) / "jobs.json").write_text(json.dumps(jobs))
-        code = "import sys; from zeta_fsdp.planner import _dry_run_child; _dry_run_child(sys.argv[1])"
-        proc = subprocess.run(
-            [sys.executable, "-c", code, tmp], env=_child_env(), capture_output=True, text=True, timeout=timeout_s
-        )
-        out = Path(tmp) / "results.json"
-        if proc.returncode != 0 or not out.exists():
-            tail = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
-            raise RuntimeError(f"dry_run(): the fake-process-group run failed (exit {proc.returncode}): {tail}")
-        results = json.loads(out.read_text())
-    return [DryRunResult(**{**r, "mesh_shape": tuple(r["mesh_shape"])}) for r in results]
-
-
-def _dry_run_child(workdir: str) -> None:
-    """Body of the dry-run subprocess (``python -c``): per job, a fake group, the real ``fsdp()``, measure."""
-    from .fsdp import fsdp
-
-    torch.set_num_threads(1)
-    results = []
-    for job in json.loads((Path(workdir) / "jobs.json").read_text()):
-        start = time.perf_counter()
-        model = torch.load(Path(workdir) / "model.pt", weights_only=False)
-        load_seconds = time.perf_counter() - start
-        with fake_process_group(job["world_size"], job["rank"]):
-            results.append(_dry_run_one(fsdp, model, job, load_seconds))
-    (Path(workdir) / "results.json").write_text(json.dumps(results))
-
-
-def _dry_run_one(fsdp: Any, model: nn.Module, job: dict[str, Any], load_seconds: float) -> dict[str, Any]:
-    from torch.distributed.tensor import DTensor
-
-    dtypes = {
-        "none": None,
-        **{_dtype_name(d): d for d in (torch.float32, torch.bfloat16, torch.float16, torch.float64)},
-    }
-    policy = MixedPrecisionPolicy(param_dtype=dtypes[job["param_dtype"]], reduce_dtype=dtypes[job["reduce_dtype"]])
-    block = job["transformer_block"]
-    start = time.perf_counter()
-    fsdp(
-        model,
-        auto_wrap=job["auto_wrap"],
-        mp=policy,
-        shard_strat=job["shard_strat"],
-        TransformerBlock=tuple(block) if block else None,
-        device="cpu",
-        replicate_size=job["replicate_size"],
-        ignored_params={model.get_parameter(n) for n in job["ignored_param_names"]} or None,
-        # allocating every shard would cost gigabytes; the dry run only inspects the sharding
-        materialize=False,
-        master_dtype=dtypes[job.get("master_dtype", "float32")],
-    )
-    wrap_seconds = time.perf_counter() - start
-    storage = local = 0
-    mesh: tuple[int, ...] = ()
-    for param in model.parameters():
-        tensor = param.to_local() if isinstance(param, DTensor) else param
-        if isinstance(param, DTensor):
-            mesh = tuple(param.device_mesh.shape)
-        size = tensor.element_size()
-        # Each FSDP2 shard owns its own padded storage; .to_local() is a narrow of it.
-        storage += tensor.untyped_storage().nbytes() if isinstance(param, DTensor) else tensor.numel() * size
-        local += tensor.numel() * size
-    groups = {id(group) for m in model.modules() for group in fsdp_param_groups(m) or ()}
-    return {
-        "world_size": job["world_size"],
-        "rank": job["rank"],
-        "mesh_shape": list(mesh),
-        "param_bytes": storage,
-        "local_param_bytes": local,
-        "num_units": len(groups),
-        "wrap_seconds": wrap_seconds,
-        "load_seconds": load_seconds,
-    }

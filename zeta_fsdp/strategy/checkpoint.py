@@ -8,8 +8,8 @@ the path, before anything the user owns is changed. The sharded format is
 ``zeta_fsdp.state_dict``'s DCP directory.
 
 Example:
-    >>> write_full_checkpoint("ckpt/last.ckpt", payload)  # doctest: +SKIP
-    >>> ckpt = read_full_checkpoint("ckpt/last.ckpt")  # rank 0 keeps the tensors  # doctest: +SKIP
+    write_full_checkpoint("ckpt/last.ckpt", payload)
+    ckpt = read_full_checkpoint("ckpt/last.ckpt")  # rank 0 keeps the tensors
 """
 
 from __future__ import annotations
@@ -26,10 +26,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from . import state_dict as sd
-from .distributed import get_rank, get_world_size, on_all_ranks
-from .files import atomic_write
-from .state_dict import CheckpointError, is_checkpoint
+from .. import state_dict as sd
+from ..distributed import get_rank, get_world_size, on_all_ranks
+from ..files import atomic_write
+from ..state_dict import CheckpointError, is_checkpoint
 
 __all__ = [
     "Gathered",
@@ -69,8 +69,8 @@ def is_full_checkpoint(path: PathLike) -> bool:
     """``True`` if ``path`` is a file written by ``torch.save`` (a zip archive with a pickle in it).
 
     Example:
-        >>> is_full_checkpoint("ckpt/last.ckpt")  # doctest: +SKIP
-        True
+        is_full_checkpoint("ckpt/last.ckpt")
+        # -> True
     """
     path = Path(path)
     if not path.is_file() or not zipfile.is_zipfile(path):
@@ -144,7 +144,7 @@ def write_full_checkpoint(
     ``checkpoint_io`` (Lightning's ``CheckpointIO``) replaces the writer and gets the path as given.
 
     Example:
-        >>> write_full_checkpoint("ckpt/last.ckpt", {"state_dict": sd, "global_step": 10})  # doctest: +SKIP
+        write_full_checkpoint("ckpt/last.ckpt", {"state_dict": sd, "global_step": 10})
     """
     path = Path(filepath)
 
@@ -195,9 +195,9 @@ def read_full_checkpoint(
     foreign file raises the same error on every rank, naming the path.
 
     Example:
-        >>> ckpt = read_full_checkpoint("ckpt/last.ckpt")  # doctest: +SKIP
-        >>> ckpt["global_step"]  # doctest: +SKIP
-        10
+        ckpt = read_full_checkpoint("ckpt/last.ckpt")
+        ckpt["global_step"]
+        # -> 10
     """
     path = Path(filepath)
 
@@ -229,10 +229,10 @@ def check_optimizers_match(optimizers: Sequence[torch.optim.Optimizer], ckpt: Ma
     Every rank decides alike: it reads only entries every rank holds (``META_KEY``).
 
     Example:
-        >>> check_optimizers_match([torch.optim.SGD(params, lr=0.1)], adam_ckpt, "last.ckpt")  # doctest: +SKIP
-        Traceback (most recent call last):
-        ...
-        zeta_fsdp.state_dict.CheckpointError: ... saved by Adam, but the optimizer is SGD ...
+        check_optimizers_match([torch.optim.SGD(params, lr=0.1)], adam_ckpt, "last.ckpt")
+        # -> Traceback (most recent call last):
+        # -> ...
+        # -> zeta_fsdp.state_dict.CheckpointError: ... saved by Adam, but the optimizer is SGD ...
     """
     meta = ckpt.get(META_KEY) or {}
     saved = meta.get("optimizer_classes")
@@ -259,7 +259,7 @@ def remove_checkpoint(filepath: PathLike, *, checkpoint_io: Any = None) -> None:
     is not a ``torch.save`` archive, raises ``ValueError`` on every rank and is left untouched.
 
     Example:
-        >>> remove_checkpoint("ckpt/step_50.ckpt")  # doctest: +SKIP
+        remove_checkpoint("ckpt/step_50.ckpt")
     """
     path = Path(filepath)
 
@@ -309,7 +309,7 @@ def save_strategy_checkpoint(
     the sharded format a DCP directory written by every rank.
 
     Example:
-        >>> save_strategy_checkpoint(strategy, {"note": "nightly"}, "ckpt/step_100.ckpt")  # doctest: +SKIP
+        save_strategy_checkpoint(strategy, {"note": "nightly"}, "ckpt/step_100.ckpt")
     """
     fmt = strategy.checkpoint_format
     module, optimizers = strategy.model, strategy.optimizers
@@ -350,7 +350,7 @@ def load_strategy_checkpoint(strategy: Any, filepath: PathLike, weights_only: Op
     ``current_epoch_step`` and the LR schedulers restored. Every rank raises alike, naming the path.
 
     Example:
-        >>> ckpt = load_strategy_checkpoint(strategy, "ckpt/step_100.ckpt")  # doctest: +SKIP
+        ckpt = load_strategy_checkpoint(strategy, "ckpt/step_100.ckpt")
     """
     path = Path(filepath)
     module = strategy.model
@@ -383,7 +383,7 @@ def load_model_weights(module: torch.nn.Module, ckpt: Any, strict: bool = True) 
     checked first (``strict``): on a mismatch nothing changes.
 
     Example:
-        >>> load_model_weights(model, {"state_dict": torch.load("weights.pt", weights_only=True)})  # doctest: +SKIP
+        load_model_weights(model, {"state_dict": torch.load("weights.pt", weights_only=True)})
     """
     state = ckpt.get("state_dict", ckpt) if isinstance(ckpt, Mapping) else ckpt
     state = {} if state is None else state
@@ -397,7 +397,7 @@ def restore_optimizer_states(module: torch.nn.Module, optimizers: Sequence[Any],
     """Load queued optimizer states (full, keyed by FQN, rank 0's copy; or a sharded-checkpoint reference).
 
     Example:
-        >>> restore_optimizer_states(model, [opt], ckpt["optimizer_states"])  # doctest: +SKIP
+        restore_optimizer_states(model, [opt], ckpt["optimizer_states"])
     """
     if len(pending) != len(optimizers):
         raise RuntimeError(

@@ -3,7 +3,7 @@
 Plain functions: the strategy's ``tensor_init_context`` and ``parallelize`` delegate here.
 
 Example:
-    >>> module = shard_module(model, None, mesh, policy, torch.device("cpu"), TransformerBlock=Block)  # doctest: +SKIP
+    module = shard_module(model, None, mesh, policy, torch.device("cpu"), TransformerBlock=Block)
 """
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
-from .fsdp import fsdp, is_fsdp_wrapped, materialize_meta_model
-from .options import resolve_sharding
-from .strategy_options import tp_style
-from .wrapping import tied_parameter_groups
+from ..fsdp import fsdp, is_fsdp_wrapped, materialize_meta_model
+from ..options import resolve_sharding
+from ..wrapping import tied_parameter_groups
+from .options import tp_style
 
 __all__ = ["current_ties", "default_parallelize", "shard_module", "tensor_init_context"]
 
@@ -56,7 +56,7 @@ def default_parallelize(
     ``fsdp()`` on the dp mesh (``auto_wrap=True``, ``shard_strat="FULL_SHARD"`` unless given).
 
     Example:
-        >>> default_parallelize(model, mesh, policy, TransformerBlock=Block)  # doctest: +SKIP
+        default_parallelize(model, mesh, policy, TransformerBlock=Block)
     """
     dp_name, tp_name = dim_names
     tp_mesh = device_mesh[tp_name]
@@ -91,8 +91,8 @@ def current_ties(module: nn.Module, before: list[list[str]]) -> list[list[str]]:
     ties the module still shows under names a wrapper may have changed.
 
     Example:
-        >>> current_ties(model, [["head.weight", "tok_emb.weight"]])  # doctest: +SKIP
-        [['head.weight', 'tok_emb.weight']]
+        current_ties(model, [["head.weight", "tok_emb.weight"]])
+        # -> [['head.weight', 'tok_emb.weight']]
     """
     names = {n for n, _ in module.named_parameters(remove_duplicate=False)}
     ties = [group for group in before if all(n in names for n in group)]
@@ -115,7 +115,7 @@ def shard_module(
     unsharded model.
 
     Example:
-        >>> model = shard_module(model, None, mesh, policy, torch.device("cpu"), TransformerBlock=Block)  # doctest: +SKIP
+        model = shard_module(model, None, mesh, policy, torch.device("cpu"), TransformerBlock=Block)
     """
     fn = parallelize_fn or default_parallelize
     tied = tied_parameter_groups(module)

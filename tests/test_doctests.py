@@ -1,0 +1,17 @@
+"""Every docstring example written as ``>>>`` runs and prints what it shows (the others are plain examples)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from conftest import ROOT, rank_env
+
+
+def test_docstring_examples_run():
+    # In a subprocess: some examples start the one-process group a notebook gets.
+    cmd = [sys.executable, "-m", "pytest", "-q", "--doctest-modules", "zeta_fsdp", "-p", "no:cacheprovider"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=rank_env(), capture_output=True, text=True, timeout=600)
+    summary = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else proc.stderr[-2000:]
+    assert proc.returncode == 0, proc.stdout[-6000:]
+    assert " passed" in summary and "skipped" not in summary, summary

@@ -1,0 +1,259 @@
+"""Dry run: the real ``fsdp()`` on a meta copy under PyTorch's fake process group, in a subprocess.
+
+It checks the memory estimate (``plan(..., dry_run=True)``) against what ``fsdp()`` really
+builds, at any world size, on one CPU: nothing is allocated and nothing communicated.
+
+Example:
+    >>> import torch
+    >>> from zeta_fsdp.models.gpt import small
+    >>> with torch.device("meta"):
+    ...     model = small()
+    >>> dry_run(model, 8, "FULL_SHARD").param_bytes
+    18260
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable, Optional, Union
+
+import torch
+import torch.nn as nn
+from torch.distributed.fsdp import MixedPrecisionPolicy
+
+from ..distributed import fake_process_group, without_launcher_env
+from ..fsdp import fsdp_param_groups
+from ..options import resolve_master_dtype, resolve_mixed_precision, resolve_sharding
+from ..wrapping import BlockSpec
+from .common import dtype_name as _dtype_name
+from .common import resolve_world_and_mesh as _resolve_world_and_mesh
+
+__all__ = ["DryRunResult", "dry_run", "dry_run_batch", "dry_run_job"]
+
+
+@dataclass(frozen=True)
+class DryRunResult:
+    """What the real ``fsdp()`` produced on a meta copy under the fake process group (one rank).
+
+    Attributes:
+        world_size, rank, mesh_shape: the simulated job and the rank looked at.
+        param_bytes: sharded parameter storage on that rank (sum of each shard's storage).
+        local_param_bytes: sum of ``DTensor.to_local()`` sizes on that rank.
+        num_units: number of FSDP parameter groups ``fsdp()`` created.
+        wrap_seconds: wall time of the ``fsdp()`` call; load_seconds: unpickling the meta copy.
+
+    Example:
+        dry_run(model, world_size=1024).wrap_seconds
+    """
+
+    world_size: int
+    rank: int
+    mesh_shape: tuple[int, ...]
+    param_bytes: int
+    local_param_bytes: int
+    num_units: int
+    wrap_seconds: float
+    load_seconds: float
+
+
+def _meta_copy(model: nn.Module) -> nn.Module:
+    """A ``meta`` deep copy of ``model`` that allocates no parameter or buffer memory.
+
+    ``deepcopy``'s memo is pre-filled with a meta twin of every tensor, so the copy never touches
+    real storage (and tied parameters stay tied: one object, one twin).
+    """
+    memo: dict[int, Any] = {}
+    for param in model.parameters():
+        twin = nn.Parameter(torch.empty_like(param, device="meta"), requires_grad=param.requires_grad)
+        memo[id(param)] = twin
+    for buffer in model.buffers():
+        memo[id(buffer)] = torch.empty_like(buffer, device="meta")
+    return copy.deepcopy(model, memo)
+
+
+def _block_spec_names(spec: BlockSpec) -> Optional[list[str]]:
+    """A picklable form of ``TransformerBlock``: fully qualified class names."""
+    if spec is None:
+        return None
+    items = list(spec) if isinstance(spec, (tuple, list, set, frozenset)) else [spec]
+    return [s if isinstance(s, str) else f"{s.__module__}.{s.__qualname__}" for s in items]
+
+
+def _child_env() -> dict[str, str]:
+    env = without_launcher_env()  # the child runs its own fake job, never joins ours
+    # The child must import what the parent imports (the model's classes, this package): the
+    # parent's import path, as it is now, goes first.
+    paths = [p for p in sys.path if p] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
+    env.setdefault("OMP_NUM_THREADS", "1")
+    return env
+
+
+def dry_run(
+    model: nn.Module,
+    world_size: int,
+    shard_strat: Any = "FULL_SHARD",
+    mp: Union[str, MixedPrecisionPolicy] = "fp32",
+    auto_wrap: bool = True,
+    TransformerBlock: BlockSpec = None,  # noqa: N803 - the same name as fsdp()
+    *,
+    rank: int = 0,
+    replicate_size: Optional[int] = None,
+    local_world_size: Optional[int] = None,
+    ignored_param_names: Iterable[str] = (),
+    timeout_s: float = 600.0,
+) -> DryRunResult:
+    """Run the real ``fsdp()`` on a meta copy of ``model`` as ``rank`` of a fake ``world_size`` job.
+
+    One subprocess, ``torch.distributed``'s ``"fake"`` backend (``FakeStore``): no communication,
+    nothing allocated (the model stays on ``meta``; materialization is skipped). Reports the
+    sharded parameter bytes that rank would hold and the wrap time. The model's classes must be
+    importable (not defined in ``__main__``): the copy is pickled to the subprocess.
+    ``ignored_param_names``: parameters (by name) that ``fsdp()`` leaves unsharded.
+
+    Example:
+        >>> from zeta_fsdp.models.gpt import small
+        >>> with torch.device("meta"): model = small()  # the demo GPT, nothing allocated
+        >>> result = dry_run(model, 1024, "HYBRID_SHARD")  # model: the demo GPT on meta
+        >>> from zeta_fsdp.planner import plan
+        >>> result.mesh_shape, result.param_bytes == plan(model, 1024, "HYBRID_SHARD").param_bytes
+        ((128, 8), True)
+    """
+    job = dry_run_job(
+        world_size,
+        shard_strat,
+        mp,
+        auto_wrap,
+        TransformerBlock,
+        rank,
+        replicate_size,
+        local_world_size,
+        ignored_param_names=ignored_param_names,
+    )
+    return dry_run_batch(model, [job], timeout_s=timeout_s)[0]
+
+
+def dry_run_job(
+    world_size: int,
+    shard_strat: Any = "FULL_SHARD",
+    mp: Union[str, MixedPrecisionPolicy] = "fp32",
+    auto_wrap: bool = True,
+    transformer_block: BlockSpec = None,
+    rank: int = 0,
+    replicate_size: Optional[int] = None,
+    local_world_size: Optional[int] = None,
+    ignored_param_names: Iterable[str] = (),
+    master_dtype: Union[str, torch.dtype, None] = "fp32",
+) -> dict[str, Any]:
+    """Validate one dry-run configuration and turn it into plain JSON for the subprocess."""
+    policy = resolve_mixed_precision(mp, caller="dry_run")
+    master = resolve_master_dtype(master_dtype, caller="dry_run")
+    spec = resolve_sharding(shard_strat, caller="dry_run")
+    world_size, shape = _resolve_world_and_mesh(spec, world_size, replicate_size, local_world_size, "dry_run")
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
+        raise ValueError(f"dry_run(): rank={rank!r} is not accepted. Accepted: an int in [0, {world_size - 1}].")
+    return {
+        "world_size": world_size,
+        "rank": rank,
+        "shard_strat": spec.name,
+        "replicate_size": shape[0] if len(shape) == 2 else None,
+        "param_dtype": _dtype_name(policy.param_dtype),
+        "reduce_dtype": _dtype_name(policy.reduce_dtype),
+        "auto_wrap": auto_wrap,
+        "transformer_block": _block_spec_names(transformer_block),
+        "ignored_param_names": list(ignored_param_names),
+        "master_dtype": _dtype_name(master),
+    }
+
+
+def dry_run_batch(model: nn.Module, jobs: list[dict[str, Any]], *, timeout_s: float = 600.0) -> list[DryRunResult]:
+    """Run several dry-run jobs (from ``dry_run_job``) in one subprocess: start-up dominates."""
+    in_main = sorted({type(m).__name__ for m in model.modules() if type(m).__module__ == "__main__"})
+    if in_main:
+        raise ValueError(
+            f"dry_run(): module classes defined in __main__ ({', '.join(in_main)}) cannot be loaded by the "
+            "dry-run subprocess; define them in an importable module."
+        )
+    with tempfile.TemporaryDirectory(prefix="zeta_fsdp_dry_run_") as tmp:
+        torch.save(_meta_copy(model), Path(tmp) / "model.pt")
+        (Path(tmp) / "jobs.json").write_text(json.dumps(jobs))
+        code = "import sys; from zeta_fsdp.planner.dry_run import run_child; run_child(sys.argv[1])"
+        proc = subprocess.run(
+            [sys.executable, "-c", code, tmp], env=_child_env(), capture_output=True, text=True, timeout=timeout_s
+        )
+        out = Path(tmp) / "results.json"
+        if proc.returncode != 0 or not out.exists():
+            tail = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
+            raise RuntimeError(f"dry_run(): the fake-process-group run failed (exit {proc.returncode}): {tail}")
+        results = json.loads(out.read_text())
+    return [DryRunResult(**{**r, "mesh_shape": tuple(r["mesh_shape"])}) for r in results]
+
+
+def run_child(workdir: str) -> None:
+    """Body of the dry-run subprocess (``python -c``): per job, a fake group, the real ``fsdp()``, measure."""
+    from ..fsdp import fsdp
+
+    torch.set_num_threads(1)
+    results = []
+    for job in json.loads((Path(workdir) / "jobs.json").read_text()):
+        start = time.perf_counter()
+        model = torch.load(Path(workdir) / "model.pt", weights_only=False)
+        load_seconds = time.perf_counter() - start
+        with fake_process_group(job["world_size"], job["rank"]):
+            results.append(_dry_run_one(fsdp, model, job, load_seconds))
+    (Path(workdir) / "results.json").write_text(json.dumps(results))
+
+
+def _dry_run_one(fsdp: Any, model: nn.Module, job: dict[str, Any], load_seconds: float) -> dict[str, Any]:
+    from torch.distributed.tensor import DTensor
+
+    dtypes = {
+        "none": None,
+        **{_dtype_name(d): d for d in (torch.float32, torch.bfloat16, torch.float16, torch.float64)},
+    }
+    policy = MixedPrecisionPolicy(param_dtype=dtypes[job["param_dtype"]], reduce_dtype=dtypes[job["reduce_dtype"]])
+    block = job["transformer_block"]
+    start = time.perf_counter()
+    fsdp(
+        model,
+        auto_wrap=job["auto_wrap"],
+        mp=policy,
+        shard_strat=job["shard_strat"],
+        TransformerBlock=tuple(block) if block else None,
+        device="cpu",
+        replicate_size=job["replicate_size"],
+        ignored_params={model.get_parameter(n) for n in job["ignored_param_names"]} or None,
+        # allocating every shard would cost gigabytes; the dry run only inspects the sharding
+        materialize=False,
+        master_dtype=dtypes[job.get("master_dtype", "float32")],
+    )
+    wrap_seconds = time.perf_counter() - start
+    storage = local = 0
+    mesh: tuple[int, ...] = ()
+    for param in model.parameters():
+        tensor = param.to_local() if isinstance(param, DTensor) else param
+        if isinstance(param, DTensor):
+            mesh = tuple(param.device_mesh.shape)
+        size = tensor.element_size()
+        # Each FSDP2 shard owns its own padded storage; .to_local() is a narrow of it.
+        storage += tensor.untyped_storage().nbytes() if isinstance(param, DTensor) else tensor.numel() * size
+        local += tensor.numel() * size
+    groups = {id(group) for m in model.modules() for group in fsdp_param_groups(m) or ()}
+    return {
+        "world_size": job["world_size"],
+        "rank": job["rank"],
+        "mesh_shape": list(mesh),
+        "param_bytes": storage,
+        "local_param_bytes": local,
+        "num_units": len(groups),
+        "wrap_seconds": wrap_seconds,
+        "load_seconds": load_seconds,
+    }
