@@ -132,7 +132,7 @@ def tree_digest(path: Path) -> dict[str, str]:
 # --------------------------------------------------------------------------- 2 ranks: save side
 
 
-@case
+@case(group="save")
 def resume_save_reference():
     """Train 3 steps, save (with AdamW state and extra), train 3 more: the reference for resume_continue."""
     model = wrapped()
@@ -169,7 +169,7 @@ def resume_save_reference():
     assert min(per_file.values()) / sum(per_file.values()) > 0.4, f"unbalanced model shards: {per_file}"
 
 
-@case
+@case(group="save")
 def full_state_dict_equals_reference():
     torch.manual_seed(0)
     model = small()
@@ -198,7 +198,7 @@ def full_state_dict_equals_reference():
     assert isinstance(sharded["blocks.0.attn.qkv.weight"], DTensor)
 
 
-@case
+@case(group="save")
 def full_state_dict_into_meta_model():
     torch.manual_seed(0)
     ref = small()
@@ -230,7 +230,7 @@ def full_state_dict_into_meta_model():
     assert torch.equal(third(x), want)
 
 
-@case
+@case(group="save")
 def optimizer_state_roundtrip():
     model = wrapped()
     opt = adamw(model)
@@ -274,7 +274,7 @@ def optimizer_state_roundtrip():
     assert_equal_dicts("sharded model round trip", full_params(model), params)
 
 
-@case
+@case(group="save")
 def step0_checkpoint_keeps_optimizer_fresh():
     """Saving before the first step must not step the optimizer; loading it leaves AdamW fresh."""
     model = wrapped()
@@ -289,7 +289,7 @@ def step0_checkpoint_keeps_optimizer_fresh():
     assert train(model, opt, range(3)) == train(other, opt2, range(3))
 
 
-@case
+@case(group="save")
 def reshard_between_strategies_2_ranks():
     """FULL_SHARD <-> NO_SHARD <-> HYBRID at 2 ranks (4-rank HYBRID: the 4-rank launch): values exact."""
     pairs = [("NO_SHARD", "FULL_SHARD"), ("FULL_SHARD", "HYBRID_SHARD"), ("HYBRID_1x2", "NO_SHARD")]
@@ -314,7 +314,7 @@ def _failing_write(original):
     return write_data
 
 
-@case
+@case(group="save")
 def crash_mid_save_leaves_earlier_checkpoint():
     model, opt, path = trained_and_saved("crash", 1, extra={"step": 1})
     saved_params = full_params(model)
@@ -343,7 +343,7 @@ def crash_mid_save_leaves_earlier_checkpoint():
     assert_equal_dicts("after failed save", full_params(target), saved_params)
 
 
-@case
+@case(group="save")
 def interrupted_overwrite_recovers_on_every_rank():
     """A save killed between its two renames: every rank loads the new checkpoint (racing to put it back)."""
     _, _, path = trained_and_saved("swap", 1, extra={"step": 1})
@@ -364,7 +364,7 @@ def interrupted_overwrite_recovers_on_every_rank():
     assert left == ["swap"], f"left behind: {left}"
 
 
-@case
+@case(group="save")
 def bad_inputs_raise_before_touching():
     model, opt, good = trained_and_saved("good", 2)
     train(model, opt, [2])  # live values now differ from the checkpoint's
@@ -494,7 +494,7 @@ def bad_inputs_raise_before_touching():
 # --------------------------------------------------------------------------- second 2-rank launch
 
 
-@case
+@case(group="resume")
 def resume_continue_identical():
     """Fresh processes and group: load the step-3 checkpoint, train 3 more -> identical to the reference."""
     reference = torch.load(ckpt_dir() / "resume_reference.pt", weights_only=True)
@@ -537,17 +537,17 @@ def expected_step3() -> dict:
     return torch.load(ckpt_dir() / "expected_step3.pt", weights_only=True)
 
 
-@case
+@case(ranks=(1, 4), group="load")
 def load_2rank_checkpoint_full_shard():
     load_and_compare(ckpt_dir() / "resume", "FULL_SHARD", expected_step3())
 
 
-@case
+@case(ranks=(1, 4), group="load")
 def load_2rank_checkpoint_no_shard():
     load_and_compare(ckpt_dir() / "resume", "NO_SHARD", expected_step3())
 
 
-@case
+@case(ranks=4, group="load")
 def load_2rank_checkpoint_hybrid():
     load_and_compare(ckpt_dir() / "resume", "HYBRID_SHARD", expected_step3())
 

@@ -145,7 +145,7 @@ def dist_results(session_tmp) -> Callable[[str, int, list[str]], dict[str, str]]
 
 
 def worker_cases(worker: str, ranks: int, group: str = "") -> list[str]:
-    """The case names ``tests/<worker>`` registers for ``ranks`` ranks (``@CASES.case(ranks=...)``)."""
+    """The case names ``tests/<worker>`` registers for ``ranks`` ranks in ``group`` (``@case(ranks=..., group=...)``)."""
     module = importlib.import_module(Path(worker).stem)  # tests/ is on sys.path; main() is guarded
     return module.CASES.names(ranks, group)
 

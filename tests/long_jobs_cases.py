@@ -342,7 +342,7 @@ def data_reference_run_saves_midway():
     assert len(record["indices"]) == STEPS
 
 
-@case
+@case(ranks=(1, 2, 4), group="resume")
 def data_resume_at_this_world_size():
     reference = json.loads((root() / "data_reference.json").read_text())
     record = regression_run(start_from=True)

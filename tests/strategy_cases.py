@@ -239,7 +239,7 @@ def gpt_strategy(seed: int = 0, **kwargs) -> tuple[FSDP2Strategy, nn.Module]:
 # environment, parallelize
 
 
-@case
+@case(ranks=(2, 4))
 def setup_environment_mesh_and_sizes():
     strategy = FSDP2Strategy()
     strategy.setup_environment()
@@ -974,7 +974,7 @@ def regression_tp2_training_parity():
     _tp_parity(tp=2)
 
 
-@case
+@case(ranks=4)
 def regression_dp2_tp2_training_parity_and_relayout():
     """DP=2 x TP=2 on 4 ranks equals the reference; its full checkpoint loads at DP=4 x TP=1."""
     strategy = _tp_parity(tp=2)
@@ -993,7 +993,7 @@ def regression_dp2_tp2_training_parity_and_relayout():
         assert_close(f"optimizer state {key}", restored[key], value, 0.0)
 
 
-@case
+@case(ranks=4)
 def hybrid_shard_strategy_training_parity():
     """HYBRID_SHARD (2 replicas x 2 shards) through the strategy: fsdp() builds the 2-D mesh over
     the same ranks as the strategy's dp dimension; losses and parameters equal the reference."""

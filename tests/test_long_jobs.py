@@ -14,16 +14,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, check_case, launch_worker, merge_ranks, rank_env
+from conftest import ROOT, check_case, launch_worker, merge_ranks, rank_env, worker_cases
 
-TWO_RANK_CASES = [
-    "async_save_equals_sync_save_while_training_continues",
-    "async_save_one_in_flight_and_bad_input_first",
-    "manager_saves_every_n_keeps_last_k_and_resumes",
-    "preemption_signal_saves_at_next_boundary_and_stops",
-    "strategy_async_keep_last_preemption_resume_latest",
-    "data_reference_run_saves_midway",
-]
+TWO_RANK_CASES = worker_cases("long_jobs_cases.py", 2)  # the data resume cases are the "resume" group
 
 
 def launch(out: Path, nproc: int, cases: list[str], shared: Path) -> dict:

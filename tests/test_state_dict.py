@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, check_case, launch_worker, merge_ranks, rank_env
+from conftest import ROOT, check_case, launch_worker, merge_ranks, rank_env, worker_cases
 
 from zeta_fsdp import cli
 from zeta_fsdp.models.gpt import small
@@ -30,24 +30,11 @@ from zeta_fsdp.state_dict import (
     save_checkpoint,
 )
 
-SAVE_CASES = [
-    "resume_save_reference",
-    "full_state_dict_equals_reference",
-    "full_state_dict_into_meta_model",
-    "optimizer_state_roundtrip",
-    "step0_checkpoint_keeps_optimizer_fresh",
-    "reshard_between_strategies_2_ranks",
-    "crash_mid_save_leaves_earlier_checkpoint",
-    "interrupted_overwrite_recovers_on_every_rank",
-    "bad_inputs_raise_before_touching",
-]
-RESUME_CASES = ["resume_continue_identical"]
-ONE_RANK_CASES = ["load_2rank_checkpoint_full_shard", "load_2rank_checkpoint_no_shard"]
-FOUR_RANK_CASES = [
-    "load_2rank_checkpoint_full_shard",
-    "load_2rank_checkpoint_no_shard",
-    "load_2rank_checkpoint_hybrid",
-]
+# The cases are registered in ckpt_cases.py by group (one launch each) and rank count.
+SAVE_CASES = worker_cases("ckpt_cases.py", 2, "save")
+RESUME_CASES = worker_cases("ckpt_cases.py", 2, "resume")
+ONE_RANK_CASES = worker_cases("ckpt_cases.py", 1, "load")
+FOUR_RANK_CASES = worker_cases("ckpt_cases.py", 4, "load")
 
 
 def launch(

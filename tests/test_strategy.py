@@ -10,43 +10,12 @@ import sys
 
 import pytest
 import torch
-from conftest import ROOT, check_case, dist_test, rank_env
+from conftest import ROOT, check_case, dist_test, rank_env, worker_cases
 
-TWO_RANK_CASES = [
-    "setup_environment_mesh_and_sizes",
-    "regression_parallelize_fn_none_still_shards",
-    "tensor_init_context_meta_then_materialized",
-    "regression_parallelize_fn_meta_model_keeps_ties",
-    "regression_token_weighted_training_parity",
-    "regression_user_opt_step_counts_and_is_saved",
-    "regression_tensor_init_context_keeps_init_in_init",
-    "regression_remove_checkpoint_refuses_user_data",
-    "regression_bad_file_same_error_type_every_rank",
-    "regression_error_messages_name_the_path",
-    "regression_adam_checkpoint_into_sgd_refused_before_change",
-    "process_dataloader_sampler_and_epochs",
-    "lightning_style_module_hooks",
-    "plain_module_eval_steps_and_loss_reduction",
-    "regression_deferred_optimizer_restore_full_format",
-    "regression_every_rank_optimizer_shard_saved",
-    "checkpoint_sharded_format_roundtrip",
-    "regression_sharded_optimizer_restore_keeps_later_weights",
-    "regression_full_save_failure_leaves_no_temp_file",
-    "checkpoint_loads_into_other_sharding_and_model_state_dict",
-    "checkpoint_io_and_remove_checkpoint",
-    "regression_tp2_training_parity",
-    "tp_without_plan_is_an_error",
-    "example_strategy_loop_trains_checkpoints_and_resumes",
-]
-FOUR_RANK_CASES = [
-    "regression_dp2_tp2_training_parity_and_relayout",
-    "hybrid_shard_strategy_training_parity",
-    "setup_environment_mesh_and_sizes",
-]
+TWO_RANK_CASES = worker_cases("strategy_cases.py", 2)  # @case in strategy_cases.py; @case(ranks=4) below
 
-
-test_two_ranks = dist_test("strategy_cases.py", 2, TWO_RANK_CASES)
-test_four_ranks = dist_test("strategy_cases.py", 4, FOUR_RANK_CASES)
+test_two_ranks = dist_test("strategy_cases.py", 2)
+test_four_ranks = dist_test("strategy_cases.py", 4)
 
 
 # ----------------------------------------------------------------------------- the seed API, in-process

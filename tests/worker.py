@@ -43,9 +43,11 @@ class Cases(dict):
     ``group`` sorts cases that need a launch of their own (extra arguments, shared files) apart.
     """
 
-    def case(self, fn: Optional[Callable[[], Any]] = None, *, ranks: int = 2, group: str = "") -> Any:
+    def case(self, fn: Optional[Callable[[], Any]] = None, *, ranks: Any = 2, group: str = "") -> Any:
+        """Register ``fn`` for ``ranks`` ranks (an int, or a tuple: the case runs at each size)."""
+
         def register(f: Callable[[], Any]) -> Callable[[], Any]:
-            f.ranks, f.group = ranks, group
+            f.ranks, f.group = (ranks,) if isinstance(ranks, int) else tuple(ranks), group
             self[f.__name__] = f
             return f
 
@@ -53,7 +55,7 @@ class Cases(dict):
 
     def names(self, ranks: int, group: str = "") -> list[str]:
         """The cases registered for ``ranks`` ranks in ``group``, in file order."""
-        return [name for name, f in self.items() if f.ranks == ranks and f.group == group]
+        return [n for n, f in self.items() if ranks in getattr(f, "ranks", (2,)) and getattr(f, "group", "") == group]
 
 
 def rank() -> int:
