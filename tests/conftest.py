@@ -150,14 +150,14 @@ def worker_cases(worker: str, ranks: int, group: str = "") -> list[str]:
     return module.CASES.names(ranks, group)
 
 
-def dist_test(worker: str, nproc: int, cases: Optional[list[str]] = None) -> Callable:
+def dist_test(worker: str, nproc: int, cases: Optional[list[str]] = None, group: str = "") -> Callable:
     """A test with one id per case, all run by one launch of ``worker`` on ``nproc`` ranks.
 
-    ``cases`` defaults to every case the worker registers for ``nproc`` ranks, so a case is named
-    once, where it is written. Example (in a test module):
+    ``cases`` defaults to every case the worker registers for ``nproc`` ranks in ``group``, so a
+    case is named once, where it is written. Example (in a test module):
     ``test_two_ranks = dist_test("dist_cases.py", 2)``.
     """
-    cases = worker_cases(worker, nproc) if cases is None else cases
+    cases = worker_cases(worker, nproc, group) if cases is None else cases
 
     @pytest.mark.parametrize("case", cases)
     def test(dist_results, case):

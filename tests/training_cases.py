@@ -463,7 +463,7 @@ def _reference_token_mean(ref: nn.Module, batch: dict[str, torch.Tensor]) -> tor
     return F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(), ignore_index=-100)
 
 
-@case
+@case(group="loss")
 def token_weighted_loss_and_grads():
     model, ref = sharded_gpt()
     batch = _masked_batch(seed=5)
@@ -485,7 +485,7 @@ def token_weighted_loss_and_grads():
     assert abs(mean_of_means.item() / world() - want.item()) > 1e-3, "batch not unbalanced enough"
 
 
-@case
+@case(group="loss")
 def token_weighted_loss_micro_batches_and_ignore_index():
     """Two micro-batches per rank, labels only (ignore_index): reduce over both records."""
     model, ref = sharded_gpt()
@@ -512,7 +512,7 @@ def token_weighted_loss_micro_batches_and_ignore_index():
     assert_close_scaled("validation loss", loss, local_want, REGROUPED_ULPS)
 
 
-@case
+@case(group="loss")
 def reduce_is_one_all_reduce_of_two_numbers():
     reduction = MaskedTokenLossReduction()
     records = [reduction.forward(_slice_batch(_masked_batch(s)), torch.randn(2, SEQ, VOCAB))[1] for s in (8, 9, 10)]
@@ -531,7 +531,7 @@ def reduce_is_one_all_reduce_of_two_numbers():
     assert seen == [2], f"reduce() all-reduced tensors of sizes {seen}"
 
 
-@case
+@case(group="loss")
 def all_masked_rank_gives_no_nan():
     model, ref = sharded_gpt()
     batch = _masked_batch(seed=11)
@@ -558,7 +558,7 @@ def all_masked_rank_gives_no_nan():
     assert loss.item() == 0.0 and reduction.reduce([record]).item() == 0.0
 
 
-@case
+@case(group="loss")
 def per_sample_mean_uneven_batches():
     """Rank 0 holds 3 samples, rank 1 holds 1: every sample weighs the same globally."""
     model, ref = sharded_gpt()
