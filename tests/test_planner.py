@@ -6,6 +6,7 @@ import doctest
 import functools
 import inspect
 import json
+import sys
 
 import pytest
 import torch
@@ -148,13 +149,8 @@ def test_meta_model_from_spec():
 # ------------------------------------------------------------------ Hugging Face configs (optional)
 
 
-def test_hf_config_without_transformers_is_one_clear_error(tmp_path):
-    try:
-        import transformers  # noqa: F401
-    except ImportError:
-        pass
-    else:
-        pytest.skip("transformers is installed")
+def test_hf_config_without_transformers_is_one_clear_error(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "transformers", None)  # as if not installed: import raises
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
     for spec in (str(tmp_path / "config.json"), str(tmp_path), "LlamaConfig"):
         with pytest.raises(ValueError, match="needs the 'transformers' package"):
