@@ -108,7 +108,7 @@ class ModelSpec:
     def describe(self) -> str:
         c = self.config
         return (
-            f"GPT (examples/gpt.py) dim={c.dim} heads={c.n_heads} layers={c.n_layers} vocab={c.vocab_size} "
+            f"GPT (zeta_fsdp.models.gpt) dim={c.dim} heads={c.n_heads} layers={c.n_layers} vocab={c.vocab_size} "
             f"seq={c.max_seq_len} tied, batch {self.batch}/rank"
         )
 

@@ -92,6 +92,14 @@ def test_bench_step_time(tmp_path: Path) -> None:
     same_losses(data["first_loss"])
 
 
+def test_bench_no_shard(tmp_path: Path) -> None:
+    run_bench("bench_no_shard.py", tmp_path)
+    data = results(tmp_path, "no_shard")
+    variants = ["FSDP2 (world,1) per-block units", "FSDP2 (world,1) root unit", "fsdp() NO_SHARD", "DDP"]
+    check_timing(data["timing"], variants + ["replicate_with_fsdp"])
+    same_losses(data["first_loss"])
+
+
 def test_bench_memory(tmp_path: Path) -> None:
     run_bench("bench_memory.py", tmp_path, "--world-sizes", "4")  # 4 ranks: every strategy, HYBRID included
     data = results(tmp_path, "memory")
