@@ -493,13 +493,17 @@ def plain_module_eval_steps_and_loss_reduction():
     with torch.no_grad():
         want = token_mean(ref(both["input_ids"]), both["labels"], both["loss_mask"]).item()
     got = strategy.reduced_loss("validation").item()
-    assert got == want, f"validation mean {got} vs {want}"
+    # The reference runs the whole batch at once (other matmul blocking: a few roundings per logit)
+    # and sums its tokens in another grouping: within 4 roundings per token of the mean.
+    tokens = both["labels"].numel()
+    assert abs(got - want) <= 4 * tokens * 2.0**-24 * abs(want), f"validation mean {got} vs {want}"
     assert strategy.reduced_loss("validation").item() == 0.0, "records not cleared"
     batch = data.global_batch(0, world())
     strategy.test_step(batch)
     with torch.no_grad():
         want = token_mean(ref(batch["input_ids"]), batch["labels"], batch["loss_mask"]).item()
-    assert strategy.reduced_loss("test").item() == want
+    # the same forward; the mean's division in float64 then rounded, against one float32 division
+    assert abs(strategy.reduced_loss("test").item() - want) <= 2.0**-23 * abs(want)
     logits = strategy.predict_step({"input_ids": batch["input_ids"]})
     assert_close("predict", logits, ref(batch["input_ids"]), 0.0)  # the same forward
     # the reductions
