@@ -375,9 +375,9 @@ def existing_dir_refused_and_failed_save_keeps_it() -> None:
     expect_error(FileExistsError, lambda: save_pretrained(model, out), "overwrite=True")
     expect_error(ValueError, lambda: save_pretrained(model, out, overwrite=True, dtype=torch.int8), "dtype")
     expect_error(ValueError, lambda: save_pretrained(model, out, overwrite=True, max_shard_size="lots"), "lots")
-    import zeta_fsdp.hf.save as save_mod
+    import zeta_fsdp.hf.files as files_mod  # where save_pretrained's file writer lives
 
-    real = save_mod.SafetensorsStreamWriter
+    real = files_mod.SafetensorsStreamWriter
 
     class Failing(real):
         def write(self, key, tensor):
@@ -385,11 +385,11 @@ def existing_dir_refused_and_failed_save_keeps_it() -> None:
                 raise OSError("disk full (injected)")
             super().write(key, tensor)
 
-    save_mod.SafetensorsStreamWriter = Failing
+    files_mod.SafetensorsStreamWriter = Failing
     try:
         expect_error(Exception, lambda: save_pretrained(model, out, overwrite=True, max_shard_size="8KB"), "injected")
     finally:
-        save_mod.SafetensorsStreamWriter = real
+        files_mod.SafetensorsStreamWriter = real
     dist.barrier()
     assert (out / "keep.txt").read_text() == "mine" and sorted(p.name for p in out.iterdir()) == ["keep.txt"]
     assert not (out.parent / ".users_dir.incomplete").exists()

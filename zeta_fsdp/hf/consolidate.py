@@ -29,7 +29,7 @@ import torch.nn as nn
 
 from ..files import publish_dir
 from ..state_dict import CheckpointError, is_checkpoint
-from .files import SafetensorsStreamWriter, parse_size, staging_dir
+from .files import PlannedFilesWriter, parse_size, staging_dir
 from .naming import hf_class, model_tensors, saved_tensors, tied_aliases
 from .save import cast, check_dtype, plan_hf_files, write_hf_config, write_index
 
@@ -160,26 +160,19 @@ def consolidate_to_hf(
     where, files = plan_hf_files(layout, limit)
     tmp = staging_dir(out_dir, overwrite=overwrite, caller=_CALLER)
     try:
-        writers: dict[str, SafetensorsStreamWriter] = {}
-        left = {name: len(f) for name, f in files.items()}
-        for key, entries in saved.items():
-            md = stored[source[key]]
-            state: dict[str, Any] = {_MODEL + source[key]: torch.empty(tuple(md.size), dtype=md.properties.dtype)}
-            try:
-                dcp.load(state, storage_reader=FileSystemReader(src), no_dist=True)
-            except BaseException as e:  # DCP's CheckpointException is a BaseException
-                if not isinstance(e, Exception) and type(e).__name__ != "CheckpointException":
-                    raise
-                raise CheckpointError(f"{_CALLER}: reading {source[key]!r} from {src} failed: {e}") from None
-            out = pieces(key, cast(state.pop(_MODEL + source[key]), dtype))
-            for k in entries:
-                name = where[k]
-                if name not in writers:
-                    writers[name] = SafetensorsStreamWriter(tmp / name, files[name])
-                writers[name].write(k, out[k])
-                left[name] -= 1
-                if not left[name]:
-                    writers.pop(name).close()
+        with PlannedFilesWriter(tmp, where, files) as writer:
+            for key, entries in saved.items():
+                md = stored[source[key]]
+                state: dict[str, Any] = {_MODEL + source[key]: torch.empty(tuple(md.size), dtype=md.properties.dtype)}
+                try:
+                    dcp.load(state, storage_reader=FileSystemReader(src), no_dist=True)
+                except BaseException as e:  # DCP's CheckpointException is a BaseException
+                    if not isinstance(e, Exception) and type(e).__name__ != "CheckpointException":
+                        raise
+                    raise CheckpointError(f"{_CALLER}: reading {source[key]!r} from {src} failed: {e}") from None
+                out = pieces(key, cast(state.pop(_MODEL + source[key]), dtype))
+                for k in entries:
+                    writer.write(k, out[k])
         write_index(tmp, where, files)
         if model is not None:
             first = next((d for d, _ in layout.values() if d.is_floating_point), None)

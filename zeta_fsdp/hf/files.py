@@ -29,6 +29,7 @@ from ..files import incomplete_path
 __all__ = [
     "INDEX_NAME",
     "SINGLE_NAME",
+    "PlannedFilesWriter",
     "SafetensorsStreamWriter",
     "TensorEntry",
     "parse_size",
@@ -331,6 +332,39 @@ class SafetensorsStreamWriter:
         elif self._f is not None:
             self._f.close()
             self._f = None
+
+
+class PlannedFilesWriter:
+    """Streams tensors into the planned safetensors files (``plan_shard_files``): each file is opened
+    at its first tensor and closed, complete, at its last; leaving on an error closes what is open.
+
+    Example:
+        with PlannedFilesWriter(tmp, where, files) as out:
+            for key, tensor in tensors.items():
+                out.write(key, tensor)
+    """
+
+    def __init__(self, folder: Path, where: dict[str, str], files: dict[str, dict]) -> None:
+        self.folder, self.where, self.files = Path(folder), where, files
+        self._open: dict[str, SafetensorsStreamWriter] = {}
+        self._left = {name: len(layout) for name, layout in files.items()}
+
+    def write(self, key: str, tensor: torch.Tensor) -> None:
+        name = self.where[key]
+        if name not in self._open:
+            self._open[name] = SafetensorsStreamWriter(self.folder / name, self.files[name])
+        self._open[name].write(key, tensor)
+        self._left[name] -= 1
+        if not self._left[name]:
+            self._open.pop(name).close()
+
+    def __enter__(self) -> PlannedFilesWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for writer in self._open.values():  # only files that did not get every tensor are still open
+            writer.__exit__(RuntimeError, None, None)
+        self._open.clear()
 
 
 def staging_dir(path: Union[str, os.PathLike], *, overwrite: bool, caller: str) -> Path:

@@ -34,7 +34,7 @@ from ..files import publish_dir
 from ..state_dict.checks import on_all_ranks
 from .files import (
     INDEX_NAME,
-    SafetensorsStreamWriter,
+    PlannedFilesWriter,
     parse_size,
     plan_shard_files,
     shard_file_names,
@@ -177,10 +177,8 @@ def save_pretrained(
     try:
 
         def write() -> None:
-            open_writers: dict[str, SafetensorsStreamWriter] = {}
-            left = {name: len(layout) for name, layout in files.items()}
             failed: Optional[BaseException] = None
-            try:
+            with PlannedFilesWriter(tmp, where, files) as out:
                 for key, entries in saved.items():
                     t = tensors[key]
                     full = t.full_tensor() if isinstance(t, DTensor) else t  # collective: every rank, same order
@@ -191,20 +189,11 @@ def save_pretrained(
                         try:
                             pieces = saved_tensors(model, key, cast(full.detach(), dtype))
                             for k in mine:
-                                name = where[k]
-                                if name not in open_writers:
-                                    open_writers[name] = SafetensorsStreamWriter(tmp / name, files[name])
-                                open_writers[name].write(k, pieces[k])
-                                left[name] -= 1
-                                if not left[name]:
-                                    open_writers.pop(name).close()
+                                out.write(k, pieces[k])
                             del pieces
                         except Exception as e:
                             failed = e
                     del full
-            finally:
-                for w in open_writers.values():
-                    w.__exit__(RuntimeError, None, None)
             if failed is not None:
                 raise failed
             if rank() == 0:
