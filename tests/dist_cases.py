@@ -28,8 +28,9 @@ from worker import (
 
 from zeta_fsdp import fsdp
 from zeta_fsdp.distributed import build_mesh
+from zeta_fsdp.fsdp import fsdp_engine
 from zeta_fsdp.models.gpt import GPT, Block, GPTConfig, lm_loss, small
-from zeta_fsdp.options import resolve_sharding
+from zeta_fsdp.options import choose_engine, resolve_mixed_precision, resolve_sharding
 
 CASES = Cases()
 case = CASES.case
@@ -45,14 +46,23 @@ def train_parity(steps: int = 4, atol: float = 0.0, before_training=None, model_
     model = model_fn()
     ref = copy.deepcopy(model)
     fsdp(model, **fsdp_kwargs)
-    assert isinstance(model, FSDPModule)
+    engine = fsdp_engine(model)
+    expected = choose_engine(
+        resolve_sharding(fsdp_kwargs.get("shard_strat", "NO_SHARD")),
+        resolve_mixed_precision(fsdp_kwargs.get("mp", "fp32")),
+        mesh_given="mesh" in fsdp_kwargs,
+        cpu_offload=fsdp_kwargs.get("cpu_offload", False),
+    )[0]
+    assert engine == expected, (engine, expected)
+    # NO_SHARD in fp32 runs on DDP's engine: plain tensor parameters, no FSDP unit
+    assert isinstance(model, FSDPModule) == (engine == "fully_shard"), type(model).__mro__
     if before_training is not None:
         before_training(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     replicas = fsdp_kwargs.get("replicate_size", 1)
     if str(fsdp_kwargs.get("shard_strat", "NO_SHARD")).upper() == "NO_SHARD":
-        replicas = world()  # NO_SHARD: a (world, 1) mesh, gradients all-reduced across replicas
+        replicas = world()  # NO_SHARD: gradients all-reduced (averaged) across whole replicas
     for step in range(steps):
         x, y = global_batch(step)
         ref_loss = reference_backward(ref, lm_loss, x, y, replicas=replicas)
@@ -67,7 +77,7 @@ def train_parity(steps: int = 4, atol: float = 0.0, before_training=None, model_
     names = [n for n, _ in model.named_parameters()]
     assert names == list(ref_params), f"parameter names changed: {names} vs {list(ref_params)}"
     for name, param in model.named_parameters():
-        assert isinstance(param, DTensor), f"{name} is not sharded (not a DTensor)"
+        assert isinstance(param, DTensor) == (engine == "fully_shard"), f"{name}: {type(param).__name__} on {engine}"
         assert_close(name, full(param), ref_params[name], atol)
     # the tie survives training: one parameter object, updated once
     assert model.head.weight is model.tok_emb.weight
@@ -86,6 +96,44 @@ def parity_shard_grad():
 @case
 def parity_no_shard():
     train_parity(auto_wrap=True, shard_strat="NO_SHARD", TransformerBlock=Block)
+
+
+@case
+def parity_no_shard_on_fsdp2_mesh():
+    # a (world, 1) mesh asks for FSDP2's engine (DTensor parameters) under NO_SHARD
+    mesh = build_mesh(resolve_sharding("NO_SHARD"), torch.device("cpu"))
+    train_parity(auto_wrap=True, shard_strat="NO_SHARD", TransformerBlock=Block, mesh=mesh)
+
+
+def _small_with_unused_parameter() -> GPT:
+    model = small()
+    model.unused = nn.Linear(4, 4)  # never called by forward: DDP must not hang or raise on it
+    return model
+
+
+@case
+def no_shard_replicate_engine_details():
+    """NO_SHARD on DDP's engine: an unused parameter keeps no gradient and is not updated (as on
+    one process), meta init gives identical replicas, wrapping twice is refused, the state-dict
+    keys are the model's own."""
+    train_parity(steps=3, model_fn=_small_with_unused_parameter)
+    with torch.device("meta"):
+        model = small()
+    fsdp(model, auto_wrap=True, TransformerBlock=Block)
+    assert fsdp_engine(model) == "replicate"
+    weight = model.blocks[0].mlp[0].weight
+    assert not weight.is_meta and not torch.isnan(weight).any()
+    gathered = [torch.empty_like(weight) for _ in range(world())]
+    dist.all_gather(gathered, weight.detach())
+    assert all(torch.equal(g, gathered[0]) for g in gathered), "replicas differ after meta init"
+    keys = list(model.state_dict())
+    assert keys == list(small().state_dict()), keys
+    try:
+        fsdp(model)
+    except ValueError as e:
+        assert "already wrapped" in str(e), e
+    else:
+        raise AssertionError("wrapping a replicated model twice was accepted")
 
 
 @case

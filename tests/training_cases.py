@@ -37,6 +37,7 @@ from worker import (
 )
 
 from zeta_fsdp import fsdp
+from zeta_fsdp.fsdp import fsdp_engine
 from zeta_fsdp.loss import MaskedTokenLossReduction, PerSampleLossReduction
 from zeta_fsdp.measure import collectives_per_step
 from zeta_fsdp.models.gpt import Block, lm_loss, small
@@ -235,6 +236,42 @@ def no_sync_hybrid_accumulation():
 @case(ranks=4)
 def no_sync_hybrid_2x2_accumulation():
     _accumulation("HYBRID_SHARD", replicate_size=2)
+
+
+@case
+def no_sync_no_shard_replicate_accumulation():
+    """NO_SHARD on DDP's engine: micro-batches inside no_sync keep each rank's own gradient (no
+    all-reduce: the value proves it), nesting keeps sync off, the last one averages the sum."""
+    k = 3
+    model, ref = sharded_gpt(shard_strat="NO_SHARD")
+    local_ref = copy.deepcopy(ref)
+    assert fsdp_engine(model) == "replicate" and not isinstance(model, FSDPModule)
+    x, y = tokens(4 * k, seed=1)
+    reference_backward(ref, lambda out, tgt: lm_loss(out, tgt) / k, x, y, replicas=world(), micro_batches=k)
+    for i in range(k):
+        xi, yi = local_slice(x[4 * i : 4 * (i + 1)]), local_slice(y[4 * i : 4 * (i + 1)])
+        if i < k - 1:
+            with no_sync(model):
+                with no_sync(model):  # an inner exit must not turn sync back on
+                    pass
+                (lm_loss(model(xi), yi) / k).backward()
+            (lm_loss(local_ref(xi), yi) / k).backward()
+            assert_grads_match(model, local_ref, atol=0.0)  # this rank's own sum: nothing reduced
+        else:
+            (lm_loss(model(xi), yi) / k).backward()
+    grad = model.blocks[0].mlp[0].weight.grad
+    gathered = [torch.empty_like(grad) for _ in range(world())]
+    dist.all_gather(gathered, grad)
+    assert all(torch.equal(g, gathered[0]) for g in gathered), "replicas' gradients differ after sync"
+    assert_grads_match(model, ref, atol=0.0)  # (a + b) / 2 == a/2 + b/2 exactly: DDP's average
+
+
+@case
+def clip_grad_norm_no_shard_replicate():
+    model, ref = sharded_gpt(shard_strat="NO_SHARD")
+    assert fsdp_engine(model) == "replicate"
+    x, y = tokens(4, seed=2)
+    _clip_parity(model, ref, (x, y), replicas=world())
 
 
 @case

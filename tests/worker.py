@@ -138,6 +138,8 @@ def reference_backward(
 
     per_group = ranks // replicas
     for i, p in enumerate(params):
+        if all(g[i] is None for g in grads):
+            continue  # used by no chunk: no gradient, as FSDP and DDP leave it (optimizers skip it)
         chunk_grads = [g[i] if g[i] is not None else torch.zeros_like(p) for g in grads]
         groups = [average(chunk_grads[k * per_group : (k + 1) * per_group]) for k in range(replicas)]
         g = average(groups)

@@ -23,6 +23,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed._composable.replicate import DDP as ReplicatedModule
+from torch.distributed._composable.replicate import replicate
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.utils.checkpoint import checkpoint
 
@@ -34,6 +36,7 @@ from .distributed import (
     validate_mesh,
 )
 from .options import (
+    choose_engine,
     resolve_master_dtype,
     resolve_mixed_precision,
     resolve_sharding,
@@ -41,19 +44,64 @@ from .options import (
 )
 from .wrapping import BlockSpec, WrapPlan, build_wrap_plan
 
-__all__ = ["fsdp", "fsdp_param_groups", "fsdp_state", "get_wrap_plan", "is_fsdp_wrapped"]
+__all__ = [
+    "fsdp",
+    "fsdp_engine",
+    "fsdp_param_groups",
+    "fsdp_state",
+    "get_wrap_plan",
+    "is_fsdp_wrapped",
+    "is_replicated",
+    "unwrapped_class",
+]
 
 _PLAN_ATTR = "_zeta_fsdp_plan"
+_ENGINE_ATTR = "_zeta_fsdp_engine"
+
+
+def is_replicated(module: nn.Module) -> bool:
+    """``True`` if ``module`` itself was passed to composable ``replicate`` (DDP's engine), as
+    ``fsdp(shard_strat="NO_SHARD")`` does for an fp32 model.
+
+    Example:
+        >>> is_replicated(nn.Linear(2, 2))
+        False
+    """
+    return isinstance(module, ReplicatedModule)
 
 
 def is_fsdp_wrapped(model: nn.Module) -> bool:
-    """``True`` if ``model`` or any submodule has already been passed to ``fully_shard``.
+    """``True`` if ``model`` or any submodule has already been passed to ``fully_shard`` or to
+    ``replicate`` (what ``fsdp()`` uses for NO_SHARD).
 
     Example:
         >>> is_fsdp_wrapped(nn.Linear(2, 2))
         False
     """
-    return any(isinstance(m, FSDPModule) for m in model.modules())
+    return any(isinstance(m, (FSDPModule, ReplicatedModule)) for m in model.modules())
+
+
+def fsdp_engine(model: nn.Module) -> Optional[str]:
+    """The engine ``fsdp()`` put ``model`` on: ``"fully_shard"`` (FSDP2, DTensor parameters) or
+    ``"replicate"`` (NO_SHARD on DDP's engine, plain tensor parameters); ``None`` if ``fsdp()``
+    did not wrap it. ``options.choose_engine`` says which and why.
+
+    Example:
+        >>> fsdp_engine(nn.Linear(2, 2)) is None
+        True
+    """
+    return model.__dict__.get(_ENGINE_ATTR)
+
+
+def unwrapped_class(model: nn.Module) -> type:
+    """The model's own class: ``fully_shard`` and ``replicate`` swap in a generated subclass
+    (``FSDP<Name>``, ``DDP<Name>``).
+
+    Example:
+        >>> unwrapped_class(nn.Linear(2, 2)).__name__
+        'Linear'
+    """
+    return next(c for c in type(model).__mro__ if not issubclass(c, (FSDPModule, ReplicatedModule)))
 
 
 def fsdp_state(module: nn.Module) -> Optional[Any]:
@@ -294,6 +342,22 @@ def shard_units(
         )
 
 
+def replicate_model(model: nn.Module, device: torch.device) -> None:
+    """Put ``model`` on DDP's engine (composable ``replicate``): NO_SHARD at DDP speed.
+
+    Parameters stay plain tensors under their own names; gradients are all-reduced (averaged) in
+    25 MiB buckets overlapping backward. ``gradient_as_bucket_view`` makes each ``.grad`` a view
+    into its bucket, so gradients cost no second copy. ``find_unused_parameters`` keeps models with
+    parameters a forward does not use (a pooler, a branch) working as they do under FSDP2; its
+    graph walk costs little (``benchmarks/results/no_shard.md``). DDP itself is built lazily at
+    the first forward, so a ``meta`` model can be materialized (or loaded) after this call; DDP
+    then checks every rank holds the same shapes and broadcasts rank 0's values.
+    """
+    if not any(t.is_meta for t in model.parameters()):
+        model.to(device)
+    replicate(model, device_id=device, gradient_as_bucket_view=True, find_unused_parameters=True)
+
+
 def retie(model: nn.Module, tied_params: list[list[str]]) -> None:
     """Make every name of each group in ``tied_params`` hold the group's first parameter again.
 
@@ -449,7 +513,8 @@ def fsdp(
     materialize: bool = True,
     master_dtype: Union[str, torch.dtype, None] = "fp32",
 ) -> nn.Module:
-    """Shard ``model`` with FSDP2 (``fully_shard``) and return the same object, now an ``FSDPModule``.
+    """Shard ``model`` with FSDP2 (``fully_shard``) and return the same object, now an ``FSDPModule``
+    (under NO_SHARD in fp32: replicated with DDP's engine, see Engines below).
 
     Args:
         model: any ``nn.Module``, on CPU, CUDA or ``meta``.
@@ -485,6 +550,12 @@ def fsdp(
     Raises:
         ValueError: for any bad argument, before a process group starts or the model changes.
 
+    Engines: every sharding strategy runs on FSDP2 (``fully_shard``: DTensor parameters). NO_SHARD
+    with ``mp="fp32"`` runs on DDP's engine instead (composable ``replicate``: plain tensor
+    parameters, bucketed all-reduce, DDP's speed); a low-precision ``mp``, ``cpu_offload``, ignored
+    parameters or a ``mesh`` keep NO_SHARD on FSDP2 (``options.choose_engine``; ``fsdp_engine(model)``
+    says which ran). State dicts, checkpoints, ``no_sync`` and ``clip_grad_norm_`` work on both.
+
     Example:
         model = fsdp(model, auto_wrap=True, mp="bf16", shard_strat="FULL_SHARD", TransformerBlock=Block)
         optimizer = torch.optim.AdamW(model.parameters())  # after wrapping: DTensor parameters
@@ -519,35 +590,44 @@ def fsdp(
         reshard = spec.reshard_after_forward
     ignored = _ignored_parameters(model, ignored_params, ignored_modules)
     plan = build_wrap_plan(model, auto_wrap=auto_wrap, transformer_block=TransformerBlock, ignored_params=ignored)
-    _check_uniform_dtypes(plan, model, master)
-    _check_units_shardable(plan)
+    engine, _ = choose_engine(
+        spec, mp_policy, mesh_given=mesh is not None, cpu_offload=cpu_offload, has_ignored=bool(ignored)
+    )
+    if engine == "fully_shard":  # DDP buckets per dtype and has no unit to refuse
+        _check_uniform_dtypes(plan, model, master)
+        _check_units_shardable(plan)
     compute_device = _check_device(model, device)
     scalars = [model.get_parameter(n) for n in plan.scalar_param_names]
 
     # 2. Environment: a process group (ours only if none exists) and the mesh.
     ensure_process_group(compute_device, cpu_offload=cpu_offload)
-    if mesh is None:
+    if mesh is None and engine == "fully_shard":
         mesh = build_mesh(spec, compute_device, replicate_size=replicate_size)
 
-    # 3. Per-block transforms, then sharding bottom-up, then meta materialization.
+    # 3. Per-block transforms, then sharding bottom-up (or replication), then meta materialization.
     if activation_checkpointing:
         apply_activation_checkpointing(plan)
     if compile:
         apply_compile(plan, compile)
-    # Pinned host memory needs an accelerator; on a CPU-only run offloading is a no-op anyway.
-    offload = CPUOffloadPolicy(pin_memory=compute_device.type != "cpu") if cpu_offload else OffloadPolicy()
     if _cast_to_master(model, master):
         plan.recount(model)
-    shard_units(plan, mesh, mp_policy, reshard, offload, ignored | set(scalars))
-    # 0-dim parameters stay whole on every rank (FSDP does not move them): put them on the device.
-    for scalar in scalars:
-        if not scalar.is_meta and scalar.device != compute_device:
-            scalar.data = scalar.data.to(compute_device)
-    _average_replicated_grads(scalars, mesh)
-    if materialize:
+    if engine == "replicate":
+        replicate_model(model, compute_device)
+        shard_index = 0
+    else:
+        # Pinned host memory needs an accelerator; on a CPU-only run offloading is a no-op anyway.
+        offload = CPUOffloadPolicy(pin_memory=compute_device.type != "cpu") if cpu_offload else OffloadPolicy()
+        shard_units(plan, mesh, mp_policy, reshard, offload, ignored | set(scalars))
+        # 0-dim parameters stay whole on every rank (FSDP does not move them): put them on the device.
+        for scalar in scalars:
+            if not scalar.is_meta and scalar.device != compute_device:
+                scalar.data = scalar.data.to(compute_device)
+        _average_replicated_grads(scalars, mesh)
         shard_index = mesh.get_local_rank(mesh.ndim - 1) if mesh.size(mesh.ndim - 1) > 1 else 0
+    if materialize:
         materialize_meta_model(
             model, compute_device, plan.tied_params, shard_index=shard_index, offload_to_cpu=cpu_offload
         )
+    model.__dict__[_ENGINE_ATTR] = engine
     model.__dict__[_PLAN_ATTR] = plan  # so get_wrap_plan() can show what was done
     return model

@@ -25,6 +25,7 @@ __all__ = [
     "MIXED_PRECISION_ALIASES",
     "SHARDING_ALIASES",
     "ShardingSpec",
+    "choose_engine",
     "resolve_master_dtype",
     "resolve_mixed_precision",
     "resolve_sharding",
@@ -170,6 +171,51 @@ def resolve_sharding(shard_strat: Union[str, enum.Enum, None], *, caller: str = 
             f"{accepted}, or a torch.distributed.fsdp.ShardingStrategy member."
         )
     return _SHARDING_TABLE[SHARDING_ALIASES[key]]
+
+
+ENGINES = ("fully_shard", "replicate")
+
+
+def choose_engine(
+    spec: ShardingSpec,
+    mp_policy: MixedPrecisionPolicy,
+    *,
+    mesh_given: bool = False,
+    cpu_offload: bool = False,
+    has_ignored: bool = False,
+) -> tuple[str, str]:
+    """Which engine runs ``spec``: ``("replicate", why)`` or ``("fully_shard", why)``.
+
+    NO_SHARD keeps a whole copy of every parameter on every rank: that is DDP. PyTorch's DDP
+    engine (composable ``torch.distributed._composable.replicate``: bucketed all-reduce, plain
+    tensor parameters, state-dict keys unchanged) steps at DDP speed, while FSDP2 on a
+    ``(world, 1)`` mesh pays for DTensor parameters in every optimizer op and for copies in and
+    out of its unsharded buffers (1.4-1.5x DDP's step time, ``benchmarks/results/no_shard.md``).
+    So NO_SHARD runs on ``replicate`` unless it needs something only FSDP2 has:
+
+    * a low-precision ``mp`` (FSDP2's ``MixedPrecisionPolicy``: bf16 compute, fp32 reduction),
+    * ``cpu_offload``, ``ignored_params`` / ``ignored_modules``,
+    * a ``mesh`` passed by the caller (the way to ask for FSDP2's DTensor parameters).
+
+    Every other strategy shards, so it runs on ``fully_shard``.
+
+    Example:
+        >>> choose_engine(resolve_sharding("NO_SHARD"), resolve_mixed_precision("fp32"))[0]
+        'replicate'
+        >>> choose_engine(resolve_sharding("NO_SHARD"), resolve_mixed_precision("bf16"))
+        ('fully_shard', 'mp casts parameters (MixedPrecisionPolicy)')
+    """
+    if not spec.replicate_all:
+        return "fully_shard", f"{spec.name} shards parameters"
+    if mp_policy != MixedPrecisionPolicy():
+        return "fully_shard", "mp casts parameters (MixedPrecisionPolicy)"
+    if cpu_offload:
+        return "fully_shard", "cpu_offload=True"
+    if has_ignored:
+        return "fully_shard", "ignored_params / ignored_modules"
+    if mesh_given:
+        return "fully_shard", "a mesh was passed"
+    return "replicate", "NO_SHARD, fp32: DDP's engine"
 
 
 def validate_reshard_after_forward(

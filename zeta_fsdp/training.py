@@ -23,11 +23,12 @@ from typing import Iterable, Iterator, Optional, Union
 
 import torch
 import torch.nn as nn
+from torch.distributed._composable.replicate import replicate
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from .distributed import get_rank, get_world_size
-from .fsdp import fsdp_param_groups
+from .fsdp import fsdp_param_groups, is_replicated
 from .report import format_bytes, render_table
 
 __all__ = ["MemoryReport", "clip_grad_norm_", "memory_report", "no_sync"]
@@ -69,11 +70,18 @@ def no_sync(model: nn.Module) -> Iterator[nn.Module]:
     cannot be read, on a torch without the private state this reads, is restored to sync). A
     model without FSDP units is left alone (a DDP model uses its own ``no_sync``).
 
+    NO_SHARD in fp32 runs on DDP's engine (``fsdp_engine(model) == "replicate"``): there, as with
+    DDP, the forward decides, so run each micro-batch's forward and backward inside the block.
+
     Example:
         with no_sync(model):
             (loss_fn(model(batch0)) / 2).backward()  # no collective for gradients
         (loss_fn(model(batch1)) / 2).backward()  # reduces both micro-batches
     """
+    if is_replicated(model):
+        with _replicated_no_sync(model):
+            yield model
+        return
     modules = _fsdp_modules(model)
     if not modules:
         ddp_no_sync = getattr(model, "no_sync", None)
@@ -92,6 +100,22 @@ def no_sync(model: nn.Module) -> Iterator[nn.Module]:
     finally:
         for module, (reduce, all_reduce) in saved:
             _set_sync(module, reduce, all_reduce)
+
+
+@contextlib.contextmanager
+def _replicated_no_sync(model: nn.Module) -> Iterator[None]:
+    """``no_sync`` for NO_SHARD on DDP's engine (composable ``replicate``).
+
+    DDP decides at each forward whether the backward that follows all-reduces, so the forward
+    must run inside the block (as with ``DistributedDataParallel.no_sync``). The previous setting
+    is restored on exit, so nested blocks stay off until the outermost exits.
+    """
+    was_off = bool(getattr(replicate.state(model), "_no_sync", False))
+    model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(not was_off)
 
 
 def _parameters(model_or_params: Union[nn.Module, torch.Tensor, Iterable[torch.Tensor]]) -> list[torch.Tensor]:

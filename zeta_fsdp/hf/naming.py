@@ -24,7 +24,8 @@ from typing import Any, Callable, Optional
 
 import torch
 import torch.nn as nn
-from torch.distributed.fsdp import FSDPModule
+
+from ..fsdp import unwrapped_class
 
 __all__ = [
     "KeyPlan",
@@ -52,13 +53,13 @@ def is_hf_model(model: nn.Module) -> bool:
 
 
 def hf_class(model: nn.Module) -> type:
-    """The model's own class: ``fully_shard`` swaps in a generated ``FSDP<Name>`` subclass.
+    """The model's own class: ``fully_shard`` / ``replicate`` swap in a generated subclass.
 
     Example:
         hf_class(fsdp(LlamaForCausalLM(cfg))).__name__
         # -> 'LlamaForCausalLM'
     """
-    return next(c for c in type(model).__mro__ if not issubclass(c, FSDPModule))
+    return unwrapped_class(model)
 
 
 def model_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
