@@ -5,7 +5,11 @@ Variants of one GPT, same initial weights, same per-rank batch, timed in interle
     every block, the embedding/head group and the root are units, each all-reducing its grads;
   * ``FSDP2 (world,1) root unit``: one unit for the whole model (one all-reduce per step);
   * ``replicate_with_fsdp``: torch's FSDP2-based ``replicate`` (per-block units + root);
-  * ``fsdp() NO_SHARD``: the façade as it is now;
+  * ``composable replicate``: ``torch.distributed._composable.replicate`` (DDP's engine, plain
+    tensor parameters, keys unchanged), with ``gradient_as_bucket_view`` and
+    ``find_unused_parameters`` as ``fsdp()`` sets them;
+  * ``fsdp() NO_SHARD``: the façade as it is now (composable replicate since 0.2: ``fsdp_engine``);
+  * ``fsdp() NO_SHARD, mesh=(world,1)``: the façade asked for FSDP2's engine (its 0.1 behaviour);
   * ``DDP``: ``DistributedDataParallel``, the baseline (bucketed all-reduce).
 
 Run:
@@ -38,6 +42,9 @@ from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 from zeta_fsdp import fsdp
+from zeta_fsdp.distributed import build_mesh
+from zeta_fsdp.fsdp import fsdp_engine
+from zeta_fsdp.options import resolve_sharding
 
 
 def replicated_units(model: torch.nn.Module, per_block: bool) -> torch.nn.Module:
@@ -61,6 +68,12 @@ def replicate_with_fsdp(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
+def composable_replicate(model: torch.nn.Module) -> torch.nn.Module:
+    from torch.distributed._composable import replicate
+
+    return replicate(model, gradient_as_bucket_view=True, find_unused_parameters=True)
+
+
 def rank_main(args: argparse.Namespace) -> None:
     report = Report(
         name="no_shard",
@@ -74,8 +87,17 @@ def rank_main(args: argparse.Namespace) -> None:
         "FSDP2 (world,1) per-block units": replicated_units(copy.deepcopy(base), per_block=True),
         "FSDP2 (world,1) root unit": replicated_units(copy.deepcopy(base), per_block=False),
         "fsdp() NO_SHARD": fsdp(copy.deepcopy(base), auto_wrap=True, shard_strat="NO_SHARD", TransformerBlock=Block),
+        "fsdp() NO_SHARD, mesh=(world,1)": fsdp(
+            copy.deepcopy(base),
+            auto_wrap=True,
+            shard_strat="NO_SHARD",
+            TransformerBlock=Block,
+            mesh=build_mesh(resolve_sharding("NO_SHARD"), torch.device("cpu")),
+        ),
+        "composable replicate": composable_replicate(copy.deepcopy(base)),
         "DDP": DistributedDataParallel(copy.deepcopy(base)),
     }
+    engines = {k: fsdp_engine(m) for k, m in models.items() if fsdp_engine(m)}
     try:
         models["replicate_with_fsdp"] = replicate_with_fsdp(copy.deepcopy(base))
     except Exception as e:  # recorded, not hidden: the table says why the row is missing
@@ -89,7 +111,8 @@ def rank_main(args: argparse.Namespace) -> None:
     report.table(f"{spec.describe()}, fp32, AdamW", headers, rows)
     report.table("First-step loss (must agree)", ["variant", "loss"], [[k, f"{v:.6f}"] for k, v in first_loss.items()])
     report.notes.append(timing_note(blocks, per_block))
-    report.data.update({"model": spec.describe(), "timing": timing, "first_loss": first_loss})
+    report.notes.append(f"Engines fsdp() chose (fsdp_engine): {engines}.")
+    report.data.update({"model": spec.describe(), "timing": timing, "first_loss": first_loss, "engines": engines})
     report.publish(args.out_dir)
 
 

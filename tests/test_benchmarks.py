@@ -95,9 +95,11 @@ def test_bench_step_time(tmp_path: Path) -> None:
 def test_bench_no_shard(tmp_path: Path) -> None:
     run_bench("bench_no_shard.py", tmp_path)
     data = results(tmp_path, "no_shard")
-    variants = ["FSDP2 (world,1) per-block units", "FSDP2 (world,1) root unit", "fsdp() NO_SHARD", "DDP"]
-    check_timing(data["timing"], variants + ["replicate_with_fsdp"])
+    variants = ["FSDP2 (world,1) per-block units", "FSDP2 (world,1) root unit", "fsdp() NO_SHARD"]
+    variants += ["fsdp() NO_SHARD, mesh=(world,1)", "composable replicate", "DDP", "replicate_with_fsdp"]
+    check_timing(data["timing"], variants)
     same_losses(data["first_loss"])
+    assert data["engines"] == {"fsdp() NO_SHARD": "replicate", "fsdp() NO_SHARD, mesh=(world,1)": "fully_shard"}
 
 
 def test_bench_memory(tmp_path: Path) -> None:

@@ -11,11 +11,11 @@ a Lightning ``Trainer`` strategy (``pip install "zeta-fsdp[lightning]"``).
 from .cli.model_spec import meta_model_from_spec
 from .data import ResumableLoader, shard_dataloader
 from .distributed import shutdown
-from .fsdp import fsdp, get_wrap_plan, is_fsdp_wrapped
+from .fsdp import fsdp, fsdp_engine, get_wrap_plan, is_fsdp_wrapped
 from .hf import consolidate_to_hf, load_pretrained, save_pretrained
 from .loss import MaskedTokenLossReduction, PerSampleLossReduction
 from .measure import collectives_per_step, median_step_seconds, peak_memory_by_category
-from .options import ShardingSpec, resolve_master_dtype, resolve_mixed_precision, resolve_sharding
+from .options import ShardingSpec, choose_engine, resolve_master_dtype, resolve_mixed_precision, resolve_sharding
 from .planner import DryRunResult, MemoryPlan, UnitEstimate, dry_run, plan
 from .state_dict import (
     AsyncCheckpointer,
@@ -85,7 +85,9 @@ __all__ = [
     "WrapUnit",
     "build_wrap_plan",
     "detect_block_classes",
+    "choose_engine",
     "fsdp",
+    "fsdp_engine",
     "get_wrap_plan",
     "is_fsdp_wrapped",
     "resolve_master_dtype",

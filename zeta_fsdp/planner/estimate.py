@@ -38,7 +38,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
-from ..options import resolve_master_dtype, resolve_mixed_precision, resolve_sharding
+from ..options import choose_engine, resolve_master_dtype, resolve_mixed_precision, resolve_sharding
 from ..report import format_bytes, render_table
 from ..wrapping import BlockSpec, build_wrap_plan
 from .common import dtype_name as _dtype_name
@@ -143,6 +143,8 @@ class MemoryPlan:
     # what AdamW's state is kept in; "mixed: ..." when the model keeps several dtypes.
     master_dtype: str = "float32"
     optimizer_state_dtype: str = "float32"
+    # ``options.choose_engine``: "fully_shard" (FSDP2), or "replicate" (NO_SHARD on DDP's engine).
+    engine: str = "fully_shard"
 
     @property
     def shard_size(self) -> int:
@@ -381,6 +383,7 @@ def plan(
     )
     params = dict(model.named_parameters())
     n_state = OPTIMIZERS[optimizer]
+    engine, why = choose_engine(spec, policy, has_ignored=bool(ignored))
 
     units = [_estimate_unit(u, params, policy, shard_size, shard_rank, n_state, master) for u in wrap.units]
     # Ignored parameters stay whole (and unsharded) on every rank, as do their gradients.
@@ -405,10 +408,19 @@ def plan(
             for n in wrap.ignored_param_names
             if n_state and params[n].requires_grad
         ),
-        allgather_peak_bytes=_allgather_peak(units, spec.reshard_after_forward, shard_size),
+        # DDP's engine computes with the parameters themselves: nothing is gathered or copied.
+        allgather_peak_bytes=0
+        if engine == "replicate"
+        else _allgather_peak(units, spec.reshard_after_forward, shard_size),
         master_dtype=stored_label,
         optimizer_state_dtype=stored_label,  # torch optimizers keep state in the parameter's dtype
+        engine=engine,
     )
+    if engine == "replicate":
+        result.notes.append(
+            f"engine: replicate ({why}): plain tensor parameters used in place, gradients are views "
+            "of DDP's all-reduce buckets (no second copy)"
+        )
     if any(u.param_bytes != u.local_param_bytes for u in units):
         result.notes.append(
             f"dim-0 padding: each rank stores {result.param_bytes:,} parameter bytes; rank {rank}'s logical "
