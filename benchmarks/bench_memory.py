@@ -43,8 +43,9 @@ from _common import (
     train_step,
     under_torchrun,
 )
+from torch.distributed.tensor import DTensor
 
-from zeta_fsdp import fsdp
+from zeta_fsdp import fsdp, fsdp_engine
 from zeta_fsdp.measure import peak_memory_by_category
 
 # Wider than the step-time model and a small batch, so parameter, gradient and optimizer
@@ -75,12 +76,15 @@ def measure_strategy(spec: ModelSpec, strategy: str) -> dict[str, Any]:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     batch = make_batch(spec)
     peak = peak_memory_by_category(model, optimizer, train_step(model, optimizer, batch), inputs=(batch[0],))
-    mesh = tuple(next(model.parameters()).device_mesh.shape)
+    first = next(model.parameters())
+    # NO_SHARD on DDP's engine has no mesh: one group of every rank, each holding everything
+    mesh = tuple(first.device_mesh.shape) if isinstance(first, DTensor) else (dist.get_world_size(),)
     per_rank: list[dict[str, int]] = [{} for _ in range(dist.get_world_size())]
     dist.all_gather_object(per_rank, peak)
+    engine = fsdp_engine(model)
     del model, optimizer
     gc.collect()
-    return {"mesh": list(mesh), "per_rank": per_rank}
+    return {"mesh": list(mesh), "engine": engine, "per_rank": per_rank}
 
 
 def rank_main(args: argparse.Namespace) -> None:

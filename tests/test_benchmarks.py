@@ -119,7 +119,9 @@ def test_bench_memory(tmp_path: Path) -> None:
         # rank 0 holds whole torch.chunk rows: a little above the exact fraction on odd sizes
         assert shard_ratio[strategy] <= ratio < shard_ratio[strategy] * 1.1, (strategy, ratio)
     meshes = {s: r["mesh"] for s, r in strategies.items()}
-    assert meshes == {"FULL_SHARD": [4], "SHARD_GRAD": [4], "NO_SHARD": [4, 1], "HYBRID_SHARD": [2, 2]}, meshes
+    assert meshes == {"FULL_SHARD": [4], "SHARD_GRAD": [4], "NO_SHARD": [4], "HYBRID_SHARD": [2, 2]}, meshes
+    engines = {s: r["engine"] for s, r in strategies.items()}
+    assert engines == {**dict.fromkeys(meshes, "fully_shard"), "NO_SHARD": "replicate"}, engines
     if importlib.util.find_spec("matplotlib") is not None:
         assert (tmp_path / "memory.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

@@ -28,7 +28,7 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 import torch.nn as nn
 
-from .fsdp import fsdp_param_groups, fsdp_state
+from .fsdp import fsdp_param_groups, fsdp_state, is_replicated
 
 __all__ = ["collectives_per_step", "median_step_seconds", "peak_memory_by_category", "restore_fsdp_hooks"]
 
@@ -86,6 +86,9 @@ def peak_memory_by_category(
 ) -> dict[str, int]:
     """Per-rank peak bytes by FSDP category (``"Sharded Param"``, ``"OptState"``, ...) over one ``step()``.
 
+    FSDP2 models are measured with ``FSDPMemTracker``; NO_SHARD on DDP's engine with ``MemTracker``
+    under the same category names (a whole tensor is each rank's "shard"; see ``_replicated_peak``).
+
     ``warmup`` steps run first, untracked, so lazily created optimizer state exists and the
     tracked step is a steady-state one. Adds ``"Total"`` (peak of the sum, not sum of peaks).
 
@@ -97,6 +100,8 @@ def peak_memory_by_category(
 
     for _ in range(warmup):
         step()
+    if is_replicated(model):
+        return _replicated_peak(model, optimizer, step, inputs)
     with restore_fsdp_hooks(model):
         tracker = FSDPMemTracker(model, optimizer)
         if inputs:
@@ -106,6 +111,39 @@ def peak_memory_by_category(
     peak = tracker.get_tracker_snapshot("peak")
     per_device = next(iter(peak.values())) if peak else {}
     return {getattr(k, "value", str(k)): int(v) for k, v in per_device.items()}
+
+
+# MemTracker's categories under FSDPMemTracker's names: on DDP's engine every rank's "shard" is the
+# whole tensor, so one table reads the same for both engines.
+_MEMTRACKER_NAMES = {"Parameter": "Sharded Param", "Gradient": "Sharded Grad", "Optstate": "OptState"}
+
+
+def _replicated_peak(
+    model: nn.Module, optimizer: Optional[torch.optim.Optimizer], step: Callable[[], Any], inputs: tuple
+) -> dict[str, int]:
+    """``peak_memory_by_category`` for NO_SHARD on DDP's engine (``MemTracker``: no FSDP units).
+
+    DDP allocates its gradient buckets once, at its first forward, and every ``.grad`` is a view
+    into them (``gradient_as_bucket_view``): a step allocates no gradient, so the tracker sees none.
+    The buckets are resident all the time; their bytes (read from the reducer) are added to
+    ``"Sharded Grad"`` and to ``"Total"``.
+    """
+    from torch.distributed._composable.replicate import replicate
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    tracker = MemTracker()
+    tracker.track_external(*(t for t in (model, optimizer) if t is not None), *inputs)
+    with tracker:
+        step()
+    peak = next(iter(tracker.get_tracker_snapshot("peak").values()), {})
+    result = {
+        _MEMTRACKER_NAMES.get(getattr(k, "value", str(k)), getattr(k, "value", str(k))): int(v) for k, v in peak.items()
+    }
+    reducer = replicate.state(model)._ddp.reducer
+    buckets = sum(b.buffer().untyped_storage().nbytes() for b in reducer._get_zeros_like_grad_buckets())
+    result["Sharded Grad"] = result.get("Sharded Grad", 0) + buckets
+    result["Total"] = result.get("Total", 0) + buckets
+    return result
 
 
 def collectives_per_step(step: Callable[[], Any]) -> dict[str, int]:

@@ -16,6 +16,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule
 
+from ..fsdp import is_replicated
 from ..loss import MaskedTokenLossReduction
 
 __all__ = [
@@ -57,7 +58,7 @@ def call_through_root(module: nn.Module, method: str, *args: Any) -> Any:
     Example:
         loss = call_through_root(model, "training_step", batch, 0)
     """
-    if not isinstance(module, FSDPModule):
+    if not isinstance(module, FSDPModule) and not is_replicated(module):  # DDP's hooks sit on the root too
         return getattr(module, method)(*args)
     had_own = "forward" in vars(module)
     original = module.forward
