@@ -302,7 +302,7 @@ def deferred_all_reduce_reference(ref: nn.Module, k: int, x: torch.Tensor, y: to
     adds each reduce-scatter output into one sharded buffer, the last one plus that buffer: a sum of
     the same terms in the same order, since a + b == b + a), then averaged over the replicas. This is
     not ``reference_backward(micro_batches=k)``, which sums each rank's micro-batches *before* the
-    shard-group mean: the two orders differ by roundings, so the test uses FSDP2's own order.
+    shard-group mean: the two orders can differ by roundings, so the test uses FSDP2's own order.
     """
     params = list(ref.parameters())
     shard, per = world() // replicas, x.shape[0] // k
