@@ -1,7 +1,9 @@
 """Helpers a training loop needs around ``fsdp()``: gradient accumulation, clipping, memory.
 
 * ``no_sync(model)``: accumulate gradients over micro-batches without any gradient collective;
-  the first backward after the block reduces everything accumulated.
+  the first backward after the block reduces everything accumulated. ``defer="all_reduce"``
+  keeps the reduce-scatter (sharded gradients) and defers only HYBRID_SHARD's replica all-reduce;
+  ``accumulation_costs`` / ``memory_report(micro_batches=K)`` say what each choice costs.
 * ``clip_grad_norm_(model, max_norm)``: the global gradient norm of a sharded model (DTensor
   gradients, on one or several meshes), returned as a plain float, and clipping in place.
 * ``memory_report(model, optimizer)``: bytes this rank holds for parameters, gradients and
@@ -32,7 +34,6 @@ from .fsdp import fsdp_param_groups
 from .report import format_bytes, render_table
 
 __all__ = [
-    "DEFER_CHOICES",
     "AccumulationCost",
     "MemoryReport",
     "accumulation_costs",
@@ -71,7 +72,7 @@ def _set_sync(module: FSDPModule, reduce: bool, all_reduce: bool) -> None:
 
 
 # no_sync(defer=...) values: what the block defers until the first backward after it.
-DEFER_CHOICES = ("all", "all_reduce")
+_DEFER_CHOICES = ("all", "all_reduce")
 
 
 def resolve_defer(defer: object) -> str:
@@ -82,7 +83,7 @@ def resolve_defer(defer: object) -> str:
         >>> resolve_defer("ALL_REDUCE")
         'all_reduce'
     """
-    if isinstance(defer, str) and defer.strip().lower() in DEFER_CHOICES:
+    if isinstance(defer, str) and defer.strip().lower() in _DEFER_CHOICES:
         return defer.strip().lower()
     raise ValueError(
         f"no_sync: defer={defer!r} is not accepted. Accepted: 'all' (no gradient collective inside the "
