@@ -126,6 +126,23 @@ def test_bench_memory(tmp_path: Path) -> None:
         assert (tmp_path / "memory.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_bench_accumulation(tmp_path: Path) -> None:
+    run_bench("bench_accumulation.py", tmp_path)  # 4 ranks, 2x2 HYBRID mesh
+    data = results(tmp_path, "accumulation")
+    variants = ["sync every micro-batch", 'no_sync(defer="all")', 'no_sync(defer="all_reduce")']
+    check_timing(data["timing"], variants)
+    units, k = 3, data["k"]  # two blocks and the root
+    want = {variants[0]: (k * units, k * units), variants[1]: (units, units), variants[2]: (k * units, units)}
+    for name, counts in want.items():
+        counted = data["collectives"][name]
+        assert (counted.get("reduce_scatter_base", 0), counted.get("allreduce", 0)) == counts, (name, counted)
+        assert (data["predicted"][name]["reduce_scatters"], data["predicted"][name]["all_reduces"]) == counts
+    memory, predicted = data["memory_bytes"], data["predicted"]
+    for name in variants:  # the tracker's bytes held between micro-batches (best rank) = memory_report's
+        assert memory[name]["grads_between_best_rank"] == predicted[name]["grad_bytes"], (name, memory[name])
+    assert predicted[variants[1]]["grad_bytes"] == 2 * predicted[variants[2]]["grad_bytes"]  # unsharded vs 1/2
+
+
 def test_bench_accelerate(tmp_path: Path) -> None:
     if importlib.util.find_spec("accelerate") is None:
         proc = run_bench("bench_accelerate.py", tmp_path)

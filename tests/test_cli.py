@@ -196,6 +196,14 @@ def test_plan_cli_json(capsys):
     assert data["param_bytes"] == 69960 and data["world_size"] == 2 and data["dry_run"] is None
 
 
+def test_plan_cli_micro_batches(capsys):
+    argv = ["plan", "zeta_fsdp.models.gpt:small", "--world-size", "4", "--shard-strat", "HYBRID_SHARD"]
+    assert main([*argv, "--replicate-size", "2", "--no-dry-run", "--micro-batches", "3"]) == 0
+    out = capsys.readouterr().out
+    row = next(line for line in out.splitlines() if line.startswith('no_sync(defer="all_reduce")'))
+    assert row.split()[-4:] == ["68.32", "KiB", "12", "4"], row  # sharded grads, 3 x 4 reduce-scatters, 4 all-reduces
+
+
 # ------------------------------------------------------------------ bad input: one line, exit code 2
 
 BAD_INPUT = [
@@ -215,6 +223,7 @@ BAD_INPUT = [
     (["plan", "zeta_fsdp.models.gpt:small", "--shard-strat", "ZERO4"], "accepted (case-insensitive): FULL_SHARD,"),
     (["plan", "zeta_fsdp.models.gpt:small", "--mp", "int8"], "accepted (case-insensitive): fp32,"),
     (["plan", "zeta_fsdp.models.gpt:small", "--world-size", "0"], "--world-size must be an int from 1 to"),
+    (["plan", "zeta_fsdp.models.gpt:small", "--micro-batches", "0"], "--micro-batches must be an int from 1 to"),
     (["plan", "zeta_fsdp.models.gpt:small", "--world-size", "2", "--rank", "2"], "Accepted: an int in [0, 1]"),
     (["plan", "zeta_fsdp.models.gpt:small", "--block", "Nope"], "matches no submodule"),
     (["plan", "/no/such/config.json"], "no config file"),

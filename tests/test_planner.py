@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from conftest import launch_worker
+from torch.distributed.fsdp import MixedPrecisionPolicy
 
 import zeta_fsdp.cli.demo
 import zeta_fsdp.planner
@@ -114,6 +115,32 @@ def test_report_lists_units_and_totals():
     assert "68.32 KiB" in text  # 69,960 bytes of sharded parameters
 
 
+def test_accumulation_costs_per_choice():
+    """Gradient bytes held between micro-batches and collectives per K: the unsharded model for
+    defer="all", a shard for defer="all_reduce"; K reduce-scatters but one all-reduce per unit.
+    (Measured on real ranks: training_cases.no_sync_defer_all_reduce_hybrid_2x2.)"""
+    model = meta_gpt()
+    full_fp32 = sum(p.numel() for p in model.parameters()) * 4
+    p = plan(model, 4, "HYBRID_SHARD", replicate_size=2, micro_batches=3)
+    costs = p.accumulation()
+    units = 4  # three blocks and [tok_emb, pos_emb, norm, head]; the root owns no parameter
+    assert costs["sync"].grad_bytes == costs["all_reduce"].grad_bytes == p.grad_bytes == 69960
+    assert costs["all"].grad_bytes == full_fp32 == 139800
+    counts = {name: (c.reduce_scatters, c.all_reduces) for name, c in costs.items()}
+    assert counts == {"sync": (3 * units, 3 * units), "all": (units, units), "all_reduce": (3 * units, units)}
+    assert p.accumulation(5)["all_reduce"].reduce_scatters == 5 * units
+    text = p.report()
+    assert "gradient accumulation, 3 micro-batches" in text and 'no_sync(defer="all_reduce")' in text, text
+    assert "gradient accumulation" not in plan(model, 4, "HYBRID_SHARD", replicate_size=2).report()
+    # 1-D mesh: no all-reduce to defer, defer="all_reduce" is syncing every micro-batch
+    flat = plan(model, 2, "FULL_SHARD").accumulation(3)
+    assert (flat["all_reduce"].grad_bytes, flat["all_reduce"].all_reduces) == (flat["sync"].grad_bytes, 0)
+    # bf16 compute with fp32 reduction: unsharded gradients wait in fp32; bf16 reduction halves them
+    assert plan(model, 2, mp="bf16").accumulation(2)["all"].grad_bytes == full_fp32
+    bf16_reduce = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
+    assert plan(model, 2, mp=bf16_reduce).accumulation(2)["all"].grad_bytes == full_fp32 // 2
+
+
 @pytest.mark.parametrize(
     "kwargs, message",
     [
@@ -124,6 +151,7 @@ def test_report_lists_units_and_totals():
         (dict(world_size=2, optimizer="lion"), "'adamw'"),
         (dict(world_size=6, shard_strat="HYBRID_SHARD", replicate_size=4), "Accepted: [1, 2, 3, 6]"),
         (dict(world_size=2, TransformerBlock="Nope"), "matches no submodule"),
+        (dict(world_size=2, micro_batches=0), "micro_batches=0 is not accepted. Accepted: an int >= 1"),
     ],
 )
 def test_bad_arguments_name_accepted_values(kwargs, message):

@@ -313,3 +313,23 @@ def test_example_resumes_on_one_process(dist_results, session_tmp):
         # printed with 6 decimals; micro-batches group samples differently at 1 rank
         assert abs(again[step] - losses[step - 1]) <= 2e-5, (step, again[step], losses[step - 1])
     assert (ckpt / "step_000006.ckpt").is_file()
+
+
+def test_no_sync_defer_is_checked_before_parallelize(monkeypatch):
+    """``strategy.no_sync(defer=...)`` passes ``defer`` through; a bad value fails before
+    ``parallelize()`` (which would start a process group and shard the model)."""
+    from zeta_fsdp.strategy import FSDP2Strategy, core
+
+    strategy = FSDP2Strategy()
+    calls = []
+    monkeypatch.setattr(strategy, "parallelize", lambda: calls.append("parallelize"))
+    monkeypatch.setattr(strategy, "_require_module", lambda: "the module")
+    with pytest.raises(ValueError, match=r"defer='replicas' is not accepted. Accepted: 'all'"):
+        strategy.no_sync(defer="replicas")
+    assert calls == []
+    seen = {}
+    monkeypatch.setattr(core, "no_sync", lambda module, defer: seen.update(module=module, defer=defer))
+    strategy.no_sync(defer="all_reduce")
+    assert calls == ["parallelize"] and seen == {"module": "the module", "defer": "all_reduce"}
+    strategy.no_sync()
+    assert seen["defer"] == "all"

@@ -112,3 +112,24 @@ def test_loss_collective_buffers_on_the_communication_device(monkeypatch):
     monkeypatch.setattr(dist, "all_reduce", lambda tensor, *args, **kwargs: seen.append(tensor.device))
     reduction.reduce([])
     assert seen == [torch.device("meta")], seen
+
+
+def test_no_sync_defer_values_single_process():
+    """A bad ``defer`` is a ValueError naming it, raised on entering, before anything changes;
+    a plain module accepts both good values (nothing to defer)."""
+    from zeta_fsdp.training import accumulation_costs, memory_report, no_sync
+
+    net = torch.nn.Linear(2, 2)
+    for bad in ("replicas", "ALL REDUCE", None, 1):
+        with pytest.raises(ValueError, match=r"defer=.*not accepted. Accepted: 'all'.*'all_reduce'") as info:
+            with no_sync(net, defer=bad):
+                raise AssertionError("entered")
+        assert repr(bad) in str(info.value)
+    for good in ("all", "all_reduce", "All_Reduce"):
+        with no_sync(net, defer=good):
+            net(torch.ones(1, 2)).sum().backward()
+    with pytest.raises(ValueError, match="micro_batches=0 is not accepted"):
+        accumulation_costs(0, sharded=1, unsharded=1, partial=1, reduce_scatter_units=1, all_reduce_units=1)
+    report = memory_report(net, micro_batches=2)
+    assert {c.grad_bytes for c in report["accumulation"].values()} == {24}  # whole gradients, no collective
+    assert 'no_sync(defer="all_reduce")' in report.table()

@@ -27,6 +27,7 @@ from worker import (
     Cases,
     assert_close,
     assert_close_scaled,
+    expect_error,
     full,
     local_slice,
     rank,
@@ -251,14 +252,21 @@ def no_sync_no_shard_replicate_accumulation():
     for i in range(k):
         xi, yi = local_slice(x[4 * i : 4 * (i + 1)]), local_slice(y[4 * i : 4 * (i + 1)])
         if i < k - 1:
-            with no_sync(model):
+            with no_sync(model, defer="all" if i == 0 else "all_reduce"):  # one collective: both defer it
                 with no_sync(model):  # an inner exit must not turn sync back on
                     pass
-                (lm_loss(model(xi), yi) / k).backward()
+                counts = comm_counts(lambda xi=xi, yi=yi: (lm_loss(model(xi), yi) / k).backward())
+            # DDP is built at the first forward (a shape check and rank 0's values broadcast)
+            built = {"allgather": 1, "broadcast": 2} if i == 0 else {}
+            assert counts == built, f"micro-batch {i} inside no_sync communicated: {counts}"
             (lm_loss(local_ref(xi), yi) / k).backward()
             assert_grads_match(model, local_ref, atol=0.0)  # this rank's own sum: nothing reduced
         else:
-            (lm_loss(model(xi), yi) / k).backward()
+            counts = comm_counts(lambda xi=xi, yi=yi: (lm_loss(model(xi), yi) / k).backward())
+    costs = memory_report(model, micro_batches=k)["accumulation"]
+    assert counts == {"allreduce": costs["all"].all_reduces}, (counts, costs)  # DDP: buckets + used map
+    whole = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert {c.grad_bytes for c in costs.values()} == {whole}, costs
     grad = model.blocks[0].mlp[0].weight.grad
     gathered = [torch.empty_like(grad) for _ in range(world())]
     dist.all_gather(gathered, grad)
@@ -324,6 +332,154 @@ def regression_no_sync_on_other_torch_state_layouts():
             assert after == before, f"{after} != {before}"
         else:  # nothing readable: back to FSDP's default, sync on every unit
             assert all(f == (True, True) for f in after), after
+
+
+# ---------------------------------------------------------------------------------------------
+# no_sync(defer="all_reduce"): reduce-scatter every micro-batch, defer only the replica all-reduce
+
+
+def deferred_all_reduce_reference(ref: nn.Module, k: int, x: torch.Tensor, y: torch.Tensor, replicas: int) -> None:
+    """The gradient FSDP2 computes with ``no_sync(defer="all_reduce")``, bit for bit, into ``ref``.
+
+    Each micro-batch is reduced within each shard group (``reference_backward`` on the replica's
+    slice: one chunk per shard rank, averaged), the reduced micro-batches are summed in order (FSDP2
+    adds each reduce-scatter output into one sharded buffer, the last one plus that buffer: a sum of
+    the same terms in the same order, since a + b == b + a), then averaged over the replicas. This is
+    not ``reference_backward(micro_batches=k)``, which sums each rank's micro-batches *before* the
+    shard-group mean: the two orders can differ by roundings, so the test uses FSDP2's own order.
+    """
+    params = list(ref.parameters())
+    shard, per = world() // replicas, x.shape[0] // k
+    finals = []
+    for replica in range(replicas):
+        total: list = [None] * len(params)
+        for i in range(k):
+            for p in params:
+                p.grad = None
+            xi, yi = (local_slice(t[i * per : (i + 1) * per], replicas, replica) for t in (x, y))
+            reference_backward(ref, lambda out, tgt: lm_loss(out, tgt) / k, xi, yi, ranks=shard)
+            total = [g if t is None else t + g for t, g in zip(total, (p.grad for p in params))]
+        finals.append(total)
+    for j, p in enumerate(params):
+        grads = [f[j] for f in finals]
+        summed = grads[0]
+        for g in grads[1:]:
+            summed = summed + g
+        p.grad = summed / replicas
+
+
+def held_grad_bytes(model: nn.Module) -> int:
+    """Bytes of every distinct gradient storage FSDP2 holds for the model now: sharded ``.grad``,
+    unsharded gradients (``defer="all"``) and the reduce-scattered sum waiting for its all-reduce
+    (``defer="all_reduce"``), read from torch's own state (torch 2.13 names)."""
+    from torch.distributed.fsdp._fully_shard._fsdp_state import _get_module_fsdp_state
+
+    storages: dict[int, int] = {}
+
+    def add(t: Optional[torch.Tensor]) -> None:
+        if t is not None:
+            t = t.to_local() if hasattr(t, "to_local") else t
+            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            for group in _get_module_fsdp_state(module)._fsdp_param_groups:
+                add(group._partial_reduce_output)
+                for fp in group.fsdp_params:
+                    add(fp.sharded_param.grad)
+                    add(fp._unsharded_param.grad)
+                    add(fp.unsharded_accumulated_grad)
+    return sum(storages.values())
+
+
+def _planned(shard_strat: str, k: int, **kwargs) -> dict:
+    """The planner's accumulation figures for the demo GPT as ``sharded_gpt`` wraps it."""
+    from zeta_fsdp.planner import plan
+
+    with torch.device("meta"):
+        meta = small()
+    return plan(meta, world(), shard_strat, rank=rank(), TransformerBlock=Block, **kwargs).accumulation(k)
+
+
+def _deferred_accumulation(shard_strat: str, k: int, **kwargs) -> None:
+    """K micro-batches, the first K-1 inside ``no_sync(defer="all_reduce")``: every micro-batch
+    reduce-scatters, only the last all-reduces (HYBRID); gradients equal FSDP2's order of sums
+    exactly; the bytes held between micro-batches are the sharded figure memory_report and plan()
+    give, and ``defer="all"`` holds the unsharded figure."""
+    model, ref = sharded_gpt(shard_strat=shard_strat, **kwargs)
+    replicas = kwargs.get("replicate_size", 1)
+    n_units = len([f for f in sync_flags(model)])
+    report = memory_report(model, micro_batches=k)["accumulation"]
+    planned = _planned(shard_strat, k, **kwargs)
+    assert report == planned, f"memory_report {report} != plan {planned}"
+    x, y = tokens(4 * k, seed=3)
+    deferred_all_reduce_reference(ref, k, x, y, replicas)
+    reduce_scatters = all_reduces = 0
+    for i in range(k):
+        xi, yi = local_slice(x[4 * i : 4 * (i + 1)]), local_slice(y[4 * i : 4 * (i + 1)])
+
+        def micro_step(xi=xi, yi=yi):
+            (lm_loss(model(xi), yi) / k).backward()
+
+        if i < k - 1:
+            with no_sync(model, defer="all_reduce"):
+                assert all(f == (True, False) for f in sync_flags(model)), sync_flags(model)
+                counts = comm_counts(micro_step)
+            assert counts.get("reduce_scatter_base", 0) == n_units, f"micro-step {i}: {counts} ({n_units} units)"
+            assert counts.get("allreduce", 0) == 0, f"micro-step {i} all-reduced: {counts}"
+            held = held_grad_bytes(model)
+            assert held == report["all_reduce"].grad_bytes, f"holds {held} B, reported {report['all_reduce']}"
+            if replicas > 1:  # FSDP2 keeps the sum in its own buffer: no .grad until the all-reduce
+                assert all(p.grad is None for p in model.parameters()), "a .grad before the all-reduce"
+                assert held < report["all"].grad_bytes, (held, report)
+        else:
+            counts = comm_counts(micro_step)
+            assert counts.get("reduce_scatter_base", 0) == n_units, f"last micro-step: {counts}"
+            assert counts.get("allreduce", 0) == (n_units if replicas > 1 else 0), f"last micro-step: {counts}"
+            assert held_grad_bytes(model) == report["sync"].grad_bytes
+        reduce_scatters += counts.get("reduce_scatter_base", 0)
+        all_reduces += counts.get("allreduce", 0)
+    want = (report["all_reduce"].reduce_scatters, report["all_reduce"].all_reduces)
+    assert (reduce_scatters, all_reduces) == want, f"{(reduce_scatters, all_reduces)} collectives, reported {want}"
+    assert all(f == (True, True) for f in sync_flags(model)), "sync not restored"
+    assert_grads_match(model, ref, atol=0.0)  # same sums in the same order: exact
+    # defer="all" holds the unsharded gradients, as reported
+    model.zero_grad()
+    with no_sync(model):
+        micro_step()
+    held = held_grad_bytes(model)
+    assert held == report["all"].grad_bytes, f"defer='all' holds {held} B, reported {report['all']}"
+    assert held > report["all_reduce"].grad_bytes, (held, report)
+
+
+@case(ranks=4)
+def no_sync_defer_all_reduce_hybrid_2x2():
+    _deferred_accumulation("HYBRID_SHARD", 3, replicate_size=2)
+
+
+@case
+def no_sync_defer_all_reduce_1d_is_sync_every_micro_batch():
+    # FULL_SHARD has no replica all-reduce: nothing is deferred, every micro-batch reduce-scatters
+    _deferred_accumulation("FULL_SHARD", 2)
+
+
+@case(ranks=4)
+def no_sync_defer_bad_value_changes_nothing():
+    model, _ = sharded_gpt(shard_strat="HYBRID_SHARD", replicate_size=2)
+    model.blocks[1].set_requires_all_reduce(False, recurse=False)  # the user's own setting
+    before = sync_flags(model)
+    for bad in ("none", "allreduce", "", True, None, 0):
+
+        def enter(bad=bad):
+            with no_sync(model, defer=bad):
+                raise AssertionError("entered the block")
+
+        message = expect_error(ValueError, enter, "defer=", "'all'", "'all_reduce'")
+        assert repr(bad) in message, message
+        assert sync_flags(model) == before, f"{bad!r}: {sync_flags(model)} != {before}"
+    with no_sync(model, defer=" ALL_REDUCE "):  # normalized like fsdp()'s strings
+        assert all(f == (True, False) for f in sync_flags(model))
+    assert sync_flags(model) == before
 
 
 # ---------------------------------------------------------------------------------------------

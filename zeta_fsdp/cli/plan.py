@@ -67,6 +67,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="HYBRID: one replica per node (default 8)",
     )
     parser.add_argument("--optimizer", choices=list(_OPTIMIZERS), default="adamw")
+    parser.add_argument(
+        "--micro-batches",
+        type=int_in(1, _MAX_WORLD_SIZE, "--micro-batches"),
+        metavar="K",
+        help="also compare the no_sync choices for accumulating K micro-batches (gradient bytes, collectives)",
+    )
     parser.add_argument("--no-dry-run", action="store_true", help="skip the fake-process-group run of fsdp()")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
 
@@ -102,6 +108,7 @@ def run(args: argparse.Namespace) -> int:
                 local_world_size=args.gpus_per_node,
                 optimizer=args.optimizer,
                 dry_run=not args.no_dry_run,
+                micro_batches=args.micro_batches,
             )
     except ValueError as e:
         raise UsageError(str(e)) from None

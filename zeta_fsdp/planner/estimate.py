@@ -40,6 +40,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from ..options import choose_engine, resolve_master_dtype, resolve_mixed_precision, resolve_sharding
 from ..report import format_bytes, render_table
+from ..training import AccumulationCost, accumulation_costs, accumulation_table, ddp_all_reduces, gradient_wait_dtype
 from ..wrapping import BlockSpec, build_wrap_plan
 from .common import dtype_name as _dtype_name
 from .common import resolve_world_and_mesh as _resolve_world_and_mesh
@@ -68,6 +69,9 @@ class UnitEstimate:
         local_param_bytes: the logical local shard (what ``DTensor.to_local()`` holds on the rank).
         grad_bytes: sharded gradient storage (padded rows, parameter dtype).
         optimizer_bytes: optimizer state on the rank (unpadded local shard).
+        unsharded_grad_bytes: the unsharded gradients ``no_sync(defer="all")`` keeps (reduce dtype).
+        partial_grad_bytes: the reduce-scattered sum ``no_sync(defer="all_reduce")`` keeps
+            (padded rows, reduce dtype).
 
     Example:
         >>> from zeta_fsdp.models.gpt import small
@@ -85,6 +89,8 @@ class UnitEstimate:
     local_param_bytes: int
     grad_bytes: int
     optimizer_bytes: int
+    unsharded_grad_bytes: int = 0
+    partial_grad_bytes: int = 0
 
 
 def _units_total(attribute: str, doc: str, example: int, plus: str = "") -> property:
@@ -145,6 +151,10 @@ class MemoryPlan:
     optimizer_state_dtype: str = "float32"
     # ``options.choose_engine``: "fully_shard" (FSDP2), or "replicate" (NO_SHARD on DDP's engine).
     engine: str = "fully_shard"
+    # plan(micro_batches=K): the report compares the ways of accumulating K micro-batches.
+    micro_batches: Optional[int] = None
+    # DDP's engine: all-reduces per synced backward (``training.ddp_all_reduces``).
+    ddp_all_reduce_count: int = 0
 
     @property
     def shard_size(self) -> int:
@@ -191,6 +201,42 @@ class MemoryPlan:
             True
         """
         return self.param_bytes + self.grad_bytes + self.optimizer_bytes + self.allgather_peak_bytes
+
+    def accumulation(self, micro_batches: Optional[int] = None) -> dict[str, AccumulationCost]:
+        """What each way of accumulating ``micro_batches`` (default: the plan's, else 4) costs the rank.
+
+        Keys ``"sync"`` (reduce every micro-batch), ``"all"`` and ``"all_reduce"``
+        (``no_sync(defer=...)``); values ``training.AccumulationCost``: the gradient bytes held
+        between micro-batches and the gradient collectives per K micro-batches, all units.
+
+        Example:
+            >>> from zeta_fsdp.models.gpt import small
+            >>> with torch.device("meta"): model = small()  # the demo GPT, nothing allocated
+            >>> costs = plan(model, world_size=4, shard_strat="HYBRID_SHARD", replicate_size=2).accumulation(3)
+            >>> costs["all"].grad_bytes, costs["all_reduce"].grad_bytes, costs["all_reduce"].reduce_scatters
+            (139800, 69960, 12)
+        """
+        k = micro_batches if micro_batches is not None else (self.micro_batches or 4)
+        if self.engine == "replicate":  # whole gradients in DDP's buckets; DDP only all-reduces
+            return accumulation_costs(
+                k,
+                sharded=self.grad_bytes,
+                unsharded=self.grad_bytes,
+                partial=self.grad_bytes,
+                reduce_scatter_units=0,
+                all_reduce_units=self.ddp_all_reduce_count,
+            )
+        whole = self.ignored_bytes  # ignored parameters keep whole gradients in every choice
+        trainable = [u for u in self.units if u.grad_bytes]
+        replicas = self.world_size // self.shard_size
+        return accumulation_costs(
+            k,
+            sharded=self.grad_bytes,
+            unsharded=sum(u.unsharded_grad_bytes for u in self.units) + whole,
+            partial=sum(u.partial_grad_bytes for u in self.units) + whole,
+            reduce_scatter_units=len(trainable) if self.shard_size > 1 else 0,
+            all_reduce_units=len(trainable) if replicas > 1 else 0,
+        )
 
     @property
     def dry_run_matches(self) -> Optional[bool]:
@@ -276,6 +322,8 @@ class MemoryPlan:
         ]
         if self.ignored_param_names:
             lines.append(f"  ({len(self.ignored_param_names)} ignored parameter(s) kept whole on every rank)")
+        if self.micro_batches:
+            lines += ["", *accumulation_table(self.accumulation(), self.micro_batches).splitlines()]
         lines += [f"note: {n}" for n in self.notes]
         if self.dry_run is not None:
             d = self.dry_run
@@ -343,6 +391,7 @@ def plan(
     ignored_params: Optional[Iterable[nn.Parameter]] = None,
     dry_run: bool = False,
     master_dtype: Union[str, torch.dtype, None] = "fp32",
+    micro_batches: Optional[int] = None,
 ) -> MemoryPlan:
     """Plan ``fsdp(model, auto_wrap, mp, shard_strat, TransformerBlock)`` at ``world_size`` ranks.
 
@@ -353,7 +402,9 @@ def plan(
     ``"adam"`` or ``"none"``. ``dry_run=True`` also runs the real ``fsdp()`` on a meta copy under
     a fake process group in a subprocess and attaches the result (``MemoryPlan.dry_run``).
     ``master_dtype`` is ``fsdp()``'s: floating-point parameters, gradients and optimizer state are
-    counted in it (default fp32, whatever dtype the meta model was built in).
+    counted in it (default fp32, whatever dtype the meta model was built in). ``micro_batches=K``
+    adds to the report what accumulating K micro-batches costs with each ``no_sync`` choice
+    (``MemoryPlan.accumulation``).
 
     Raises ``ValueError`` for a bad argument (the message lists the accepted values).
 
@@ -369,6 +420,8 @@ def plan(
         raise ValueError(f"plan(): model must be a torch.nn.Module, got {type(model).__name__}.")
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"plan(): unknown optimizer={optimizer!r}. Accepted: {', '.join(map(repr, OPTIMIZERS))}.")
+    if micro_batches is not None:
+        accumulation_costs(micro_batches, sharded=0, unsharded=0, partial=0, reduce_scatter_units=0, all_reduce_units=0)
     policy = resolve_mixed_precision(mp, caller="plan")
     master = resolve_master_dtype(master_dtype, caller="plan")
     spec = resolve_sharding(shard_strat, caller="plan")
@@ -415,6 +468,16 @@ def plan(
         master_dtype=stored_label,
         optimizer_state_dtype=stored_label,  # torch optimizers keep state in the parameter's dtype
         engine=engine,
+        micro_batches=micro_batches,
+        ddp_all_reduce_count=ddp_all_reduces(
+            [
+                (_stored_dtype(p, master), p.numel() * _stored_size(p, master))
+                for p in params.values()
+                if p.requires_grad
+            ]
+        )
+        if engine == "replicate"
+        else 0,
     )
     if engine == "replicate":
         result.notes.append(
@@ -460,7 +523,7 @@ def _estimate_unit(
     n_state: int,
     master: Optional[torch.dtype] = torch.float32,
 ) -> UnitEstimate:
-    unsharded = padded_bytes = local_bytes = grad = opt = 0
+    unsharded = padded_bytes = local_bytes = grad = opt = unsharded_grad = partial_grad = 0
     for name in unit.param_names:
         param = params[name]
         padded, local, gathered = _shard_geometry(param, shard_size, shard_rank)
@@ -474,6 +537,9 @@ def _estimate_unit(
         local_bytes += local * size
         if param.requires_grad:  # frozen parameters get neither gradients nor optimizer state
             grad += padded * size
+            wait = gradient_wait_dtype(policy, _stored_dtype(param, master)).itemsize
+            unsharded_grad += param.numel() * wait
+            partial_grad += padded * wait
             opt += n_state * local * size + _STEP_BYTES if n_state else 0
     return UnitEstimate(
         name=unit.name,
@@ -485,6 +551,8 @@ def _estimate_unit(
         local_param_bytes=local_bytes,
         grad_bytes=grad,
         optimizer_bytes=opt,
+        unsharded_grad_bytes=unsharded_grad,
+        partial_grad_bytes=partial_grad,
     )
 
 

@@ -40,7 +40,7 @@ from ..distributed import (
     on_all_ranks,
     shutdown,
 )
-from ..training import clip_grad_norm_, no_sync
+from ..training import clip_grad_norm_, no_sync, resolve_defer
 from . import checkpoint as ckpt_io
 from . import parallel as strategy_parallel
 from .options import resolve_sizes, validate_strategy_options
@@ -322,11 +322,13 @@ class FSDP2Strategy:
 
     # ----------------------------------------------------------------------------- loop helpers
 
-    def no_sync(self) -> contextlib.AbstractContextManager:
-        """``zeta_fsdp.training.no_sync`` on the module: accumulate gradients without reducing them.
-        Example: ``with strategy.no_sync(): strategy.training_step(batch0).backward()``."""
+    def no_sync(self, *, defer: str = "all") -> contextlib.AbstractContextManager:
+        """``zeta_fsdp.training.no_sync`` on the module: accumulate gradients, deferring their reduction
+        (``defer="all"``: every gradient collective; ``"all_reduce"``: only HYBRID's replica all-reduce).
+        Example: ``with strategy.no_sync(defer="all_reduce"): strategy.training_step(batch0).backward()``."""
+        resolve_defer(defer)  # a bad value fails before parallelize() changes anything
         self.parallelize()
-        return no_sync(self._require_module())
+        return no_sync(self._require_module(), defer=defer)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: Union[float, str] = 2.0) -> float:
         """``zeta_fsdp.training.clip_grad_norm_`` on the module; returns the global norm.
