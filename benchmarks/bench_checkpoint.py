@@ -50,7 +50,7 @@ from zeta_fsdp.state_dict import reader as reader_mod
 
 def parser():
     p = bench_parser(__doc__.splitlines()[0])
-    p.add_argument("--blocks", type=int, default=8, help="blocks per variant (variants alternate block by block)")
+    p.add_argument("--blocks", type=int, default=10, help="blocks per variant (variants alternate block by block)")
     p.add_argument("--steps", type=int, default=3, help="repetitions per block (the block's median is kept)")
     p.add_argument("--vocab", type=int, default=16384)
     p.add_argument("--dim", type=int, default=512)
@@ -228,7 +228,8 @@ def rank_main(args) -> None:
     model_bytes = torch.tensor(sum(v.numel() * v.element_size() for v in unique) if rank == 0 else 0)
     dist.broadcast(model_bytes, src=0)
     model_bytes = int(model_bytes)
-    counter = iter(range(10**6))
+    counter = iter(range(10**6))  # save_checkpoint paths: every rank draws the same numbers
+    files = iter(range(10**6))  # file names of one rank's own saves
     ckpt = save_checkpoint(base / "ckpt", model)
     full_pt = base / "full.pt"
     if rank == 0:
@@ -238,8 +239,10 @@ def rank_main(args) -> None:
     def on_rank0(fn: Callable[[], Any]) -> Callable[[], None]:
         return lambda: fn() if rank == 0 else None
 
+    # Every save writes a new file, as save_checkpoint writes a new directory (overwriting a file
+    # would add freeing its old pages to the baseline); ``clean`` deletes them outside the timing.
     def torch_save() -> None:
-        with open(base / "full_save.pt", "wb") as f:
+        with open(base / f"s_full_{next(files)}.pt", "wb") as f:
             torch.save(full_sd, f)
             f.flush()
             os.fsync(f.fileno())  # DCP fsyncs each file: the same durability for the baseline
@@ -259,7 +262,7 @@ def rank_main(args) -> None:
     torch.save(local, local_pt)
 
     def local_save() -> None:
-        with open(base / f"local_save_{rank}.pt", "wb") as f:
+        with open(base / f"s_local_{rank}_{next(files)}.pt", "wb") as f:
             torch.save(local, f)
             f.flush()
             os.fsync(f.fileno())
@@ -268,9 +271,9 @@ def rank_main(args) -> None:
         "save_checkpoint": lambda: save_checkpoint(base / f"s{next(counter)}", model),
         "torch.save + fsync (rank 0)": on_rank0(torch_save),
         "torch.save of each rank's shards + fsync (all ranks)": local_save,
-        "gather + torch.save (rank 0)": lambda: (lambda sd: torch.save(sd, base / "g.pt") if rank == 0 else None)(
-            get_full_state_dict(model)
-        ),
+        "gather + torch.save (rank 0)": lambda: (
+            lambda sd: torch.save(sd, base / f"s_gathered_{next(files)}.pt") if rank == 0 else None
+        )(get_full_state_dict(model)),
         "load_checkpoint": lambda: load_checkpoint(ckpt, model),
         "load_checkpoint, files read not mapped": read_not_map,
         # the tied head is stored once, as the embedding: allow the partial load
@@ -285,7 +288,7 @@ def rank_main(args) -> None:
         dist.barrier()
         if rank == 0:
             for p in base.glob("s*"):
-                shutil.rmtree(p, ignore_errors=True)
+                shutil.rmtree(p) if p.is_dir() else p.unlink()
         dist.barrier()
 
     times = interleaved(variants, args.blocks, args.steps, clean)
@@ -328,7 +331,8 @@ def rank_main(args) -> None:
         breakdown[what] = {"total_s": finite(total), "steps_s": per_step}
         top = sum(v for k, v in per_step.items() if not k.startswith("-"))
         rows = [[label, f"{s * 1e3:.1f}", f"{s / total * 100:.0f} %"] for label, s in per_step.items()]
-        rows.append(["rest: collectives (validation, agreement), Python glue", f"{(total - top) * 1e3:.1f}", ""])
+        rest = "rest: collectives, incl. waiting for the slower rank (validation, agreement), Python glue"
+        rows.append([rest, f"{(total - top) * 1e3:.1f}", f"{(total - top) / total * 100:.0f} %"])
         rows.append([f"**total `{what}`** (rank 0)", f"{total * 1e3:.1f}", "100 %"])
         report.table(
             f"Where `{what}` spends its time (rank 0, median of {repeats} calls)", ["step", "ms", "share"], rows
@@ -354,7 +358,42 @@ def rank_main(args) -> None:
                 ]
             ],
         )  # fmt: skip
+
+    def ratio(name: str) -> float:
+        return next(v["median"] for k, v in timing[name].items() if k.startswith("vs "))
+
+    load, save = ratio("load_checkpoint"), ratio("save_checkpoint")
+    load_floor = ratio("torch.load of each rank's shards (all ranks)")
+    save_floor = ratio("torch.save of each rank's shards + fsync (all ranks)")
     report.notes += [
+        f"Goal `load_checkpoint` <= 2x `torch.load`: {load:.2f}x, {'met' if load <= 2 else 'NOT met'} in this run. "
+        "It keeps every check: the model and optimizer are validated first (one collective), each rank maps "
+        "its shard files once and computes the CRC-32 of every entry of every record it needs over the mapped "
+        "pages (no read into a buffer, no second pass, no `torch.load` per record: tensors are views of the "
+        "checked bytes), the ranks agree that all of them succeeded (one all-reduce), and only then are the "
+        "checked bytes copied into the live shards: no scratch copy, and a bad file on any rank changes nothing. "
+        f"The floor on this machine, every rank `torch.load`ing its own shards with no checks, is {load_floor:.2f}x; "
+        f"raw `dcp.load` (no checks) is {ratio('raw dcp.load (no checks)'):.2f}x; reading the files into memory "
+        f"instead of mapping them costs {ratio('load_checkpoint, files read not mapped'):.2f}x.",
+        f"Goal `save_checkpoint` <= 1.1x `torch.save` + fsync: {save:.2f}x, {'met' if save <= 1.1 else 'NOT met'} "
+        f"in this run. The floor of any {world}-rank save here, every rank `torch.save`ing its own shards + fsync "
+        f"in parallel, is {save_floor:.2f}x: the ranks share {os.cpu_count()} cores (with other jobs) and one disk, "
+        "so writing in parallel buys nothing on this machine. The rest is DCP's format and durability: one "
+        "`torch.save` zip per tensor (`_write_item`), planning collectives, the `.metadata` file written and "
+        "fsynced by rank 0, and the directory published atomically (rename + fsync of the parent): see the "
+        "breakdown. What was avoidable is gone: the input checks and the temporary directory take one "
+        "collective (was two), no extra agreement wraps DCP's save (its collectives already carry a failure to "
+        "every rank), and `extra`/optimizer options made of plain values skip the `torch.save`/`torch.load` "
+        "round trip (anything else still takes it).",
+        "Before this work (commit 58c8864; results file of 2026-11-23 01:31, another run, median of 5): "
+        "`load_checkpoint` 8.20x `torch.load`, raw `dcp.load` 3.39x, `save_checkpoint` 1.85x `torch.save` + fsync. "
+        "Where that load went (cProfile of rank 0, 4 calls, ms per call, inflated by the profiler): DCP's "
+        "reader 100 (a seek and a read per record 19, `zipfile.testzip` CRC pass over a copy of each record "
+        "58, then `torch.load` of each record from another copy 69), `set_model_state_dict` copying the "
+        "scratch copy into the model 38, `get_sharded_state_dict` 14, six collectives ~28 (validation, DCP "
+        "planning, the read's agreement): 335 in all.",
+        "Ratios are medians of per-block ratios (a block of a variant and the adjacent block of its baseline "
+        "saw the same machine state); the block ranges show how much the shared machine moved.",
         f"Model: example GPT, vocab {cfg.vocab_size}, dim {cfg.dim}, {cfg.n_layers} blocks, tied embedding/head "
         f'({model_bytes / 2**20:.1f} MiB of fp32 weights); `fsdp(..., auto_wrap=True, shard_strat="FULL_SHARD")`.',
         "Checkpoints go to a local disk (temp dir); the page cache is warm (the files were just written or read), "
