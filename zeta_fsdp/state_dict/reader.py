@@ -118,9 +118,9 @@ class _VerifyingReader(FileSystemReader):
 
     Each record in a ``.distcp`` file is a ``torch.save`` zip archive whose entries carry CRC-32s;
     ``torch.load`` does not check them, so a flipped bit would load silently as a wrong value.
-    The records a rank needs are read with one read per file (per run of nearby records), the
-    CRC-32s computed over those bytes in memory (``records.entries``), and tensors decoded as
-    views of them (``records.tensor_record``). ``read_data`` copies nothing into the state dict:
+    Each file a rank needs is mapped once (``_MAP_FILES``; else read once per run of nearby
+    records), the CRC-32s computed over those bytes in place (``records.entries``), and tensors
+    decoded as views of them (``records.tensor_record``). ``read_data`` copies nothing into the state dict:
     it queues ``(target, source)`` pairs; ``commit`` copies them once every record is checked.
     """
 
@@ -166,15 +166,16 @@ class _VerifyingReader(FileSystemReader):
 
     def _runs(self, items: list[Any]) -> list[tuple[int, int, list[Any]]]:
         """Group records (sorted by offset) into runs read at once: gaps under ``_GAP`` are read through."""
-        runs: list[tuple[int, int, list[Any]]] = []
+        runs: list[list[Any]] = []  # [begin, end, items]
         for item in items:
             info = self.storage_data[item.storage_index]
             begin, end = int(info.offset), int(info.offset) + int(info.length)
             if runs and begin - runs[-1][1] <= _GAP:
-                runs[-1] = (runs[-1][0], max(runs[-1][1], end), runs[-1][2] + [item])
+                runs[-1][1] = max(runs[-1][1], end)
+                runs[-1][2].append(item)
             else:
-                runs.append((begin, end, [item]))
-        return runs
+                runs.append([begin, end, [item]])
+        return [(begin, end, run) for begin, end, run in runs]
 
     def _read_record(self, item: Any, record: memoryview, where: str, planner: LoadPlanner) -> None:
         files = entries(record, where)

@@ -93,8 +93,11 @@ class _Storage(tuple):
     """``(dtype, key, numel)`` of the storage a tensor record's ``data.pkl`` names."""
 
 
-def _rebuild(storage: Any, offset: Any, size: Any, stride: Any, *_rest: Any) -> tuple:
-    return ("tensor", storage, offset, tuple(size), tuple(stride))
+def _rebuild(storage: Any, offset: Any, size: Any, stride: Any, *rest: Any) -> tuple:
+    # ``rest``: requires_grad, backward hooks, tensor metadata (conj/neg bits...). Anything beyond
+    # the plain case (no hooks, no metadata) is left to ``torch.load``.
+    plain = len(rest) <= 3 and not any(rest[1:])
+    return ("tensor", storage, offset, tuple(size), tuple(stride)) if plain else ("other",)
 
 
 class _TensorPickle(pickle.Unpickler):
@@ -128,7 +131,13 @@ def tensor_record(files: dict[str, memoryview], where: str) -> Optional[torch.Te
         parsed = _TensorPickle(io.BytesIO(bytes(files[pkl[0]]))).load()
     except (pickle.UnpicklingError, EOFError, ValueError, TypeError, IndexError, AttributeError):
         return None  # not the one shape of record this fast path knows: torch.load decides
-    if not (isinstance(parsed, tuple) and len(parsed) == 5 and parsed[0] == "tensor"):
+    if not (
+        isinstance(parsed, tuple)
+        and len(parsed) == 5
+        and parsed[0] == "tensor"
+        and isinstance(parsed[1], _Storage)
+        and all(type(x) is int for x in (parsed[2], *parsed[3], *parsed[4]))
+    ):
         return None
     _, (dtype, key, numel), offset, size, stride = parsed
     data = files.get(f"{prefix}data/{key}")
