@@ -414,11 +414,12 @@ def bad_inputs_raise_before_touching():
     expect_error(CheckpointError, load(truncated), str(truncated / "__1_0.distcp"), "truncated")
     unchanged("truncated shard")
 
-    def flip_a_data_byte(path):
+    def flip_a_data_byte(path, file=None):
         from zeta_fsdp.state_dict.reader import read_metadata
 
         md = read_metadata(path, "test")
         model_records = [kv for kv in md.storage_data.items() if kv[0].fqn.startswith("model.")]
+        model_records = [kv for kv in model_records if file is None or kv[1].relative_path == file]
         index, info = max(model_records, key=lambda kv: kv[1].length)
         shard = path / info.relative_path
         data = bytearray(shard.read_bytes())
@@ -428,6 +429,12 @@ def bad_inputs_raise_before_touching():
     corrupted = damaged("corrupted", flip_a_data_byte)
     expect_error(CheckpointError, load(corrupted), str(corrupted), "CRC-32", "not changed")
     unchanged("corrupted shard")
+    # One rank's file damaged, the other's intact: the intact rank has checked everything it needs
+    # before the other fails, and must still copy nothing (the ranks agree before any copy).
+    for file in ("__0_0.distcp", "__1_0.distcp"):
+        one_bad = damaged(f"corrupted_{file[2]}", lambda path, file=file: flip_a_data_byte(path, file))
+        expect_error(CheckpointError, load(one_bad), str(one_bad / file), "CRC-32", "not changed")
+        unchanged(f"corrupted {file} only")
 
     def garbage_metadata(path):
         (path / ".metadata").write_bytes(b"\x80\x04garbage")

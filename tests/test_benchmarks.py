@@ -164,3 +164,21 @@ def test_bench_gpu_skips_cleanly_without_cuda(tmp_path: Path) -> None:
     proc = run_bench("bench_gpu.py", tmp_path, timeout=120)
     assert proc.stdout.strip() == "bench_gpu: skipped: no CUDA device (torch.cuda.is_available() is False)"
     assert not any(tmp_path.iterdir()), "a skipped run must not write results"
+
+
+def test_bench_checkpoint(tmp_path: Path) -> None:
+    run_bench("bench_checkpoint.py", tmp_path)
+    data = results(tmp_path, "checkpoint")
+    timing = data["timing"]
+    assert "save_checkpoint" in timing and "load_checkpoint" in timing, sorted(timing)
+    for name, t in timing.items():
+        assert positive(t["median_s"]) and t["block_s"] and all(positive(x) for x in t["block_s"]), (name, t)
+        for ref in (k for k in t if k.startswith("vs ")):
+            r = t[ref]
+            assert all(positive(r[k]) for k in ("median", "min", "max")) and r["min"] <= r["median"] <= r["max"]
+    for what in ("load_checkpoint", "save_checkpoint"):
+        steps = data["breakdown"][what]["steps_s"]
+        assert steps and all(isinstance(s, float) and s >= 0 for s in steps.values()), (what, steps)
+        assert positive(data["breakdown"][what]["total_s"])
+    # Sharded files add up to the model's bytes (the tied embedding/head once) plus small headers.
+    assert data["model_bytes"] <= sum(data["files"].values()) < 1.5 * data["model_bytes"], data["files"]

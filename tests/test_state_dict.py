@@ -382,3 +382,96 @@ def test_save_failing_before_writing_leaves_no_temp_dir(tmp_path):
     with pytest.raises(CheckpointError, match="not in the model"):
         save_checkpoint(tmp_path / "c", small(), other)
     assert names(tmp_path) == [], "a failed save left a temporary directory"
+
+
+# --------------------------------------------------------------------------- the record reader (no process group)
+
+
+@pytest.mark.parametrize(
+    "tensor",
+    [
+        torch.arange(15, dtype=torch.float32).reshape(3, 5),
+        torch.arange(12, dtype=torch.int64).reshape(4, 3).t(),  # saved with transposed strides
+        torch.tensor([True, False, True]),
+        torch.zeros(0, 4, dtype=torch.bfloat16),
+    ],
+    ids=["float32", "int64-transposed", "bool", "empty-bf16"],
+)
+def test_record_reader_never_returns_a_wrong_tensor(tensor):
+    """Every single-bit flip anywhere in a record: an error, a fall-back to torch.load, or the exact tensor.
+
+    ``records.entries`` checks every entry's CRC-32 over the bytes in memory and
+    ``records.tensor_record`` views the data entry; a damaged record must never decode to a
+    different tensor.
+    """
+    import io
+
+    from zeta_fsdp.state_dict.records import entries, tensor_record
+
+    buffer = io.BytesIO()
+    torch.save(tensor, buffer)
+    record = bytearray(buffer.getvalue())
+    files = entries(memoryview(bytes(record)), "intact")
+    decoded = tensor_record(files, "intact")
+    assert decoded is not None and decoded.dtype == tensor.dtype and decoded.stride() == tensor.stride()
+    assert torch.equal(decoded, tensor)
+    # Where the pickle and the tensor bytes are: every flip there must be caught (their CRC-32s).
+    checked = set()
+    for name, data in files.items():
+        if name.endswith(("data.pkl", "data/0")) and len(data):
+            start = bytes(record).find(bytes(data))
+            checked.update(range(start, start + len(data)))
+    outcomes = {"error": 0, "fallback": 0, "same": 0}
+    for position in range(len(record)):
+        for mask in (0x01, 0x80):
+            damaged = bytearray(record)
+            damaged[position] ^= mask
+            try:
+                files = entries(memoryview(bytes(damaged)), "damaged")
+                got = tensor_record(files, "damaged") if files is not None else None
+            except CheckpointError:
+                outcomes["error"] += 1
+                continue
+            assert position not in checked, f"a flip at byte {position} of a checked entry went unnoticed"
+            if got is None:
+                outcomes["fallback"] += 1
+                continue
+            assert got.dtype == tensor.dtype and torch.equal(got, tensor), (position, mask)
+            outcomes["same"] += 1  # the flip hit a byte nothing reads (a timestamp, an unused field)
+    assert outcomes["error"] >= 2 * len(checked), outcomes
+
+
+def test_load_into_a_state_dict_that_copies(tmp_path):
+    """A module whose ``state_dict()`` returns copies is still loaded (through scratch and ``load_state_dict``)."""
+
+    class Copying(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(3, 4)
+            self._register_state_dict_hook(lambda _m, sd, _p, _l: {k: v.clone() for k, v in sd.items()})
+
+    torch.manual_seed(0)
+    saved = Copying()
+    save_checkpoint(tmp_path / "c", saved)
+    target = Copying()
+    assert not torch.equal(target.lin.weight, saved.lin.weight)
+    load_checkpoint(tmp_path / "c", target)
+    assert torch.equal(target.lin.weight, saved.lin.weight) and torch.equal(target.lin.bias, saved.lin.bias)
+
+
+def test_extra_needs_no_round_trip_but_is_still_checked(tmp_path):
+    """Plain ``extra`` skips the torch.save round trip; a look-alike that would not load back is still refused."""
+    import enum
+
+    class Mode(enum.IntEnum):
+        TRAIN = 1
+
+    model = small()
+    extra = {"step": 3, "lr": 0.1, "betas": (0.9, 0.99), "rng": torch.get_rng_state(), "dtype": torch.float32}
+    save_checkpoint(tmp_path / "c", model, extra=extra)
+    got = load_checkpoint(tmp_path / "c", small())
+    assert list(got) == list(extra) and torch.equal(got["rng"], extra["rng"])
+    assert {k: v for k, v in got.items() if k != "rng"} == {k: v for k, v in extra.items() if k != "rng"}
+    with pytest.raises(TypeError, match="weights_only"):
+        save_checkpoint(tmp_path / "d", model, extra={"mode": Mode.TRAIN})  # an int subclass: not plain
+    assert names(tmp_path) == ["c"]

@@ -15,11 +15,12 @@ from torch.distributed.checkpoint import (
     DefaultSavePlanner,
     FileSystemWriter,
 )
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     set_model_state_dict,
 )
+from torch.distributed.tensor import DTensor
 
 from .checks import (
     EXTRA_KEY,
@@ -49,15 +50,37 @@ from .optimizer import (
     validate_optimizer,
 )
 from .publish import incomplete_dir, is_checkpoint, publish_checkpoint, recover
-from .reader import dcp_load, open_checkpoint
+from .reader import dcp_load, open_checkpoint, read_checked
 
 # --- save / load
+
+
+# Types ``torch.load(weights_only=True)`` always accepts (a dict key too). Objects built only of
+# these need no ``torch.save``/``torch.load`` round trip to know that they load back.
+_PLAIN = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.Size)
+
+
+def _plainly_loadable(obj: Any, depth: int = 0) -> bool:
+    """``True`` if ``obj`` is plain values, CPU tensors, and lists/tuples/dicts of them (nothing to round-trip)."""
+    if depth > 32:
+        return False
+    if type(obj) in _PLAIN:  # exact types: a subclass (an IntEnum, numpy.float64) takes the round trip
+        return True
+    if type(obj) is torch.Tensor:  # so does a tensor subclass (DTensor, Parameter)
+        return obj.device.type == "cpu" and obj.layout == torch.strided and not obj.is_quantized and not obj.__dict__
+    if type(obj) in (list, tuple):
+        return all(_plainly_loadable(v, depth + 1) for v in obj)
+    if type(obj) is dict:
+        return all(type(k) in _PLAIN and _plainly_loadable(v, depth + 1) for k, v in obj.items())
+    return False
 
 
 def check_loadable(obj: Any, what: str) -> None:
     """``obj`` must come back through ``torch.load(weights_only=True)``: refuse it now, not at resume."""
     if isinstance(obj, list):  # param groups: the parameters themselves are stored by name, not here
         obj = [{k: v for k, v in group.items() if k != "params"} for group in obj]
+    if _plainly_loadable(obj):
+        return
     buffer = io.BytesIO()
     try:
         torch.save(obj, buffer)
@@ -96,13 +119,13 @@ def save_checkpoint(
                         extra={"step": step, "rng": torch.get_rng_state()})
     """
     path = Path(path)
-    on_all_ranks(lambda: check_save_inputs(optimizer, extra))
-    made_tmp = on_all_ranks(lambda: prepare_save_dir(path, overwrite=overwrite))
+    made_tmp = start_save(path, optimizer, extra, overwrite=overwrite)
     published = False
     try:
         state = checkpoint_state(model, optimizer, extra)
         try:
-            on_all_ranks(lambda: write_state(state, incomplete_dir(path)))
+            # DCP's own collectives carry a failure on any rank to every rank: no extra agreement needed.
+            write_state(state, incomplete_dir(path))
         except FAILURES as e:
             raise save_failure(path, f"writing {path}", e) from e
         finish_save(path)
@@ -114,6 +137,19 @@ def save_checkpoint(
 
 
 # --- the steps of a save (``AsyncCheckpointer`` runs the same ones, the write in the background)
+
+
+def start_save(path: Path, optimizer: Optional[torch.optim.Optimizer], extra: Any, *, overwrite: bool) -> bool:
+    """``check_save_inputs`` then ``prepare_save_dir``, agreed across ranks in one collective.
+
+    Returns ``True`` on the rank that made the ``.incomplete`` directory (see ``prepare_save_dir``).
+    """
+
+    def start() -> bool:
+        check_save_inputs(optimizer, extra)
+        return prepare_save_dir(path, overwrite=overwrite)
+
+    return on_all_ranks(start)
 
 
 def check_save_inputs(optimizer: Optional[torch.optim.Optimizer], extra: Any) -> None:
@@ -204,9 +240,10 @@ def load_checkpoint(
     Call on every rank. Works at any world size and sharding strategy (DCP reshards: save at 2
     ranks FULL_SHARD, load at 1 or 4, NO_SHARD or HYBRID). Before anything changes, the checkpoint
     is checked against the model (keys, shapes), the optimizer (parameter and state names) and
-    its files (present, long enough), then read completely into scratch tensors, with every
-    record's CRC-32 checked; only then are model and optimizer updated. That costs one extra
-    sharded copy while loading. Returns ``None`` when no ``extra`` was saved.
+    its files (present, long enough); then every rank maps its shard files and checks the CRC-32
+    of every record it needs, and only once all ranks succeeded are model and optimizer updated
+    (weights copied straight from the checked file pages; optimizer state through one scratch
+    copy). Returns ``None`` when no ``extra`` was saved.
 
     ``model_weights=False`` restores the optimizer only: the model's weights are neither read nor
     changed (the model is still checked against the checkpoint: its parameter names key the optimizer state).
@@ -223,28 +260,43 @@ def load_checkpoint(
     """
     path = Path(path)
     caller = "load_checkpoint()"
-    metadata = on_all_ranks(lambda: open_checkpoint(path, caller))
-    saved = metadata.state_dict_metadata
     live = get_sharded_state_dict(model)
-    small = [k for k in (PACKED_GROUPS_KEY, EXTRA_KEY, LAYOUT_KEY) if k in saved]
-    objects = on_all_ranks(lambda: _read_objects(path, small)) if small else {}
-    # Where each model key is stored: under its own name, or under the name it is tied to.
-    stored = {k[len(MODEL_PREFIX) :]: k for k in saved if k.startswith(MODEL_PREFIX)}
-    for alias, source in (objects.get(LAYOUT_KEY) or {}).get("tied", {}).items():
-        if source in stored and alias not in stored:
-            stored[alias] = stored[source]
 
-    def check_model() -> None:
+    def check_model() -> tuple[Metadata, dict[str, Any], dict[str, str]]:
+        # One collective for every check that needs no optimizer: files, records, model keys/shapes.
+        metadata = open_checkpoint(path, caller)
+        saved = metadata.state_dict_metadata
+        small = [k for k in (PACKED_GROUPS_KEY, EXTRA_KEY, LAYOUT_KEY) if k in saved]
+        objects = _read_objects(path, small, metadata) if small else {}
+        # Where each model key is stored: under its own name, or under the name it is tied to.
+        stored = {k[len(MODEL_PREFIX) :]: k for k in saved if k.startswith(MODEL_PREFIX)}
+        for alias, source in (objects.get(LAYOUT_KEY) or {}).get("tied", {}).items():
+            if source in stored and alias not in stored:
+                stored[alias] = stored[source]
         got = {k: _saved_shape(saved[key]) for k, key in stored.items()}
         problem = describe_mismatch(got, {k: shape_of(v) for k, v in live.items()}, "checkpoint", strict)
         if problem:
             raise CheckpointError(f"{caller}: {path} does not match the model: {problem}")
+        return metadata, objects, stored
 
-    on_all_ranks(check_model)
-    scratch: dict[str, Any] = {}
+    metadata, objects, stored = on_all_ranks(check_model)
+    saved = metadata.state_dict_metadata
+    # Read straight into the live tensors where the state dict aliases them: ``read_checked`` checks
+    # every record before anything is copied, and the copy happens only once all ranks agree, so no
+    # scratch copy is needed. A value that is not the live storage goes through scratch and
+    # ``set_model_state_dict``.
+    targets: dict[str, Any] = {}
+    via_scratch: dict[str, str] = {}
+    owned = _live_storages(model)
     for key, value in live.items() if model_weights else ():
-        if key in stored and stored[key] not in scratch:
-            scratch[stored[key]] = torch.empty_like(value)
+        if key not in stored or stored[key] in targets:
+            continue
+        if isinstance(value, torch.Tensor) and _storage_of(value) in owned:
+            targets[stored[key]] = value
+        else:
+            targets[stored[key]] = torch.empty_like(value) if isinstance(value, torch.Tensor) else value
+            via_scratch[key] = stored[key]
+    via_scratch.update({k: stored[k] for k in live if k in stored and stored[k] in via_scratch.values()})
     was_fresh = optimizer is not None and not optimizer.state
     try:
         if optimizer is not None:
@@ -255,35 +307,49 @@ def load_checkpoint(
             source = f"{caller}: {path}"
             chosen = on_all_ranks(lambda: validate_optimizer(list(saved_optim), model, optimizer, source))
             optim_scratch = optimizer_scratch(saved_optim, model, optimizer, chosen)
-            scratch.update({OPTIM_PREFIX + k: v for k, v in optim_scratch.items() if k.startswith(STATE_PREFIX)})
+            targets.update({OPTIM_PREFIX + k: v for k, v in optim_scratch.items() if k.startswith(STATE_PREFIX)})
         try:
-            on_all_ranks(lambda: dcp_load(scratch, path))
+            checked = on_all_ranks(lambda: read_checked(targets, path, metadata))
         except FAILURES as e:
             raise CheckpointError(
                 f"{caller}: reading {path} failed; the model and optimizer were not changed. {error_reason(e)}"
             ) from e
         if optimizer is not None:
+            checked.commit(lambda key: key.startswith(OPTIM_PREFIX))  # into scratch: the live state is untouched
             flat_optim = {k: v for k, v in optim_scratch.items() if not k.startswith(STATE_PREFIX)}
-            flat_optim.update({k[len(OPTIM_PREFIX) :]: v for k, v in scratch.items() if k.startswith(OPTIM_PREFIX)})
+            flat_optim.update({k[len(OPTIM_PREFIX) :]: v for k, v in targets.items() if k.startswith(OPTIM_PREFIX)})
             on_all_ranks(lambda: check_group_consistency(model, optimizer, flat_optim))
     except FAILURES:
         if was_fresh:
             optimizer.state.clear()  # validation created its state: back to the fresh optimizer we were given
         raise
-    # Commit: everything is read and checked.
-    if model_weights:
-        model_sd = {k: scratch[stored[k]] for k in live if k in stored}
-        set_model_state_dict(model, model_sd, options=StateDictOptions(strict=strict))
+    # Commit: every rank read and checked everything.
+    checked.commit()
+    if via_scratch:
+        set_model_state_dict(
+            model, {k: targets[key] for k, key in via_scratch.items()}, options=StateDictOptions(strict=False)
+        )
     if optimizer is not None:
         set_flat_optimizer_state(model, optimizer, flat_optim)
     return objects.get(EXTRA_KEY)
 
 
-def _read_objects(path: Path, keys: list[str]) -> dict[str, Any]:
+def _live_storages(model: nn.Module) -> set[int]:
+    """Data pointers of the storages of the model's parameters and buffers (local shards of ``DTensor``s)."""
+    return {_storage_of(t) for t in (*model.parameters(), *model.buffers())}
+
+
+def _storage_of(tensor: torch.Tensor) -> int:
+    if isinstance(tensor, DTensor):
+        tensor = tensor.to_local()
+    return tensor.untyped_storage().data_ptr()
+
+
+def _read_objects(path: Path, keys: list[str], metadata: Metadata) -> dict[str, Any]:
     """Read small non-tensor records (options, ``extra``) on this rank alone, before the real load."""
     state: dict[str, Any] = dict.fromkeys(keys)
     try:
-        dcp_load(state, path, alone=True)
+        dcp_load(state, path, alone=True, metadata=metadata)
     except FAILURES as e:
         raise CheckpointError(
             f"load_checkpoint(): reading {path} failed; the model and optimizer were not changed. {error_reason(e)}"

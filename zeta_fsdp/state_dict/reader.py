@@ -1,25 +1,28 @@
 """The hardened DCP reader: an allow-list unpickler for ``.metadata``, file-length checks, a CRC-32 check of every
-record, and non-tensor entries loaded with ``torch.load(weights_only=True)``."""
+record before any tensor is copied, and non-tensor entries loaded with ``torch.load(weights_only=True)``."""
 
 from __future__ import annotations
 
 import io
+import mmap
+import os
 import pickle
-import warnings
 import zipfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Optional
 
 import torch
-import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import (
     DefaultLoadPlanner,
     FileSystemReader,
 )
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
+from torch.futures import Future
 
-from .checks import METADATA_FILE, CheckpointError, dist_on, short_list
+from .checks import METADATA_FILE, CheckpointError, dist_on, on_all_ranks, short_list
 from .publish import is_checkpoint, leftovers, recover
+from .records import entries, tensor_record
 
 # --- reading checkpoints safely
 
@@ -111,32 +114,113 @@ def open_checkpoint(path: Path, caller: str) -> Metadata:
 
 
 class _VerifyingReader(FileSystemReader):
-    """DCP's file reader with safe metadata loading and a CRC-32 check of every record it reads.
+    """DCP's file reader, reading each file once and checking every record's CRC-32 before any tensor is copied.
 
     Each record in a ``.distcp`` file is a ``torch.save`` zip archive whose entries carry CRC-32s;
     ``torch.load`` does not check them, so a flipped bit would load silently as a wrong value.
+    Each file a rank needs is mapped once (``_MAP_FILES``; else read once per run of nearby
+    records), the CRC-32s computed over those bytes in place (``records.entries``), and tensors
+    decoded as views of them (``records.tensor_record``). ``read_data`` copies nothing into the state dict:
+    it queues ``(target, source)`` pairs; ``commit`` copies them once every record is checked.
     """
 
+    def __init__(self, path: Path, metadata: Optional[Metadata] = None) -> None:
+        super().__init__(path)
+        self._metadata = metadata
+        self.pending: list[tuple[Any, torch.Tensor, torch.Tensor]] = []  # (read item, target, checked source)
+
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        metadata = read_metadata(Path(self.path), "load")
+        metadata = self._metadata if self._metadata is not None else read_metadata(Path(self.path), "load")
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
 
-    def _slice_file(self, file: Any, sinfo: Any) -> io.BytesIO:
-        where = f"{Path(self.path) / sinfo.relative_path} (bytes {sinfo.offset}..{sinfo.offset + sinfo.length})"
-        file.seek(sinfo.offset)
-        data = file.read(sinfo.length)
-        if len(data) != sinfo.length:
-            raise CheckpointError(f"shard record {where} is truncated.")
-        try:
-            bad = zipfile.ZipFile(io.BytesIO(data)).testzip()
-        except (zipfile.BadZipFile, OSError, EOFError, ValueError) as e:
-            raise CheckpointError(f"shard record {where} is corrupted: {e}") from e
-        if bad is not None:
-            raise CheckpointError(f"shard record {where} is corrupted: {bad} fails its CRC-32 check.")
-        return io.BytesIO(data)
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        per_file: dict[str, list[Any]] = {}
+        for item in plan.items:
+            per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
+        for relative_path, items in per_file.items():
+            file = Path(self.path) / relative_path
+            items.sort(key=lambda item: self.storage_data[item.storage_index].offset)
+            with open(file, "rb") as f:
+                mapped = _map(f) if _MAP_FILES else None
+                for start, end, run in self._runs(items):
+                    if mapped is not None:
+                        view = mapped[start:end]
+                    else:
+                        f.seek(start)
+                        view = memoryview(f.read(end - start))  # one read for the run, not one per record
+                    if len(view) != end - start:
+                        raise CheckpointError(f"shard file {file} is truncated: it ends before byte {end}.")
+                    for item in run:
+                        info = self.storage_data[item.storage_index]
+                        record = view[info.offset - start : info.offset - start + info.length]
+                        where = f"{file} (bytes {info.offset}..{info.offset + info.length})"
+                        if info.transform_descriptors:
+                            raise CheckpointError(f"shard record {where} was written with a storage transform.")
+                        self._read_record(item, record, where, planner)
+        fut: Future[None] = Future()
+        fut.set_result(None)
+        return fut
+
+    def _runs(self, items: list[Any]) -> list[tuple[int, int, list[Any]]]:
+        """Group records (sorted by offset) into runs read at once: gaps under ``_GAP`` are read through."""
+        runs: list[list[Any]] = []  # [begin, end, items]
+        for item in items:
+            info = self.storage_data[item.storage_index]
+            begin, end = int(info.offset), int(info.offset) + int(info.length)
+            if runs and begin - runs[-1][1] <= _GAP:
+                runs[-1][1] = max(runs[-1][1], end)
+                runs[-1][2].append(item)
+            else:
+                runs.append([begin, end, [item]])
+        return [(begin, end, run) for begin, end, run in runs]
+
+    def _read_record(self, item: Any, record: memoryview, where: str, planner: LoadPlanner) -> None:
+        files = entries(record, where)
+        if files is None:  # a zip layout the fast path does not parse: zipfile checks it
+            _testzip(record, where)
+        if item.type == LoadItemType.BYTE_IO:
+            planner.load_bytes(item, io.BytesIO(bytes(record)))
+            return
+        tensor = tensor_record(files, where) if files is not None else None
+        if tensor is None:
+            tensor = torch.load(io.BytesIO(bytes(record)), map_location="cpu", weights_only=True)
+        for dim, (offset, length) in enumerate(zip(item.storage_offsets, item.lengths)):
+            if tensor.size(dim) != length:  # the part of the saved chunk this rank's shard needs
+                tensor = tensor.narrow(dim, offset, length)
+        target = planner.resolve_tensor(item).detach()
+        if target.size() != tensor.size():
+            raise CheckpointError(
+                f"shard record {where} holds {list(tensor.size())} for {item.dest_index.fqn}, "
+                f"expected {list(target.size())}."
+            )
+        self.pending.append((item, target, tensor))
+
+
+# Records closer than this in one file are read in one go (the bytes between them are read and dropped).
+_GAP = 1 << 20
+# Map the shard files instead of reading them: the CRC pass reads the page cache in place and the
+# commit copies from it into the model, so the bytes are never copied into a buffer first (about
+# half the time of a load). Checkpoint files are never modified in place (saves write a new
+# directory and rename it into place), which is what makes mapping them safe.
+_MAP_FILES = True
+
+
+def _map(f: Any) -> Optional[memoryview]:
+    """A read-only memory map of the open file ``f``; ``None`` for an empty file."""
+    size = os.fstat(f.fileno()).st_size
+    return memoryview(mmap.mmap(f.fileno(), size, access=mmap.ACCESS_READ)) if size else None
+
+
+def _testzip(record: memoryview, where: str) -> None:
+    try:
+        bad = zipfile.ZipFile(io.BytesIO(bytes(record))).testzip()
+    except (zipfile.BadZipFile, OSError, EOFError, ValueError) as e:
+        raise CheckpointError(f"shard record {where} is corrupted: {e}") from e
+    if bad is not None:
+        raise CheckpointError(f"shard record {where} is corrupted: {bad} fails its CRC-32 check.")
 
 
 class _SafeLoadPlanner(DefaultLoadPlanner):
@@ -156,10 +240,57 @@ class _SafeLoadPlanner(DefaultLoadPlanner):
         self.original_state_dict[read_item.dest_index.fqn] = loaded
 
 
-def dcp_load(state: dict[str, Any], path: Path, *, alone: bool = False) -> None:
-    """DCP load through the safe reader and planner; ``alone``: this rank only, no collectives."""
-    no_dist = alone or not dist_on()
-    with warnings.catch_warnings():
-        # DCP warns that it "assumes" single-process loading; here that is the intent.
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(state, storage_reader=_VerifyingReader(path), planner=_SafeLoadPlanner(), no_dist=no_dist)
+class CheckedRead:
+    """Everything this rank needs from a checkpoint, read and CRC-checked, not yet copied into its targets.
+
+    Returned by ``read_checked``; ``commit`` copies the checked tensors into the state dict's tensors
+    (non-tensor entries are already in the state dict). Holding it holds the file bytes read.
+    """
+
+    def __init__(self, reader: _VerifyingReader, planner: _SafeLoadPlanner) -> None:
+        self._reader, self._planner = reader, planner
+
+    @torch.no_grad()
+    def commit(self, keys: Optional[Callable[[str], bool]] = None) -> None:
+        """Copy the checked tensors whose key ``keys`` accepts (all by default) into their targets."""
+        rest = []
+        for item, target, source in self._reader.pending:
+            if keys is None or keys(item.dest_index.fqn):
+                target.copy_(source)
+                self._planner.commit_tensor(item, target)
+            else:
+                rest.append((item, target, source))
+        self._reader.pending = rest
+
+
+def read_checked(state: dict[str, Any], path: Path, metadata: Optional[Metadata] = None) -> CheckedRead:
+    """Read what this rank needs of ``state`` from the checkpoint at ``path``; this rank only, no collectives.
+
+    Tensors of ``state`` are targets (sharded ``DTensor``s included: DCP's planner reshards);
+    other values are replaced by the saved objects. Every record read is CRC-checked before this
+    returns, and no tensor of ``state`` is changed until ``commit``: a damaged file raises here.
+    """
+    reader = _VerifyingReader(path, metadata)
+    planner = _SafeLoadPlanner()
+    metadata = reader.read_metadata()
+    # DCP's load steps for one process (``dcp.load(no_dist=True)``), minus its exception wrapping:
+    # errors keep their own type and message.
+    planner.set_up_planner(state, metadata, True)
+    reader.set_up_storage_reader(metadata, True)
+    plan = reader.prepare_local_plan(planner.create_local_plan())
+    plan = reader.prepare_global_plan(planner.create_global_plan([plan]))[0]
+    reader.read_data(planner.finish_plan(plan), planner).wait()
+    return CheckedRead(reader, planner)
+
+
+def dcp_load(state: dict[str, Any], path: Path, *, alone: bool = False, metadata: Optional[Metadata] = None) -> None:
+    """Read ``state`` from the checkpoint at ``path`` and fill it, once every record read passed its check.
+
+    ``alone``: this rank only, no collectives. Otherwise every rank reads and checks its part, the
+    ranks agree that all of them succeeded, and only then are the tensors filled: a damaged file
+    anywhere changes no rank's tensors.
+    """
+    if alone or not dist_on():
+        read_checked(state, path, metadata).commit()
+        return
+    on_all_ranks(lambda: read_checked(state, path, metadata)).commit()
