@@ -18,8 +18,8 @@ import torch
 from torch.distributed.tensor import DTensor
 from worker import SEQ, Cases, rank, run_cases
 
-from zeta_fsdp import fsdp
-from zeta_fsdp.measure import restore_fsdp_hooks
+from zeta_fsdp import fsdp, fsdp_engine
+from zeta_fsdp.measure import gradient_bucket_bytes, memtracker_categories, restore_fsdp_hooks
 from zeta_fsdp.models.gpt import lm_loss, small
 
 BATCH = 4
@@ -41,10 +41,6 @@ def parse_case(name: str) -> tuple[str, str, bool]:
     return strategy, mp, tie == "tied"
 
 
-def _key(k) -> str:
-    return getattr(k, "value", str(k))
-
-
 def build(strategy: str, mp: str, tied: bool) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(0)
     extra = {"replicate_size": 2} if strategy.startswith("HYBRID") else {}
@@ -54,6 +50,7 @@ def build(strategy: str, mp: str, tied: bool) -> tuple[torch.nn.Module, torch.op
 
 def measure(name: str) -> dict:
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+    from torch.distributed._tools.mem_tracker import MemTracker
 
     model, opt = build(*parse_case(name))
     tokens = torch.randint(0, 37, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(rank()))
@@ -65,16 +62,28 @@ def measure(name: str) -> dict:
     opt.step()
     opt.zero_grad()
     maxima: dict[str, int] = {}
+    replicated = fsdp_engine(model) == "replicate"
+    # DDP's engine (NO_SHARD, fp32): MemTracker under FSDPMemTracker's names; the gradient
+    # buckets DDP made at the warm-up forward are resident, added to "Sharded Grad".
+    buckets = {"Sharded Grad": gradient_bucket_bytes(model)} if replicated else {}
     with restore_fsdp_hooks(model):
-        tracker = FSDPMemTracker(model, opt)
-        tracker.track_inputs((tokens,))
+        if replicated:
+            tracker = MemTracker()
+            tracker.track_external(model, opt, tokens)
+        else:
+            tracker = FSDPMemTracker(model, opt)
+            tracker.track_inputs((tokens,))
         update = tracker._update_peak_stats
+
+        def snapshot() -> dict[str, int]:
+            snap = memtracker_categories(next(iter(tracker.get_tracker_snapshot("current").values())))
+            return {k: snap.get(k, 0) + buckets.get(k, 0) for k in {*snap, *buckets}}
 
         # The tracker keeps only the snapshot at the total peak; record each category's own
         # maximum too (called after every op it tracks).
         def update_and_record(state):
             update(state)
-            snap = {_key(k): v for k, v in next(iter(tracker.get_tracker_snapshot("current").values())).items()}
+            snap = snapshot()
             snap["UP+AG"] = snap.get("Unsharded Param", 0) + snap.get("All Gather", 0)
             for k, v in snap.items():
                 maxima[k] = max(maxima.get(k, 0), v)
@@ -83,7 +92,7 @@ def measure(name: str) -> dict:
         with tracker:
             forward_backward()
             opt.step()
-            current = {_key(k): v for k, v in next(iter(tracker.get_tracker_snapshot("current").values())).items()}
+            current = snapshot()
             opt.zero_grad()
     return {"current": current, "max": maxima}
 

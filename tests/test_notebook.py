@@ -14,7 +14,7 @@ SEED_EXAMPLES = textwrap.dedent(
     import torch.distributed as dist
     import torch.nn as nn
     from torch.distributed.fsdp import FSDPModule
-    from zeta_fsdp import fsdp
+    from zeta_fsdp import fsdp, fsdp_engine, get_wrap_plan
 
     # Basic FSDP wrapper (Zeta doc, unchanged)
     model = nn.Sequential(
@@ -23,10 +23,13 @@ SEED_EXAMPLES = textwrap.dedent(
         nn.Linear(256, 10),
     )
     fsdp_model = fsdp(model)
-    assert fsdp_model is model and isinstance(model, FSDPModule)
+    # Zeta's default NO_SHARD in fp32 runs on DDP's engine: the same object, plain tensor weights
+    assert fsdp_model is model and fsdp_engine(model) == "replicate" and not isinstance(model, FSDPModule)
+    assert model[0].weight.grad is None
     assert dist.is_initialized() and dist.get_world_size() == 1 and dist.get_backend() == "gloo"
     out = fsdp_model(torch.randn(3, 784))
     out.sum().backward()
+    assert model[0].weight.grad is not None
     print("basic", tuple(out.shape))
 
     # Automatic layer wrapping (Zeta doc, with a block that does something)
@@ -44,7 +47,7 @@ SEED_EXAMPLES = textwrap.dedent(
         nn.Linear(256, 10),
     )
     fsdp_model = fsdp(model, auto_wrap=True, TransformerBlock=TransformerBlock)
-    assert isinstance(model[1], FSDPModule)
+    assert [u.kind for u in get_wrap_plan(model).units] == ["block", "head", "root"], get_wrap_plan(model).table()
     print("auto_wrap", tuple(fsdp_model(torch.randn(2, 784)).shape))
 
     # Advanced configuration (Zeta doc, unchanged)
@@ -54,6 +57,7 @@ SEED_EXAMPLES = textwrap.dedent(
         nn.Linear(256, 10),
     )
     fsdp_model = fsdp(model, mp="bf16", shard_strat="FULL_SHARD")
+    assert isinstance(model, FSDPModule) and fsdp_engine(model) == "fully_shard"
     out = fsdp_model(torch.randn(2, 784))
     out.float().sum().backward()  # after backward FSDP holds the fp32 sharded parameters again
     print("advanced", out.dtype, model[0].weight.dtype, model[0].weight.grad.dtype)

@@ -30,7 +30,14 @@ import torch.nn as nn
 
 from .fsdp import fsdp_param_groups, fsdp_state, is_replicated
 
-__all__ = ["collectives_per_step", "median_step_seconds", "peak_memory_by_category", "restore_fsdp_hooks"]
+__all__ = [
+    "collectives_per_step",
+    "gradient_bucket_bytes",
+    "median_step_seconds",
+    "memtracker_categories",
+    "peak_memory_by_category",
+    "restore_fsdp_hooks",
+]
 
 _HOOK_DICTS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks", "_forward_hooks_with_kwargs")
 
@@ -118,6 +125,33 @@ def peak_memory_by_category(
 _MEMTRACKER_NAMES = {"Parameter": "Sharded Param", "Gradient": "Sharded Grad", "Optstate": "OptState"}
 
 
+def memtracker_categories(snapshot: dict) -> dict[str, int]:
+    """One device's ``MemTracker`` snapshot under ``FSDPMemTracker``'s category names.
+
+    Example:
+        >>> memtracker_categories({"Parameter": 8, "Gradient": 8, "Optstate": 16})
+        {'Sharded Param': 8, 'Sharded Grad': 8, 'OptState': 16}
+    """
+    names = {getattr(k, "value", str(k)): int(v) for k, v in snapshot.items()}
+    return {_MEMTRACKER_NAMES.get(k, k): v for k, v in names.items()}
+
+
+def gradient_bucket_bytes(model: nn.Module) -> int:
+    """Bytes of DDP's gradient buckets of a model ``fsdp()`` put on DDP's engine (0 before its
+    first forward, where DDP is built). Every ``.grad`` is a view into them.
+
+    Example:
+        bytes_ = gradient_bucket_bytes(model)  # after a forward of fsdp(model) under NO_SHARD
+    """
+    from torch.distributed._composable.replicate import replicate
+
+    ddp = getattr(replicate.state(model), "_ddp", None)
+    if ddp is None:
+        return 0
+    # Private: the reducer's buckets are not public API; zeros-like copies give their sizes.
+    return sum(b.buffer().untyped_storage().nbytes() for b in ddp.reducer._get_zeros_like_grad_buckets())
+
+
 def _replicated_peak(
     model: nn.Module, optimizer: Optional[torch.optim.Optimizer], step: Callable[[], Any], inputs: tuple
 ) -> dict[str, int]:
@@ -128,7 +162,6 @@ def _replicated_peak(
     The buckets are resident all the time; their bytes (read from the reducer) are added to
     ``"Sharded Grad"`` and to ``"Total"``.
     """
-    from torch.distributed._composable.replicate import replicate
     from torch.distributed._tools.mem_tracker import MemTracker
 
     tracker = MemTracker()
@@ -139,8 +172,7 @@ def _replicated_peak(
     result = {
         _MEMTRACKER_NAMES.get(getattr(k, "value", str(k)), getattr(k, "value", str(k))): int(v) for k, v in peak.items()
     }
-    reducer = replicate.state(model)._ddp.reducer
-    buckets = sum(b.buffer().untyped_storage().nbytes() for b in reducer._get_zeros_like_grad_buckets())
+    buckets = gradient_bucket_bytes(model)
     result["Sharded Grad"] = result.get("Sharded Grad", 0) + buckets
     result["Total"] = result.get("Total", 0) + buckets
     return result
