@@ -1,0 +1,43 @@
+"""Helpers a training loop needs around ``fsdp()``: gradient accumulation, clipping, memory.
+
+* ``no_sync(model)``: accumulate gradients over micro-batches without any gradient collective;
+  the first backward after the block reduces everything accumulated. ``defer="all_reduce"``
+  keeps the reduce-scatter (sharded gradients) and defers only HYBRID_SHARD's replica all-reduce;
+  ``accumulation_costs`` / ``memory_report(micro_batches=K)`` say what each choice costs.
+* ``clip_grad_norm_(model, max_norm)``: the global gradient norm of a sharded model (DTensor
+  gradients, on one or several meshes), returned as a plain float, and clipping in place.
+* ``memory_report(model, optimizer)``: bytes this rank holds for parameters, gradients and
+  optimizer state, next to what the unsharded tensors would take.
+
+Example:
+    for i, batch in enumerate(micro_batches):
+        with no_sync(model) if i < len(micro_batches) - 1 else contextlib.nullcontext():
+            (loss_fn(model(batch)) / len(micro_batches)).backward()
+    norm = clip_grad_norm_(model, 1.0)
+    print(memory_report(model, optimizer).table())
+"""
+
+from .accumulation import (
+    AccumulationCost,
+    accumulation_costs,
+    accumulation_table,
+    ddp_all_reduces,
+    gradient_wait_dtype,
+    no_sync,
+    resolve_defer,
+)
+from .clipping import clip_grad_norm_
+from .memory import MemoryReport, memory_report
+
+__all__ = [
+    "AccumulationCost",
+    "MemoryReport",
+    "accumulation_costs",
+    "accumulation_table",
+    "clip_grad_norm_",
+    "ddp_all_reduces",
+    "gradient_wait_dtype",
+    "memory_report",
+    "no_sync",
+    "resolve_defer",
+]

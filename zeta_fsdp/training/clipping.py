@@ -1,0 +1,103 @@
+"""``clip_grad_norm_``: the global gradient norm of a sharded (or replicated) model, and clipping.
+
+Example:
+    norm = clip_grad_norm_(model, 1.0)
+"""
+
+from __future__ import annotations
+
+import numbers
+from typing import Iterable, Union
+
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+
+__all__ = ["clip_grad_norm_"]
+
+
+def _parameters(model_or_params: Union[nn.Module, torch.Tensor, Iterable[torch.Tensor]]) -> list[torch.Tensor]:
+    if isinstance(model_or_params, nn.Module):
+        return list(model_or_params.parameters())
+    if isinstance(model_or_params, torch.Tensor):
+        return [model_or_params]
+    return list(model_or_params)
+
+
+def _plain(norm: torch.Tensor) -> torch.Tensor:
+    return norm.full_tensor() if isinstance(norm, DTensor) else norm
+
+
+def _by_layout(grads: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """Group gradients by (mesh, placements): DTensor ops may not mix meshes or layouts."""
+    groups: dict[object, list[torch.Tensor]] = {}
+    for grad in grads:
+        key = (grad.device_mesh, tuple(grad.placements)) if isinstance(grad, DTensor) else ("local", grad.device)
+        groups.setdefault(key, []).append(grad)
+    return list(groups.values())
+
+
+def _total_norm(groups: list[list[torch.Tensor]], norm_type: float) -> torch.Tensor:
+    """Norm of all gradients together, as a plain tensor, whatever meshes they live on.
+
+    ``torch.nn.utils.get_total_norm`` stacks per-gradient norms, which DTensor only allows on
+    one mesh with one layout. So each (mesh, placements) group's norm is one collective
+    (``full_tensor()`` of a partial norm), and the group norms combine locally. Plain tensors
+    (e.g. ignored parameters) are taken as they are on this rank: no collective.
+    """
+    norms = [_plain(torch.nn.utils.get_total_norm(group, norm_type)) for group in groups]
+    device = norms[0].device
+    stacked = torch.stack([n.to(device=device, dtype=torch.float32) for n in norms])
+    return torch.linalg.vector_norm(stacked, norm_type)
+
+
+def _norm_order(norm_type: Union[float, str]) -> float:
+    """``norm_type`` as a float: a positive number, ``float("inf")`` or ``"inf"``; else ``ValueError``."""
+    if isinstance(norm_type, str) and norm_type.strip().lower() == "inf":
+        return float("inf")
+    if isinstance(norm_type, numbers.Real) and not isinstance(norm_type, bool) and norm_type > 0:
+        return float(norm_type)  # nan fails "> 0"
+    raise ValueError(
+        f"clip_grad_norm_: norm_type={norm_type!r} is not accepted. Accepted: a positive float "
+        "(e.g. 2.0 for the Euclidean norm, 1.0), float('inf') or 'inf' (largest magnitude)."
+    )
+
+
+def clip_grad_norm_(
+    model_or_params: Union[nn.Module, torch.Tensor, Iterable[torch.Tensor]],
+    max_norm: float,
+    norm_type: Union[float, str] = 2.0,
+    *,
+    error_if_nonfinite: bool = False,
+) -> float:
+    """Clip gradients in place so their global norm is at most ``max_norm``; return that norm.
+
+    Works on sharded models: DTensor gradients on one or several meshes (FSDP, FSDP+TP, HSDP),
+    plain gradients, and parameters without a gradient (skipped). The returned norm is a plain
+    ``float``, identical on every rank and equal to ``torch.nn.utils.clip_grad_norm_`` on the
+    unsharded model. ``norm_type`` is a positive float, or ``float("inf")`` / ``"inf"`` (largest
+    magnitude); anything else is a ``ValueError`` naming it.
+
+    Example:
+        loss.backward()
+        norm = clip_grad_norm_(model, max_norm=1.0)
+        optimizer.step()
+    """
+    norm_type = _norm_order(norm_type)
+    params = _parameters(model_or_params)
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return 0.0
+    groups = _by_layout(grads)
+    total = _total_norm(groups, norm_type)
+    if error_if_nonfinite and not torch.isfinite(total):
+        raise RuntimeError(
+            f"clip_grad_norm_: the total norm of order {norm_type} of the gradients is non-finite ({total.item()})."
+        )
+    # Same coefficient as torch.nn.utils.clip_grads_with_norm_ (1e-6 guard, clamped at 1, and
+    # applied even when it is 1 so the result matches torch bit for bit), one foreach per layout.
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    with torch.no_grad():
+        for group in groups:
+            torch._foreach_mul_(group, coef.to(group[0].device))
+    return float(total.item())

@@ -1,0 +1,186 @@
+"""``memory_report``: the bytes this rank holds for parameters, gradients and optimizer state.
+
+Example:
+    print(memory_report(model, optimizer).table())
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Iterator, Optional
+
+import torch
+import torch.nn as nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+
+from ..distributed import get_rank, get_world_size
+from ..fsdp import fsdp_param_groups, is_replicated
+from ..report import format_bytes, render_table
+from .accumulation import AccumulationCost, accumulation_costs, accumulation_table, ddp_all_reduces, gradient_wait_dtype
+
+__all__ = ["MemoryReport", "memory_report"]
+
+
+def _bytes(tensor: torch.Tensor) -> tuple[int, int]:
+    """(bytes this rank holds, bytes of the full tensor)."""
+    size = tensor.element_size()
+    if isinstance(tensor, DTensor):
+        return tensor.to_local().numel() * size, tensor.numel() * size
+    return tensor.numel() * size, tensor.numel() * size
+
+
+class MemoryReport(dict):
+    """``memory_report``'s result: a dict (see there) with ``table()`` for a readable view.
+
+    Example:
+        report = memory_report(model, optimizer)
+        report["params"]["local_bytes"], report["params"]["full_bytes"]
+        print(report.table())
+    """
+
+    ROWS = (
+        ("params", "parameters"),
+        ("grads", "gradients"),
+        ("optimizer_state", "optimizer state"),
+        ("total", "total"),
+    )
+
+    def table(self) -> str:
+        """A fixed-width table: one row per category, local vs full bytes and their ratio.
+
+        Example:
+            >>> memory_report(torch.nn.Linear(10, 10)).table().splitlines()[2].split()
+            ['parameters', '440', 'B', '440', 'B', '1.000']
+        """
+        head = f"rank {self['rank']}/{self['world_size']}"
+        dtypes = {key: ", ".join(self[key].get("dtypes", [])) or "-" for key in ("params", "optimizer_state")}
+        rows = [(head, "this rank", "unsharded", "local/full")]
+        for key, label in self.ROWS:
+            entry = self[key]
+            local, full = entry["local_bytes"], entry["full_bytes"]
+            ratio = f"{local / full:.3f}" if full else "-"
+            rows.append((label, format_bytes(local), format_bytes(full), ratio))
+        table = render_table(rows, rules=(0, -2))
+        text = f"{table}\nmaster weights {dtypes['params']}; optimizer state {dtypes['optimizer_state']}"
+        if "accumulation" in self:
+            text += "\n\n" + accumulation_table(self["accumulation"], self["micro_batches"])
+        return text
+
+    def __str__(self) -> str:
+        return self.table()
+
+
+def _entry(tensors: Iterable[torch.Tensor], skip_scalar_dtypes: bool = False) -> dict:
+    local = full = count = 0
+    dtypes: set[str] = set()
+    for tensor in tensors:
+        a, b = _bytes(tensor)
+        local, full, count = local + a, full + b, count + 1
+        if tensor.dim() > 0 or not skip_scalar_dtypes:
+            dtypes.add(str(tensor.dtype).replace("torch.", ""))
+    # skip_scalar_dtypes: Adam's 0-dim ``step`` counters (always fp32) say nothing about the state's dtype
+    return {"local_bytes": local, "full_bytes": full, "tensors": count, "dtypes": sorted(dtypes)}
+
+
+def _optimizer_tensors(optimizer: Optional[torch.optim.Optimizer]) -> Iterator[torch.Tensor]:
+    if optimizer is None:
+        return
+    for state in optimizer.state.values():
+        for value in state.values():
+            if isinstance(value, torch.Tensor):
+                yield value
+
+
+def _accumulation_bytes(model: nn.Module, micro_batches: int) -> dict[str, AccumulationCost]:
+    """``accumulation_costs`` from the wrapped model's FSDP2 parameter groups (their mesh, padded
+    shard sizes and dtypes, as FSDP2 allocates them); parameters no unit manages (ignored ones,
+    0-dim ones ``fsdp()`` keeps whole) keep whole gradients in every choice."""
+    if is_replicated(model):
+        # DDP's engine: gradients are whole and accumulate in place in its buckets whatever the
+        # choice; its collectives are all-reduces (ddp_all_reduces).
+        grads = [p for p in model.parameters() if p.requires_grad]
+        whole = sum(p.numel() * p.element_size() for p in grads)
+        all_reduces = ddp_all_reduces([(p.dtype, p.numel() * p.element_size()) for p in grads])
+        return accumulation_costs(
+            micro_batches,
+            sharded=whole,
+            unsharded=whole,
+            partial=whole,
+            reduce_scatter_units=0,
+            all_reduce_units=all_reduces,
+        )
+    sharded = unsharded = partial = rs_units = ar_units = 0
+    managed: set[int] = set()
+    groups: dict[int, object] = {}
+    for module in (m for m in model.modules() if isinstance(m, FSDPModule)):
+        groups.update((id(g), g) for g in fsdp_param_groups(module) or ())
+    for group in groups.values():
+        shard_size = getattr(group.mesh_info, "shard_mesh_size", 1)
+        trainable = [fp for fp in group.fsdp_params if fp.sharded_param.requires_grad]
+        rs_units += bool(trainable) and shard_size > 1
+        ar_units += bool(trainable) and getattr(group.mesh_info, "replicate_mesh_size", 1) > 1
+        for fp in group.fsdp_params:
+            managed.add(id(fp.sharded_param))
+            if not fp.sharded_param.requires_grad:
+                continue
+            # The sharded .grad is cast back to the parameter's dtype; the rest waits in
+            # gradient_wait_dtype. (Read from the policy: FSDP2 sets its own dtype fields lazily.)
+            dtype = fp.sharded_param.dtype
+            wait_dtype = gradient_wait_dtype(group.mp_policy, dtype)
+            padded = fp.padded_sharded_param_size.numel()
+            unsharded += fp.sharded_param.numel() * wait_dtype.itemsize  # a DTensor: the global numel
+            partial += padded * wait_dtype.itemsize
+            sharded += padded * dtype.itemsize
+    whole = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad and id(p) not in managed)
+    return accumulation_costs(
+        micro_batches,
+        sharded=sharded + whole,
+        unsharded=unsharded + whole,
+        partial=partial + whole,
+        reduce_scatter_units=rs_units,
+        all_reduce_units=ar_units,
+    )
+
+
+def memory_report(
+    model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None, *, micro_batches: Optional[int] = None
+) -> MemoryReport:
+    """Bytes this rank holds for parameters, gradients and optimizer state, vs the unsharded sizes.
+
+    Returns a ``MemoryReport`` (a dict) with ``rank``, ``world_size`` and, for each of
+    ``params``, ``grads``, ``optimizer_state`` and ``total``: ``local_bytes`` (this rank's
+    shards), ``full_bytes`` (the same tensors unsharded), ``tensors`` (how many) and ``dtypes``
+    (sorted names: ``params``' are the master-weight dtypes, ``optimizer_state``'s what AdamW keeps
+    its moments in; 0-dim step counters left out). These are
+    logical sizes of the tensors (FSDP's padding and temporary all-gather buffers are not
+    counted: measure peaks with ``FSDPMemTracker``). Tied parameters count once; gradients that
+    are ``None`` count zero. ``report.table()`` (or ``print(report)``) gives a readable view.
+
+    ``micro_batches=K`` adds ``micro_batches`` and ``accumulation``: for each way of accumulating K
+    micro-batches (``"sync"`` every micro-batch, ``no_sync(defer="all")``,
+    ``no_sync(defer="all_reduce")``) an ``AccumulationCost``: the gradient bytes this rank holds
+    between micro-batches (FSDP2's padded storage) and the gradient collectives per K
+    micro-batches. The table shows them too.
+
+    Example:
+        report = memory_report(model, optimizer)
+        report["params"]["local_bytes"] / report["params"]["full_bytes"]  # ~1/world with FULL_SHARD
+        # -> 0.5
+        memory_report(model, micro_batches=4)["accumulation"]["all_reduce"].grad_bytes
+    """
+    params = list(model.parameters())
+    report = MemoryReport(
+        rank=get_rank(),
+        world_size=get_world_size(),
+        params=_entry(params),
+        grads=_entry(p.grad for p in params if p.grad is not None),
+        optimizer_state=_entry(_optimizer_tensors(optimizer), skip_scalar_dtypes=True),
+    )
+    report["total"] = {
+        key: sum(report[k][key] for k in ("params", "grads", "optimizer_state"))
+        for key in ("local_bytes", "full_bytes", "tensors")
+    }
+    if micro_batches is not None:
+        report["micro_batches"] = micro_batches
+        report["accumulation"] = _accumulation_bytes(model, micro_batches)
+    return report
