@@ -15,7 +15,8 @@ own API, and the ``fsdp()`` rows show what the façade does by default and with 
 For every variant, in ONE run at 2 ranks (gloo, CPU): the collectives of one step
 (CommDebugMode; must never exceed the reference), the peak memory per rank over one
 steady-state step (FSDPMemTracker: exact byte counts), and the step time in interleaved blocks
-(ratios paired block by block). Results: ``results/prefetch.md`` and ``results/prefetch.json``.
+(ratios paired block by block). The peak is measured a second time on the same widths with
+short sequences and batch 1, where the peak moves from the loss into backward. Results: ``results/prefetch.md`` and ``results/prefetch.json``.
 
 Run:
     python -m torch.distributed.run --standalone --nproc-per-node 2 benchmarks/bench_prefetch.py
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import gc
 from typing import Any, Callable
 
@@ -36,6 +38,7 @@ from _common import (
     MIB,
     QUICK_MODEL,
     Block,
+    ModelSpec,
     Report,
     bench_parser,
     build_model,
@@ -117,6 +120,22 @@ def peak_per_rank(model: GPT, batch: tuple[torch.Tensor, torch.Tensor]) -> list[
     return totals
 
 
+def memory_and_collectives(
+    builders: dict[str, Callable[[], GPT]], batch: tuple[torch.Tensor, torch.Tensor]
+) -> tuple[dict[str, list[int]], dict[str, dict[str, int]]]:
+    """Peak bytes per rank and collectives of one step for each variant: a fresh copy each, one at a time."""
+    peaks: dict[str, list[int]] = {}
+    comms: dict[str, dict[str, int]] = {}
+    for name, build in builders.items():
+        model = build()
+        peaks[name] = peak_per_rank(model, batch)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        comms[name] = collectives_per_step(train_step(model, optimizer, batch))
+        del model, optimizer
+        gc.collect()
+    return peaks, comms
+
+
 def rank_main(args: argparse.Namespace) -> None:
     report = Report(  # made first: it records the load average when measuring starts
         name="prefetch",
@@ -129,16 +148,11 @@ def rank_main(args: argparse.Namespace) -> None:
     batch = make_batch(spec)
     builders = variants(base)
 
-    # Memory and collectives: a fresh copy each, one at a time (exact counts, no timing).
-    peaks: dict[str, list[int]] = {}
-    comms: dict[str, dict[str, int]] = {}
-    for name, build in builders.items():
-        model = build()
-        peaks[name] = peak_per_rank(model, batch)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-        comms[name] = collectives_per_step(train_step(model, optimizer, batch))
-        del model, optimizer
-        gc.collect()
+    peaks, comms = memory_and_collectives(builders, batch)
+    # Where a step's peak sits decides what keeping a unit unsharded costs: the same widths with
+    # short sequences and batch 1 (logits 16x smaller) move the peak from the loss into backward.
+    short = ModelSpec(dataclasses.replace(spec.config, max_seq_len=max(4, spec.config.max_seq_len // 4)), batch=1)
+    short_peaks, _ = memory_and_collectives(variants(build_model(short)), make_batch(short))
 
     # Step time: all variants side by side, interleaved block by block.
     models = {name: build() for name, build in builders.items()}
@@ -176,6 +190,12 @@ def rank_main(args: argparse.Namespace) -> None:
         ],
         summary,
     )
+    short_ref = max(short_peaks[REFERENCE])
+    report.table(
+        f"Peak memory only, short sequences: {short.describe()}",
+        ["variant", "peak MiB (max rank)", "peak ratio"],
+        [[k, f"{max(v) / MIB:.3f}", f"{max(v) / short_ref:.4f}"] for k, v in short_peaks.items()],
+    )
     report.table("Step time detail", headers, rows)
     report.table(
         "First-step loss (same weights and data: must agree)",
@@ -193,6 +213,8 @@ def rank_main(args: argparse.Namespace) -> None:
             "model": spec.describe(),
             "timing": timing,
             "peak_bytes_per_rank": peaks,
+            "short_model": short.describe(),
+            "short_peak_bytes_per_rank": short_peaks,
             "collectives": comms,
             "first_loss": first_loss,
         }
