@@ -70,7 +70,8 @@ def train_parity(steps: int = 4, atol: float = 0.0, before_training=None, model_
         assert isinstance(param, DTensor), f"{name} is not sharded (not a DTensor)"
         assert_close(name, full(param), ref_params[name], atol)
     # the tie survives training: one parameter object, updated once
-    assert model.head.weight is model.tok_emb.weight
+    if ref.head.weight is ref.tok_emb.weight:
+        assert model.head.weight is model.tok_emb.weight
 
 
 @case
@@ -361,7 +362,10 @@ def unsharded_after_forward(model: GPT) -> dict[str, bool]:
     FSDP2 registers a unit's unsharded parameters on its modules while they are unsharded and
     the sharded DTensors otherwise, so this reads what a user would see.
     """
-    units = {"head": [model.tok_emb, model.pos_emb, model.norm, model.head]}
+    if model.cfg.tie_weights:
+        units = {"head": [model.tok_emb, model.pos_emb, model.norm, model.head]}
+    else:
+        units = {"embedding": [model.tok_emb, model.pos_emb], "head": [model.norm, model.head]}
     units.update({f"blocks.{i}": [b] for i, b in enumerate(model.blocks)})
     x, y = global_batch(0)
     loss = lm_loss(model(local_slice(x)), local_slice(y))
@@ -397,6 +401,16 @@ def keep_tail_unsharded_keeps_exactly_the_last_units():
         assert {n for n, u in status.items() if u} == expected, f"keep_tail_unsharded={keep}: {status}"
         for p in model.parameters():  # after backward, everything is sharded again
             assert isinstance(p, DTensor)
+
+
+@case
+def untied_head_keep_tail_and_prefetch():
+    # untied: separate [tok_emb, pos_emb] and [norm, head] units; the embedding is never kept
+    kwargs = dict(auto_wrap=True, shard_strat="FULL_SHARD", TransformerBlock=Block, keep_tail_unsharded=2, prefetch=2)
+    torch.manual_seed(0)
+    status = unsharded_after_forward(fsdp(small(tie_weights=False), **kwargs))
+    assert {n for n, u in status.items() if u} == {"head", "blocks.2"}, status
+    train_parity(model_fn=lambda: small(tie_weights=False), **kwargs)
 
 
 @case
