@@ -80,12 +80,19 @@ def train_parity(steps: int = 4, atol: float = 0.0, before_training=None, model_
         assert isinstance(param, DTensor) == (engine == "fully_shard"), f"{name}: {type(param).__name__} on {engine}"
         assert_close(name, full(param), ref_params[name], atol)
     # the tie survives training: one parameter object, updated once
-    assert model.head.weight is model.tok_emb.weight
+    if ref.head.weight is ref.tok_emb.weight:
+        assert model.head.weight is model.tok_emb.weight
 
 
 @case
 def parity_full_shard():
     train_parity(auto_wrap=True, shard_strat="FULL_SHARD", TransformerBlock=Block)
+
+
+@case
+def parity_full_shard_keep_tail_and_prefetch():
+    # the options only move all-gathers in time (or skip a re-gather): gradients stay bit-exact
+    train_parity(auto_wrap=True, shard_strat="FULL_SHARD", TransformerBlock=Block, keep_tail_unsharded=2, prefetch=2)
 
 
 @case
@@ -239,6 +246,11 @@ def parity_hybrid_shard_zero2():
 
 
 @case(ranks=4)
+def parity_hybrid_shard_keep_tail_and_prefetch():
+    train_parity(auto_wrap=True, shard_strat="HYBRID_SHARD", replicate_size=2, keep_tail_unsharded=True, prefetch=1)
+
+
+@case(ranks=4)
 def parity_int_reshard_after_forward():
     """One SGD step with ``reshard_after_forward=2`` (resharding to 2 of the 4 ranks) is exact up to
     the one rounding FSDP does differently from any reference: a flat 4-rank reduce-scatter sums
@@ -374,17 +386,120 @@ def count_one_step(model: nn.Module) -> dict[str, int]:
 def comm_parity_with_hand_written():
     torch.manual_seed(0)
     model = small()
-    hand = copy.deepcopy(model)
+    hand = hand_written(copy.deepcopy(model))
     fsdp(model, auto_wrap=True, shard_strat="FULL_SHARD", TransformerBlock=Block)
-    mesh = build_mesh(resolve_sharding("FULL_SHARD"), torch.device("cpu"))
-    policy = MixedPrecisionPolicy()
-    for block in hand.blocks:
-        fully_shard(block, mesh=mesh, mp_policy=policy)
-    fully_shard([hand.tok_emb, hand.pos_emb, hand.norm, hand.head], mesh=mesh, mp_policy=policy)
-    fully_shard(hand, mesh=mesh, mp_policy=policy)
     ours, theirs = count_one_step(model), count_one_step(hand)
     assert sum(ours.values()) > 0, "CommDebugMode saw no collectives"
     assert ours == theirs, f"fsdp() collectives {ours} != hand-written {theirs}"
+
+
+def hand_written(model: GPT) -> GPT:
+    """The plain recipe a careful user writes: blocks, the tied [emb, norm, head] unit, the root."""
+    mesh = build_mesh(resolve_sharding("FULL_SHARD"), torch.device("cpu"))
+    policy = MixedPrecisionPolicy()
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh, mp_policy=policy)
+    fully_shard([model.tok_emb, model.pos_emb, model.norm, model.head], mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    return model
+
+
+def unsharded_after_forward(model: GPT) -> dict[str, bool]:
+    """Per unit: are its parameters unsharded between forward and backward?
+
+    FSDP2 registers a unit's unsharded parameters on its modules while they are unsharded and
+    the sharded DTensors otherwise, so this reads what a user would see.
+    """
+    if model.cfg.tie_weights:
+        units = {"head": [model.tok_emb, model.pos_emb, model.norm, model.head]}
+    else:
+        units = {"embedding": [model.tok_emb, model.pos_emb], "head": [model.norm, model.head]}
+    units.update({f"blocks.{i}": [b] for i, b in enumerate(model.blocks)})
+    x, y = global_batch(0)
+    loss = lm_loss(model(local_slice(x)), local_slice(y))
+    status = {
+        name: not any(isinstance(p, DTensor) for m in modules for p in m.parameters())
+        for name, modules in units.items()
+    }
+    loss.backward()  # finish the step: every unit is resharded again
+    return status
+
+
+@case
+def keep_tail_unsharded_keeps_exactly_the_last_units():
+    torch.manual_seed(0)
+    base = small()
+    plain = unsharded_after_forward(hand_written(copy.deepcopy(base)))
+    assert not any(plain.values()), f"hand-written recipe: every unit resharded after forward, got {plain}"
+    default = fsdp(copy.deepcopy(base), auto_wrap=True, shard_strat="FULL_SHARD", TransformerBlock=Block)
+    assert unsharded_after_forward(default) == plain, "fsdp()'s default must be the hand-written recipe"
+    for keep, expected in (
+        (True, {"head"}),
+        (2, {"head", "blocks.2"}),
+        (99, {"head", "blocks.0", "blocks.1", "blocks.2"}),
+    ):
+        model = fsdp(
+            copy.deepcopy(base),
+            auto_wrap=True,
+            shard_strat="FULL_SHARD",
+            TransformerBlock=Block,
+            keep_tail_unsharded=keep,
+        )
+        status = unsharded_after_forward(model)
+        assert {n for n, u in status.items() if u} == expected, f"keep_tail_unsharded={keep}: {status}"
+        for p in model.parameters():  # after backward, everything is sharded again
+            assert isinstance(p, DTensor)
+
+
+@case
+def untied_head_keep_tail_and_prefetch():
+    # untied: separate [tok_emb, pos_emb] and [norm, head] units; the embedding is never kept
+    kwargs = dict(auto_wrap=True, shard_strat="FULL_SHARD", TransformerBlock=Block, keep_tail_unsharded=2, prefetch=2)
+    torch.manual_seed(0)
+    status = unsharded_after_forward(fsdp(small(tie_weights=False), **kwargs))
+    assert {n for n, u in status.items() if u} == {"head", "blocks.2"}, status
+    train_parity(model_fn=lambda: small(tie_weights=False), **kwargs)
+
+
+@case
+def prefetch_chains_follow_forward_and_backward_order():
+    from zeta_fsdp.fsdp import fsdp_state
+
+    torch.manual_seed(0)
+    model = fsdp(small(), auto_wrap=True, shard_strat="FULL_SHARD", TransformerBlock=Block, prefetch=2)
+    b = list(model.blocks)
+    head = model.tok_emb  # one FSDP state for the whole tied [tok_emb, pos_emb, norm, head] unit
+
+    def targets(module: nn.Module, attr: str) -> list:
+        return [id(s) for s in getattr(fsdp_state(module), attr)]
+
+    def states(*modules: nn.Module) -> list:
+        return [id(fsdp_state(m)) for m in modules]
+
+    forward = {head: [b[0], b[1]], b[0]: [b[1], b[2]], b[1]: [b[2]], b[2]: []}
+    backward = {head: [b[2], b[1]], b[2]: [b[1], b[0]], b[1]: [b[0]], b[0]: []}
+    for module, expected in forward.items():
+        assert targets(module, "_states_to_forward_prefetch") == states(*expected), f"forward chain of {module}"
+    for module, expected in backward.items():
+        assert targets(module, "_states_to_backward_prefetch") == states(*expected), f"backward chain of {module}"
+    assert fsdp_state(model.head) is fsdp_state(model.tok_emb)
+    plain = fsdp(small(), auto_wrap=True, shard_strat="FULL_SHARD", TransformerBlock=Block)
+    assert all(not targets(m, "_states_to_forward_prefetch") for m in [plain.tok_emb, *plain.blocks])
+
+
+@case
+def comm_options_never_exceed_hand_written():
+    torch.manual_seed(0)
+    base = small()
+    theirs = count_one_step(hand_written(copy.deepcopy(base)))
+    assert any("gather" in op for op in theirs), f"CommDebugMode saw no all-gather: {theirs}"
+    for kwargs, fewer_gathers in ((dict(prefetch=1), 0), (dict(prefetch=2, keep_tail_unsharded=2), 2)):
+        model = fsdp(copy.deepcopy(base), auto_wrap=True, shard_strat="FULL_SHARD", TransformerBlock=Block, **kwargs)
+        ours = count_one_step(model)
+        assert ours.keys() == theirs.keys(), (kwargs, ours, theirs)
+        for op, n in theirs.items():
+            expected = n - fewer_gathers if "gather" in op else n
+            assert ours[op] == expected, f"{kwargs}: {op} {ours[op]} != {expected} (hand-written {theirs})"
 
 
 @case

@@ -13,7 +13,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, ShardingStrategy
 from zeta_fsdp import fsdp, resolve_mixed_precision, resolve_sharding
 from zeta_fsdp.distributed import mesh_shape
 from zeta_fsdp.models.gpt import Block, small
-from zeta_fsdp.options import validate_reshard_after_forward
+from zeta_fsdp.options import validate_keep_tail_unsharded, validate_prefetch, validate_reshard_after_forward
 
 
 @pytest.mark.parametrize(
@@ -85,6 +85,19 @@ def test_reshard_after_forward_values():
         validate_reshard_after_forward("yes", 4)
 
 
+def test_prefetch_and_keep_tail_values():
+    assert validate_prefetch(None) is None
+    assert validate_prefetch(1) == 1 and validate_prefetch(3) == 3
+    for bad in (0, -1, True, 1.5, "2"):
+        with pytest.raises(ValueError, match=rf"prefetch={bad!r} is not accepted. Accepted: None .* or an int >= 1"):
+            validate_prefetch(bad)
+    assert validate_keep_tail_unsharded(False) == 0 and validate_keep_tail_unsharded(True) == 1
+    assert validate_keep_tail_unsharded(0) == 0 and validate_keep_tail_unsharded(2) == 2
+    for bad in (-1, 1.0, "head", None):
+        with pytest.raises(ValueError, match=rf"keep_tail_unsharded={bad!r} is not accepted. Accepted: False/0"):
+            validate_keep_tail_unsharded(bad)
+
+
 def _snapshot(model: nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.clone() for k, v in model.state_dict().items()}
 
@@ -120,6 +133,12 @@ BAD_CALLS = [
     (dict(compile="max"), ["compile='max'"]),
     (dict(compile={"bogus": 1}, auto_wrap=True), ["'bogus'", "'backend'", "'mode'"]),
     (dict(device="gpu"), ["device='gpu'", "'cuda:N'"]),
+    (dict(auto_wrap=True, shard_strat="FULL_SHARD", prefetch=0), ["prefetch=0", "None", "int >= 1"]),
+    (dict(auto_wrap=True, shard_strat="FULL_SHARD", prefetch="auto"), ["prefetch='auto'", "int >= 1"]),
+    (
+        dict(auto_wrap=True, shard_strat="FULL_SHARD", keep_tail_unsharded=-1),
+        ["keep_tail_unsharded=-1", "False/0", "True/1", "int n >= 0"],
+    ),
     (dict(shard_strat="NO_SHARD", replicate_size=2), ["replicate_size=2", "does not apply to NO_SHARD"]),
 ]
 if not torch.cuda.is_available():

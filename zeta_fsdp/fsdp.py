@@ -40,9 +40,11 @@ from .options import (
     resolve_master_dtype,
     resolve_mixed_precision,
     resolve_sharding,
+    validate_keep_tail_unsharded,
+    validate_prefetch,
     validate_reshard_after_forward,
 )
-from .wrapping import BlockSpec, WrapPlan, build_wrap_plan
+from .wrapping import BlockSpec, WrapPlan, WrapUnit, build_wrap_plan
 
 __all__ = [
     "fsdp",
@@ -322,20 +324,23 @@ def shard_units(
     reshard_after_forward: Union[bool, int],
     offload_policy: OffloadPolicy,
     ignored_params: set[nn.Parameter],
+    keep_unsharded: Iterable[WrapUnit] = (),
 ) -> None:
     """Call ``fully_shard`` on every unit, bottom-up, with one policy for all.
 
     Mixed precision is not inherited by child units in FSDP2: a unit sharded without the policy
     would all-gather and compute in fp32 while its neighbours run in bf16. So every call gets it.
     The root keeps its parameters after forward (``reshard_after_forward=None``): backward starts
-    with it, so freeing and re-gathering would be pure waste.
+    with it, so freeing and re-gathering would be pure waste. The units in ``keep_unsharded``
+    (see ``tail_units``) keep theirs too (``reshard_after_forward=False``).
     """
+    kept = {id(u) for u in keep_unsharded}
     for unit in plan.units:
         is_root = unit.kind == "root"
         fully_shard(
             unit.target,
             mesh=mesh,
-            reshard_after_forward=None if is_root else reshard_after_forward,
+            reshard_after_forward=None if is_root else False if id(unit) in kept else reshard_after_forward,
             mp_policy=mp_policy,
             offload_policy=offload_policy,
             ignored_params=ignored_params or None,
@@ -356,6 +361,43 @@ def replicate_model(model: nn.Module, device: torch.device) -> None:
     if not any(t.is_meta for t in model.parameters()):
         model.to(device)
     replicate(model, device_id=device, gradient_as_bucket_view=True, find_unused_parameters=True)
+
+
+def tail_units(plan: WrapPlan, count: int) -> list[WrapUnit]:
+    """The ``count`` units forward runs last, last first: the output head, then blocks backwards.
+
+    Backward starts with exactly these, so resharding them after forward only to all-gather them
+    again at once costs one all-gather each (torchtitan keeps ``[norm, output]`` unsharded for
+    this reason). Embedding units (first in forward, last in backward) are never counted.
+
+    Example:
+        >>> from zeta_fsdp.models.gpt import small
+        >>> [u.name for u in tail_units(build_wrap_plan(small(), auto_wrap=True), 2)]
+        ['[tok_emb, pos_emb, norm, head]', 'blocks.2']
+    """
+    return [u for u in plan.backward_order if u.kind != "embedding"][:count]
+
+
+def set_prefetch_chains(plan: WrapPlan, depth: int) -> None:
+    """Explicit FSDP2 prefetching: each unit all-gathers the next ``depth`` units of forward (and
+    of backward) as soon as it starts, instead of FSDP2's implicit one-ahead in backward.
+
+    Uses ``FSDPModule.set_modules_to_forward_prefetch`` / ``set_modules_to_backward_prefetch``
+    on each unit's first module (a unit's modules share one FSDP state), in the orders of
+    ``WrapPlan.forward_order`` / ``backward_order``. Collective counts are unchanged: a
+    prefetched all-gather replaces the one the unit would issue itself.
+
+    Example:
+        set_prefetch_chains(plan, 2)  # after shard_units(plan, ...)
+    """
+    for order, setter in (
+        (plan.forward_order, "set_modules_to_forward_prefetch"),
+        (plan.backward_order, "set_modules_to_backward_prefetch"),
+    ):
+        for i, unit in enumerate(order):
+            targets = [u.modules[0] for u in order[i + 1 : i + 1 + depth]]
+            if targets:
+                getattr(unit.modules[0], setter)(targets)
 
 
 def retie(model: nn.Module, tied_params: list[list[str]]) -> None:
@@ -512,6 +554,8 @@ def fsdp(
     replicate_size: Optional[int] = None,
     materialize: bool = True,
     master_dtype: Union[str, torch.dtype, None] = "fp32",
+    keep_tail_unsharded: Union[bool, int] = False,
+    prefetch: Optional[int] = None,
 ) -> nn.Module:
     """Shard ``model`` with FSDP2 (``fully_shard``) and return the same object, now an ``FSDPModule``
     (under NO_SHARD in fp32: replicated with DDP's engine, see Engines below).
@@ -542,6 +586,16 @@ def fsdp(
             are stored in. Default ``"fp32"``: a bf16/fp16-loaded model (``from_pretrained``)
             is sharded in fp32 and computes per ``mp`` (``mp="fp32"`` then computes in fp32 too).
             ``None`` keeps each parameter's dtype: pure low-precision training, opt-in.
+        keep_tail_unsharded: ``True`` (or ``1``): the output head unit (tied ``embedding+head``
+            too) is not resharded after forward, since backward all-gathers it again at once:
+            one all-gather less per step, for its unsharded parameters held through the loss
+            (a higher peak when the peak is at the loss). An int ``n``: also the last ``n - 1``
+            blocks. Default ``False``: every unit follows ``shard_strat``, as hand-written.
+        prefetch: ``None`` (default): FSDP2's implicit prefetching. An int ``n``: explicit
+            chains, each unit all-gathers the next ``n`` in forward and the previous ``n`` in
+            backward (more overlap on GPUs, up to ``n`` extra unsharded units held; no gain on
+            CPU/gloo). Assumes blocks run in the order they are registered.
+            Neither has an effect on DDP's engine (NO_SHARD in fp32): nothing is gathered there.
 
     0-dim parameters (CLIP's ``logit_scale``), which ``fully_shard`` cannot shard, are kept whole
     on every rank in ``master_dtype`` and their gradient is averaged across ranks
@@ -588,6 +642,8 @@ def fsdp(
     )
     if reshard is None:
         reshard = spec.reshard_after_forward
+    keep_tail = validate_keep_tail_unsharded(keep_tail_unsharded)
+    prefetch = validate_prefetch(prefetch)
     ignored = _ignored_parameters(model, ignored_params, ignored_modules)
     plan = build_wrap_plan(model, auto_wrap=auto_wrap, transformer_block=TransformerBlock, ignored_params=ignored)
     engine, _ = choose_engine(
@@ -617,7 +673,9 @@ def fsdp(
     else:
         # Pinned host memory needs an accelerator; on a CPU-only run offloading is a no-op anyway.
         offload = CPUOffloadPolicy(pin_memory=compute_device.type != "cpu") if cpu_offload else OffloadPolicy()
-        shard_units(plan, mesh, mp_policy, reshard, offload, ignored | set(scalars))
+        shard_units(plan, mesh, mp_policy, reshard, offload, ignored | set(scalars), tail_units(plan, keep_tail))
+        if prefetch is not None:
+            set_prefetch_chains(plan, prefetch)
         # 0-dim parameters stay whole on every rank (FSDP does not move them): put them on the device.
         for scalar in scalars:
             if not scalar.is_meta and scalar.device != compute_device:

@@ -29,6 +29,8 @@ __all__ = [
     "resolve_master_dtype",
     "resolve_mixed_precision",
     "resolve_sharding",
+    "validate_keep_tail_unsharded",
+    "validate_prefetch",
     "validate_reshard_after_forward",
 ]
 
@@ -249,6 +251,50 @@ def validate_reshard_after_forward(
             f"shard group size{group}, or None/True/False.{divisors}"
         )
     return value
+
+
+def validate_prefetch(value: Optional[int]) -> Optional[int]:
+    """Check ``fsdp(prefetch=...)``: ``None`` (FSDP2's implicit prefetching) or an int >= 1.
+
+    An int ``n`` sets explicit chains: in forward each unit all-gathers the next ``n`` units, in
+    backward the previous ``n``. ``bool`` is refused: ``True`` would silently mean ``1``.
+
+    Example:
+        >>> validate_prefetch(2)
+        2
+        >>> validate_prefetch(None) is None
+        True
+    """
+    if value is None or (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+        return value
+    raise ValueError(
+        f"fsdp(): prefetch={value!r} is not accepted. Accepted: None (FSDP2's implicit prefetching, the "
+        "default) or an int >= 1 (explicit chains: each unit all-gathers the next n in forward, the previous "
+        "n in backward)."
+    )
+
+
+def validate_keep_tail_unsharded(value: Union[bool, int]) -> int:
+    """Check ``fsdp(keep_tail_unsharded=...)`` and return it as a count of units (``True`` is 1).
+
+    The count is of the units that run last in forward (the output head first, then the last
+    blocks, counting back), which keep their parameters unsharded between forward and backward.
+
+    Example:
+        >>> validate_keep_tail_unsharded(True)
+        1
+        >>> validate_keep_tail_unsharded(0)
+        0
+    """
+    if isinstance(value, bool):
+        return int(value)
+    if isinstance(value, int) and value >= 0:
+        return value
+    raise ValueError(
+        f"fsdp(): keep_tail_unsharded={value!r} is not accepted. Accepted: False/0 (default: every unit "
+        "resharded as the strategy says), True/1 (the output head unit kept unsharded between forward and "
+        "backward), or an int n >= 0 (the head and the last n - 1 blocks)."
+    )
 
 
 def resolve_master_dtype(master_dtype: Union[str, torch.dtype, None], *, caller: str = "fsdp") -> Optional[torch.dtype]:

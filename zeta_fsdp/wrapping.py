@@ -123,6 +123,35 @@ class WrapPlan:
         """The transformer-block units."""
         return [u for u in self.units if u.kind == "block"]
 
+    @property
+    def forward_order(self) -> list[WrapUnit]:
+        """The non-root units in the order forward first uses them: embeddings (a tied
+        ``embedding+head`` unit too: its embedding runs first), the blocks as registered, the head.
+
+        Blocks are assumed to run in the order they are registered, as in every model built from a
+        ``ModuleList`` or ``nn.Sequential`` of blocks (encoder blocks before decoder blocks).
+
+        Example:
+            >>> from zeta_fsdp.models.gpt import small
+            >>> [u.name for u in build_wrap_plan(small(n_layers=2), auto_wrap=True).forward_order]
+            ['[tok_emb, pos_emb, norm, head]', 'blocks.0', 'blocks.1']
+        """
+        first = [u for u in self.units if u.kind in ("embedding", "embedding+head")]
+        return first + self.blocks + [u for u in self.units if u.kind == "head"]
+
+    @property
+    def backward_order(self) -> list[WrapUnit]:
+        """The non-root units in the order backward first uses them: the head (a tied
+        ``embedding+head`` unit too: its head's gradient comes first), the blocks reversed, the embeddings.
+
+        Example:
+            >>> from zeta_fsdp.models.gpt import small
+            >>> [u.name for u in build_wrap_plan(small(n_layers=2), auto_wrap=True).backward_order]
+            ['[tok_emb, pos_emb, norm, head]', 'blocks.1', 'blocks.0']
+        """
+        first = [u for u in self.units if u.kind in ("head", "embedding+head")]
+        return first + self.blocks[::-1] + [u for u in self.units if u.kind == "embedding"]
+
     def recount(self, model: nn.Module) -> None:
         """Refresh each unit's ``nbytes`` and ``dtypes`` from ``model``'s parameters as they are now.
 
