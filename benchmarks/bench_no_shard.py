@@ -8,7 +8,7 @@ Variants of one GPT, same initial weights, same per-rank batch, timed in interle
   * ``composable replicate``: ``torch.distributed._composable.replicate`` (DDP's engine, plain
     tensor parameters, keys unchanged), with ``gradient_as_bucket_view`` and
     ``find_unused_parameters`` as ``fsdp()`` sets them;
-  * ``fsdp() NO_SHARD``: the façade as it is now (composable replicate since 0.2: ``fsdp_engine``);
+  * ``fsdp() NO_SHARD``: the façade as it is now (now composable replicate: ``fsdp_engine``);
   * ``fsdp() NO_SHARD, mesh=(world,1)``: the façade asked for FSDP2's engine (its 0.1 behaviour);
   * ``DDP``: ``DistributedDataParallel``, the baseline (bucketed all-reduce).
 

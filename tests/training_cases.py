@@ -252,7 +252,9 @@ def no_sync_no_shard_replicate_accumulation():
     for i in range(k):
         xi, yi = local_slice(x[4 * i : 4 * (i + 1)]), local_slice(y[4 * i : 4 * (i + 1)])
         if i < k - 1:
-            with no_sync(model, defer="all" if i == 0 else "all_reduce"):  # one collective: both defer it
+            # one collective: both choices defer it; a container (or torch.compile's wrapper) is searched
+            target = model if i == 0 else nn.ModuleDict({"wrapped": model})
+            with no_sync(target, defer="all" if i == 0 else "all_reduce"):
                 with no_sync(model):  # an inner exit must not turn sync back on
                     pass
                 counts = comm_counts(lambda xi=xi, yi=yi: (lm_loss(model(xi), yi) / k).backward())

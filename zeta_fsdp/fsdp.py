@@ -54,6 +54,7 @@ __all__ = [
     "get_wrap_plan",
     "is_fsdp_wrapped",
     "is_replicated",
+    "replicated_modules",
     "unwrapped_class",
 ]
 
@@ -81,6 +82,18 @@ def is_fsdp_wrapped(model: nn.Module) -> bool:
         False
     """
     return any(isinstance(m, (FSDPModule, ReplicatedModule)) for m in model.modules())
+
+
+def replicated_modules(model: nn.Module) -> list[nn.Module]:
+    """The modules in ``model`` (itself included) that ``replicate`` manages: the model ``fsdp()``
+    put on DDP's engine, also when it is reached through a wrapper (``torch.compile``'s
+    ``OptimizedModule``, a container).
+
+    Example:
+        >>> replicated_modules(nn.Sequential(nn.Linear(2, 2)))
+        []
+    """
+    return [m for m in model.modules() if isinstance(m, ReplicatedModule)]
 
 
 def fsdp_engine(model: nn.Module) -> Optional[str]:
@@ -356,7 +369,10 @@ def replicate_model(model: nn.Module, device: torch.device) -> None:
     parameters a forward does not use (a pooler, a branch) working as they do under FSDP2; its
     graph walk costs little (``benchmarks/results/no_shard.md``). DDP itself is built lazily at
     the first forward, so a ``meta`` model can be materialized (or loaded) after this call; DDP
-    then checks every rank holds the same shapes and broadcasts rank 0's values.
+    then checks every rank holds the same shapes and broadcasts rank 0's parameters. Buffers are
+    not broadcast (DDP is built over the parameters only): like FSDP2, and unlike
+    ``DistributedDataParallel(broadcast_buffers=True)``, a BatchNorm's running statistics stay
+    each rank's own.
     """
     if not any(t.is_meta for t in model.parameters()):
         model.to(device)
@@ -620,7 +636,7 @@ def fsdp(
     if is_fsdp_wrapped(model):
         raise ValueError(
             f"fsdp(): {type(model).__name__} (or one of its submodules) is already wrapped with "
-            "FSDP2 (fully_shard). Call fsdp() once, on the unwrapped model."
+            "FSDP2 (fully_shard) or DDP's engine (replicate). Call fsdp() once, on the unwrapped model."
         )
     _require_bool("auto_wrap", auto_wrap)
     _require_bool("cpu_offload", cpu_offload)

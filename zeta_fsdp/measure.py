@@ -28,7 +28,7 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 import torch.nn as nn
 
-from .fsdp import fsdp_param_groups, fsdp_state, is_replicated
+from .fsdp import fsdp_param_groups, fsdp_state, replicated_modules
 
 __all__ = [
     "collectives_per_step",
@@ -107,7 +107,7 @@ def peak_memory_by_category(
 
     for _ in range(warmup):
         step()
-    if is_replicated(model):
+    if replicated_modules(model):
         return _replicated_peak(model, optimizer, step, inputs)
     with restore_fsdp_hooks(model):
         tracker = FSDPMemTracker(model, optimizer)
@@ -122,7 +122,12 @@ def peak_memory_by_category(
 
 # MemTracker's categories under FSDPMemTracker's names: on DDP's engine every rank's "shard" is the
 # whole tensor, so one table reads the same for both engines.
-_MEMTRACKER_NAMES = {"Parameter": "Sharded Param", "Gradient": "Sharded Grad", "Optstate": "OptState"}
+_MEMTRACKER_NAMES = {
+    "Parameter": "Sharded Param",
+    "Gradient": "Sharded Grad",
+    "Optstate": "OptState",
+    "Other": "Inputs",  # what track_external(inputs) records
+}
 
 
 def memtracker_categories(snapshot: dict) -> dict[str, int]:
@@ -137,19 +142,22 @@ def memtracker_categories(snapshot: dict) -> dict[str, int]:
 
 
 def gradient_bucket_bytes(model: nn.Module) -> int:
-    """Bytes of DDP's gradient buckets of a model ``fsdp()`` put on DDP's engine (0 before its
+    """Bytes of DDP's gradient buckets in a model ``fsdp()`` put on DDP's engine (0 before its
     first forward, where DDP is built). Every ``.grad`` is a view into them.
 
     Example:
-        bytes_ = gradient_bucket_bytes(model)  # after a forward of fsdp(model) under NO_SHARD
+        >>> gradient_bucket_bytes(torch.nn.Linear(2, 2))  # not replicated: no buckets
+        0
     """
     from torch.distributed._composable.replicate import replicate
 
-    ddp = getattr(replicate.state(model), "_ddp", None)
-    if ddp is None:
-        return 0
-    # Private: the reducer's buckets are not public API; zeros-like copies give their sizes.
-    return sum(b.buffer().untyped_storage().nbytes() for b in ddp.reducer._get_zeros_like_grad_buckets())
+    total = 0
+    for module in replicated_modules(model):
+        ddp = getattr(replicate.state(module), "_ddp", None)
+        if ddp is not None:  # DDP's own record of the buckets it allocated (a comma-separated string)
+            sizes = str(ddp._get_ddp_logging_data().get("bucket_sizes", ""))
+            total += sum(int(n) for n in sizes.split(",") if n.strip())
+    return total
 
 
 def _replicated_peak(
@@ -158,23 +166,23 @@ def _replicated_peak(
     """``peak_memory_by_category`` for NO_SHARD on DDP's engine (``MemTracker``: no FSDP units).
 
     DDP allocates its gradient buckets once, at its first forward, and every ``.grad`` is a view
-    into them (``gradient_as_bucket_view``): a step allocates no gradient, so the tracker sees none.
-    The buckets are resident all the time; their bytes (read from the reducer) are added to
-    ``"Sharded Grad"`` and to ``"Total"``.
+    into them (``gradient_as_bucket_view``). When the step starts with gradients set, the tracker
+    counts the buckets through them; when it starts with none (``zero_grad(set_to_none=True)`` at
+    the end of the step before), a step allocates no gradient and the tracker sees none, so the
+    resident buckets (DDP's own record of their sizes) are added to ``"Sharded Grad"`` and ``"Total"``.
     """
     from torch.distributed._tools.mem_tracker import MemTracker
 
+    grads_set = any(p.grad is not None for p in model.parameters())
     tracker = MemTracker()
     tracker.track_external(*(t for t in (model, optimizer) if t is not None), *inputs)
     with tracker:
         step()
-    peak = next(iter(tracker.get_tracker_snapshot("peak").values()), {})
-    result = {
-        _MEMTRACKER_NAMES.get(getattr(k, "value", str(k)), getattr(k, "value", str(k))): int(v) for k, v in peak.items()
-    }
-    buckets = gradient_bucket_bytes(model)
-    result["Sharded Grad"] = result.get("Sharded Grad", 0) + buckets
-    result["Total"] = result.get("Total", 0) + buckets
+    result = memtracker_categories(next(iter(tracker.get_tracker_snapshot("peak").values()), {}))
+    if not grads_set:
+        buckets = gradient_bucket_bytes(model)
+        result["Sharded Grad"] = result.get("Sharded Grad", 0) + buckets
+        result["Total"] = result.get("Total", 0) + buckets
     return result
 
 

@@ -331,7 +331,12 @@ class MemoryPlan:
             lines += [
                 "",
                 f"dry run: real fsdp() on a meta copy, fake process group of {d.world_size} ranks (rank {d.rank}, "
-                f"mesh {'x'.join(str(s) for s in d.mesh_shape)}): wrap {d.wrap_seconds:.2f} s, {d.num_units} FSDP units",
+                + (
+                    f"engine=replicate): wrap {d.wrap_seconds:.2f} s"
+                    if self.engine == "replicate"
+                    else f"mesh {'x'.join(str(s) for s in d.mesh_shape)}): wrap {d.wrap_seconds:.2f} s, "
+                    f"{d.num_units} FSDP units"
+                ),
                 f"  sharded parameter bytes on rank {d.rank}: {d.param_bytes:,} (logical {d.local_param_bytes:,}) "
                 f"-> {verdict} ({self.param_bytes:,} / {self.local_param_bytes:,})",
             ]

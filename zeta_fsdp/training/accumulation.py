@@ -22,7 +22,7 @@ import torch.nn as nn
 from torch.distributed._composable.replicate import replicate
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 
-from ..fsdp import fsdp_param_groups, is_replicated
+from ..fsdp import fsdp_param_groups, replicated_modules
 from ..report import format_bytes, render_table
 
 __all__ = [
@@ -115,9 +115,12 @@ def no_sync(model: nn.Module, *, defer: str = "all") -> Iterator[nn.Module]:
         (loss_fn(model(batch1)) / 2).backward()  # reduce-scatter + the one all-reduce
     """
     reduce = resolve_defer(defer) == "all_reduce"  # validated before any unit changes
-    if is_replicated(model):
+    replicated = replicated_modules(model)
+    if replicated:
         # DDP's engine has one collective, the all-reduce: deferring it is deferring everything
-        with _replicated_no_sync(model):
+        with contextlib.ExitStack() as stack:
+            for module in replicated:
+                stack.enter_context(_replicated_no_sync(module))
             yield model
         return
     modules = _fsdp_modules(model)
@@ -267,9 +270,9 @@ _DDP_BUCKET_BYTES = 25 * 1024 * 1024
 def ddp_all_reduces(grads: list[tuple[torch.dtype, int]]) -> int:
     """All-reduces per synced backward of NO_SHARD on DDP's engine, for gradients of these
     ``(dtype, bytes)`` in parameter order: one per gradient bucket, as DDP's constructor assigns
-    them (parameters in reverse order, one open bucket per dtype, a bucket closed once it holds
-    1 MiB (the first) or 25 MiB (the rest)), plus one for the map of used parameters
-    (``find_unused_parameters=True``, which ``fsdp()`` sets).
+    them (``_compute_bucket_assignment_by_size``: parameters in order, one open bucket per dtype,
+    a bucket closed once it holds 1 MiB (the first) or 25 MiB (the rest)), plus one for the map of
+    used parameters (``find_unused_parameters=True``, which ``fsdp()`` sets).
 
     Example:
         >>> ddp_all_reduces([(torch.float32, 4 * 2**20)] * 3)  # a 4 MiB bucket, an 8 MiB one, the map
@@ -280,7 +283,7 @@ def ddp_all_reduces(grads: list[tuple[torch.dtype, int]]) -> int:
     limits: dict[torch.dtype, int] = {}
     open_bytes: dict[torch.dtype, int] = {}
     closed = 0
-    for dtype, nbytes in reversed(grads):
+    for dtype, nbytes in grads:
         open_bytes[dtype] = open_bytes.get(dtype, 0) + nbytes
         if open_bytes[dtype] >= limits.get(dtype, _DDP_FIRST_BUCKET_BYTES):
             closed += 1

@@ -14,7 +14,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from ..distributed import get_rank, get_world_size
-from ..fsdp import fsdp_param_groups, is_replicated
+from ..fsdp import fsdp_param_groups, replicated_modules
 from ..report import format_bytes, render_table
 from .accumulation import AccumulationCost, accumulation_costs, accumulation_table, ddp_all_reduces, gradient_wait_dtype
 
@@ -95,7 +95,7 @@ def _accumulation_bytes(model: nn.Module, micro_batches: int) -> dict[str, Accum
     """``accumulation_costs`` from the wrapped model's FSDP2 parameter groups (their mesh, padded
     shard sizes and dtypes, as FSDP2 allocates them); parameters no unit manages (ignored ones,
     0-dim ones ``fsdp()`` keeps whole) keep whole gradients in every choice."""
-    if is_replicated(model):
+    if replicated_modules(model):
         # DDP's engine: gradients are whole and accumulate in place in its buckets whatever the
         # choice; its collectives are all-reduces (ddp_all_reduces).
         grads = [p for p in model.parameters() if p.requires_grad]
