@@ -26,7 +26,7 @@ import torch.nn as nn
 from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemWriter
 from torch.distributed.tensor import DTensor
 
-from .checkpoint import check_save_inputs, checkpoint_state, prepare_save_dir, save_failure
+from .checkpoint import checkpoint_state, save_failure, start_save
 from .checks import FAILURES, PathLike, current_rank, dist_on, on_all_ranks, world_size
 from .publish import incomplete_dir, publish_checkpoint
 
@@ -154,8 +154,7 @@ class AsyncCheckpointer:
         self.wait()
         path = Path(path)
         group = self._process_group()
-        on_all_ranks(lambda: check_save_inputs(optimizer, extra))
-        made_tmp = on_all_ranks(lambda: prepare_save_dir(path, overwrite=overwrite))
+        made_tmp = start_save(path, optimizer, extra, overwrite=overwrite)
         try:
             # every rank staged, or every rank raises; the live tensors are not referenced afterwards
             staged = on_all_ranks(lambda: stage_state(checkpoint_state(model, optimizer, extra), self._buffers))
