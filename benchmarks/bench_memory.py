@@ -173,6 +173,14 @@ def render(data: dict[str, Any], out: Path) -> None:
         "Memory figures are exact byte counts of tensor storages (not timings): they do not depend on the "
         "load of the shared machine."
     )
+    report.notes.append(
+        "NO_SHARD in fp32 runs on DDP's engine (composable replicate; fsdp_engine = 'replicate'), measured "
+        "with MemTracker under the same names. DDP's gradient buckets (the .grad views) are allocated "
+        "once and stay for the whole backward and between steps, so its peak falls in backward, with "
+        "activations alive; FSDP2 on a (world, 1) mesh (pass mesh=) allocated gradients during backward "
+        "and peaked lower (79.49 MiB at every size in the previous recording, commit 58c8864) but steps "
+        "1.4x slower (results/no_shard.md)."
+    )
     if plot(data, out / "memory.png"):
         report.images.append("memory.png")
     else:
