@@ -122,7 +122,7 @@ def _small_with_unused_parameter() -> GPT:
 def no_shard_replicate_engine_details():
     """NO_SHARD on DDP's engine: an unused parameter keeps no gradient and is not updated (as on
     one process), meta init gives identical replicas, wrapping twice is refused, the state-dict
-    keys are the model's own."""
+    keys are the model's own; a frozen model (which DDP refuses) runs on FSDP2 instead."""
     train_parity(steps=3, model_fn=_small_with_unused_parameter)
     with torch.device("meta"):
         model = small()
@@ -135,6 +135,12 @@ def no_shard_replicate_engine_details():
     assert all(torch.equal(g, gathered[0]) for g in gathered), "replicas differ after meta init"
     keys = list(model.state_dict())
     assert keys == list(small().state_dict()), keys
+    frozen = small().requires_grad_(False)
+    frozen_ref = copy.deepcopy(frozen)
+    fsdp(frozen)
+    assert fsdp_engine(frozen) == "fully_shard", fsdp_engine(frozen)
+    x, _ = global_batch(0)
+    assert torch.equal(frozen(local_slice(x)), frozen_ref(local_slice(x)))
     try:
         fsdp(model)
     except ValueError as e:

@@ -13,7 +13,12 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, ShardingStrategy
 from zeta_fsdp import fsdp, resolve_mixed_precision, resolve_sharding
 from zeta_fsdp.distributed import mesh_shape
 from zeta_fsdp.models.gpt import Block, small
-from zeta_fsdp.options import validate_keep_tail_unsharded, validate_prefetch, validate_reshard_after_forward
+from zeta_fsdp.options import (
+    choose_engine,
+    validate_keep_tail_unsharded,
+    validate_prefetch,
+    validate_reshard_after_forward,
+)
 
 
 @pytest.mark.parametrize(
@@ -73,6 +78,24 @@ def test_sharding_table(strat, name, ndim, reshard):
 )
 def test_mesh_shapes(strat, world, local, replicate, shape):
     assert mesh_shape(resolve_sharding(strat), world, local_world_size=local, replicate_size=replicate) == shape
+
+
+@pytest.mark.parametrize(
+    ("strat", "mp", "kwargs", "engine", "why"),
+    [
+        ("NO_SHARD", "fp32", {}, "replicate", "DDP's engine"),
+        ("NO_SHARD", "bf16", {}, "fully_shard", "mp casts"),
+        ("NO_SHARD", "fp32", {"cpu_offload": True}, "fully_shard", "cpu_offload"),
+        ("NO_SHARD", "fp32", {"has_ignored": True}, "fully_shard", "ignored"),
+        ("NO_SHARD", "fp32", {"mesh_given": True}, "fully_shard", "mesh"),
+        ("NO_SHARD", "fp32", {"has_trainable": False}, "fully_shard", "no parameter requires a gradient"),
+        ("FULL_SHARD", "fp32", {}, "fully_shard", "FULL_SHARD shards"),
+        ("HYBRID_SHARD", "fp32", {}, "fully_shard", "HYBRID_SHARD shards"),
+    ],
+)
+def test_engine_choice(strat, mp, kwargs, engine, why):
+    got, reason = choose_engine(resolve_sharding(strat), resolve_mixed_precision(mp), **kwargs)
+    assert got == engine and why in reason, (got, reason)
 
 
 def test_reshard_after_forward_values():

@@ -623,8 +623,8 @@ def fsdp(
     Engines: every sharding strategy runs on FSDP2 (``fully_shard``: DTensor parameters). NO_SHARD
     with ``mp="fp32"`` runs on DDP's engine instead (composable ``replicate``: plain tensor
     parameters, bucketed all-reduce, DDP's speed); a low-precision ``mp``, ``cpu_offload``, ignored
-    parameters or a ``mesh`` keep NO_SHARD on FSDP2 (``options.choose_engine``; ``fsdp_engine(model)``
-    says which ran). State dicts, checkpoints, ``no_sync`` and ``clip_grad_norm_`` work on both.
+    parameters, a ``mesh`` or a model with nothing to train keep NO_SHARD on FSDP2
+    (``options.choose_engine``; ``fsdp_engine(model)`` says which ran). State dicts, checkpoints, ``no_sync`` and ``clip_grad_norm_`` work on both.
 
     Example:
         model = fsdp(model, auto_wrap=True, mp="bf16", shard_strat="FULL_SHARD", TransformerBlock=Block)
@@ -663,7 +663,12 @@ def fsdp(
     ignored = _ignored_parameters(model, ignored_params, ignored_modules)
     plan = build_wrap_plan(model, auto_wrap=auto_wrap, transformer_block=TransformerBlock, ignored_params=ignored)
     engine, _ = choose_engine(
-        spec, mp_policy, mesh_given=mesh is not None, cpu_offload=cpu_offload, has_ignored=bool(ignored)
+        spec,
+        mp_policy,
+        mesh_given=mesh is not None,
+        cpu_offload=cpu_offload,
+        has_ignored=bool(ignored),
+        has_trainable=any(p.requires_grad for p in model.parameters()),
     )
     if engine == "fully_shard":  # DDP buckets per dtype and has no unit to refuse
         _check_uniform_dtypes(plan, model, master)

@@ -185,6 +185,7 @@ def choose_engine(
     mesh_given: bool = False,
     cpu_offload: bool = False,
     has_ignored: bool = False,
+    has_trainable: bool = True,
 ) -> tuple[str, str]:
     """Which engine runs ``spec``: ``("replicate", why)`` or ``("fully_shard", why)``.
 
@@ -197,7 +198,8 @@ def choose_engine(
 
     * a low-precision ``mp`` (FSDP2's ``MixedPrecisionPolicy``: bf16 compute, fp32 reduction),
     * ``cpu_offload``, ``ignored_params`` / ``ignored_modules``,
-    * a ``mesh`` passed by the caller (the way to ask for FSDP2's DTensor parameters).
+    * a ``mesh`` passed by the caller (the way to ask for FSDP2's DTensor parameters),
+    * no parameter that requires a gradient (a frozen model for inference: DDP refuses those).
 
     Every other strategy shards, so it runs on ``fully_shard``.
 
@@ -217,6 +219,8 @@ def choose_engine(
         return "fully_shard", "ignored_params / ignored_modules"
     if mesh_given:
         return "fully_shard", "a mesh was passed"
+    if not has_trainable:
+        return "fully_shard", "no parameter requires a gradient"
     return "replicate", "NO_SHARD, fp32: DDP's engine"
 
 

@@ -441,7 +441,9 @@ def plan(
     )
     params = dict(model.named_parameters())
     n_state = OPTIMIZERS[optimizer]
-    engine, why = choose_engine(spec, policy, has_ignored=bool(ignored))
+    engine, why = choose_engine(
+        spec, policy, has_ignored=bool(ignored), has_trainable=any(p.requires_grad for p in params.values())
+    )
 
     units = [_estimate_unit(u, params, policy, shard_size, shard_rank, n_state, master) for u in wrap.units]
     # Ignored parameters stay whole (and unsharded) on every rank, as do their gradients.
