@@ -434,6 +434,12 @@ def finite(x: float) -> float:
 # Launching
 
 
+def add_timing_args(parser: argparse.ArgumentParser, *, blocks: int, steps_per_block: int) -> None:
+    """``--blocks`` / ``--steps-per-block`` of ``interleaved_block_times``, with this script's defaults."""
+    parser.add_argument("--blocks", type=int, default=blocks, help="interleaved timing blocks per variant")
+    parser.add_argument("--steps-per-block", type=int, default=steps_per_block, help="timed steps per block")
+
+
 def bench_parser(description: str, default_nproc: Optional[int] = 2) -> argparse.ArgumentParser:
     """Arguments every benchmark takes: ``--quick``, ``--out``, ``--nproc`` (launcher mode; none if ``None``)."""
     parser = argparse.ArgumentParser(description=description)

@@ -28,6 +28,7 @@ from _common import (
     QUICK_MODEL,
     Block,
     Report,
+    add_timing_args,
     bench_parser,
     build_model,
     finite,
@@ -234,8 +235,7 @@ def main() -> None:
         print(SKIP_MESSAGE)
         sys.exit(0)
     parser = bench_parser(__doc__.splitlines()[0])
-    parser.add_argument("--blocks", type=int, default=100, help="interleaved timing blocks per variant")
-    parser.add_argument("--steps-per-block", type=int, default=1, help="timed steps per block")
+    add_timing_args(parser, blocks=100, steps_per_block=1)
     parser.add_argument("--wrap-reps", type=int, default=6, help="wrap-time repetitions per variant")
     run_benchmark(rank_main, parser)
 

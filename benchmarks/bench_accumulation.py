@@ -37,6 +37,7 @@ import torch.distributed as dist  # noqa: E402
 import torch.nn as nn  # noqa: E402
 from _common import (  # noqa: E402
     Report,
+    add_timing_args,
     bench_parser,
     fmt_mib,
     gather_max,
@@ -293,8 +294,7 @@ def rank_main(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = bench_parser(__doc__.splitlines()[0], default_nproc=4)
-    parser.add_argument("--blocks", type=int, default=20, help="interleaved timing blocks")
-    parser.add_argument("--steps-per-block", type=int, default=1, help="optimizer steps timed per block")
+    add_timing_args(parser, blocks=20, steps_per_block=1)
     run_benchmark(rank_main, parser, argv)
 
 

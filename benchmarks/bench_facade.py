@@ -29,6 +29,7 @@ from _common import (
     Block,
     GPTConfig,
     Report,
+    add_timing_args,
     bench_parser,
     build_model,
     finite,
@@ -216,8 +217,7 @@ def rank_main(args: argparse.Namespace) -> None:
 def main() -> None:
     parser = bench_parser(__doc__.splitlines()[0])
     parser.add_argument("--mp", default="fp32", help="mixed precision for both variants (fp32 or bf16)")
-    parser.add_argument("--blocks", type=int, default=150, help="interleaved timing blocks per variant")
-    parser.add_argument("--steps-per-block", type=int, default=1, help="timed steps per block")
+    add_timing_args(parser, blocks=150, steps_per_block=1)
     parser.add_argument(
         "--wrap-reps", type=int, default=2, help="wrap-time repetitions per variant (0: skip the wrap-time part)"
     )

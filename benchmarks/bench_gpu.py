@@ -29,6 +29,7 @@ from _common import (
     GPTConfig,
     ModelSpec,
     Report,
+    add_timing_args,
     bench_parser,
     build_model,
     finite,
@@ -264,8 +265,7 @@ def main() -> None:
     parser = bench_parser(__doc__.splitlines()[0], default_nproc=None)
     parser.add_argument("--device", default="cuda", help="cuda (default); cpu only to debug the script itself")
     parser.add_argument("--peak-tflops", type=float, default=None, help="dense bf16 peak of the GPU, TFLOP/s")
-    parser.add_argument("--blocks", type=int, default=20, help="interleaved timing blocks per variant")
-    parser.add_argument("--steps-per-block", type=int, default=5, help="timed steps per block")
+    add_timing_args(parser, blocks=20, steps_per_block=5)
     args = parser.parse_args()
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         print(SKIP_MESSAGE)

@@ -40,6 +40,7 @@ from _common import (
     Block,
     ModelSpec,
     Report,
+    add_timing_args,
     bench_parser,
     build_model,
     fmt_collectives,
@@ -249,8 +250,7 @@ def rank_main(args: argparse.Namespace) -> None:
 
 def main() -> None:
     parser = bench_parser(__doc__.splitlines()[0])
-    parser.add_argument("--blocks", type=int, default=60, help="interleaved timing blocks per variant")
-    parser.add_argument("--steps-per-block", type=int, default=3, help="timed steps per block")
+    add_timing_args(parser, blocks=60, steps_per_block=3)
     run_benchmark(rank_main, parser)
 
 

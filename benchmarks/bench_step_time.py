@@ -23,6 +23,7 @@ from _common import (
     QUICK_MODEL,
     Block,
     Report,
+    add_timing_args,
     bench_parser,
     build_model,
     hand_written_fully_shard,
@@ -81,8 +82,7 @@ def rank_main(args: argparse.Namespace) -> None:
 def main() -> None:
     parser = bench_parser(__doc__.splitlines()[0])
     parser.add_argument("--mp", default="fp32", help="mixed precision for the FSDP variants (DDP only with fp32)")
-    parser.add_argument("--blocks", type=int, default=100, help="interleaved timing blocks per variant")
-    parser.add_argument("--steps-per-block", type=int, default=1, help="timed steps per block")
+    add_timing_args(parser, blocks=100, steps_per_block=1)
     run_benchmark(rank_main, parser)
 
 

@@ -35,6 +35,7 @@ from _common import (  # noqa: E402
     Block,
     ModelSpec,
     Report,
+    add_timing_args,
     bench_parser,
     build_model,
     interleaved_block_times,
@@ -206,8 +207,7 @@ def rank_main(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = bench_parser(__doc__.splitlines()[0])
-    parser.add_argument("--blocks", type=int, default=30, help="interleaved timing blocks per comparison")
-    parser.add_argument("--steps-per-block", type=int, default=2, help="optimizer steps timed per block")
+    add_timing_args(parser, blocks=30, steps_per_block=2)
     run_benchmark(rank_main, parser, argv)
 
 
