@@ -13,8 +13,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path.cwd() if (Path.cwd() / "examples").is_dir() else Path(__file__).resolve().parents[1]))
-from zeta_fsdp import build_wrap_plan, fsdp  # noqa: E402
+from zeta_fsdp import fsdp  # noqa: E402
 from zeta_fsdp.models.gpt import Block, lm_loss, small  # noqa: E402
+from zeta_fsdp.wrapping import build_wrap_plan  # noqa: E402
 
 torch.manual_seed(0)
 model = small()
@@ -56,7 +57,7 @@ for step in range(5):
 # ## 4. Memory by category (FSDPMemTracker, exact on CPU)
 
 # %%
-from zeta_fsdp import peak_memory_by_category  # noqa: E402
+from zeta_fsdp.measure import peak_memory_by_category  # noqa: E402
 
 
 def train_step():

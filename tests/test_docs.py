@@ -68,3 +68,34 @@ def test_every_public_name_has_a_docstring_with_an_example():
 
     lacking = [n for n in zeta_fsdp.__all__ if "Example" not in (inspect.getdoc(getattr(zeta_fsdp, n)) or "")]
     assert not lacking, f"public names without an example in their docstring: {lacking}"
+
+
+def test_public_surface_is_small_and_import_is_light():
+    """At most 36 public names; ``import zeta_fsdp`` loads no command-line module and no optional
+    integration (a fresh interpreter, so nothing imported by other tests hides it)."""
+    code = (
+        "import sys, zeta_fsdp\n"
+        "assert len(zeta_fsdp.__all__) <= 36, len(zeta_fsdp.__all__)\n"
+        "heavy = [m for m in sys.modules if m.startswith('zeta_fsdp.cli') or m.split('.')[0] in\n"
+        "         ('transformers', 'safetensors', 'lightning', 'peft', 'timm', 'matplotlib')]\n"
+        "assert not heavy, heavy\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def test_former_top_level_names_still_import_with_a_warning():
+    import warnings
+
+    import zeta_fsdp
+    import zeta_fsdp.options
+    import zeta_fsdp.state_dict
+
+    for name, home in [("resolve_sharding", zeta_fsdp.options), ("prune_checkpoints", zeta_fsdp.state_dict)]:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            value = getattr(zeta_fsdp, name)
+        assert value is getattr(home, name)
+        assert any(issubclass(w.category, DeprecationWarning) and home.__name__ in str(w.message) for w in caught)
+    with pytest.raises(AttributeError, match="no_such_name"):
+        zeta_fsdp.no_such_name  # noqa: B018

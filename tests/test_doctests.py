@@ -8,10 +8,14 @@ import sys
 from conftest import ROOT, rank_env
 
 
-def test_docstring_examples_run():
-    # In a subprocess: some examples start the one-process group a notebook gets.
-    cmd = [sys.executable, "-m", "pytest", "-q", "--doctest-modules", "zeta_fsdp", "-p", "no:cacheprovider"]
-    proc = subprocess.run(cmd, cwd=ROOT, env=rank_env(), capture_output=True, text=True, timeout=600)
+def test_docstring_examples_run(tmp_path):
+    # In a subprocess: some examples start the one-process group a notebook gets. In a temporary
+    # folder: examples that write files (a checkpoint, a .safetensors file) write them there, and
+    # the repository is left as it was.
+    before = sorted(p.name for p in ROOT.iterdir())
+    cmd = [sys.executable, "-m", "pytest", "-q", "--doctest-modules", str(ROOT / "zeta_fsdp"), "-p", "no:cacheprovider"]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=rank_env(), capture_output=True, text=True, timeout=600)
     summary = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else proc.stderr[-2000:]
     assert proc.returncode == 0, proc.stdout[-6000:]
     assert " passed" in summary and "skipped" not in summary, summary
+    assert sorted(p.name for p in ROOT.iterdir()) == before, "a docstring example wrote into the repository"

@@ -10,11 +10,13 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, ShardingStrategy
 
-from zeta_fsdp import fsdp, resolve_mixed_precision, resolve_sharding
+from zeta_fsdp import fsdp
 from zeta_fsdp.distributed import mesh_shape
 from zeta_fsdp.models.gpt import Block, small
 from zeta_fsdp.options import (
     choose_engine,
+    resolve_mixed_precision,
+    resolve_sharding,
     validate_keep_tail_unsharded,
     validate_prefetch,
     validate_reshard_after_forward,

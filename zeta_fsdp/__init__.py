@@ -4,19 +4,23 @@ Example:
     from zeta_fsdp import fsdp
     model = fsdp(model, auto_wrap=True, mp="bf16", shard_strat="FULL_SHARD", TransformerBlock=Block)
 
+The names below are the whole public surface (docs/api.md is their map). Tools and internals
+(option resolvers, plan units, measuring helpers, checkpoint retention) are importable from their
+own modules; the old top-level names still work but warn, and will be removed.
+
 Optional, imported only on demand (never by ``import zeta_fsdp``): ``zeta_fsdp.lightning.FSDP2Strategy``,
 a Lightning ``Trainer`` strategy (``pip install "zeta-fsdp[lightning]"``).
 """
 
-from .cli.model_spec import meta_model_from_spec
+import importlib
+import warnings
+
 from .data import ResumableLoader, shard_dataloader
 from .distributed import shutdown
 from .fsdp import fsdp, fsdp_engine, get_wrap_plan, is_fsdp_wrapped
 from .hf import consolidate_to_hf, load_pretrained, save_pretrained
 from .loss import MaskedTokenLossReduction, PerSampleLossReduction
-from .measure import collectives_per_step, median_step_seconds, peak_memory_by_category
-from .options import ShardingSpec, choose_engine, resolve_master_dtype, resolve_mixed_precision, resolve_sharding
-from .planner import DryRunResult, MemoryPlan, UnitEstimate, dry_run, plan
+from .planner import MemoryPlan, dry_run, plan
 from .state_dict import (
     AsyncCheckpointer,
     CheckpointError,
@@ -27,71 +31,92 @@ from .state_dict import (
     get_optimizer_state_dict,
     get_sharded_state_dict,
     is_checkpoint,
-    latest_checkpoint,
     load_checkpoint,
     load_full_state_dict,
     load_optimizer_state_dict,
     load_sharded_state_dict,
-    prune_checkpoints,
     save_checkpoint,
 )
 from .strategy import EpochStep, FSDP2Strategy
 from .training import MemoryReport, clip_grad_norm_, memory_report, no_sync
-from .wrapping import WrapPlan, WrapUnit, build_wrap_plan, detect_block_classes
+from .wrapping import WrapPlan
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "EpochStep",
-    "FSDP2Strategy",
-    "MaskedTokenLossReduction",
-    "MemoryReport",
-    "PerSampleLossReduction",
-    "clip_grad_norm_",
-    "collectives_per_step",
-    "median_step_seconds",
-    "memory_report",
-    "peak_memory_by_category",
-    "no_sync",
-    "CheckpointError",
-    "consolidate_checkpoint",
-    "get_full_state_dict",
-    "get_optimizer_state_dict",
-    "get_sharded_state_dict",
-    "is_checkpoint",
-    "load_checkpoint",
-    "load_full_state_dict",
-    "load_optimizer_state_dict",
-    "load_sharded_state_dict",
-    "save_checkpoint",
-    "AsyncCheckpointer",
-    "CheckpointManager",
-    "PreemptionHandler",
-    "latest_checkpoint",
-    "prune_checkpoints",
-    "ResumableLoader",
-    "shard_dataloader",
-    "consolidate_to_hf",
-    "load_pretrained",
-    "save_pretrained",
-    "DryRunResult",
-    "MemoryPlan",
-    "UnitEstimate",
-    "dry_run",
-    "meta_model_from_spec",
-    "plan",
-    "ShardingSpec",
-    "WrapPlan",
-    "WrapUnit",
-    "build_wrap_plan",
-    "detect_block_classes",
-    "choose_engine",
+    # sharding
     "fsdp",
     "fsdp_engine",
     "get_wrap_plan",
     "is_fsdp_wrapped",
-    "resolve_master_dtype",
-    "resolve_mixed_precision",
-    "resolve_sharding",
+    "WrapPlan",
     "shutdown",
+    # planning
+    "plan",
+    "dry_run",
+    "MemoryPlan",
+    # state dicts and checkpoints
+    "get_full_state_dict",
+    "load_full_state_dict",
+    "get_sharded_state_dict",
+    "load_sharded_state_dict",
+    "get_optimizer_state_dict",
+    "load_optimizer_state_dict",
+    "save_checkpoint",
+    "load_checkpoint",
+    "is_checkpoint",
+    "consolidate_checkpoint",
+    "CheckpointError",
+    # long jobs
+    "AsyncCheckpointer",
+    "CheckpointManager",
+    "PreemptionHandler",
+    "ResumableLoader",
+    "shard_dataloader",
+    # Hugging Face
+    "load_pretrained",
+    "save_pretrained",
+    "consolidate_to_hf",
+    # training and loss
+    "no_sync",
+    "clip_grad_norm_",
+    "memory_report",
+    "MemoryReport",
+    "MaskedTokenLossReduction",
+    "PerSampleLossReduction",
+    # NeMo's strategy
+    "FSDP2Strategy",
+    "EpochStep",
 ]
+
+# Former top-level names -> the module that is their home. Still importable from here, with a warning.
+_MOVED = {
+    "choose_engine": "zeta_fsdp.options",
+    "resolve_master_dtype": "zeta_fsdp.options",
+    "resolve_mixed_precision": "zeta_fsdp.options",
+    "resolve_sharding": "zeta_fsdp.options",
+    "ShardingSpec": "zeta_fsdp.options",
+    "WrapUnit": "zeta_fsdp.wrapping",
+    "build_wrap_plan": "zeta_fsdp.wrapping",
+    "detect_block_classes": "zeta_fsdp.wrapping",
+    "UnitEstimate": "zeta_fsdp.planner",
+    "DryRunResult": "zeta_fsdp.planner",
+    "meta_model_from_spec": "zeta_fsdp.cli.model_spec",
+    "collectives_per_step": "zeta_fsdp.measure",
+    "median_step_seconds": "zeta_fsdp.measure",
+    "peak_memory_by_category": "zeta_fsdp.measure",
+    "latest_checkpoint": "zeta_fsdp.state_dict",
+    "prune_checkpoints": "zeta_fsdp.state_dict",
+}
+
+
+def __getattr__(name: str):
+    home = _MOVED.get(name)
+    if home is None:
+        raise AttributeError(f"module 'zeta_fsdp' has no attribute {name!r}")
+    warnings.warn(
+        f"zeta_fsdp.{name} moved out of the top-level API: import it as `from {home} import {name}`",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    return getattr(importlib.import_module(home), name)
