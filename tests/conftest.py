@@ -31,6 +31,52 @@ def torchrun(nproc: int, script: str, *args: str, timeout: float = 600) -> subpr
     return subprocess.run(cmd, cwd=ROOT, env=rank_env(), capture_output=True, text=True, timeout=timeout)
 
 
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers",
+        "launch: starts processes (torchrun ranks, scripts, pip); the fast tier `pytest -m 'not launch'` skips it",
+    )
+
+
+_running: dict[str, object] = {"item": None}
+_popen_init = subprocess.Popen.__init__
+
+
+def _popen_if_marked(self, *args, **kwargs):
+    """Keep the ``launch`` marker honest: a test without it whose body or fixtures start a process
+    fails, naming itself, so the fast tier (``-m "not launch"``) stays in-process and fast."""
+    item = _running["item"]
+    if item is not None and item.get_closest_marker("launch") is None:
+        raise AssertionError(f"{item.nodeid} starts a process: mark it @pytest.mark.launch")
+    _popen_init(self, *args, **kwargs)
+
+
+subprocess.Popen.__init__ = _popen_if_marked
+
+
+def launches(fixture_function: Callable) -> Callable:
+    """Decorate a fixture (under ``@pytest.fixture``) that starts processes: every test using it is ``launch``."""
+    fixture_function.launches = True
+    return fixture_function
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        defs = getattr(item, "_fixtureinfo", None)
+        chains = defs.name2fixturedefs.values() if defs is not None else ()
+        if any(getattr(d.func, "launches", False) for chain in chains for d in chain):
+            item.add_marker(pytest.mark.launch)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    _running["item"] = item  # fixtures of any scope are set up inside the item that first needs them
+    try:
+        yield
+    finally:
+        _running["item"] = None
+
+
 NOT_RUN = "NOT RUN"  # worker.NOT_RUN: a case its launch stopped before (another case failed)
 
 
@@ -159,6 +205,7 @@ def dist_test(worker: str, nproc: int, cases: Optional[list[str]] = None, group:
     """
     cases = worker_cases(worker, nproc, group) if cases is None else cases
 
+    @pytest.mark.launch
     @pytest.mark.parametrize("case", cases)
     def test(dist_results, case):
         check_case(dist_results(worker, nproc, cases), case)

@@ -21,6 +21,8 @@ import pytest
 import torch
 from conftest import ROOT, rank_env
 
+pytestmark = pytest.mark.launch  # every test here starts processes
+
 BENCH = ROOT / "benchmarks"
 
 

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, rank_env
+from conftest import ROOT, launches, rank_env
 
 from zeta_fsdp.cli import main
 
@@ -37,6 +37,7 @@ def _has_matplotlib() -> bool:
 
 
 @pytest.fixture(scope="module")
+@launches
 def demo(tmp_path_factory):
     plot = tmp_path_factory.mktemp("demo") / "memory.png"
     extra = ["--plot", str(plot)] if _has_matplotlib() else []
@@ -50,6 +51,7 @@ def demo(tmp_path_factory):
     return proc, rows, plot if extra else None
 
 
+@pytest.mark.launch
 def test_demo_table_has_every_strategy(demo):
     proc, rows, _ = demo
     assert list(rows) == ["FULL_SHARD", "SHARD_GRAD", "NO_SHARD"], proc.stdout
@@ -155,6 +157,7 @@ def test_demo_plot_is_a_png(demo):
 # ------------------------------------------------------------------ plan CLI
 
 
+@pytest.mark.launch
 def test_plan_cli_dry_run_matches_at_1024_ranks(capsys):
     code = main(
         [
@@ -245,6 +248,7 @@ def test_bad_input_in_process(argv, message, capsys):
     assert "launching" not in err, "ranks were launched for bad input"
 
 
+@pytest.mark.launch
 def test_plan_finds_a_model_in_the_current_folder(tmp_path):
     """``plan mymodels:build`` imports ./mymodels.py, as ``python -m`` would, dry run included."""
     (tmp_path / "mymodels.py").write_text(
@@ -261,6 +265,7 @@ def test_plan_finds_a_model_in_the_current_folder(tmp_path):
     assert data["dry_run_matches"] is True, data["dry_run"]
 
 
+@pytest.mark.launch
 def test_bad_input_real_process():
     proc = run_cli("plan", "examples.nope:small", timeout=120)
     assert proc.returncode == 2
@@ -322,6 +327,7 @@ def _is_rank(pid: int) -> bool:
         return False
 
 
+@pytest.mark.launch
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="needs /proc to find the rank processes")
 def test_sigint_stops_every_rank():
     cmd = [sys.executable, "-m", "zeta_fsdp", "demo", "--nproc", "2", "--steps", "1000"]

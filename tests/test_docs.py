@@ -33,6 +33,7 @@ def _run(cmd: list[str], cwd: Path) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, cwd=cwd, env=rank_env(), capture_output=True, text=True, timeout=600)
 
 
+@pytest.mark.launch
 @pytest.mark.parametrize("doc", DOCS, ids=[d.name for d in DOCS])
 def test_doc_code_runs(doc, tmp_path):
     plain, launched = blocks(doc, ""), blocks(doc, "torchrun")
@@ -70,6 +71,7 @@ def test_every_public_name_has_a_docstring_with_an_example():
     assert not lacking, f"public names without an example in their docstring: {lacking}"
 
 
+@pytest.mark.launch
 def test_public_surface_is_small_and_import_is_light():
     """At most 36 public names; ``import zeta_fsdp`` loads no command-line module and no optional
     integration (a fresh interpreter, so nothing imported by other tests hides it)."""

@@ -5,7 +5,10 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
 from conftest import ROOT, rank_env
+
+pytestmark = pytest.mark.launch  # every test here starts processes
 
 
 def test_docstring_examples_run(tmp_path):

@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import os
 
+import pytest
 from conftest import launch_worker, merge_ranks, worker_cases
+
+pytestmark = pytest.mark.launch  # every test here starts processes
 
 
 def test_failure_on_one_rank_reports_itself_and_the_rest_still_run(tmp_path, monkeypatch):

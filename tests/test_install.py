@@ -15,11 +15,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT
+from conftest import ROOT, launches
 
 from zeta_fsdp.distributed import without_launcher_env
 from zeta_fsdp.models.gpt import small
 from zeta_fsdp.planner import plan
+
+pytestmark = pytest.mark.launch  # every test here starts processes
 
 TORCH = "torch==2.13.0"  # the fast CPU build on these machines (and the version the suite pins)
 
@@ -42,6 +44,7 @@ def _run(cmd: list[str], cwd: Path, timeout: float) -> subprocess.CompletedProce
 
 
 @pytest.fixture(scope="module")
+@launches
 def installed(tmp_path_factory) -> tuple[Path, Path, Path]:
     """(python of a fresh venv holding only the wheel and its requirements, an empty folder, the wheel)."""
     base = tmp_path_factory.mktemp("install")

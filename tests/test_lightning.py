@@ -39,6 +39,7 @@ def run(tmp_path, mode: str, launcher: str) -> dict:
     return results[0]
 
 
+@pytest.mark.launch
 @pytest.mark.parametrize("launcher", ["torchrun", "lightning"])
 def test_fit_parity_checkpoints_and_resume(tmp_path, launcher):
     r = run(tmp_path, "fit", launcher)
@@ -54,6 +55,7 @@ def test_fit_parity_checkpoints_and_resume(tmp_path, launcher):
     assert r["hparams"] == {"width": 16, "depth": 2} and r["ckpt_hparams_is_dataclass"]
 
 
+@pytest.mark.launch
 def test_bf16_mixed_is_the_fsdp2_policy(tmp_path):
     r = run(tmp_path, "bf16", "torchrun")
     assert r["forward_dtypes"] == ["torch.bfloat16"], r  # parameters cast by FSDP, not autocast
@@ -62,6 +64,7 @@ def test_bf16_mixed_is_the_fsdp2_policy(tmp_path):
     assert r["clipped"], r  # gradient_clip_val=0.5 really clipped (a norm above it was seen)
 
 
+@pytest.mark.launch
 def test_import_zeta_fsdp_does_not_import_lightning():
     code = "import sys, zeta_fsdp; assert 'lightning' not in sys.modules and 'zeta_fsdp.lightning' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=rank_env(), check=True)
@@ -99,6 +102,7 @@ def test_api_reference_lists_the_lightning_names():
 STEP_LINE = re.compile(r"^step (\d+): loss ([0-9.]+)$", re.M)
 
 
+@pytest.mark.launch
 def test_example_lightning_train_fits_checkpoints_and_resumes(tmp_path):
     """``examples/lightning_train.py`` as a user runs it (plain ``python``: Lightning's launcher starts
     rank 1): 6 steps, checkpoints at steps 3 and 6 + last; then a resume from ``step=3.ckpt`` trains

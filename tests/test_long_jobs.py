@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, check_case, launch_worker, merge_ranks, rank_env, worker_cases
+from conftest import ROOT, check_case, launch_worker, launches, merge_ranks, rank_env, worker_cases
 
 TWO_RANK_CASES = worker_cases("long_jobs_cases.py", 2)  # the data resume cases are the "resume" group
 
@@ -25,11 +25,13 @@ def launch(out: Path, nproc: int, cases: list[str], shared: Path) -> dict:
 
 
 @pytest.fixture(scope="module")
+@launches
 def shared(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("long_jobs")
 
 
 @pytest.fixture(scope="module")
+@launches
 def two_ranks(shared, tmp_path_factory) -> dict:
     return launch(tmp_path_factory.mktemp("two"), 2, TWO_RANK_CASES, shared)
 
@@ -39,6 +41,7 @@ def test_two_ranks(two_ranks, case):
     check_case(two_ranks, case)
 
 
+@pytest.mark.launch
 @pytest.mark.parametrize("nproc", [1, 4])
 def test_data_position_saved_at_2_resumed_at(two_ranks, shared, tmp_path, nproc):
     """Saved at 2 ranks mid-epoch, resumed at ``nproc``: same global batches in the same order, losses within the bound."""
@@ -54,6 +57,7 @@ def _torchrun_with_restart(out: Path, ckpt: Path, *args: str) -> subprocess.Comp
     return proc
 
 
+@pytest.mark.launch
 def test_crash_recovery_under_torchrun_restart_is_exact(tmp_path):
     """SIGKILL one rank mid-training; torchrun restarts; the resumed run ends bit-identical to an uninterrupted one."""
     _torchrun_with_restart(tmp_path / "clean", tmp_path / "ckpt_clean")
@@ -75,6 +79,7 @@ def test_crash_recovery_under_torchrun_restart_is_exact(tmp_path):
     assert sorted(p.name for p in (tmp_path / "ckpt_crash").iterdir()) == ["step_10", "step_8"]
 
 
+@pytest.mark.launch
 def test_bench_long_jobs_quick(tmp_path):
     """``benchmarks/bench_long_jobs.py --quick`` runs end to end; its figures are only checked to be well-formed."""
     cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_long_jobs.py"), "--quick", "--out", str(tmp_path)]

@@ -6,7 +6,10 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
 from conftest import ROOT, rank_env
+
+pytestmark = pytest.mark.launch  # every test here starts processes
 
 SEED_EXAMPLES = textwrap.dedent(
     """

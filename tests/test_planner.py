@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from conftest import launch_worker
+from conftest import launch_worker, launches
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 import zeta_fsdp.cli.demo
@@ -217,6 +217,7 @@ DRY_RUN_MATRIX = [(world, strategy) for world in (8, 64, 1024) for strategy in (
 
 
 @pytest.fixture(scope="module")
+@launches
 def dry_runs():
     """Every (world, strategy) of the matrix, on the last rank, in one fake-group subprocess."""
     model = meta_gpt(**DRY_RUN_SHAPE)
@@ -250,6 +251,7 @@ def test_dry_run_with_ignored_params(dry_runs):
     assert p.param_bytes > plan(model, 8, "FULL_SHARD", rank=7).param_bytes, "an ignored parameter stays whole"
 
 
+@pytest.mark.launch
 def test_plan_dry_run_with_ignored_params_matches():
     """plan(ignored_params=..., dry_run=True) hands the ignored names to the dry run (it used to drop them)."""
     model = meta_gpt(**DRY_RUN_SHAPE)
@@ -260,6 +262,7 @@ def test_plan_dry_run_with_ignored_params_matches():
     assert "-> matches the plan" in p.report() and "DOES NOT" not in p.report()
 
 
+@pytest.mark.launch
 def test_dry_run_function_passes_ignored_param_names():
     model = meta_gpt(**DRY_RUN_SHAPE)
     d = dry_run(model, 8, rank=7, ignored_param_names=["pos_emb.weight"])
@@ -317,11 +320,13 @@ def _launch(tmp_path_factory, nproc: int, cases: list[str]) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
+@launches
 def measured_2(tmp_path_factory):
     return _launch(tmp_path_factory, 2, TWO_RANK_CASES + ["tied_group_residency"])
 
 
 @pytest.fixture(scope="module")
+@launches
 def measured_4(tmp_path_factory):
     return _launch(tmp_path_factory, 4, FOUR_RANK_CASES)
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, check_case, launch_worker, merge_ranks, rank_env, worker_cases
+from conftest import ROOT, check_case, launch_worker, launches, merge_ranks, rank_env, worker_cases
 
 from zeta_fsdp import cli
 from zeta_fsdp.models.gpt import small
@@ -51,28 +51,33 @@ def launch(
 
 
 @pytest.fixture(scope="module")
+@launches
 def ckpt(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("ckpt")
 
 
 @pytest.fixture(scope="module")
+@launches
 def saved(ckpt, tmp_path_factory) -> dict:
     return launch(tmp_path_factory.mktemp("save"), 2, SAVE_CASES, ckpt)[0]
 
 
 @pytest.fixture(scope="module")
+@launches
 def resumed(saved, ckpt, tmp_path_factory) -> tuple[dict, subprocess.CompletedProcess]:
     assert saved["resume_save_reference"] == "ok", "the checkpoint to resume from was not saved"
     return launch(tmp_path_factory.mktemp("resume"), 2, RESUME_CASES, ckpt, "--kill-save")
 
 
 @pytest.fixture(scope="module")
+@launches
 def one_rank(saved, ckpt, tmp_path_factory) -> dict:
     assert saved["resume_save_reference"] == "ok", "the 2-rank checkpoint was not saved"
     return launch(tmp_path_factory.mktemp("one"), 1, ONE_RANK_CASES, ckpt)[0]
 
 
 @pytest.fixture(scope="module")
+@launches
 def four_ranks(saved, ckpt, tmp_path_factory) -> dict:
     assert saved["resume_save_reference"] == "ok", "the 2-rank checkpoint was not saved"
     return launch(tmp_path_factory.mktemp("four"), 4, FOUR_RANK_CASES, ckpt)[0]
@@ -320,6 +325,7 @@ save_checkpoint(path, small(), extra={"step": 2}, overwrite=True)
 """
 
 
+@pytest.mark.launch
 def test_overwrite_killed_between_renames_recovers(tmp_path):
     path = tmp_path / "c"
     cmd = [sys.executable, "-c", KILLED_BETWEEN_RENAMES, str(path)]

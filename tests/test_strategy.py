@@ -285,6 +285,7 @@ def _losses(stdout: str) -> dict[int, float]:
     return {int(s): float(v) for s, v, _ in LOSS_LINE.findall(stdout)}
 
 
+@pytest.mark.launch
 def test_example_resumes_on_one_process(dist_results, session_tmp):
     """The 2-rank example run (case above) left a step-4 checkpoint; plain ``python`` resumes it on
     ONE process (notebook-style group, clean exit): the full checkpoint loads at any world size,
