@@ -44,6 +44,7 @@ from .options import (
     validate_prefetch,
     validate_reshard_after_forward,
 )
+from .ties import retie
 from .wrapping import BlockSpec, WrapPlan, WrapUnit, build_wrap_plan
 
 __all__ = [
@@ -414,26 +415,6 @@ def set_prefetch_chains(plan: WrapPlan, depth: int) -> None:
             targets = [u.modules[0] for u in order[i + 1 : i + 1 + depth]]
             if targets:
                 getattr(unit.modules[0], setter)(targets)
-
-
-def retie(model: nn.Module, tied_params: list[list[str]]) -> None:
-    """Make every name of each group in ``tied_params`` hold the group's first parameter again.
-
-    ``to_empty`` (meta init, loading into a meta model) hands tied names separate tensors.
-
-    Example:
-        >>> model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
-        >>> retie(model, [["0.weight", "1.weight"]])
-        >>> model[1].weight is model[0].weight
-        True
-    """
-    for names in tied_params:
-        first = model.get_parameter(names[0])
-        for name in names[1:]:
-            owner_name, _, attr = name.rpartition(".")
-            owner = model.get_submodule(owner_name)
-            if getattr(owner, attr) is not first:
-                owner.register_parameter(attr, first)
 
 
 # Written into every floating-point tensor (and the most negative value into integer ones) after

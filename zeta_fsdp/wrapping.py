@@ -26,8 +26,9 @@ import torch
 import torch.nn as nn
 
 from .report import render_table
+from .ties import tied_parameter_groups
 
-__all__ = ["BlockSpec", "WrapPlan", "WrapUnit", "build_wrap_plan", "detect_block_classes", "tied_parameter_groups"]
+__all__ = ["BlockSpec", "WrapPlan", "WrapUnit", "build_wrap_plan", "detect_block_classes"]
 
 BlockSpec = Union[type, str, Sequence[Union[type, str]], None]
 
@@ -317,21 +318,6 @@ def _embedding_and_head_modules(
     if not any(isinstance(m, nn.Linear) or m is output_embedding for _, m in tail):
         tail = []
     return embeddings, tail
-
-
-def tied_parameter_groups(model: nn.Module) -> list[list[str]]:
-    """Names of parameters that are one object (tied weights), one list per tie, in module order.
-
-    Example:
-        >>> model = nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 10, bias=False))
-        >>> model[1].weight = model[0].weight
-        >>> tied_parameter_groups(model)
-        [['0.weight', '1.weight']]
-    """
-    by_id: dict[int, list[str]] = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        by_id.setdefault(id(param), []).append(name)
-    return [names for names in by_id.values() if len(names) > 1]
 
 
 def _owner_module_name(param_name: str) -> str:

@@ -30,7 +30,7 @@ import torch.nn as nn
 from ..files import publish_dir
 from ..state_dict import CheckpointError, is_checkpoint
 from .files import PlannedFilesWriter, parse_size, staging_dir
-from .naming import hf_class, model_tensors, saved_tensors, tied_aliases
+from .naming import hf_class, model_tensors, saved_aliases, saved_tensors
 from .save import cast, check_dtype, plan_hf_files, write_hf_config, write_index
 
 __all__ = ["consolidate_to_hf", "meta_model_from_config"]
@@ -123,7 +123,7 @@ def consolidate_to_hf(
     source: dict[str, str] = {k: k for k in stored}  # output key (model's kept name) -> stored name
     if model is not None:
         tensors = model_tensors(model)
-        aliases = tied_aliases(model, tensors)
+        aliases = saved_aliases(model, tensors)
         groups: dict[str, list[str]] = {}
         for alias, kept in aliases.items():
             groups.setdefault(kept, [kept]).append(alias)

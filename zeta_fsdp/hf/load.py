@@ -25,11 +25,11 @@ import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from ..fsdp import retie
 from ..state_dict import CheckpointError
 from ..state_dict.checks import on_all_ranks
+from ..ties import retie
 from .files import TensorEntry, read_checkpoint_index, read_rows
-from .naming import KeyPlan, is_hf_model, map_checkpoint_keys, model_tensors, tied_aliases
+from .naming import KeyPlan, is_hf_model, map_checkpoint_keys, model_tensors, saved_aliases
 
 __all__ = ["load_pretrained"]
 
@@ -112,7 +112,7 @@ def _check(model: nn.Module, path: Path, strict: bool) -> tuple[dict[str, Tensor
     except ValueError as e:
         raise CheckpointError(f"{_CALLER}: {e}") from e
     tensors = model_tensors(model)
-    aliases = tied_aliases(model, tensors)
+    aliases = saved_aliases(model, tensors)
     wanted = {k: tuple(t.shape) for k, t in tensors.items() if k not in aliases}
     try:
         plan = map_checkpoint_keys(model, {k: (e.dtype, e.shape) for k, e in entries.items()}, wanted, aliases)

@@ -13,7 +13,7 @@ Pure: no file and no process group. Two things make a model's own names differ f
 transformers is imported only for a model whose class comes from it.
 
 Example:
-    aliases = tied_aliases(model)  # {"lm_head.weight": "model.embed_tokens.weight"}
+    aliases = saved_aliases(model)  # {"lm_head.weight": "model.embed_tokens.weight"}
     plan = map_checkpoint_keys(model, checkpoint_shapes, model_shapes)
 """
 
@@ -26,6 +26,7 @@ import torch
 import torch.nn as nn
 
 from ..fsdp import unwrapped_class
+from ..ties import tied_aliases
 
 __all__ = [
     "KeyPlan",
@@ -34,7 +35,7 @@ __all__ = [
     "map_checkpoint_keys",
     "model_tensors",
     "saved_tensors",
-    "tied_aliases",
+    "saved_aliases",
 ]
 
 
@@ -72,28 +73,17 @@ def model_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     return dict(model.state_dict(keep_vars=True))
 
 
-def tied_aliases(model: nn.Module, tensors: Optional[dict[str, torch.Tensor]] = None) -> dict[str, str]:
-    """``{alias: kept name}`` for every tensor reachable under several names.
-
-    The kept name is the one Hugging Face keeps (``all_tied_weights_keys``) when the model says,
-    else the first name in state-dict order.
+def saved_aliases(model: nn.Module, tensors: Optional[dict[str, torch.Tensor]] = None) -> dict[str, str]:
+    """``{alias: kept name}`` for every tensor of ``model`` reachable under several names: the kept
+    name is the one Hugging Face keeps (``all_tied_weights_keys``), else the first in state-dict order.
 
     Example:
-        tied_aliases(tied_llama)
+        saved_aliases(tied_llama)
         # -> {'lm_head.weight': 'model.embed_tokens.weight'}
     """
     tensors = model_tensors(model) if tensors is None else tensors
-    names: dict[int, list[str]] = {}
-    for name, tensor in tensors.items():
-        names.setdefault(id(tensor), []).append(name)
-    hf_kept = dict(getattr(model, "all_tied_weights_keys", None) or {}) if is_hf_model(model) else {}
-    aliases: dict[str, str] = {}
-    for group in names.values():
-        if len(group) < 2:
-            continue
-        kept = next((hf_kept[n] for n in group if n in hf_kept and hf_kept[n] in group), group[0])
-        aliases.update({n: kept for n in group if n != kept})
-    return aliases
+    keep = dict(getattr(model, "all_tied_weights_keys", None) or {}) if is_hf_model(model) else {}
+    return tied_aliases(tensors, keep)
 
 
 def _transforms(model: nn.Module) -> tuple[list, list]:

@@ -40,7 +40,7 @@ from .files import (
     shard_file_names,
     staging_dir,
 )
-from .naming import hf_class, is_hf_model, model_tensors, saved_tensors, tied_aliases
+from .naming import hf_class, is_hf_model, model_tensors, saved_aliases, saved_tensors
 
 __all__ = ["cast", "check_dtype", "plan_hf_files", "save_pretrained", "write_hf_config", "write_index"]
 
@@ -145,7 +145,7 @@ def save_pretrained(
         if not isinstance(overwrite, bool):
             raise ValueError(f"{_CALLER}: overwrite={overwrite!r} is not accepted. Accepted: True or False.")
         tensors = model_tensors(model)
-        aliases = tied_aliases(model, tensors)
+        aliases = saved_aliases(model, tensors)
         saved: dict[str, dict[str, tuple[torch.dtype, tuple[int, ...]]]] = {}
         for key, t in tensors.items():
             if key in aliases:

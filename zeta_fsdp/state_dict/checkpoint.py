@@ -22,6 +22,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
+from ..ties import tied_aliases
 from .checks import (
     EXTRA_KEY,
     FAILURES,
@@ -37,9 +38,9 @@ from .checks import (
     describe_mismatch,
     dist_on,
     error_reason,
+    named_parameters,
     on_all_ranks,
     shape_of,
-    tied_aliases,
 )
 from .model import get_sharded_state_dict
 from .optimizer import (
@@ -191,7 +192,7 @@ def checkpoint_state(model: nn.Module, optimizer: Optional[torch.optim.Optimizer
     The tensors are the live ones (no copy): write them before the next optimizer step, or stage them.
     """
     model_sd = get_sharded_state_dict(model)
-    tied = {alias: source for alias, source in tied_aliases(model).items() if alias in model_sd}
+    tied = {alias: source for alias, source in tied_aliases(named_parameters(model)).items() if alias in model_sd}
     state: dict[str, Any] = {MODEL_PREFIX + k: v for k, v in model_sd.items() if k not in tied}
     if current_rank() == 0:
         state[LAYOUT_KEY] = {"keys": list(model_sd), "tied": tied}

@@ -91,17 +91,17 @@ def clean_fqn(name: str) -> str:
     return name
 
 
+def named_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
+    """Every name of every parameter (tied ones too), without wrapper prefixes."""
+    return {clean_fqn(name): param for name, param in model.named_parameters(remove_duplicate=False)}
+
+
 def param_names(model: nn.Module) -> dict[int, list[str]]:
     """Every name of every parameter (tied parameters have several), keyed by ``id(param)``."""
     names: dict[int, list[str]] = {}
     for name, param in model.named_parameters(remove_duplicate=False):
         names.setdefault(id(param), []).append(clean_fqn(name))
     return names
-
-
-def tied_aliases(model: nn.Module) -> dict[str, str]:
-    """``{alias: first name}`` for every parameter reachable under more than one name."""
-    return {alias: names[0] for names in param_names(model).values() for alias in names[1:]}
 
 
 def shape_of(value: Any) -> Optional[tuple[int, ...]]:

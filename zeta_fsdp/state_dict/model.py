@@ -13,15 +13,16 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
+from ..ties import tied_aliases
 from .checks import (
     CheckpointError,
     clean_fqn,
     current_rank,
     describe_mismatch,
     dist_on,
+    named_parameters,
     on_all_ranks,
     shape_of,
-    tied_aliases,
 )
 
 # --- state dicts
@@ -116,7 +117,10 @@ def get_full_state_dict(model: nn.Module, *, cpu_offload: bool = True, rank0_onl
             torch.save(sd, "model.pt")
     """
     return gather_full(
-        get_sharded_state_dict(model), tied_aliases(model), cpu_offload=cpu_offload, rank0_only=rank0_only
+        get_sharded_state_dict(model),
+        tied_aliases(named_parameters(model)),
+        cpu_offload=cpu_offload,
+        rank0_only=rank0_only,
     )
 
 
@@ -151,7 +155,7 @@ def load_full_state_dict(
         if not isinstance(full_sd, Mapping):
             raise TypeError(f"load_full_state_dict(): full_sd must be a dict of tensors, got {type(full_sd).__name__}.")
         sd = {clean_fqn(k): v for k, v in full_sd.items()}
-        for alias, source in tied_aliases(model).items():
+        for alias, source in tied_aliases(named_parameters(model)).items():
             if alias not in sd and source in sd:
                 sd[alias] = sd[source]
             elif source not in sd and alias in sd:

@@ -18,7 +18,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from ..fsdp import fsdp, is_fsdp_wrapped, materialize_meta_model
 from ..options import resolve_sharding
-from ..wrapping import tied_parameter_groups
+from ..ties import tied_parameter_groups
 from .options import tp_style
 
 __all__ = ["current_ties", "default_parallelize", "shard_module", "tensor_init_context"]
