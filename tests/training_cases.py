@@ -38,11 +38,11 @@ from worker import (
 )
 
 from zeta_fsdp import fsdp
-from zeta_fsdp.fsdp import fsdp_engine
 from zeta_fsdp.loss import MaskedTokenLossReduction, PerSampleLossReduction
 from zeta_fsdp.measure import collectives_per_step
 from zeta_fsdp.models.gpt import Block, lm_loss, small
 from zeta_fsdp.training import clip_grad_norm_, memory_report, no_sync
+from zeta_fsdp.wrapped import fsdp_engine
 
 CASES = Cases()
 case = CASES.case

@@ -17,7 +17,7 @@ import warnings
 
 from .data import ResumableLoader, shard_dataloader
 from .distributed import shutdown
-from .fsdp import fsdp, fsdp_engine, get_wrap_plan, is_fsdp_wrapped
+from .fsdp import fsdp
 from .hf import consolidate_to_hf, load_pretrained, save_pretrained
 from .loss import MaskedTokenLossReduction, PerSampleLossReduction
 from .planner import MemoryPlan, dry_run, plan
@@ -39,6 +39,7 @@ from .state_dict import (
 )
 from .strategy import EpochStep, FSDP2Strategy
 from .training import MemoryReport, clip_grad_norm_, memory_report, no_sync
+from .wrapped import fsdp_engine, get_wrap_plan, is_fsdp_wrapped
 from .wrapping import WrapPlan
 
 __version__ = "0.1.0"

@@ -1,12 +1,13 @@
 """The façade: ``fsdp(model, ...)`` shards any model with FSDP2 in one line.
 
-Steps, in order (each a plain function below):
+Steps, in order (validation here; each later step a plain function of its own module):
     validate every argument (nothing changes if one is bad)
     -> plan the units (pure, ``wrapping.build_wrap_plan``)
     -> process group + device + mesh (``distributed``)
-    -> activation checkpointing, torch.compile (each block, optional)
-    -> ``fully_shard`` bottom-up, the SAME MixedPrecisionPolicy on every unit
-    -> materialize a meta-device model (``to_empty``, init, re-tie).
+    -> activation checkpointing, torch.compile (each block, optional)      ``sharding``
+    -> ``fully_shard`` bottom-up, the SAME MixedPrecisionPolicy on every unit, or DDP's engine
+    -> materialize a meta-device model (``to_empty``, init, re-tie)         ``materialize``
+What was done is recorded on the model and read back by ``wrapped``.
 
 Example:
     from zeta_fsdp import fsdp
@@ -15,26 +16,16 @@ Example:
 
 from __future__ import annotations
 
-import functools
 import inspect
 from typing import Any, Iterable, Optional, Union
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed._composable.replicate import DDP as ReplicatedModule  # noqa: N811 - torch names the class DDP
-from torch.distributed._composable.replicate import replicate
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
-from torch.utils.checkpoint import checkpoint
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
-from .distributed import (
-    build_mesh,
-    choose_device,
-    ensure_process_group,
-    shard_group_size,
-    validate_mesh,
-)
+from .distributed import build_mesh, choose_device, ensure_process_group, shard_group_size, validate_mesh
+from .materialize import materialize_meta_model
 from .options import (
     choose_engine,
     resolve_master_dtype,
@@ -44,132 +35,21 @@ from .options import (
     validate_prefetch,
     validate_reshard_after_forward,
 )
-from .ties import retie
-from .wrapping import BlockSpec, WrapPlan, WrapUnit, build_wrap_plan
+from .sharding import (
+    apply_activation_checkpointing,
+    apply_compile,
+    average_replicated_grads,
+    cast_to_master,
+    replicate_model,
+    set_prefetch_chains,
+    shard_units,
+    tail_units,
+)
+from .wrapped import fsdp_engine, get_wrap_plan, is_fsdp_wrapped, record_wrap
+from .wrapping import BlockSpec, WrapPlan, build_wrap_plan
 
-__all__ = [
-    "fsdp",
-    "fsdp_engine",
-    "fsdp_param_groups",
-    "fsdp_state",
-    "get_wrap_plan",
-    "is_fsdp_wrapped",
-    "is_replicated",
-    "replicated_modules",
-    "unwrapped_class",
-]
-
-_PLAN_ATTR = "_zeta_fsdp_plan"
-_ENGINE_ATTR = "_zeta_fsdp_engine"
-
-
-def is_replicated(module: nn.Module) -> bool:
-    """``True`` if ``module`` itself was passed to composable ``replicate`` (DDP's engine), as
-    ``fsdp(shard_strat="NO_SHARD")`` does for an fp32 model.
-
-    Example:
-        >>> is_replicated(nn.Linear(2, 2))
-        False
-    """
-    return isinstance(module, ReplicatedModule)
-
-
-def is_fsdp_wrapped(model: nn.Module) -> bool:
-    """``True`` if ``model`` or any submodule has already been passed to ``fully_shard`` or to
-    ``replicate`` (what ``fsdp()`` uses for NO_SHARD).
-
-    Example:
-        >>> is_fsdp_wrapped(nn.Linear(2, 2))
-        False
-    """
-    return any(isinstance(m, (FSDPModule, ReplicatedModule)) for m in model.modules())
-
-
-def replicated_modules(model: nn.Module) -> list[nn.Module]:
-    """The modules in ``model`` (itself included) that ``replicate`` manages: the model ``fsdp()``
-    put on DDP's engine, also when it is reached through a wrapper (``torch.compile``'s
-    ``OptimizedModule``, a container).
-
-    Example:
-        >>> replicated_modules(nn.Sequential(nn.Linear(2, 2)))
-        []
-    """
-    return [m for m in model.modules() if isinstance(m, ReplicatedModule)]
-
-
-def fsdp_engine(model: nn.Module) -> Optional[str]:
-    """The engine ``fsdp()`` put ``model`` on: ``"fully_shard"`` (FSDP2, DTensor parameters) or
-    ``"replicate"`` (NO_SHARD on DDP's engine, plain tensor parameters); ``None`` if ``fsdp()``
-    did not wrap it. ``options.choose_engine`` says which and why.
-
-    Example:
-        >>> fsdp_engine(nn.Linear(2, 2)) is None
-        True
-    """
-    return model.__dict__.get(_ENGINE_ATTR)
-
-
-def unwrapped_class(model: nn.Module) -> type:
-    """The model's own class: ``fully_shard`` and ``replicate`` swap in a generated subclass
-    (``FSDP<Name>``, ``DDP<Name>``).
-
-    Example:
-        >>> unwrapped_class(nn.Linear(2, 2)).__name__
-        'Linear'
-    """
-    return next(c for c in type(model).__mro__ if not issubclass(c, (FSDPModule, ReplicatedModule)))
-
-
-def fsdp_state(module: nn.Module) -> Optional[Any]:
-    """FSDP2's private per-module state (``module._get_fsdp_state()``), or ``None`` when the module
-    is not sharded or this torch does not expose it. The one place the package reads it.
-
-    Example:
-        >>> fsdp_state(nn.Linear(2, 2)) is None
-        True
-    """
-    if not isinstance(module, FSDPModule):
-        return None
-    try:
-        return module._get_fsdp_state()
-    except Exception:  # noqa: BLE001 - an unreadable state: callers fall back to FSDP's defaults
-        return None
-
-
-def fsdp_param_groups(module: nn.Module) -> Optional[list]:
-    """The FSDP parameter groups of one sharded module (``[]`` if it owns none), or ``None`` when
-    they cannot be read.
-
-    Private torch attributes: ``_fsdp_param_groups`` (a list, newer torch) or
-    ``_fsdp_param_group`` (one group or ``None``, older torch; in newer torch a property that
-    raises when a unit has several groups).
-
-    Example:
-        >>> fsdp_param_groups(nn.Linear(2, 2)) is None  # not sharded: no state to read
-        True
-    """
-    state = fsdp_state(module)
-    if state is None:
-        return None
-    for name in ("_fsdp_param_groups", "_fsdp_param_group"):
-        try:
-            groups = getattr(state, name)
-        except Exception:  # noqa: BLE001 - absent, or the property refused: try the other name
-            continue
-        if groups is None:
-            return []
-        return list(groups) if isinstance(groups, (list, tuple)) else [groups]
-    return None
-
-
-def get_wrap_plan(model: nn.Module) -> Optional[WrapPlan]:
-    """The ``WrapPlan`` ``fsdp()`` applied to ``model`` (``None`` if ``fsdp()`` did not wrap it).
-
-    Example:
-        model = fsdp(small(), auto_wrap=True)
-        print(get_wrap_plan(model).table())
-    """
-    return model.__dict__.get(_PLAN_ATTR)
+# fsdp_engine, get_wrap_plan, is_fsdp_wrapped: public names that have always been importable from here.
+__all__ = ["fsdp", "fsdp_engine", "get_wrap_plan", "is_fsdp_wrapped"]
 
 
 def _require_bool(name: str, value: Any) -> None:
@@ -267,272 +147,6 @@ def _check_units_shardable(plan: WrapPlan) -> None:
                 )
 
 
-def _cast_to_master(model: nn.Module, master: Optional[torch.dtype]) -> list[str]:
-    """Store every floating-point parameter in ``master`` (in place; ties stay one object)."""
-    cast = []
-    if master is None:
-        return cast
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if param.is_floating_point() and param.dtype != master:
-                param.data = param.data.to(master)
-                cast.append(name)
-    return cast
-
-
-def _average_replicated_grads(params: Iterable[nn.Parameter], mesh: DeviceMesh) -> list[Any]:
-    """Average the gradients of parameters kept whole on every rank over ``mesh``, as FSDP does.
-
-    ``fully_shard`` cannot shard a 0-dim parameter (CLIP's ``logit_scale``), so ``fsdp()`` keeps
-    those whole on every rank and trains them with this hook: after each backward accumulates
-    into ``.grad``, the gradient is summed over every mesh dimension and divided by the mesh size
-    (the mean FSDP's reduce-scatter takes). Under ``no_sync`` the mean is taken each micro-batch:
-    the already-averaged part is equal on every rank, so the result is the same mean. Returns the
-    hook handles.
-
-    Example:
-        handles = _average_replicated_grads([model.logit_scale], mesh)
-    """
-    groups = [mesh.get_group(d) for d in range(mesh.ndim) if mesh.size(d) > 1]
-    size = mesh.size()
-
-    def hook(param: torch.Tensor) -> None:
-        if param.grad is None or not groups:
-            return
-        for group in groups:
-            dist.all_reduce(param.grad, group=group)
-        param.grad.div_(size)
-
-    return [p.register_post_accumulate_grad_hook(hook) for p in params if p.requires_grad]
-
-
-def _checkpointed_forward(forward: Any, *args: Any, **kwargs: Any) -> Any:
-    return checkpoint(forward, *args, use_reentrant=False, **kwargs)
-
-
-def apply_activation_checkpointing(plan: WrapPlan) -> None:
-    """Recompute each block's activations in backward instead of storing them.
-
-    The block's ``forward`` is wrapped in place (no wrapper module), so parameter names and
-    state-dict keys stay exactly those of the unwrapped model, and FSDP's hooks still run around
-    the whole checkpointed call.
-    """
-    for unit in plan.blocks:
-        for module in unit.modules:
-            if "forward" not in vars(module):
-                module.forward = functools.partial(_checkpointed_forward, module.forward)
-
-
-def apply_compile(plan: WrapPlan, options: Union[bool, dict]) -> None:
-    """``torch.compile`` each block in place (``nn.Module.compile``: names unchanged)."""
-    kwargs = options if isinstance(options, dict) else {}
-    for unit in plan.blocks:
-        for module in unit.modules:
-            module.compile(**kwargs)
-
-
-def shard_units(
-    plan: WrapPlan,
-    mesh: DeviceMesh,
-    mp_policy: MixedPrecisionPolicy,
-    reshard_after_forward: Union[bool, int],
-    offload_policy: OffloadPolicy,
-    ignored_params: set[nn.Parameter],
-    keep_unsharded: Iterable[WrapUnit] = (),
-) -> None:
-    """Call ``fully_shard`` on every unit, bottom-up, with one policy for all.
-
-    Mixed precision is not inherited by child units in FSDP2: a unit sharded without the policy
-    would all-gather and compute in fp32 while its neighbours run in bf16. So every call gets it.
-    The root keeps its parameters after forward (``reshard_after_forward=None``): backward starts
-    with it, so freeing and re-gathering would be pure waste. The units in ``keep_unsharded``
-    (see ``tail_units``) keep theirs too (``reshard_after_forward=False``).
-    """
-    kept = {id(u) for u in keep_unsharded}
-    for unit in plan.units:
-        is_root = unit.kind == "root"
-        fully_shard(
-            unit.target,
-            mesh=mesh,
-            reshard_after_forward=None if is_root else False if id(unit) in kept else reshard_after_forward,
-            mp_policy=mp_policy,
-            offload_policy=offload_policy,
-            ignored_params=ignored_params or None,
-        )
-
-
-def replicate_model(model: nn.Module, device: torch.device) -> None:
-    """Put ``model`` on DDP's engine (composable ``replicate``): NO_SHARD at DDP speed.
-
-    Parameters stay plain tensors under their own names; gradients are all-reduced (averaged) in
-    25 MiB buckets overlapping backward. ``gradient_as_bucket_view`` makes each ``.grad`` a view
-    into its bucket, so gradients cost no second copy. ``find_unused_parameters`` keeps models with
-    parameters a forward does not use (a pooler, a branch) working as they do under FSDP2; its
-    graph walk costs little (``benchmarks/results/no_shard.md``). DDP itself is built lazily at
-    the first forward, so a ``meta`` model can be materialized (or loaded) after this call; DDP
-    then checks every rank holds the same shapes and broadcasts rank 0's parameters. Buffers are
-    not broadcast (DDP is built over the parameters only): like FSDP2, and unlike
-    ``DistributedDataParallel(broadcast_buffers=True)``, a BatchNorm's running statistics stay
-    each rank's own.
-    """
-    if not any(t.is_meta for t in model.parameters()):
-        model.to(device)
-    replicate(model, device_id=device, gradient_as_bucket_view=True, find_unused_parameters=True)
-
-
-def tail_units(plan: WrapPlan, count: int) -> list[WrapUnit]:
-    """The ``count`` units forward runs last, last first: the output head, then blocks backwards.
-
-    Backward starts with exactly these, so resharding them after forward only to all-gather them
-    again at once costs one all-gather each (torchtitan keeps ``[norm, output]`` unsharded for
-    this reason). Embedding units (first in forward, last in backward) are never counted.
-
-    Example:
-        >>> from zeta_fsdp.models.gpt import small
-        >>> [u.name for u in tail_units(build_wrap_plan(small(), auto_wrap=True), 2)]
-        ['[tok_emb, pos_emb, norm, head]', 'blocks.2']
-    """
-    return [u for u in plan.backward_order if u.kind != "embedding"][:count]
-
-
-def set_prefetch_chains(plan: WrapPlan, depth: int) -> None:
-    """Explicit FSDP2 prefetching: each unit all-gathers the next ``depth`` units of forward (and
-    of backward) as soon as it starts, instead of FSDP2's implicit one-ahead in backward.
-
-    Uses ``FSDPModule.set_modules_to_forward_prefetch`` / ``set_modules_to_backward_prefetch``
-    on each unit's first module (a unit's modules share one FSDP state), in the orders of
-    ``WrapPlan.forward_order`` / ``backward_order``. Collective counts are unchanged: a
-    prefetched all-gather replaces the one the unit would issue itself.
-
-    Example:
-        set_prefetch_chains(plan, 2)  # after shard_units(plan, ...)
-    """
-    for order, setter in (
-        (plan.forward_order, "set_modules_to_forward_prefetch"),
-        (plan.backward_order, "set_modules_to_backward_prefetch"),
-    ):
-        for i, unit in enumerate(order):
-            targets = [u.modules[0] for u in order[i + 1 : i + 1 + depth]]
-            if targets:
-                getattr(unit.modules[0], setter)(targets)
-
-
-# Written into every floating-point tensor (and the most negative value into integer ones) after
-# ``to_empty``: whatever still holds it after initialisation was not initialised.
-_SENTINEL = float("nan")
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
-
-
-def _fill_sentinel(tensors: dict[str, torch.Tensor]) -> None:
-    for t in tensors.values():
-        local = _local(t)
-        if local.is_floating_point() or local.is_complex():
-            local.fill_(_SENTINEL)
-        elif local.dtype != torch.bool:
-            local.fill_(torch.iinfo(local.dtype).min)
-
-
-def _still_sentinel(t: torch.Tensor) -> bool:
-    local = _local(t)
-    if local.numel() == 0 or local.dtype == torch.bool:
-        return False
-    if local.is_floating_point() or local.is_complex():
-        return bool(torch.isnan(local).any())
-    return bool((local == torch.iinfo(local.dtype).min).any())
-
-
-def _agreed_seed() -> int:
-    """A seed drawn from this rank's generator and made the same on every rank (rank 0's).
-
-    Ranks' generators differ unless the user seeded them alike (torchrun starts each rank with a
-    random seed), and replicas must be initialised identically whatever the user did.
-    """
-    seed = torch.randint(0, 2**31 - 1, (1,), dtype=torch.int64)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.broadcast(seed, src=0)
-    return int(seed.item())
-
-
-def materialize_meta_model(
-    model: nn.Module,
-    device: torch.device,
-    tied_params: list[list[str]],
-    *,
-    shard_index: int = 0,
-    offload_to_cpu: bool = False,
-) -> bool:
-    """Allocate a sharded ``meta`` model on ``device`` and initialise it. Returns ``True`` if it did.
-
-    Each rank allocates only its shards (``to_empty``), then initialises, in this order:
-
-    1. every module's ``reset_parameters()`` (``nn.Linear``, ``nn.LayerNorm``, ... and yours),
-    2. then the root's ``init_weights()``, if it defines one, on top (a model-wide scheme such
-       as ``normal(0, 0.02)``, buffers such as a causal mask or RoPE tables),
-    3. then ties are restored.
-
-    Every floating-point tensor is filled with NaN (integer ones with their dtype's minimum)
-    right after ``to_empty``; any parameter or buffer that still holds that marker after steps
-    1-2 was initialised by nobody, and the call raises ``RuntimeError`` naming it (on each rank
-    holding a non-empty shard of it). Boolean buffers cannot be checked this way. Nothing may
-    stay on ``meta``.
-
-    ``shard_index`` is this rank's coordinate on the shard dimension of the mesh. On CUDA, DTensor
-    random ops keep shards of one parameter distinct by themselves; on CPU they draw from each
-    rank's own generator, so every shard would get the same numbers (a weight made of one block
-    repeated). We therefore seed the init with ``shard_index`` on CPU: distinct across shards,
-    equal across replicas (HYBRID/NO_SHARD replicas must hold identical copies). The caller's RNG
-    state is left as it was.
-
-    Example:
-        materialize_meta_model(meta_built_and_sharded, torch.device("cpu"), [])
-        # -> True
-    """
-    tensors = dict(model.named_parameters())
-    tensors.update(model.named_buffers())
-    if not any(t.is_meta for t in tensors.values()):
-        return False
-    meta_names = [n for n, t in tensors.items() if t.is_meta]
-    # FSDP2's CPU offload expects the sharded parameters on CPU; buffers stay on the compute device.
-    model.to_empty(device="cpu" if offload_to_cpu else device)
-    if offload_to_cpu and device.type != "cpu":
-        for module in model.modules():
-            for name, buffer in list(module.named_buffers(recurse=False)):
-                module.register_buffer(
-                    name, buffer.to(device), persistent=name not in module._non_persistent_buffers_set
-                )
-    with torch.no_grad(), torch.random.fork_rng(devices=[]):
-        fresh = dict(model.named_parameters())
-        fresh.update(model.named_buffers())
-        _fill_sentinel({n: fresh[n] for n in meta_names})
-        if device.type == "cpu":
-            torch.manual_seed(_agreed_seed() + 7919 * shard_index)
-        for module in model.modules():
-            if callable(getattr(module, "reset_parameters", None)):
-                module.reset_parameters()
-        if callable(getattr(model, "init_weights", None)):
-            model.init_weights()
-    retie(model, tied_params)
-    left = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
-    if left:
-        raise RuntimeError(f"fsdp(): these tensors are still on the meta device after materialization: {left[:10]}")
-    now = dict(model.named_parameters())
-    now.update(model.named_buffers())
-    # Rank-local: init code runs alike on every rank, so a tensor nothing fills is caught on
-    # every rank holding a non-empty shard of it, with no extra collective.
-    unset = [n for n in meta_names if _still_sentinel(now[n])]
-    if unset:
-        raise RuntimeError(
-            f"fsdp(): {len(unset)} meta-built parameter(s)/buffer(s) were initialised by nothing: "
-            f"{unset[:10]}{' ...' if len(unset) > 10 else ''}. fsdp() runs every module's "
-            "reset_parameters(), then the model's init_weights(); make one of them fill these "
-            "(or load weights into the model built on meta with materialize=False)."
-        )
-    return True
-
-
 def fsdp(
     model: nn.Module,
     auto_wrap: bool = False,
@@ -596,7 +210,7 @@ def fsdp(
 
     0-dim parameters (CLIP's ``logit_scale``), which ``fully_shard`` cannot shard, are kept whole
     on every rank in ``master_dtype`` and their gradient is averaged across ranks
-    (``_average_replicated_grads``): they train exactly like sharded ones.
+    (``sharding.average_replicated_grads``): they train exactly like sharded ones.
 
     Raises:
         ValueError: for any bad argument, before a process group starts or the model changes.
@@ -667,7 +281,7 @@ def fsdp(
         apply_activation_checkpointing(plan)
     if compile:
         apply_compile(plan, compile)
-    if _cast_to_master(model, master):
+    if cast_to_master(model, master):
         plan.recount(model)
     if engine == "replicate":
         replicate_model(model, compute_device)
@@ -682,12 +296,11 @@ def fsdp(
         for scalar in scalars:
             if not scalar.is_meta and scalar.device != compute_device:
                 scalar.data = scalar.data.to(compute_device)
-        _average_replicated_grads(scalars, mesh)
+        average_replicated_grads(scalars, mesh)
         shard_index = mesh.get_local_rank(mesh.ndim - 1) if mesh.size(mesh.ndim - 1) > 1 else 0
     if materialize:
         materialize_meta_model(
             model, compute_device, plan.tied_params, shard_index=shard_index, offload_to_cpu=cpu_offload
         )
-    model.__dict__[_ENGINE_ATTR] = engine
-    model.__dict__[_PLAN_ATTR] = plan  # so get_wrap_plan() can show what was done
+    record_wrap(model, engine, plan)  # so fsdp_engine() and get_wrap_plan() can say what was done
     return model

@@ -28,7 +28,7 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 import torch.nn as nn
 
-from .fsdp import fsdp_param_groups, fsdp_state, replicated_modules
+from .wrapped import fsdp_param_groups, fsdp_state, replicated_modules
 
 __all__ = [
     "collectives_per_step",

@@ -25,8 +25,8 @@ from typing import Any, Callable, Optional
 import torch
 import torch.nn as nn
 
-from ..fsdp import unwrapped_class
 from ..ties import tied_aliases
+from ..wrapped import unwrapped_class
 
 __all__ = [
     "KeyPlan",

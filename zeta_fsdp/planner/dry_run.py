@@ -30,8 +30,8 @@ import torch.nn as nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from ..distributed import fake_process_group, without_launcher_env
-from ..fsdp import fsdp_param_groups
 from ..options import resolve_master_dtype, resolve_mixed_precision, resolve_sharding
+from ..wrapped import fsdp_param_groups
 from ..wrapping import BlockSpec
 from .common import dtype_name as _dtype_name
 from .common import resolve_world_and_mesh as _resolve_world_and_mesh

@@ -16,9 +16,11 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
-from ..fsdp import fsdp, is_fsdp_wrapped, materialize_meta_model
+from ..fsdp import fsdp
+from ..materialize import materialize_meta_model
 from ..options import resolve_sharding
 from ..ties import tied_parameter_groups
+from ..wrapped import is_fsdp_wrapped
 from .options import tp_style
 
 __all__ = ["current_ties", "default_parallelize", "shard_module", "tensor_init_context"]

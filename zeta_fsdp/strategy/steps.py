@@ -16,8 +16,8 @@ import torch
 import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule
 
-from ..fsdp import is_replicated
 from ..loss import MaskedTokenLossReduction
+from ..wrapped import is_replicated
 
 __all__ = [
     "LossTotals",

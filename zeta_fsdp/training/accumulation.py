@@ -22,8 +22,8 @@ import torch.nn as nn
 from torch.distributed._composable.replicate import replicate
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 
-from ..fsdp import fsdp_param_groups, replicated_modules
 from ..report import format_bytes, render_table
+from ..wrapped import fsdp_param_groups, replicated_modules
 
 __all__ = [
     "AccumulationCost",

@@ -14,8 +14,8 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from ..distributed import get_rank, get_world_size
-from ..fsdp import fsdp_param_groups, replicated_modules
 from ..report import format_bytes, render_table
+from ..wrapped import fsdp_param_groups, replicated_modules
 from .accumulation import AccumulationCost, accumulation_costs, accumulation_table, ddp_all_reduces, gradient_wait_dtype
 
 __all__ = ["MemoryReport", "memory_report"]

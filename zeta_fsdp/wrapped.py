@@ -1,0 +1,156 @@
+"""What ``fsdp()`` did to a model, read back: the engine, the plan, FSDP2's and DDP's state.
+
+The one place the package reads FSDP2's private per-module state or asks which engine a model
+runs on; modules that only need to know (memory, accumulation, measuring, naming) import this,
+not the façade.
+
+Example:
+    >>> import torch.nn as nn
+    >>> is_fsdp_wrapped(nn.Linear(2, 2)), fsdp_engine(nn.Linear(2, 2))
+    (False, None)
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch.nn as nn
+from torch.distributed._composable.replicate import DDP as ReplicatedModule  # noqa: N811 - torch names the class DDP
+from torch.distributed.fsdp import FSDPModule
+
+from .wrapping import WrapPlan
+
+__all__ = [
+    "fsdp_engine",
+    "fsdp_param_groups",
+    "fsdp_state",
+    "get_wrap_plan",
+    "is_fsdp_wrapped",
+    "is_replicated",
+    "record_wrap",
+    "replicated_modules",
+    "unwrapped_class",
+]
+
+_PLAN_ATTR = "_zeta_fsdp_plan"
+_ENGINE_ATTR = "_zeta_fsdp_engine"
+
+
+def record_wrap(model: nn.Module, engine: str, plan: WrapPlan) -> None:
+    """Remember on ``model`` which engine ``fsdp()`` put it on and the plan it applied
+    (``fsdp_engine``, ``get_wrap_plan`` read them).
+
+    Example:
+        record_wrap(model, "fully_shard", plan)
+    """
+    model.__dict__[_ENGINE_ATTR] = engine
+    model.__dict__[_PLAN_ATTR] = plan
+
+
+def is_replicated(module: nn.Module) -> bool:
+    """``True`` if ``module`` itself was passed to composable ``replicate`` (DDP's engine), as
+    ``fsdp(shard_strat="NO_SHARD")`` does for an fp32 model.
+
+    Example:
+        >>> is_replicated(nn.Linear(2, 2))
+        False
+    """
+    return isinstance(module, ReplicatedModule)
+
+
+def is_fsdp_wrapped(model: nn.Module) -> bool:
+    """``True`` if ``model`` or any submodule has already been passed to ``fully_shard`` or to
+    ``replicate`` (what ``fsdp()`` uses for NO_SHARD).
+
+    Example:
+        >>> is_fsdp_wrapped(nn.Linear(2, 2))
+        False
+    """
+    return any(isinstance(m, (FSDPModule, ReplicatedModule)) for m in model.modules())
+
+
+def replicated_modules(model: nn.Module) -> list[nn.Module]:
+    """The modules in ``model`` (itself included) that ``replicate`` manages: the model ``fsdp()``
+    put on DDP's engine, also when it is reached through a wrapper (``torch.compile``'s
+    ``OptimizedModule``, a container).
+
+    Example:
+        >>> replicated_modules(nn.Sequential(nn.Linear(2, 2)))
+        []
+    """
+    return [m for m in model.modules() if isinstance(m, ReplicatedModule)]
+
+
+def fsdp_engine(model: nn.Module) -> Optional[str]:
+    """The engine ``fsdp()`` put ``model`` on: ``"fully_shard"`` (FSDP2, DTensor parameters) or
+    ``"replicate"`` (NO_SHARD on DDP's engine, plain tensor parameters); ``None`` if ``fsdp()``
+    did not wrap it. ``options.choose_engine`` says which and why.
+
+    Example:
+        >>> fsdp_engine(nn.Linear(2, 2)) is None
+        True
+    """
+    return model.__dict__.get(_ENGINE_ATTR)
+
+
+def unwrapped_class(model: nn.Module) -> type:
+    """The model's own class: ``fully_shard`` and ``replicate`` swap in a generated subclass
+    (``FSDP<Name>``, ``DDP<Name>``).
+
+    Example:
+        >>> unwrapped_class(nn.Linear(2, 2)).__name__
+        'Linear'
+    """
+    return next(c for c in type(model).__mro__ if not issubclass(c, (FSDPModule, ReplicatedModule)))
+
+
+def fsdp_state(module: nn.Module) -> Optional[Any]:
+    """FSDP2's private per-module state (``module._get_fsdp_state()``), or ``None`` when the module
+    is not sharded or this torch does not expose it. The one place the package reads it.
+
+    Example:
+        >>> fsdp_state(nn.Linear(2, 2)) is None
+        True
+    """
+    if not isinstance(module, FSDPModule):
+        return None
+    try:
+        return module._get_fsdp_state()
+    except Exception:  # noqa: BLE001 - an unreadable state: callers fall back to FSDP's defaults
+        return None
+
+
+def fsdp_param_groups(module: nn.Module) -> Optional[list]:
+    """The FSDP parameter groups of one sharded module (``[]`` if it owns none), or ``None`` when
+    they cannot be read.
+
+    Private torch attributes: ``_fsdp_param_groups`` (a list, newer torch) or
+    ``_fsdp_param_group`` (one group or ``None``, older torch; in newer torch a property that
+    raises when a unit has several groups).
+
+    Example:
+        >>> fsdp_param_groups(nn.Linear(2, 2)) is None  # not sharded: no state to read
+        True
+    """
+    state = fsdp_state(module)
+    if state is None:
+        return None
+    for name in ("_fsdp_param_groups", "_fsdp_param_group"):
+        try:
+            groups = getattr(state, name)
+        except Exception:  # noqa: BLE001 - absent, or the property refused: try the other name
+            continue
+        if groups is None:
+            return []
+        return list(groups) if isinstance(groups, (list, tuple)) else [groups]
+    return None
+
+
+def get_wrap_plan(model: nn.Module) -> Optional[WrapPlan]:
+    """The ``WrapPlan`` ``fsdp()`` applied to ``model`` (``None`` if ``fsdp()`` did not wrap it).
+
+    Example:
+        model = fsdp(small(), auto_wrap=True)
+        print(get_wrap_plan(model).table())
+    """
+    return model.__dict__.get(_PLAN_ATTR)
