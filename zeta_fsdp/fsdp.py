@@ -549,7 +549,9 @@ def _fill_constructor_constants(model: nn.Module, unset: list[str], tensors: dic
             continue
         target = tensors[name]
         if isinstance(target, DTensor):
-            source = distribute_tensor(source.to(target.dtype), target.device_mesh, target.placements, src_data_rank=None)
+            source = distribute_tensor(
+                source.to(target.dtype), target.device_mesh, target.placements, src_data_rank=None
+            )
             target.to_local().copy_(source.to_local())
         else:
             target.copy_(source.to(dtype=target.dtype, device=target.device))

@@ -261,12 +261,14 @@ def _is_layer_like(module: nn.Module) -> bool:
     return sum(1 for m in module.modules() if isinstance(m, _WEIGHT_LAYERS)) <= 1
 
 
-def _chain(container: nn.Module) -> list[nn.Module]:
-    """The children of a container, with nested ``nn.Sequential``s (stages of blocks) flattened."""
+def _chain(container: nn.Module, flattened: set[int]) -> list[nn.Module]:
+    """The children of a container, with nested ``nn.Sequential``s (stages of blocks) flattened
+    (their ids are added to ``flattened``)."""
     items: list[nn.Module] = []
     for child in container.children():
         if isinstance(child, nn.Sequential):
-            items.extend(_chain(child))
+            flattened.add(id(child))
+            items.extend(_chain(child, flattened))
         else:
             items.append(child)
     return items
@@ -279,8 +281,8 @@ def _repeated_children(model: nn.Module) -> Counter:
       ``nn.Sequential`` of 2+ children whose (flattened) children all share one class;
     * in a mixed chain (a ``Sequential`` of stages, EfficientNet's blocks), every class that is a
       block (more than one weight layer) and occurs twice or more;
-    * repeated named attributes (timm RegNet's ``b1 .. bN``): a module whose parameter-holding
-      children are 2+ instances of one block class, named ``<prefix><index>``.
+    * repeated named attributes (timm RegNet's ``b1 .. bN``): 2+ children of one block class
+      (more than one weight layer) named ``<prefix><index>`` with one prefix.
 
     A one-child ``nn.Sequential`` is a wrapper; heterogeneous ones of layers are MLPs
     (``Linear, GELU, Linear``), never blocks. Containers themselves are never block classes.
@@ -291,8 +293,7 @@ def _repeated_children(model: nn.Module) -> Counter:
         if isinstance(module, nn.Sequential) and id(module) in flattened:
             continue  # already counted as part of the chain that holds it
         if isinstance(module, _CONTAINERS):
-            items = _chain(module) if isinstance(module, nn.Sequential) else list(module.children())
-            flattened.update(id(m) for m in module.modules() if isinstance(m, nn.Sequential) and m is not module)
+            items = _chain(module, flattened) if isinstance(module, nn.Sequential) else list(module.children())
             items = [m for m in items if not isinstance(m, _CONTAINERS)]
             kinds = Counter(type(m) for m in items)
             if isinstance(module, nn.Sequential) and len(items) < 2:
@@ -305,14 +306,14 @@ def _repeated_children(model: nn.Module) -> Counter:
                     if n > 1 and not _is_layer_like(next(m for m in items if type(m) is cls)):
                         counts[cls] += n
             continue
-        holders = [(n, c) for n, c in module.named_children() if any(True for _ in c.parameters())]
-        kinds = {type(c) for _, c in holders}
-        if len(holders) > 1 and len(kinds) == 1:
-            cls = kinds.pop()
-            prefixes = {(_INDEXED.match(n) or [None, None])[1] for n, _ in holders}
-            if len(prefixes) == 1 and None not in prefixes and not issubclass(cls, _CONTAINERS):
-                if not _is_layer_like(holders[0][1]):
-                    counts[cls] += len(holders)
+        groups: dict[tuple[str, type], list[nn.Module]] = {}
+        for name, child in module.named_children():
+            indexed = _INDEXED.match(name)
+            if indexed and not isinstance(child, _CONTAINERS) and any(True for _ in child.parameters()):
+                groups.setdefault((indexed.group(1), type(child)), []).append(child)
+        for (_, cls), members in groups.items():
+            if len(members) > 1 and not _is_layer_like(members[0]):
+                counts[cls] += len(members)
     return counts
 
 
@@ -587,7 +588,8 @@ def build_wrap_plan(
         if not classes:
             warnings.warn(
                 f"fsdp(): auto_wrap=True found no repeated block in {type(model).__name__} (no "
-                "_no_split_modules, no nn.ModuleList/nn.Sequential of one class), so the whole model "
+                "_no_split_modules, no nn.ModuleList/nn.ModuleDict/nn.Sequential of one class, no b1 .. bN "
+                "attributes), so the whole model "
                 "is ONE FSDP unit: every parameter is gathered at once. Name the block class: "
                 "fsdp(model, auto_wrap=True, TransformerBlock=MyBlock) (a class, a tuple of classes, "
                 "or a class name such as TransformerBlock='MyBlock').",
