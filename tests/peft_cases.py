@@ -204,5 +204,45 @@ def merged_model_saves_as_a_plain_hugging_face_model():
     dist.barrier()
 
 
+class _FrozenTower(torch.nn.Module):
+    """A frozen bf16 tower and a trainable fp32 head in ONE unit (the root): FSDP2 accepts it."""
+
+    def __init__(self):
+        super().__init__()
+        self.tower = torch.nn.Linear(8, 8).to(torch.bfloat16).requires_grad_(False)
+        self.head = torch.nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.head(self.tower(x.bfloat16()).float())
+
+
+@CASES.case
+def frozen_bf16_and_trainable_fp32_share_one_unit():
+    torch.manual_seed(0)
+    model = _FrozenTower()
+    ref = copy.deepcopy(model)
+    fsdp(model, shard_strat="FULL_SHARD")  # one unit, default fp32 masters: for the head only
+    assert model.tower.weight.dtype == torch.bfloat16 and model.head.weight.dtype == torch.float32
+    assert model.tower.weight.to_local().numel() == 32  # 8x8 bf16 sharded 1/2
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    ref_opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-2)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        x = torch.randn(2 * world(), 8, generator=g)
+        for r in range(world()):  # rank order: 2 terms, exact in any order; /2 exact
+            ref(x[2 * r : 2 * r + 2]).pow(2).mean().backward()
+        for p in ref.head.parameters():
+            p.grad.div_(world())
+        ref_opt.step()
+        ref_opt.zero_grad()
+        model(x[2 * rank() : 2 * rank() + 2]).pow(2).mean().backward()
+        assert model.tower.weight.grad is None
+        opt.step()
+        opt.zero_grad()
+    ref_params = dict(ref.named_parameters())
+    for n, p in model.named_parameters():
+        assert torch.equal(full(p), ref_params[n]), n
+
+
 if __name__ == "__main__":
     run_cases(CASES)

@@ -44,8 +44,10 @@ def _slice(batch: dict, index: int) -> dict:
     }
 
 
-def zoo_parity(name: str) -> None:
-    entry = ZOO[name]
+def zoo_parity(name: str, entry=None) -> None:
+    """Train ``ZOO[name]`` (or ``entry``) on every rank and on a single-process reference; assert
+    the units, every loss and every weight (see the module docstring for the tolerances)."""
+    entry = entry or ZOO[name]
     torch.manual_seed(0)
     model = entry.build().eval()  # eval: no dropout/layerdrop/masking, gradients still flow
     ref = copy.deepcopy(model)

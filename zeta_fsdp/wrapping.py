@@ -282,7 +282,8 @@ def _repeated_children(model: nn.Module) -> Counter:
     * in a mixed chain (a ``Sequential`` of stages, EfficientNet's blocks), every class that is a
       block (more than one weight layer) and occurs twice or more;
     * repeated named attributes (timm RegNet's ``b1 .. bN``): 2+ children of one block class
-      (more than one weight layer) named ``<prefix><index>`` with one prefix.
+      (more than one weight layer) named ``<prefix><index>`` with one prefix; named
+      ``nn.Sequential`` stages (ResNet's ``layer1 .. layer4``) are one chain of blocks together.
 
     A one-child ``nn.Sequential`` is a wrapper; heterogeneous ones of layers are MLPs
     (``Linear, GELU, Linear``), never blocks. Containers themselves are never block classes.
@@ -309,10 +310,17 @@ def _repeated_children(model: nn.Module) -> Counter:
         groups: dict[tuple[str, type], list[nn.Module]] = {}
         for name, child in module.named_children():
             indexed = _INDEXED.match(name)
-            if indexed and not isinstance(child, _CONTAINERS) and any(True for _ in child.parameters()):
+            if indexed and any(True for _ in child.parameters()):
                 groups.setdefault((indexed.group(1), type(child)), []).append(child)
         for (_, cls), members in groups.items():
-            if len(members) > 1 and not _is_layer_like(members[0]):
+            if issubclass(cls, nn.Sequential) and len(members) > 1:
+                # ResNet's layer1 .. layer4: stages as named Sequentials, one chain of blocks together
+                chain = [m for seq in members for m in _chain(seq, set()) if not isinstance(m, _CONTAINERS)]
+                kinds = Counter(type(m) for m in chain)
+                for kind, n in kinds.items():
+                    if n > 1 and not _is_layer_like(next(m for m in chain if type(m) is kind)):
+                        counts[kind] += n
+            elif len(members) > 1 and not issubclass(cls, _CONTAINERS) and not _is_layer_like(members[0]):
                 counts[cls] += len(members)
     return counts
 
