@@ -487,7 +487,7 @@ def run_own_initialisers(model: nn.Module) -> None:
     re-drawing every matrix xavier-uniform over its children's init, as its constructor does).
 
     Example:
-        >>> torch.manual_seed(0)
+        >>> _ = torch.manual_seed(0)
         >>> with torch.device("meta"):
         ...     attn = nn.MultiheadAttention(4, 2)
         >>> attn = attn.to_empty(device="cpu")
