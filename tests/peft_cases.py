@@ -102,6 +102,16 @@ def lora_bf16_base_fp32_adapters_train_exactly_and_shard_the_frozen_base():
     model = lora_llama()
     ref = copy.deepcopy(model)
     fsdp(model, auto_wrap=True, mp="bf16", shard_strat="FULL_SHARD")
+    from zeta_fsdp import get_wrap_plan
+
+    prefix = "base_model.model."  # PeftModel -> LoraModel -> LlamaForCausalLM: its _no_split_modules
+    assert [u.name for u in get_wrap_plan(model).units] == [
+        f"{prefix}model.layers.0",
+        f"{prefix}model.layers.1",
+        f"{prefix}model.embed_tokens",
+        f"[{prefix}model.norm, {prefix}lm_head]",
+        "<root>",
+    ], get_wrap_plan(model).table()
     frozen = [(n, p) for n, p in model.named_parameters() if not p.requires_grad]
     adapters = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     assert frozen and adapters and all("lora_" in n for n, _ in adapters)

@@ -397,19 +397,20 @@ def detect_block_classes(model: nn.Module) -> tuple[type, ...]:
     return _detect(model)[0]
 
 
-def _split_suggestion(unit: WrapUnit, units: list[WrapUnit]) -> list[type]:
-    """Block-like classes repeated inside ``unit`` (outside the units nested in it), biggest first:
+def _split_suggestion(model: nn.Module, unit: WrapUnit) -> list[type]:
+    """Block-like classes repeated among the modules whose parameters ``unit`` owns, biggest first:
     what ``TransformerBlock`` could name to split it."""
-    inner = {id(m) for u in units if u is not unit and u.kind != "root" for top in u.modules for m in top.modules()}
-    mine = [m for top in unit.modules for m in top.modules() if m is not top and id(m) not in inner]
+    owned = set(unit.param_names)
     numel: Counter = Counter()
     count: Counter = Counter()
-    for m in mine:
-        if isinstance(m, _CONTAINERS) or _is_layer_like(m):
+    for name, m in model.named_modules():
+        if m is model or isinstance(m, _CONTAINERS) or _is_layer_like(m):
             continue
-        count[type(m)] += 1
-        numel[type(m)] += sum(p.numel() for p in m.parameters())
-    return [c for c, _ in numel.most_common() if count[c] > 1 and numel[c] > 0]
+        names = [f"{name}.{n}" for n, _ in m.named_parameters()]
+        if names and all(n in owned for n in names):
+            count[type(m)] += 1
+            numel[type(m)] += sum(p.numel() for p in m.parameters())
+    return [c for c, _ in numel.most_common() if count[c] > 1]
 
 
 def _post_order(module: nn.Module, prefix: str = "") -> Iterable[tuple[str, nn.Module]]:
@@ -636,7 +637,7 @@ def build_wrap_plan(
     if largest is not None and len(units) > 1:
         share = plan.share(largest)
         notes.append(f"largest unit: {largest.name} ({largest.kind}), {100 * share:.1f}% of the parameters")
-        names = [c.__name__ for c in _split_suggestion(largest, units)[:2]] if share > _LARGE_SHARE else []
+        names = [c.__name__ for c in _split_suggestion(model, largest)[:2]] if share > _LARGE_SHARE else []
         if names:
             notes.append(
                 f"{largest.name} holds more than a quarter of the parameters (all-gathered at once); to "
