@@ -214,3 +214,14 @@ def test_table_shows_shares_and_names_the_block_to_split_a_large_unit():
     # split as suggested: the largest unit is now small, and no hint
     split = build_wrap_plan(Net(), auto_wrap=True, transformer_block="_Mlp")
     assert max(split.share(u) for u in split.units) < 0.5 and "TransformerBlock=" not in split.table()
+
+
+def test_a_repeated_plain_layer_elsewhere_does_not_make_blocks_stages():
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.adapters = nn.ModuleList(nn.Linear(4, 4) for _ in range(2))
+            self.blocks = nn.ModuleList(_Mlp(4) for _ in range(2))
+
+    # _Mlp holds Linears, and Linear is repeated (in adapters): _Mlp is still a block, not a stage
+    assert _Mlp in detect_block_classes(Net())

@@ -350,9 +350,12 @@ def _innermost(model: nn.Module, candidates: list[type]) -> tuple[list[type], li
         for c in candidates
         if not (_is_layer_like(next(m for m in modules if type(m) is c)) and inside_others(c, candidates))
     ]
+    # only a block (more than one weight layer) makes its holder a stage: a repeated plain layer
+    # elsewhere in the model (a ModuleList of Linears) says nothing about the blocks holding Linears
+    blocks = [c for c in kept if not _is_layer_like(next(m for m in modules if type(m) is c))]
     stages = []
     for cls in kept:
-        others = tuple(c for c in kept if c is not cls)
+        others = tuple(c for c in blocks if c is not cls)
         instances = [m for m in modules if type(m) is cls]
         if others and all(any(isinstance(m, others) for m in inst.modules() if m is not inst) for inst in instances):
             stages.append(cls)
