@@ -148,9 +148,9 @@ def save_adapters(
 def load_adapters(model: nn.Module, path: Union[str, os.PathLike], *, adapter_name: str = "default") -> None:
     """Load PEFT adapter weights from ``path`` into the adapter ``adapter_name`` of a (sharded) model.
 
-    Call on every rank after ``fsdp()``: each rank reads only the rows of its own shards from
-    ``adapter_model.safetensors`` (a safetensors file: no code runs on read), cast to each
-    parameter's dtype. Every adapter tensor of the model must be in the file and every tensor in
+    Call on every rank after ``fsdp()``: each rank reads the (small) adapter tensors from
+    ``adapter_model.safetensors`` (a safetensors file: no code runs on read) and keeps its own
+    shards, cast to each parameter's dtype. Every adapter tensor of the model must be in the file and every tensor in
     the file must be one of them, with its shape; ``adapter_config.json``'s rank ``r`` (when
     present) must match the model's. All of it is checked on every rank before anything is copied.
 
