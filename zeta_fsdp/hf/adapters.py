@@ -150,9 +150,9 @@ def load_adapters(model: nn.Module, path: Union[str, os.PathLike], *, adapter_na
 
     Call on every rank after ``fsdp()``: each rank reads the (small) adapter tensors from
     ``adapter_model.safetensors`` (a safetensors file: no code runs on read) and keeps its own
-    shards, cast to each parameter's dtype. Every adapter tensor of the model must be in the file and every tensor in
-    the file must be one of them, with its shape; ``adapter_config.json``'s rank ``r`` (when
-    present) must match the model's. All of it is checked on every rank before anything is copied.
+    shards, cast to each parameter's dtype. Every adapter tensor of the model must be in the
+    file and every tensor in the file must be one of them, with its shape;
+    ``adapter_config.json``'s rank ``r`` (when present) must match the model's. All of it is checked on every rank before anything is copied.
 
     Raises:
         ValueError: not a PEFT model, an unknown ``adapter_name``, or a file that does not match.
