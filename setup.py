@@ -20,12 +20,13 @@ setup(
         # load_pretrained / save_pretrained / consolidate_to_hf (transformers' key conversions, configs)
         "hf": ["transformers>=5", "safetensors"],
         "lightning": ["lightning>=2.4"],
-        # everything the suite needs: the optional integrations, the .safetensors export, the demo plot
-        "test": ["pytest", "safetensors", "matplotlib", "transformers>=5", "lightning>=2.4"],
+        # everything the suite needs: the optional integrations, the .safetensors export, the demo plot.
+        # (timm needs torchvision, which must match torch: tests/test_timm.py runs where both are installed)
+        "test": ["pytest", "safetensors", "matplotlib", "transformers>=5", "lightning>=2.4", "peft"],
         "dev": ["ruff==0.17.6", "pytest"],
         "bench": ["matplotlib", "accelerate"],
         "demo": ["tqdm", "matplotlib"],
-        "docs": ["safetensors", "transformers>=5"],
+        "docs": ["safetensors", "transformers>=5", "peft"],
         "safetensors": ["safetensors"],
     },
 )

@@ -203,3 +203,19 @@ def test_bench_checkpoint(tmp_path: Path) -> None:
         assert positive(data["breakdown"][what]["total_s"])
     # Sharded files add up to the model's bytes (the tied embedding/head once) plus small headers.
     assert data["model_bytes"] <= sum(data["files"].values()) < 1.5 * data["model_bytes"], data["files"]
+
+
+def test_bench_lora(tmp_path: Path) -> None:
+    pytest.importorskip("peft")
+    run_bench("bench_lora.py", tmp_path)
+    data = results(tmp_path, "lora")
+    check_timing(data["times"], ["full", "lora"])
+    full, lora = data["counts"]["full"], data["counts"]["lora"]
+    assert full["frozen"] == 0 and lora["frozen"] == full["trainable"]  # the same base, frozen under LoRA
+    assert lora["dtypes"] == {"masters": ["float32"], "frozen": ["bfloat16"]}
+    # the frozen base: bf16 (2 bytes) sharded over 2 ranks; full fine-tuning: fp32 masters (4 bytes)
+    assert lora["frozen_local_bytes"] * 2 <= full["param_local_bytes"] * 1.01
+    assert lora["optimizer_local_bytes"] < full["optimizer_local_bytes"]
+    for name, m in data["memory"].items():
+        assert m["total peak"] > 0 and m["grads (+ reduce-scatter)"] >= 0, (name, m)
+    assert data["memory"]["lora"]["optimizer state"] < data["memory"]["full"]["optimizer state"]

@@ -202,7 +202,7 @@ def test_mixed_dtypes_in_one_unit_is_a_clear_error():
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4).to(torch.bfloat16))
     reference = copy.deepcopy(model)
     with pytest.raises(
-        ValueError, match=r"mixes parameter dtypes \(float32: 0.weight, 0.bias; bfloat16: 1.weight, 1.bias\)"
+        ValueError, match=r"mixes trainable parameter dtypes \(float32: 0.weight, 0.bias; bfloat16: 1.weight, 1.bias\)"
     ):
         fsdp(model, shard_strat="FULL_SHARD", master_dtype=None)
     assert not dist.is_initialized()

@@ -122,3 +122,106 @@ def test_plan_and_report_show_fp32_masters_for_a_bf16_model():
     assert (p.param_bytes, p.grad_bytes) == (2 * keep.param_bytes, 2 * keep.grad_bytes)
     # the all-gathered copies are bf16 either way (mp is the compute dtype)
     assert sum(u.unsharded_bytes for u in p.units) == sum(u.unsharded_bytes for u in keep.units)
+
+
+class _Mlp(nn.Module):
+    def __init__(self, dim: int):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(dim, 2 * dim), nn.Linear(2 * dim, dim)
+
+    def forward(self, x):
+        return self.fc2(self.fc1(x))
+
+
+class _ConvNormAct(nn.Module):
+    """One weight layer and its norm: a layer, not a block (timm's ConvNormAct)."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.conv, self.bn = nn.Conv2d(dim, dim, 1), nn.BatchNorm2d(dim)
+
+
+class _Bottleneck(nn.Module):
+    """timm RegNet's Bottleneck: conv1 .. conv3 are indexed named attributes too, but layers."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.conv1, self.conv2, self.conv3 = _ConvNormAct(dim), _ConvNormAct(dim), _ConvNormAct(dim)
+
+
+def test_blocks_in_a_module_dict_and_as_indexed_attributes_are_found():
+    class Titan(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleDict({str(i): _Mlp(4) for i in range(3)})
+
+    class RegStage(nn.Module):
+        def __init__(self):
+            super().__init__()
+            for i in range(3):
+                self.add_module(f"b{i + 1}", _Bottleneck(4))
+
+    class RegNet(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.s1, self.s2 = RegStage(), RegStage()
+            self.head = nn.Linear(4, 2)
+
+    assert detect_block_classes(Titan()) == (_Mlp,)
+    plan = build_wrap_plan(RegNet(), auto_wrap=True)
+    assert plan.block_classes == (_Bottleneck,)  # not the conv layers inside, not the RegStage around
+    assert [u.name for u in plan.blocks] == [f"s{s}.b{b}" for s in (1, 2) for b in (1, 2, 3)]
+    assert any("RegStage" in n for n in plan.notes), plan.notes
+
+
+def test_nested_models_are_wrapped_at_the_innermost_block_never_at_sequential():
+    class Stage(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.downsample = nn.Linear(4, 4)
+            self.blocks = nn.Sequential(_Mlp(4), _Mlp(4))
+
+    model = nn.Sequential(nn.Sequential(Stage(), Stage()), nn.Sequential(_Mlp(4), _Mlp(4)), nn.Linear(4, 2))
+    classes = detect_block_classes(model)
+    assert classes == (_Mlp,) and nn.Sequential not in classes
+    # EfficientNet's layout: a Sequential of Sequential stages of blocks (the stages never chosen)
+    effnet = nn.Sequential(nn.Sequential(_Mlp(4)), nn.Sequential(_Mlp(4), _Mlp(4)), nn.Sequential(_Mlp(4)))
+    assert [u.name for u in build_wrap_plan(effnet, auto_wrap=True).blocks] == ["0.0", "1.0", "1.1", "2.0"]
+
+
+def test_table_shows_shares_and_names_the_block_to_split_a_large_unit():
+    class Tower(nn.Module):  # blocks under names with no index: not detected
+        def __init__(self):
+            super().__init__()
+            self.first, self.second = _Mlp(16), _Mlp(16)
+
+    class Small(nn.Linear):
+        pass
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList(Small(4, 4) for _ in range(2))
+            self.tower = Tower()
+
+    plan = build_wrap_plan(Net(), auto_wrap=True)
+    tail = plan.units[-2]  # the tower comes after the last detected block: the "head" group
+    share = tail.numel / sum(p.numel() for p in Net().parameters())
+    assert plan.largest is tail and tail.kind == "head" and share > 0.9
+    table = plan.table()
+    assert f"{100 * share:.1f}%" in table and f"largest unit: {tail.name} (head), {100 * share:.1f}%" in table
+    assert "pass TransformerBlock='_Mlp'" in table, table
+    # split as suggested: the largest unit is now small, and no hint
+    split = build_wrap_plan(Net(), auto_wrap=True, transformer_block="_Mlp")
+    assert max(split.share(u) for u in split.units) < 0.5 and "TransformerBlock=" not in split.table()
+
+
+def test_a_repeated_plain_layer_elsewhere_does_not_make_blocks_stages():
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.adapters = nn.ModuleList(nn.Linear(4, 4) for _ in range(2))
+            self.blocks = nn.ModuleList(_Mlp(4) for _ in range(2))
+
+    # _Mlp holds Linears, and Linear is repeated (in adapters): _Mlp is still a block, not a stage
+    assert _Mlp in detect_block_classes(Net())

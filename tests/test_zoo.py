@@ -35,5 +35,6 @@ ZOO_CASES = [f"parity_{name}" for name in ZOO] + [
     "master_weights_fp32_for_a_bf16_model",
     "failed_validation_leaves_the_model_unwrapped_and_a_retry_works",
     "meta_init_never_leaves_uninitialised_memory",
+    "meta_init_runs_torch_nn_and_hugging_face_initialisers",
 ]
 test_zoo_parity = dist_test("zoo_cases.py", 2, ZOO_CASES)

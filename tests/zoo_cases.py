@@ -44,8 +44,10 @@ def _slice(batch: dict, index: int) -> dict:
     }
 
 
-def zoo_parity(name: str) -> None:
-    entry = ZOO[name]
+def zoo_parity(name: str, entry=None) -> None:
+    """Train ``ZOO[name]`` (or ``entry``) on every rank and on a single-process reference; assert
+    the units, every loss and every weight (see the module docstring for the tolerances)."""
+    entry = entry or ZOO[name]
     torch.manual_seed(0)
     model = entry.build().eval()  # eval: no dropout/layerdrop/masking, gradients still flow
     ref = copy.deepcopy(model)
@@ -222,6 +224,38 @@ def meta_init_never_leaves_uninitialised_memory():
     bias = full(model.lin.bias)  # reset_parameters() drew it: uniform(-1/2, 1/2), never NaN
     assert torch.isfinite(bias).all() and bias.abs().max() <= 0.5 and bias.abs().max() > 0
     assert torch.equal(model.offset, torch.ones(4))
+
+
+@CASES.case
+def meta_init_runs_torch_nn_and_hugging_face_initialisers():
+    """Built on meta, sharded, materialized: torch.nn's ``_reset_parameters`` (MultiheadAttention,
+    nn.Transformer), Hugging Face's own init and CLIP's constructor constant (``logit_scale``)."""
+    import math
+
+    torch.manual_seed(0)
+    for name in ("torch_encoder", "torch_transformer", "clip", "titan_llama"):
+        with torch.device("meta"):
+            model = ZOO[name].build()
+        fsdp(model, auto_wrap=True, shard_strat="FULL_SHARD")  # raises if anything stayed unset
+        for n, p in model.named_parameters():
+            assert torch.isfinite(full(p)).all(), f"{name}: {n} not finite"
+        attn = [m for m in model.modules() if isinstance(m, torch.nn.MultiheadAttention)]
+        for m in attn:  # MultiheadAttention._reset_parameters: xavier-uniform in_proj, zero biases
+            w = full(m.in_proj_weight)
+            bound = math.sqrt(6 / (w.shape[0] + w.shape[1]))
+            assert torch.equal(full(m.in_proj_bias), torch.zeros_like(w[:, 0])), f"{name}: in_proj_bias"
+            assert w.abs().max() <= bound and w.abs().max() > bound / 2, f"{name}: in_proj_weight not xavier"
+            half = w.shape[0] // 2  # rank 0 and rank 1 drew their shards apart: no repeated block
+            assert not torch.equal(w[:half], w[half : 2 * half]), f"{name}: shards drew the same numbers"
+        if name == "clip":
+            want = torch.tensor(model.config.logit_scale_init_value)
+            assert torch.equal(model.logit_scale.detach().cpu(), want), (model.logit_scale, want)
+        if name == "titan_llama":
+            ref = ZOO[name].build()
+            assert torch.equal(model.freqs_cis, ref.freqs_cis), "init_weights() did not refill the RoPE table"
+        loss = ZOO[name].loss(model, ZOO[name].batch(0, 2))
+        loss.backward()
+        assert torch.isfinite(loss), f"{name}: loss {loss}"
 
 
 for _name in ZOO:

@@ -87,6 +87,176 @@ class Seq2SeqTransformer(nn.Module):
         return self.out(self.transformer(self.embed(src), self.embed(tgt)))
 
 
+class TitanAttention(nn.Module):
+    """Grouped-query attention with rotary embeddings, written as torchtitan writes its Llama 3."""
+
+    def __init__(self, dim: int, heads: int, kv_heads: int):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, dim // heads
+        self.wq = nn.Linear(dim, heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(dim, kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(dim, kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(heads * self.head_dim, dim, bias=False)
+
+    def forward(self, x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q = self.wq(x).view(b, t, self.heads, self.head_dim)
+        k = self.wk(x).view(b, t, self.kv_heads, self.head_dim)
+        v = self.wv(x).view(b, t, self.kv_heads, self.head_dim)
+        q, k = (_rotate(z, freqs) for z in (q, k))
+        rep = self.heads // self.kv_heads
+        k, v = (z.repeat_interleave(rep, dim=2) for z in (k, v))
+        out = F.scaled_dot_product_attention(*(z.transpose(1, 2) for z in (q, k, v)), is_causal=True)
+        return self.wo(out.transpose(1, 2).reshape(b, t, -1))
+
+
+def _rotate(z: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+    pairs = torch.view_as_complex(z.float().reshape(*z.shape[:-1], -1, 2))
+    return torch.view_as_real(pairs * freqs[: z.shape[1], None, :]).flatten(3).type_as(z)
+
+
+class TitanFeedForward(nn.Module):
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TitanBlock(nn.Module):
+    def __init__(self, dim: int, heads: int, kv_heads: int, hidden: int):
+        super().__init__()
+        self.attention = TitanAttention(dim, heads, kv_heads)
+        self.feed_forward = TitanFeedForward(dim, hidden)
+        self.attention_norm = nn.RMSNorm(dim)
+        self.ffn_norm = nn.RMSNorm(dim)
+
+    def forward(self, x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), freqs)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class TitanLlama(nn.Module):
+    """torchtitan's Llama 3 layout (our own code): ``tok_embeddings``, ``layers = nn.ModuleDict()``
+    keyed by layer index (so pipeline stages can drop layers without renaming), ``norm``,
+    ``output``, and a non-persistent ``freqs_cis`` buffer filled by ``init_weights()``."""
+
+    def __init__(self, dim: int = HIDDEN, n_layers: int = 2, heads: int = 4, kv_heads: int = 2, hidden: int = 64):
+        super().__init__()
+        self.head_dim = dim // heads
+        self.tok_embeddings = nn.Embedding(VOCAB, dim)
+        self.register_buffer("freqs_cis", self._freqs(), persistent=False)
+        self.layers = nn.ModuleDict()
+        for layer_id in range(n_layers):
+            self.layers[str(layer_id)] = TitanBlock(dim, heads, kv_heads, hidden)
+        self.norm = nn.RMSNorm(dim)
+        self.output = nn.Linear(dim, VOCAB, bias=False)
+
+    def _freqs(self) -> torch.Tensor:
+        inv = 1.0 / (10000 ** (torch.arange(0, self.head_dim, 2).float() / self.head_dim))
+        return torch.polar(torch.ones(SEQ * 2, self.head_dim // 2), torch.outer(torch.arange(SEQ * 2).float(), inv))
+
+    def init_weights(self) -> None:
+        self.freqs_cis = self._freqs().to(self.freqs_cis.device)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.tok_embeddings(tokens)
+        for layer in self.layers.values():
+            h = layer(h, self.freqs_cis)
+        return self.output(self.norm(h))
+
+
+class ConvBlock(nn.Module):
+    """A ConvNeXt-like residual block: depthwise conv, norm, pointwise MLP."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.dwconv = nn.Conv2d(dim, dim, 3, padding=1, groups=dim)
+        self.norm = nn.GroupNorm(1, dim)
+        self.pw1 = nn.Conv2d(dim, 2 * dim, 1)
+        self.pw2 = nn.Conv2d(2 * dim, dim, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.pw2(F.gelu(self.pw1(self.norm(self.dwconv(x)))))
+
+
+class Stage(nn.Module):
+    """A stage as timm's Swin/ConvNeXt write it: a downsampling layer, then ``blocks = nn.Sequential``."""
+
+    def __init__(self, cin: int, cout: int, depth: int):
+        super().__init__()
+        self.downsample = nn.Conv2d(cin, cout, 2, 2) if cin != cout else nn.Identity()
+        self.blocks = nn.Sequential(*[ConvBlock(cout) for _ in range(depth)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.blocks(self.downsample(x))
+
+
+class StagedNet(nn.Module):
+    """Hierarchical: ``stages = nn.Sequential(Stage, Stage)``, each holding repeated ``ConvBlock``s."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Conv2d(3, 8, 2, 2)
+        self.stages = nn.Sequential(Stage(8, 8, 2), Stage(8, 16, 2))
+        self.head = nn.Linear(16, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.stages(self.stem(x)).mean((2, 3)))
+
+
+class UnrolledStage(nn.Module):
+    """timm RegNet's ``RegStage`` layout: blocks as repeated named attributes ``b1 .. bN``."""
+
+    def __init__(self, cin: int, cout: int, depth: int):
+        super().__init__()
+        self.proj = nn.Conv2d(cin, cout, 1)
+        for i in range(depth):
+            self.add_module(f"b{i + 1}", ConvBlock(cout))
+        self.depth = depth
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.proj(x)
+        for i in range(self.depth):
+            x = getattr(self, f"b{i + 1}")(x)
+        return x
+
+
+class UnrolledNet(nn.Module):
+    """Stages as named attributes ``s1, s2`` (RegNet), blocks as ``b1 .. bN`` inside each."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Conv2d(3, 8, 2, 2)
+        self.s1 = UnrolledStage(8, 8, 2)
+        self.s2 = UnrolledStage(8, 16, 3)
+        self.head = nn.Linear(16, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.s2(self.s1(self.stem(x))).mean((2, 3)))
+
+
+def _titan_loss(model: nn.Module, batch: dict) -> torch.Tensor:
+    logits = model(batch["input_ids"])
+    return F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), batch["input_ids"][:, 1:].reshape(-1))
+
+
+def _encoder_loss(model: nn.Module, batch: dict) -> torch.Tensor:
+    return model(batch["x"]).pow(2).mean()
+
+
+def _encoder_batch(step: int, n: int) -> dict:
+    return {"x": torch.randn(n, SEQ, HIDDEN, generator=_gen(step))}
+
+
+def _torch_encoder() -> nn.Module:
+    layer = nn.TransformerEncoderLayer(HIDDEN, 4, 64, dropout=0.0, batch_first=True)
+    return nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+
+
 def _image_batch(step: int, n: int) -> dict:
     g = _gen(step)
     return {"x": torch.randn(n, 3, 8, 8, generator=g), "y": torch.randint(0, 10, (n,), generator=g)}
@@ -343,4 +513,26 @@ ZOO: dict[str, ZooEntry] = {
         ],
     ),
     "timm_vit": ZooEntry(TimmViT, _image_batch, _timm_loss, ["blocks.0", "blocks.1", "[norm, head]", "<root>"]),
+    # torchtitan's Llama 3 layout: blocks in an nn.ModuleDict
+    "titan_llama": ZooEntry(
+        TitanLlama,
+        _lm_batch,
+        _titan_loss,
+        ["layers.0", "layers.1", "tok_embeddings", "[norm, output]", "<root>"],
+    ),
+    "torch_encoder": ZooEntry(_torch_encoder, _encoder_batch, _encoder_loss, ["layers.0", "layers.1", "<root>"]),
+    # hierarchical: the innermost repeated block, not the stage (the stages' downsampling goes to the root)
+    "staged": ZooEntry(
+        StagedNet,
+        _image_batch,
+        _timm_loss,
+        ["stages.0.blocks.0", "stages.0.blocks.1", "stages.1.blocks.0", "stages.1.blocks.1", "head", "<root>"],
+    ),
+    # repeated named attributes b1 .. bN inside named stages s1, s2 (timm RegNet)
+    "unrolled": ZooEntry(
+        UnrolledNet,
+        _image_batch,
+        _timm_loss,
+        ["s1.b1", "s1.b2", "s2.b1", "s2.b2", "s2.b3", "head", "<root>"],
+    ),
 }

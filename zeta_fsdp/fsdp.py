@@ -31,6 +31,7 @@ from .options import (
     resolve_master_dtype,
     resolve_mixed_precision,
     resolve_sharding,
+    stored_dtype,
     validate_keep_tail_unsharded,
     validate_prefetch,
     validate_reshard_after_forward,
@@ -102,30 +103,31 @@ def _ignored_parameters(
     return ignored
 
 
-def _dtype_after_cast(param: torch.Tensor, master: Optional[torch.dtype]) -> torch.dtype:
-    return master if master is not None and param.is_floating_point() else param.dtype
-
-
 def _check_uniform_dtypes(plan: WrapPlan, model: nn.Module, master: Optional[torch.dtype]) -> None:
-    """FSDP2 all-gathers one flat buffer per unit, so a unit's parameters must share one dtype.
+    """FSDP2 needs one dtype among a unit's TRAINABLE parameters (``FSDPParamGroup._init_mp_dtypes``:
+    one reduce-scatter per unit, in one dtype); frozen ones may differ (a bf16 LoRA base beside
+    fp32 adapters: they are all-gathered, never reduced).
 
-    Checked on the dtypes the parameters WILL have (floating ones cast to ``master``), before
-    anything is cast: a bad model is refused with the model untouched.
+    Checked on the dtypes the parameters WILL have (``options.stored_dtype``: trainable floating
+    ones cast to ``master``), before anything is cast: a bad model is refused with the model untouched.
     """
-    dtype_of = dict(model.named_parameters())
+    params = dict(model.named_parameters())
     for unit in plan.units:
         by_dtype: dict[torch.dtype, list[str]] = {}
         for name in unit.param_names:
-            by_dtype.setdefault(_dtype_after_cast(dtype_of[name], master), []).append(name)
+            if params[name].requires_grad:
+                by_dtype.setdefault(stored_dtype(params[name], master), []).append(name)
         if len(by_dtype) > 1:
             detail = "; ".join(
                 f"{str(d).replace('torch.', '')}: {', '.join(n[:3])}{' ...' if len(n) > 3 else ''}"
                 for d, n in by_dtype.items()
             )
             raise ValueError(
-                f"fsdp(): FSDP unit {unit.name} mixes parameter dtypes ({detail}). FSDP2 needs one "
-                "dtype per unit: keep master_dtype='fp32' (the default: floating parameters are "
-                "sharded in fp32), cast the model to one dtype first, or pass the odd ones in ignored_params."
+                f"fsdp(): FSDP unit {unit.name} mixes trainable parameter dtypes ({detail}). FSDP2 needs "
+                "one dtype among a unit's trainable parameters (frozen ones may differ): keep "
+                "master_dtype='fp32' (the default: trainable floating parameters are sharded in fp32), "
+                "cast the model to one dtype first, freeze the odd ones (requires_grad=False), or pass "
+                "them in ignored_params."
             )
 
 
@@ -197,6 +199,10 @@ def fsdp(
             are stored in. Default ``"fp32"``: a bf16/fp16-loaded model (``from_pretrained``)
             is sharded in fp32 and computes per ``mp`` (``mp="fp32"`` then computes in fp32 too).
             ``None`` keeps each parameter's dtype: pure low-precision training, opt-in.
+            Frozen parameters (``requires_grad=False``: a LoRA base, a frozen tower; freeze
+            before calling ``fsdp()``) always keep their own dtype: masters are for what an
+            optimizer steps. A unit may mix a frozen bf16 base with fp32 adapters (FSDP2 needs
+            one dtype among a unit's trainable parameters only); see docs/finetuning.md.
         keep_tail_unsharded: ``True`` (or ``1``): the output head unit (tied ``embedding+head``
             too) is not resharded after forward, since backward all-gathers it again at once:
             one all-gather less per step, for its unsharded parameters held through the loss

@@ -7,13 +7,18 @@ Example:
 
 from __future__ import annotations
 
+from typing import Any, Iterable, Optional
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.overrides import TorchFunctionMode
 
 from .ties import retie
+from .wrapped import unwrapped_class
 
-__all__ = ["materialize_meta_model"]
+__all__ = ["materialize_meta_model", "run_own_initialisers"]
 
 # Written into every floating-point tensor (and the most negative value into integer ones) after
 # ``to_empty``: whatever still holds it after initialisation was not initialised.
@@ -54,6 +59,83 @@ def _agreed_seed() -> int:
     return int(seed.item())
 
 
+def run_own_initialisers(model: nn.Module) -> None:
+    """Run every module's own initialiser, children before parents (as their constructors did):
+    ``reset_parameters()`` (``nn.Linear``, ``nn.LayerNorm``, yours), else torch.nn's private
+    ``_reset_parameters()`` (``nn.MultiheadAttention``'s ``in_proj_weight``; ``nn.Transformer``
+    re-drawing every matrix xavier-uniform over its children's init, as its constructor does).
+
+    Example:
+        >>> _ = torch.manual_seed(0)
+        >>> with torch.device("meta"):
+        ...     attn = nn.MultiheadAttention(4, 2)
+        >>> attn = attn.to_empty(device="cpu")
+        >>> run_own_initialisers(attn)
+        >>> bool(attn.in_proj_bias.eq(0).all()), bool(attn.in_proj_weight.isfinite().all())
+        (True, True)
+    """
+    for module in _children_first(model):
+        init = getattr(module, "reset_parameters", None)
+        if not callable(init):
+            init = getattr(module, "_reset_parameters", None)
+        if callable(init):
+            init()
+
+
+def _children_first(module: nn.Module) -> Iterable[nn.Module]:
+    for child in module.children():
+        yield from _children_first(child)
+    yield module
+
+
+def _forget_hf_init_flags(model: nn.Module) -> None:
+    """Hugging Face skips modules and tensors flagged ``_is_hf_initialized`` (set when weights
+    were loaded); after ``to_empty`` nothing is, so the flags would only leave memory unset."""
+    for obj in [*model.modules(), *model.parameters(), *model.buffers()]:
+        if getattr(obj, "_is_hf_initialized", False):
+            obj._is_hf_initialized = False
+
+
+class _RealConstants(TorchFunctionMode):
+    """Inside ``torch.device("meta")``: tensors made from data (``torch.tensor(2.6592)``) are real."""
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+        kwargs = dict(kwargs or {})
+        if func in (torch.tensor, torch.as_tensor):
+            kwargs["device"] = "cpu"
+        return func(*args, **kwargs)
+
+
+def _fill_constructor_constants(model: nn.Module, unset: list[str], tensors: dict[str, torch.Tensor]) -> None:
+    """Hugging Face models set some parameters from config values in their constructor and leave
+    them out of their weight init (CLIP's ``logit_scale = nn.Parameter(torch.tensor(config.
+    logit_scale_init_value))``). Rebuild the model on ``meta`` from its config with tensors made
+    from data kept real (nothing else is allocated) and copy those values in: what eager
+    construction would have given. Models without a ``config`` are left alone (the caller raises)."""
+    config = getattr(model, "config", None)
+    if config is None or not callable(getattr(model, "_init_weights", None)):
+        return
+    try:
+        with torch.device("meta"), _RealConstants():
+            twin = unwrapped_class(model)(config)
+    except Exception:  # noqa: BLE001 - a constructor that needs more than its config: nothing to copy
+        return
+    built = dict(twin.named_parameters())
+    built.update(twin.named_buffers())
+    for name in unset:
+        source = built.get(name)
+        if source is None or source.is_meta or source.shape != tensors[name].shape:
+            continue
+        target = tensors[name]
+        if isinstance(target, DTensor):
+            source = distribute_tensor(
+                source.to(target.dtype), target.device_mesh, target.placements, src_data_rank=None
+            )
+            target.to_local().copy_(source.to_local())
+        else:
+            target.copy_(source.to(dtype=target.dtype, device=target.device))
+
+
 def materialize_meta_model(
     model: nn.Module,
     device: torch.device,
@@ -66,10 +148,15 @@ def materialize_meta_model(
 
     Each rank allocates only its shards (``to_empty``), then initialises, in this order:
 
-    1. every module's ``reset_parameters()`` (``nn.Linear``, ``nn.LayerNorm``, ... and yours),
+    1. every module's own initialiser, children first (``run_own_initialisers``:
+       ``reset_parameters()``, torch.nn's ``_reset_parameters()``),
     2. then the root's ``init_weights()``, if it defines one, on top (a model-wide scheme such
-       as ``normal(0, 0.02)``, buffers such as a causal mask or RoPE tables),
-    3. then ties are restored.
+       as ``normal(0, 0.02)``, buffers such as a causal mask or RoPE tables; a Hugging Face
+       model's own weight init),
+    3. a Hugging Face model's parameters set from config values in its constructor and left
+       out of its weight init (CLIP's ``logit_scale``) get those values
+       (``_fill_constructor_constants``),
+    4. then ties are restored.
 
     Every floating-point tensor is filled with NaN (integer ones with their dtype's minimum)
     right after ``to_empty``; any parameter or buffer that still holds that marker after steps
@@ -107,11 +194,13 @@ def materialize_meta_model(
         _fill_sentinel({n: fresh[n] for n in meta_names})
         if device.type == "cpu":
             torch.manual_seed(_agreed_seed() + 7919 * shard_index)
-        for module in model.modules():
-            if callable(getattr(module, "reset_parameters", None)):
-                module.reset_parameters()
+        run_own_initialisers(model)
         if callable(getattr(model, "init_weights", None)):
-            model.init_weights()
+            _forget_hf_init_flags(model)
+            model.init_weights()  # a Hugging Face model's own scheme too (its init_weights)
+        unset = [n for n in meta_names if _still_sentinel(fresh[n])]
+        if unset:
+            _fill_constructor_constants(model, unset, fresh)
     retie(model, tied_params)
     left = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
     if left:
@@ -125,7 +214,8 @@ def materialize_meta_model(
         raise RuntimeError(
             f"fsdp(): {len(unset)} meta-built parameter(s)/buffer(s) were initialised by nothing: "
             f"{unset[:10]}{' ...' if len(unset) > 10 else ''}. fsdp() runs every module's "
-            "reset_parameters(), then the model's init_weights(); make one of them fill these "
+            "reset_parameters() (or torch.nn's _reset_parameters()), then the model's init_weights(); "
+            "make one of them fill these "
             "(or load weights into the model built on meta with materialize=False)."
         )
     return True

@@ -27,6 +27,7 @@ __all__ = [
     "ShardingSpec",
     "choose_engine",
     "resolve_master_dtype",
+    "stored_dtype",
     "resolve_mixed_precision",
     "resolve_sharding",
     "validate_keep_tail_unsharded",
@@ -334,3 +335,23 @@ def resolve_master_dtype(master_dtype: Union[str, torch.dtype, None], *, caller:
             "None (keep each parameter's dtype), or a floating torch.dtype."
         )
     return MASTER_DTYPE_ALIASES[key]
+
+
+def stored_dtype(param: torch.Tensor, master: Optional[torch.dtype]) -> torch.dtype:
+    """The dtype ``fsdp(master_dtype=master)`` stores ``param`` in (``master`` as resolved above).
+
+    Master weights are for what an optimizer steps: a trainable floating-point parameter is
+    stored in ``master``; a frozen one (``requires_grad=False``: a LoRA base, a frozen tower)
+    keeps its own dtype (a bf16 base stays bf16: half the bytes of fp32 masters, and no
+    optimizer ever reads it); integer parameters and ``master=None`` keep theirs too.
+
+    Example:
+        >>> w = torch.zeros(2, dtype=torch.bfloat16)
+        >>> stored_dtype(torch.nn.Parameter(w), torch.float32)
+        torch.float32
+        >>> stored_dtype(torch.nn.Parameter(w, requires_grad=False), torch.float32)
+        torch.bfloat16
+    """
+    if master is None or not param.is_floating_point() or not param.requires_grad:
+        return param.dtype
+    return master

@@ -22,6 +22,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.utils.checkpoint import checkpoint
 
+from .options import stored_dtype
 from .wrapping import WrapPlan, WrapUnit
 
 __all__ = [
@@ -37,14 +38,14 @@ __all__ = [
 
 
 def cast_to_master(model: nn.Module, master: Optional[torch.dtype]) -> list[str]:
-    """Store every floating-point parameter in ``master`` (in place; ties stay one object)."""
+    """Store every trainable floating-point parameter in ``master`` (in place; ties stay one
+    object). Frozen ones keep their dtype (``options.stored_dtype``)."""
     cast = []
-    if master is None:
-        return cast
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if param.is_floating_point() and param.dtype != master:
-                param.data = param.data.to(master)
+            dtype = stored_dtype(param, master)
+            if param.dtype != dtype:
+                param.data = param.data.to(dtype)
                 cast.append(name)
     return cast
 

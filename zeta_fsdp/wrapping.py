@@ -17,6 +17,7 @@ Example:
 
 from __future__ import annotations
 
+import re
 import warnings
 from collections import Counter
 from dataclasses import dataclass, field
@@ -34,6 +35,8 @@ BlockSpec = Union[type, str, Sequence[Union[type, str]], None]
 
 # Longest group name shown whole in a plan table; longer groups show their first two modules.
 _MAX_NAME = 60
+# A unit holding more than this share of the parameters is worth naming a block class to split.
+_LARGE_SHARE = 0.25
 
 
 @dataclass
@@ -92,15 +95,16 @@ class WrapPlan:
     Example:
         >>> from zeta_fsdp.models.gpt import small
         >>> print(build_wrap_plan(small(), auto_wrap=True).table())
-        unit                            kind            params   numel   MiB
-        ------------------------------  --------------  ------  ------  ----
-        blocks.0                        block               11  11,100  0.04
-        blocks.1                        block               11  11,100  0.04
-        blocks.2                        block               11  11,100  0.04
-        [tok_emb, pos_emb, norm, head]  embedding+head       4   1,650  0.01
-        <root>                          root                 0       0  0.00
-        ------------------------------  --------------  ------  ------  ----
-        total                                               37  34,950  0.13
+        unit                            kind            params   numel   MiB   share
+        ------------------------------  --------------  ------  ------  ----  ------
+        blocks.0                        block               11  11,100  0.04   31.8%
+        blocks.1                        block               11  11,100  0.04   31.8%
+        blocks.2                        block               11  11,100  0.04   31.8%
+        [tok_emb, pos_emb, norm, head]  embedding+head       4   1,650  0.01    4.7%
+        <root>                          root                 0       0  0.00    0.0%
+        ------------------------------  --------------  ------  ------  ----  ------
+        total                                               37  34,950  0.13  100.0%
+        note: largest unit: blocks.0 (block), 31.8% of the parameters
     """
 
     units: list[WrapUnit]
@@ -108,6 +112,8 @@ class WrapPlan:
     tied_params: list[list[str]]
     ignored_param_names: list[str] = field(default_factory=list)
     scalar_param_names: list[str] = field(default_factory=list)
+    # What the planner decided and why, in words (``table()`` prints them).
+    notes: list[str] = field(default_factory=list)
 
     @property
     def numel(self) -> int:
@@ -168,11 +174,31 @@ class WrapPlan:
             unit.nbytes = sum(params[n].numel() * params[n].element_size() for n in unit.param_names)
             unit.dtypes = {params[n].dtype for n in unit.param_names}
 
+    @property
+    def largest(self) -> Optional[WrapUnit]:
+        """The unit owning the most elements (``None`` for a model without parameters)."""
+        return max(self.units, key=lambda u: u.numel) if self.numel else None
+
+    def share(self, unit: WrapUnit) -> float:
+        """The fraction of all (unit-owned) parameter elements ``unit`` owns."""
+        return unit.numel / self.numel if self.numel else 0.0
+
     def table(self) -> str:
-        """A fixed-width table: one row per unit with its kind, parameter count and bytes."""
-        rows = [("unit", "kind", "params", "numel", "MiB")]
+        """A fixed-width table: one row per unit with its kind, parameter count, bytes and share of
+        the parameters, then the largest unit; when a unit holds more than a quarter of the
+        parameters, what to pass as ``TransformerBlock`` to split it (when there is something)."""
+        rows = [("unit", "kind", "params", "numel", "MiB", "share")]
         for u in self.units:
-            rows.append((u.name, u.kind, str(len(u.param_names)), f"{u.numel:,}", f"{u.nbytes / 2**20:.2f}"))
+            rows.append(
+                (
+                    u.name,
+                    u.kind,
+                    str(len(u.param_names)),
+                    f"{u.numel:,}",
+                    f"{u.nbytes / 2**20:.2f}",
+                    f"{100 * self.share(u):.1f}%",
+                )
+            )
         rows.append(
             (
                 "total",
@@ -180,9 +206,12 @@ class WrapPlan:
                 str(sum(len(u.param_names) for u in self.units)),
                 f"{self.numel:,}",
                 f"{self.nbytes / 2**20:.2f}",
+                "100.0%" if self.numel else "-",
             )
         )
-        return render_table(rows, align="llrrr", rules=(0, -2), max_width=60)
+        lines = render_table(rows, align="llrrrr", rules=(0, -2), max_width=60).splitlines()
+        lines += [f"note: {n}" for n in self.notes]
+        return "\n".join(lines)
 
 
 def _normalize_block_spec(transformer_block: BlockSpec, caller: str) -> list[Union[type, str]]:
@@ -218,62 +247,174 @@ def _resolve_block_classes(model: nn.Module, specs: list[Union[type, str]], call
     return tuple(classes)
 
 
-def _repeated_containers(model: nn.Module) -> Iterable[nn.Module]:
-    """``nn.ModuleList``s (any length) and ``nn.Sequential``s of 2+ children, all of one class.
+_CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
+# Modules whose weight is a matrix or kernel: the layers a block is made of.
+_WEIGHT_LAYERS = (nn.Linear, nn.modules.conv._ConvNd, nn.Embedding, nn.MultiheadAttention)
+# "b1", "layer_2", "s10": a name followed by an index, as hand-unrolled stacks name their blocks.
+_INDEXED = re.compile(r"^(.*?)_?(\d+)$")
 
-    A one-child ``nn.Sequential`` is a wrapper, not a stack of blocks; heterogeneous ones are
-    MLPs (``Linear, GELU, Linear``) and never blocks.
+
+def _is_layer_like(module: nn.Module) -> bool:
+    """At most one weight layer inside: a layer (``ConvNormAct``, a per-head projection, PEFT's
+    ``lora.Linear`` wrapping one frozen layer), not a block made of layers."""
+    if any(c.__name__ == "BaseTunerLayer" for c in type(module).__mro__):
+        return True  # PEFT's adapter wrapper around one layer (lazily: peft is never imported here)
+    return sum(1 for m in module.modules() if isinstance(m, _WEIGHT_LAYERS)) <= 1
+
+
+def _chain(container: nn.Module, flattened: set[int]) -> list[nn.Module]:
+    """The children of a container, with nested ``nn.Sequential``s (stages of blocks) flattened
+    (their ids are added to ``flattened``)."""
+    items: list[nn.Module] = []
+    for child in container.children():
+        if isinstance(child, nn.Sequential):
+            flattened.add(id(child))
+            items.extend(_chain(child, flattened))
+        else:
+            items.append(child)
+    return items
+
+
+def _repeated_children(model: nn.Module) -> Counter:
+    """Classes of modules that are repeated in a row: how many instances each layout holds.
+
+    * an ``nn.ModuleList`` / ``nn.ModuleDict`` (any length; torchtitan's ``self.layers``) or an
+      ``nn.Sequential`` of 2+ children whose (flattened) children all share one class;
+    * in a mixed chain (a ``Sequential`` of stages, EfficientNet's blocks), every class that is a
+      block (more than one weight layer) and occurs twice or more;
+    * repeated named attributes (timm RegNet's ``b1 .. bN``): 2+ children of one block class
+      (more than one weight layer) named ``<prefix><index>`` with one prefix; named
+      ``nn.Sequential`` stages (ResNet's ``layer1 .. layer4``) are one chain of blocks together.
+
+    A one-child ``nn.Sequential`` is a wrapper; heterogeneous ones of layers are MLPs
+    (``Linear, GELU, Linear``), never blocks. Containers themselves are never block classes.
     """
+    counts: Counter = Counter()
+    flattened: set[int] = set()
     for module in model.modules():
-        if isinstance(module, nn.ModuleList) and len(module) > 0:
-            yield module
-        elif isinstance(module, nn.Sequential) and len(module) > 1:
-            yield module
+        if isinstance(module, nn.Sequential) and id(module) in flattened:
+            continue  # already counted as part of the chain that holds it
+        if isinstance(module, _CONTAINERS):
+            items = _chain(module, flattened) if isinstance(module, nn.Sequential) else list(module.children())
+            items = [m for m in items if not isinstance(m, _CONTAINERS)]
+            kinds = Counter(type(m) for m in items)
+            if isinstance(module, nn.Sequential) and len(items) < 2:
+                continue
+            if len(kinds) == 1:
+                cls, n = kinds.popitem()
+                counts[cls] += n
+            else:
+                for cls, n in kinds.items():
+                    if n > 1 and not _is_layer_like(next(m for m in items if type(m) is cls)):
+                        counts[cls] += n
+            continue
+        groups: dict[tuple[str, type], list[nn.Module]] = {}
+        for name, child in module.named_children():
+            indexed = _INDEXED.match(name)
+            if indexed and any(True for _ in child.parameters()):
+                groups.setdefault((indexed.group(1), type(child)), []).append(child)
+        for (_, cls), members in groups.items():
+            if issubclass(cls, nn.Sequential) and len(members) > 1:
+                # ResNet's layer1 .. layer4: stages as named Sequentials, one chain of blocks together
+                chain = [m for seq in members for m in _chain(seq, set()) if not isinstance(m, _CONTAINERS)]
+                kinds = Counter(type(m) for m in chain)
+                for kind, n in kinds.items():
+                    if n > 1 and not _is_layer_like(next(m for m in chain if type(m) is kind)):
+                        counts[kind] += n
+            elif len(members) > 1 and not issubclass(cls, _CONTAINERS) and not _is_layer_like(members[0]):
+                counts[cls] += len(members)
+    return counts
 
 
-def detect_block_classes(model: nn.Module) -> tuple[type, ...]:
-    """Guess the transformer-block classes of ``model``.
+def _innermost(model: nn.Module, candidates: list[type]) -> tuple[list[type], list[type]]:
+    """Keep the blocks, not what they are made of nor the stages that hold them.
 
-    A Hugging Face model's ``_no_split_modules`` wins; otherwise the classes of the children of
-    every ``nn.ModuleList`` or ``nn.Sequential`` whose children all share one class (``self.layers``,
-    timm's ``self.blocks = nn.Sequential(...)``, ``nn.Transformer``'s encoder AND decoder layers).
-    A class whose every instance sits inside another such block (per-head projections inside a
-    layer) is a sub-layer, not a block. Returns ``()`` when nothing looks like a block.
-
-    Example:
-        >>> class Net(nn.Module):
-        ...     def __init__(self):
-        ...         super().__init__()
-        ...         self.layers = nn.ModuleList(nn.Linear(2, 2) for _ in range(3))
-        >>> detect_block_classes(Net())
-        (<class 'torch.nn.modules.linear.Linear'>,)
+    A layer-like class (one weight layer: per-head projections, ``ConvNormAct``) whose every
+    instance sits inside another candidate is a sub-layer: dropped. Then a class whose every
+    instance holds another (block) candidate is a stage (timm Swin/ConvNeXt stages, RegNet's
+    ``s1 .. s4``): dropped, so the unit is the innermost repeated block; what a stage holds
+    besides its blocks (a downsampling layer) goes to the enclosing unit.
     """
+    modules = list(model.modules())
+
+    def inside_others(cls: type, others: list[type]) -> bool:
+        if not others:
+            return False
+        inner: set[int] = set()
+        for outer in modules:
+            if isinstance(outer, tuple(others)) and type(outer) is not cls:
+                inner.update(id(m) for m in outer.modules() if m is not outer)
+        return all(id(m) in inner for m in modules if type(m) is cls)
+
+    kept = [
+        c
+        for c in candidates
+        if not (_is_layer_like(next(m for m in modules if type(m) is c)) and inside_others(c, candidates))
+    ]
+    # only a block (more than one weight layer) makes its holder a stage: a repeated plain layer
+    # elsewhere in the model (a ModuleList of Linears) says nothing about the blocks holding Linears
+    blocks = [c for c in kept if not _is_layer_like(next(m for m in modules if type(m) is c))]
+    stages = []
+    for cls in kept:
+        others = tuple(c for c in blocks if c is not cls)
+        instances = [m for m in modules if type(m) is cls]
+        if others and all(any(isinstance(m, others) for m in inst.modules() if m is not inst) for inst in instances):
+            stages.append(cls)
+    return [c for c in kept if c not in stages], stages
+
+
+def _detect(model: nn.Module) -> tuple[tuple[type, ...], list[type]]:
+    """(block classes, stage classes passed over for the blocks they hold)."""
     no_split = getattr(model, "_no_split_modules", None)
     if no_split:
         present = {type(m) for m in model.modules()}
         classes = tuple(c for c in present if any(c.__name__ == n for n in no_split))
         if classes:
-            return tuple(sorted(classes, key=lambda c: c.__name__))
-    counts: Counter = Counter()
-    for container in _repeated_containers(model):
-        kinds = {type(child) for child in container.children()}
-        if len(kinds) == 1:
-            counts[kinds.pop()] += len(container)
+            return tuple(sorted(classes, key=lambda c: c.__name__)), []
+    counts = _repeated_children(model)
     if not counts:
-        return ()
-    candidates = [cls for cls, _ in counts.most_common()]
-    # Drop a class whose every instance lives inside an instance of another candidate.
-    nested: set[type] = set()
-    for cls in candidates:
-        others = tuple(c for c in candidates if c is not cls)
-        inside = set()
-        for outer in model.modules():
-            if others and isinstance(outer, others):
-                inside.update(id(m) for m in outer.modules() if m is not outer)
-        instances = [m for m in model.modules() if type(m) is cls]
-        if others and all(id(m) in inside for m in instances):
-            nested.add(cls)
-    return tuple(c for c in candidates if c not in nested)
+        return (), []
+    blocks, stages = _innermost(model, [cls for cls, _ in counts.most_common()])
+    return tuple(blocks), stages
+
+
+def detect_block_classes(model: nn.Module) -> tuple[type, ...]:
+    """Guess the transformer-block classes of ``model``.
+
+    A Hugging Face model's ``_no_split_modules`` wins. Otherwise the classes repeated in a row:
+    the children of an ``nn.ModuleList``, ``nn.ModuleDict`` (torchtitan's Llama) or
+    ``nn.Sequential`` (timm's ``self.blocks``), repeated named attributes (timm RegNet's
+    ``b1 .. bN``), ``nn.Transformer``'s encoder AND decoder layers. In a nested model the
+    innermost repeated block wins over the stage holding it (Swin, ConvNeXt, EfficientNet), and a
+    repeated layer inside a block (per-head projections) is a sub-layer, not a block.
+    ``nn.Sequential`` / ``nn.ModuleList`` / ``nn.ModuleDict`` are never block classes. Returns
+    ``()`` when nothing looks like a block.
+
+    Example:
+        >>> class Net(nn.Module):
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.layers = nn.ModuleDict({str(i): nn.Linear(2, 2) for i in range(3)})
+        >>> detect_block_classes(Net())
+        (<class 'torch.nn.modules.linear.Linear'>,)
+    """
+    return _detect(model)[0]
+
+
+def _split_suggestion(model: nn.Module, unit: WrapUnit) -> list[type]:
+    """Block-like classes repeated among the modules whose parameters ``unit`` owns, biggest first:
+    what ``TransformerBlock`` could name to split it."""
+    owned = set(unit.param_names)
+    numel: Counter = Counter()
+    count: Counter = Counter()
+    for name, m in model.named_modules():
+        if m is model or isinstance(m, _CONTAINERS) or _is_layer_like(m):
+            continue
+        names = [f"{name}.{n}" for n, _ in m.named_parameters()]
+        if names and all(n in owned for n in names):
+            count[type(m)] += 1
+            numel[type(m)] += sum(p.numel() for p in m.parameters())
+    return [c for c, _ in numel.most_common() if count[c] > 1]
 
 
 def _post_order(module: nn.Module, prefix: str = "") -> Iterable[tuple[str, nn.Module]]:
@@ -420,6 +561,7 @@ def build_wrap_plan(
         ['block', 'block', 'block', 'embedding+head', 'root']
     """
     classes: tuple[type, ...] = ()
+    notes: list[str] = []
     if transformer_block is not None:
         specs = _normalize_block_spec(transformer_block, caller)
         if auto_wrap:
@@ -431,11 +573,21 @@ def build_wrap_plan(
                 stacklevel=3,
             )
     elif auto_wrap:
-        classes = detect_block_classes(model)
+        classes, stages = _detect(model)
+        if stages:
+            notes.append(
+                "blocks: "
+                + ", ".join(c.__name__ for c in classes)
+                + "; the stages holding them ("
+                + ", ".join(c.__name__ for c in stages)
+                + ") are not units: what a stage holds besides its blocks (a downsampling layer) "
+                "is sharded with the unit around it"
+            )
         if not classes:
             warnings.warn(
                 f"fsdp(): auto_wrap=True found no repeated block in {type(model).__name__} (no "
-                "_no_split_modules, no nn.ModuleList/nn.Sequential of one class), so the whole model "
+                "_no_split_modules, no nn.ModuleList/nn.ModuleDict/nn.Sequential of one class, no b1 .. bN "
+                "attributes), so the whole model "
                 "is ONE FSDP unit: every parameter is gathered at once. Name the block class: "
                 "fsdp(model, auto_wrap=True, TransformerBlock=MyBlock) (a class, a tuple of classes, "
                 "or a class name such as TransformerBlock='MyBlock').",
@@ -462,10 +614,22 @@ def build_wrap_plan(
     ignored_names, scalar_names = _fill_params(units, model, ignored)
     # A unit with no parameters would only add hooks and an empty all-gather.
     units = [u for u in units if u.numel > 0 or u.kind == "root"]
-    return WrapPlan(
+    plan = WrapPlan(
         units=units,
         block_classes=classes,
         tied_params=tied,
         ignored_param_names=ignored_names,
         scalar_param_names=scalar_names,
+        notes=notes,
     )
+    largest = plan.largest
+    if largest is not None and len(units) > 1:
+        share = plan.share(largest)
+        notes.append(f"largest unit: {largest.name} ({largest.kind}), {100 * share:.1f}% of the parameters")
+        names = [c.__name__ for c in _split_suggestion(model, largest)[:2]] if share > _LARGE_SHARE else []
+        if names:
+            notes.append(
+                f"{largest.name} holds more than a quarter of the parameters (all-gathered at once); to "
+                f"split it pass TransformerBlock={names[0]!r}" + (f" (or {tuple(names)!r})" if len(names) > 1 else "")
+            )
+    return plan

@@ -38,7 +38,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
-from ..options import choose_engine, resolve_master_dtype, resolve_mixed_precision, resolve_sharding
+from ..options import choose_engine, resolve_master_dtype, resolve_mixed_precision, resolve_sharding, stored_dtype
 from ..report import format_bytes, render_table
 from ..training import AccumulationCost, accumulation_costs, accumulation_table, ddp_all_reduces, gradient_wait_dtype
 from ..wrapping import BlockSpec, build_wrap_plan
@@ -491,6 +491,13 @@ def plan(
             f"engine: replicate ({why}): plain tensor parameters used in place, gradients are views "
             "of DDP's all-reduce buckets (no second copy)"
         )
+    frozen = [p for p in params.values() if not p.requires_grad]
+    if frozen:
+        result.notes.append(
+            f"{len(frozen)} frozen parameter(s) ({sum(p.numel() for p in frozen):,} elements) are stored in their "
+            "own dtype, sharded, with no gradient and no optimizer state"
+        )
+    result.notes.extend(wrap.notes)
     if any(u.param_bytes != u.local_param_bytes for u in units):
         result.notes.append(
             f"dim-0 padding: each rank stores {result.param_bytes:,} parameter bytes; rank {rank}'s logical "
@@ -513,8 +520,8 @@ def plan(
 
 
 def _stored_dtype(param: torch.Tensor, master: Optional[torch.dtype]) -> torch.dtype:
-    """The dtype ``fsdp(master_dtype=master)`` stores ``param`` in."""
-    return master if master is not None and param.is_floating_point() else param.dtype
+    """The dtype ``fsdp(master_dtype=master)`` stores ``param`` in (``options.stored_dtype``)."""
+    return stored_dtype(param, master)
 
 
 def _stored_size(param: torch.Tensor, master: Optional[torch.dtype]) -> int:

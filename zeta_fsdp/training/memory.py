@@ -54,6 +54,8 @@ class MemoryReport(dict):
         """
         head = f"rank {self['rank']}/{self['world_size']}"
         dtypes = {key: ", ".join(self[key].get("dtypes", [])) or "-" for key in ("params", "optimizer_state")}
+        if self.get("trainable_dtypes") is not None:  # masters are what an optimizer steps
+            dtypes["params"] = ", ".join(self["trainable_dtypes"]) or "-"
         rows = [(head, "this rank", "unsharded", "local/full")]
         for key, label in self.ROWS:
             entry = self[key]
@@ -62,6 +64,12 @@ class MemoryReport(dict):
             rows.append((label, format_bytes(local), format_bytes(full), ratio))
         table = render_table(rows, rules=(0, -2))
         text = f"{table}\nmaster weights {dtypes['params']}; optimizer state {dtypes['optimizer_state']}"
+        frozen = self.get("frozen")
+        if frozen and frozen["tensors"]:
+            text += (
+                f"\nfrozen: {frozen['tensors']} parameter(s), {format_bytes(frozen['local_bytes'])} on this rank "
+                f"({', '.join(frozen['dtypes'])}), no gradients or optimizer state"
+            )
         if "accumulation" in self:
             text += "\n\n" + accumulation_table(self["accumulation"], self["micro_batches"])
         return text
@@ -148,7 +156,9 @@ def memory_report(
     """Bytes this rank holds for parameters, gradients and optimizer state, vs the unsharded sizes.
 
     Returns a ``MemoryReport`` (a dict) with ``rank``, ``world_size`` and, for each of
-    ``params``, ``grads``, ``optimizer_state`` and ``total``: ``local_bytes`` (this rank's
+    ``params``, ``grads``, ``optimizer_state`` and ``total`` (and ``frozen``: the part of ``params``
+    with ``requires_grad=False``, which has no gradients or optimizer state; ``trainable_dtypes``:
+    the master-weight dtypes, of the trainable ones): ``local_bytes`` (this rank's
     shards), ``full_bytes`` (the same tensors unsharded), ``tensors`` (how many) and ``dtypes``
     (sorted names: ``params``' are the master-weight dtypes, ``optimizer_state``'s what AdamW keeps
     its moments in; 0-dim step counters left out). These are
@@ -173,9 +183,12 @@ def memory_report(
         rank=get_rank(),
         world_size=get_world_size(),
         params=_entry(params),
+        # frozen (requires_grad=False: a LoRA base): stored in their own dtype, no grad, no optimizer state
+        frozen=_entry(p for p in params if not p.requires_grad),
         grads=_entry(p.grad for p in params if p.grad is not None),
         optimizer_state=_entry(_optimizer_tensors(optimizer), skip_scalar_dtypes=True),
     )
+    report["trainable_dtypes"] = _entry(p for p in params if p.requires_grad)["dtypes"]
     report["total"] = {
         key: sum(report[k][key] for k in ("params", "grads", "optimizer_state"))
         for key in ("local_bytes", "full_bytes", "tensors")

@@ -1,0 +1,210 @@
+"""PEFT adapters of a sharded model, in and out: ``save_adapters`` / ``load_adapters``.
+
+The files are exactly PEFT's (``adapter_model.safetensors`` + ``adapter_config.json``), so
+``PeftModel.from_pretrained(base, path)`` loads what ``save_adapters`` wrote, and
+``load_adapters`` reads what ``PeftModel.save_pretrained`` wrote. Only the adapter tensors are
+gathered (a few MiB for a LoRA of a 70B base), never the frozen base.
+
+Example:
+    model = fsdp(get_peft_model(base, LoraConfig(r=8, target_modules=["q_proj", "v_proj"])),
+                 auto_wrap=True, mp="bf16", shard_strat="FULL_SHARD")
+    ...  # train
+    save_adapters(model, "out/adapter")          # every rank calls it; rank 0 writes
+    load_adapters(model, "out/adapter")          # every rank reads its shards back
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Union
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from ..distributed import get_rank, get_world_size, on_all_ranks
+from ..files import publish_dir
+from .files import read_safetensors_header, staging_dir
+
+__all__ = ["ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "adapter_tensors", "load_adapters", "save_adapters"]
+
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+ADAPTER_CONFIG = "adapter_config.json"
+
+
+def _peft_model(model: nn.Module, adapter_name: str, caller: str) -> nn.Module:
+    configs = getattr(model, "peft_config", None)
+    if not isinstance(configs, dict) or not any(c.__module__.startswith("peft.") for c in type(model).__mro__):
+        raise ValueError(
+            f"{caller}: {type(model).__name__} is not a PEFT model. Accepted: the PeftModel returned by "
+            "peft.get_peft_model(...) (or PeftModel.from_pretrained), wrapped with fsdp() or not."
+        )
+    if adapter_name not in configs:
+        raise ValueError(
+            f"{caller}: adapter_name={adapter_name!r} is not an adapter of this model. Accepted: "
+            f"{', '.join(map(repr, configs))}."
+        )
+    return model
+
+
+def adapter_tensors(model: nn.Module, adapter_name: str = "default") -> dict[str, tuple[str, torch.Tensor]]:
+    """The tensors PEFT saves for ``adapter_name``: ``{key in the file: (name in model, tensor)}``.
+
+    PEFT decides which tensors belong to the adapter and how they are named in the file (the
+    adapter name dropped: ``...q_proj.lora_A.default.weight`` -> ``...q_proj.lora_A.weight``);
+    the tensors are the model's own (sharded ``DTensor``s under ``fsdp()``).
+
+    Example:
+        keys = list(adapter_tensors(model))   # e.g. 'base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight'
+    """
+    from peft.utils import get_peft_model_state_dict
+
+    own = model.state_dict(keep_vars=True)
+    name_of = {id(t): n for n, t in own.items()}
+    chosen = get_peft_model_state_dict(model, state_dict=own, adapter_name=adapter_name)
+    out: dict[str, tuple[str, torch.Tensor]] = {}
+    for key, tensor in chosen.items():
+        name = name_of.get(id(tensor))
+        if name is None:  # PEFT made a new tensor (a transform we do not know): refuse, never guess
+            raise ValueError(f"adapter tensor {key!r} is not one of the model's own tensors; cannot map it.")
+        out[key] = (name, tensor)
+    return out
+
+
+def save_adapters(
+    model: nn.Module, path: Union[str, os.PathLike], *, adapter_name: str = "default", overwrite: bool = False
+) -> Path:
+    """Write the adapter ``adapter_name`` of a (sharded) PEFT model as PEFT does; returns ``path``.
+
+    Call on every rank. Each adapter tensor is gathered from its shards (one at a time, every
+    rank alike) and rank 0 writes ``adapter_model.safetensors`` (the tensors in their training
+    dtype, fp32 adapters stay fp32) and ``adapter_config.json`` (``inference_mode`` true, as
+    ``PeftModel.save_pretrained`` writes it), so ``PeftModel.from_pretrained(base, path)`` loads
+    it. The base model is not written (save the merged model with ``save_pretrained(model.
+    merge_and_unload(), ...)``). ``path`` must not exist or be empty unless ``overwrite=True``;
+    files are written beside it and renamed into place once complete.
+
+    Raises:
+        ValueError: not a PEFT model, an unknown ``adapter_name``, or a bad ``overwrite``.
+        FileExistsError: ``path`` exists and is not empty (without ``overwrite=True``).
+
+    Example:
+        save_adapters(model, "out/adapter")
+        PeftModel.from_pretrained(LlamaForCausalLM(config), "out/adapter")
+    """
+    from safetensors.torch import save_file
+
+    caller = "save_adapters()"
+    path = Path(path)
+    staged: list[Path] = []
+
+    def prepare() -> dict[str, tuple[str, torch.Tensor]]:
+        if not isinstance(overwrite, bool):
+            raise ValueError(f"{caller}: overwrite={overwrite!r} is not accepted. Accepted: True or False.")
+        _peft_model(model, adapter_name, caller)
+        tensors = adapter_tensors(model, adapter_name)
+        if get_rank() == 0:
+            staged.append(staging_dir(path, overwrite=overwrite, caller=caller))
+        return tensors
+
+    try:
+        tensors = on_all_ranks(prepare)
+    except Exception:
+        for made in staged:
+            shutil.rmtree(made, ignore_errors=True)
+        raise
+    try:
+        full = {}
+        for key, (_, t) in tensors.items():
+            whole = t.full_tensor() if isinstance(t, DTensor) else t  # collective: every rank, same order
+            if get_rank() == 0:
+                full[key] = whole.detach().to("cpu").contiguous()
+
+        def write() -> None:
+            if get_rank() != 0:
+                return
+            save_file(full, str(staged[0] / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+            config = model.peft_config[adapter_name]
+            inference_mode = config.inference_mode
+            config.inference_mode = True  # what PeftModel.save_pretrained writes
+            try:
+                config.save_pretrained(str(staged[0]))
+            finally:
+                config.inference_mode = inference_mode
+            publish_dir(staged[0], path)
+
+        on_all_ranks(write)
+    finally:
+        for made in staged:
+            if made.exists():
+                shutil.rmtree(made, ignore_errors=True)
+    return path
+
+
+def load_adapters(model: nn.Module, path: Union[str, os.PathLike], *, adapter_name: str = "default") -> None:
+    """Load PEFT adapter weights from ``path`` into the adapter ``adapter_name`` of a (sharded) model.
+
+    Call on every rank after ``fsdp()``: each rank reads the (small) adapter tensors from
+    ``adapter_model.safetensors`` (a safetensors file: no code runs on read) and keeps its own
+    shards, cast to each parameter's dtype. Every adapter tensor of the model must be in the
+    file and every tensor in the file must be one of them, with its shape;
+    ``adapter_config.json``'s rank ``r`` (when present) must match the model's. All of it is checked on every rank before anything is copied.
+
+    Raises:
+        ValueError: not a PEFT model, an unknown ``adapter_name``, or a file that does not match.
+        FileNotFoundError: ``path`` holds no ``adapter_model.safetensors``.
+
+    Example:
+        model = fsdp(get_peft_model(base, lora_config), auto_wrap=True, mp="bf16", shard_strat="FULL_SHARD")
+        load_adapters(model, "out/adapter")
+    """
+    from safetensors import safe_open
+
+    caller = "load_adapters()"
+    path = Path(path)
+
+    def check() -> dict[str, tuple[str, torch.Tensor]]:
+        _peft_model(model, adapter_name, caller)
+        weights = path / ADAPTER_WEIGHTS
+        if not weights.is_file():
+            raise FileNotFoundError(f"{caller}: {weights} does not exist (expected PEFT's {ADAPTER_WEIGHTS}).")
+        tensors = adapter_tensors(model, adapter_name)
+        header = read_safetensors_header(weights)
+        missing = sorted(set(tensors) - set(header))
+        unexpected = sorted(set(header) - set(tensors))
+        if missing or unexpected:
+            raise ValueError(
+                f"{caller}: {weights} does not match adapter {adapter_name!r}: missing {missing[:5]}"
+                f"{' ...' if len(missing) > 5 else ''}, unexpected {unexpected[:5]}{' ...' if len(unexpected) > 5 else ''}."
+            )
+        bad = [k for k, (_, t) in tensors.items() if tuple(header[k].shape) != tuple(t.shape)]
+        if bad:
+            k = bad[0]
+            raise ValueError(
+                f"{caller}: {len(bad)} tensor(s) have the wrong shape, e.g. {k}: file {tuple(header[k].shape)}, "
+                f"model {tuple(tensors[k][1].shape)}."
+            )
+        config_file = path / ADAPTER_CONFIG
+        if config_file.is_file():
+            saved_r = json.loads(config_file.read_text()).get("r")
+            own_r = getattr(model.peft_config[adapter_name], "r", None)
+            if saved_r is not None and own_r is not None and saved_r != own_r:
+                raise ValueError(f"{caller}: {config_file} has r={saved_r}, the model's adapter has r={own_r}.")
+        return tensors
+
+    tensors = on_all_ranks(check)
+    with torch.no_grad(), safe_open(str(path / ADAPTER_WEIGHTS), framework="pt") as f:
+        for key, (_, t) in tensors.items():
+            whole = f.get_tensor(key)
+            if isinstance(t, DTensor):
+                # Local chunking only (src_data_rank=None): every rank read the same file.
+                piece = distribute_tensor(whole.to(t.dtype), t.device_mesh, t.placements, src_data_rank=None)
+                t.to_local().copy_(piece.to_local())
+            else:
+                t.copy_(whole.to(dtype=t.dtype, device=t.device))
+    if get_world_size() > 1:
+        dist.barrier()  # no rank goes on training while a peer still reads
