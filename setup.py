@@ -22,7 +22,7 @@ setup(
         "lightning": ["lightning>=2.4"],
         # everything the suite needs: the optional integrations, the .safetensors export, the demo plot.
         # (timm needs torchvision, which must match torch: tests/test_timm.py runs where both are installed)
-        "test": ["pytest", "safetensors", "matplotlib", "transformers>=5", "lightning>=2.4", "peft"],
+        "test": ["pytest", "safetensors", "matplotlib", "transformers>=5", "peft", "lightning>=2.4"],
         "dev": ["ruff==0.17.6", "pytest"],
         "bench": ["matplotlib", "accelerate"],
         "demo": ["tqdm", "matplotlib"],
