@@ -31,6 +31,13 @@ def torchrun(nproc: int, script: str, *args: str, timeout: float = 600) -> subpr
     return subprocess.run(cmd, cwd=ROOT, env=rank_env(), capture_output=True, text=True, timeout=timeout)
 
 
+def program_lines(stdout: str) -> list[str]:
+    """A process's stdout lines as the program printed them: without the connection notices some
+    torch releases' gloo prints to stdout when a group starts (torch 2.10:
+    ``[Gloo] Rank 0 is connected to 0 peer ranks. Expected number of connected peer ranks is : 0``)."""
+    return [line for line in stdout.splitlines() if not line.startswith("[Gloo] ")]
+
+
 NOT_RUN = "NOT RUN"  # worker.NOT_RUN: a case its launch stopped before (another case failed)
 
 

@@ -8,6 +8,8 @@ Optional, imported only on demand (never by ``import zeta_fsdp``): ``zeta_fsdp.l
 a Lightning ``Trainer`` strategy (``pip install "zeta-fsdp[lightning]"``).
 """
 
+# First: refuses a torch older than the supported floor (torch_compat.MIN_TORCH), naming both.
+from . import torch_compat  # noqa: F401
 from .cli.model_spec import meta_model_from_spec
 from .data import ResumableLoader, shard_dataloader
 from .distributed import shutdown
