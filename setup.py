@@ -14,8 +14,9 @@ setup(
     # torch; einops (zeta_fsdp.models.gpt, the demo's model); numpy, because
     # torch.distributed.tensor.debug (CommDebugMode: zeta_fsdp.measure, the demo) imports it
     # and torch does not depend on it. The torch floor is the oldest release the suite passes
-    # on (docs/install.md says how it was checked).
-    install_requires=["torch>=2.13", "einops", "numpy"],
+    # on (docs/install.md: the table scripts/torch_versions.py writes); zeta_fsdp/torch_compat.py's
+    # MIN_TORCH says the same and refuses an older torch at import (tests/test_torch_compat.py).
+    install_requires=["torch>=2.10", "einops", "numpy"],
     extras_require={
         # load_pretrained / save_pretrained / consolidate_to_hf (transformers' key conversions, configs)
         "hf": ["transformers>=5", "safetensors"],

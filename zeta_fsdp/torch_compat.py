@@ -23,7 +23,14 @@ import torch
 if TYPE_CHECKING:  # imported where used: an old torch must reach check_torch_version() first
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-__all__ = ["MIN_TORCH", "UnsupportedTorchError", "check_torch_version", "param_mp_policy", "torch_release"]
+__all__ = [
+    "MIN_TORCH",
+    "REDUCE_DTYPE_NONE_KEEPS_PARAM_DTYPE",
+    "UnsupportedTorchError",
+    "check_torch_version",
+    "param_mp_policy",
+    "torch_release",
+]
 
 # The oldest release the whole suite passes on (docs/install.md has the table and how it was made).
 # setup.py's install_requires says the same; tests/test_install.py checks that the two agree.
@@ -100,6 +107,10 @@ def param_mp_policy(group: Any, fsdp_param: Any) -> MixedPrecisionPolicy:
         f"{type(fsdp_param).__name__}.mp_policy nor {type(group).__name__}.mp_policy exists"
     )
 
+
+# ``MixedPrecisionPolicy(reduce_dtype=None)``: torch >= 2.15 reduces (and accumulates under
+# no_sync) each gradient in its parameter's own dtype; older releases in ``param_dtype``.
+REDUCE_DTYPE_NONE_KEEPS_PARAM_DTYPE: bool = torch_release() >= (2, 15)
 
 # On import: zeta_fsdp/__init__.py imports this module first, so an unsupported torch is refused
 # before any other module touches torch.distributed.
