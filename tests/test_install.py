@@ -37,8 +37,8 @@ def _clean_env() -> dict[str, str]:
     return env
 
 
-def _run(cmd: list[str], cwd: Path, timeout: float) -> subprocess.CompletedProcess:
-    proc = subprocess.run(cmd, cwd=cwd, env=_clean_env(), capture_output=True, text=True, timeout=timeout)
+def _run(cmd: list[str], cwd: Path, timeout: float, **env: str) -> subprocess.CompletedProcess:
+    proc = subprocess.run(cmd, cwd=cwd, env={**_clean_env(), **env}, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, (
         f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     )
@@ -95,8 +95,12 @@ def installed(tmp_path_factory) -> tuple[Path, Path, Path]:
     _run([sys.executable, "-m", "venv", str(base / "venv")], base, 300)
     python = base / "venv" / "bin" / "python"
     _expose_running_torch(python, base / "running-torch")
-    pip = _run([str(python), "-m", "pip", "install", str(wheel)], base, 600)
-    assert not re.search(r"(Collecting|Downloading) torch\b", pip.stdout), pip.stdout  # the user's torch is kept
+    # Pinned to the running torch (this replaces any machine-wide constraints file, which may cap
+    # torch below it): pip must keep the user's torch, or fail saying why.
+    keep = base / "keep-torch.txt"
+    keep.write_text(f"torch=={torch.__version__}\n")
+    pip = _run([str(python), "-m", "pip", "install", str(wheel)], base, 600, PIP_CONSTRAINT=str(keep))
+    assert not re.search(r"Successfully installed.* torch-\d", pip.stdout), pip.stdout  # the user's torch is kept
     empty = base / "empty"
     empty.mkdir()
     return python, empty, wheel
