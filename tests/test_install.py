@@ -98,7 +98,7 @@ def installed(tmp_path_factory) -> tuple[Path, Path, Path]:
     # Pinned to the running torch (this replaces any machine-wide constraints file, which may cap
     # torch below it): pip must keep the user's torch, or fail saying why.
     keep = base / "keep-torch.txt"
-    keep.write_text(f"torch=={torch.__version__}\n")
+    keep.write_text(f"torch=={importlib.metadata.version('torch')}\n")  # PyPI's: 2.15.0, no "+cu132"
     pip = _run([str(python), "-m", "pip", "install", str(wheel)], base, 600, PIP_CONSTRAINT=str(keep))
     assert not re.search(r"Successfully installed.* torch-\d", pip.stdout), pip.stdout  # the user's torch is kept
     empty = base / "empty"
