@@ -22,7 +22,9 @@ setup(
         "hf": ["transformers>=5", "safetensors"],
         "lightning": ["lightning>=2.4"],
         # everything the suite needs: the optional integrations, the .safetensors export, the demo plot
-        "test": ["pytest", "safetensors", "matplotlib", "transformers>=5", "lightning>=2.4"],
+        # setuptools>=70.1 builds wheels itself (bdist_wheel): tests/test_install.py builds ours
+        # without build isolation, and a fresh venv on Python < 3.12 brings setuptools 65.
+        "test": ["pytest", "safetensors", "matplotlib", "transformers>=5", "lightning>=2.4", "setuptools>=70.1"],
         "dev": ["ruff==0.17.6", "pytest"],
         "bench": ["matplotlib", "accelerate"],
         "demo": ["tqdm", "matplotlib"],

@@ -1,8 +1,8 @@
 """Run the test suite (or a stated subset) on several torch releases and write docs/install.md's table.
 
 One virtual environment per release (``VENVS/torch-<version>``, reused when it already holds that
-release): ``pip install torch==<version>`` plus the test extra's packages, then this checkout with
-``--no-deps`` (so the torch just installed stays), then pytest. The table says, per release, the
+release): ``pip install torch==<version>``, then ``pip install torch==<version> -e .[test]`` (this
+checkout and its test extra; the pin keeps the torch just installed), then pytest. The table says, per release, the
 torch build that ran, how many tests passed and which failed, with the date and the command.
 
     python scripts/torch_versions.py 2.10.0 2.13.0 2.15.0                 # tests/cross_torch.txt
@@ -29,8 +29,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 CROSS_TORCH = ROOT / "tests" / "cross_torch.txt"
 BEGIN, END = "<!-- torch-versions:begin -->", "<!-- torch-versions:end -->"
-# The test extra's packages, torch left out (installed first, pinned to the release under test).
-TEST_PACKAGES = ["einops", "numpy", "pytest", "safetensors", "matplotlib", "transformers>=5", "lightning>=2.4"]
 
 
 @dataclass
@@ -75,9 +73,9 @@ def prepare(version: str, venvs: Path) -> Path:
         subprocess.run(
             [str(python), "-m", "pip", "install", "--quiet", f"torch=={version}"], check=True, env=_pip_env()
         )
+    # This checkout with its test extra; torch named with its pin so the extra cannot move it.
     pip = [str(python), "-m", "pip", "install", "--quiet"]
-    subprocess.run([*pip, f"torch=={version}", *TEST_PACKAGES], check=True, env=_pip_env())
-    subprocess.run([*pip, "--no-deps", "-e", str(ROOT)], check=True, env=_pip_env())
+    subprocess.run([*pip, f"torch=={version}", "-e", f"{ROOT}[test]"], check=True, env=_pip_env())
     return python
 
 
