@@ -114,14 +114,14 @@ def measure(version: str, venvs: Path, tests: list[str]) -> Outcome:
     return outcome
 
 
-def table(outcomes: list[Outcome], tests: list[str], command: str) -> str:
+def table(outcomes: list[Outcome], tests: list[str], command: str, note: str = "") -> str:
     """The markdown docs/install.md shows between its markers."""
     today = datetime.date.today().isoformat()
     what = "the whole suite (`tests/`)" if tests == ["tests"] else ", ".join(f"`{Path(t).name}`" for t in tests)
     lines = [
         f"Measured {today} on Linux, CPU (gloo), Python {sys.version_info.major}.{sys.version_info.minor}, "
         f"one fresh virtual environment per release; tests run: {what}.",
-        f"Made by `{command}`.",
+        f"Made by `{command}`" + (f" ({note})." if note else "."),
         "",
         "| torch | passed | failed | skipped | minutes | failing tests |",
         "|---|---|---|---|---|---|",
@@ -157,6 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--venvs", type=Path, default=ROOT / ".venvs", help="where the per-release venvs live")
     parser.add_argument("--write", type=Path, help="a markdown file to write the table into (between its markers)")
+    parser.add_argument("--note", default="", help="said after the command, e.g. how loaded the machine was")
     args = parser.parse_args(argv)
     tests = {"cross": cross_torch_tests(), "all": ["tests"]}.get(args.tests[0], args.tests)
     args.venvs.mkdir(parents=True, exist_ok=True)
@@ -167,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     command = "python scripts/torch_versions.py " + " ".join(
         [*args.versions, *(["--tests", *args.tests] if args.tests != ["cross"] else [])]
     )
-    text = table(outcomes, tests, command)
+    text = table(outcomes, tests, command, args.note)
     print(text)
     if args.write is not None:
         write_table(args.write, text)
