@@ -33,7 +33,8 @@ __all__ = [
 ]
 
 # The oldest release the whole suite passes on (docs/install.md has the table and how it was made).
-# setup.py's install_requires says the same; tests/test_install.py checks that the two agree.
+# setup.py's install_requires says the same (tests/test_torch_compat.py and the built wheel's
+# metadata in tests/test_install.py check it).
 MIN_TORCH: tuple[int, int] = (2, 10)
 
 
