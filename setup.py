@@ -14,15 +14,26 @@ setup(
     # torch; einops (zeta_fsdp.models.gpt, the demo's model); numpy, because
     # torch.distributed.tensor.debug (CommDebugMode: zeta_fsdp.measure, the demo) imports it
     # and torch does not depend on it. The torch floor is the oldest release the suite passes
-    # on (docs/install.md says how it was checked).
-    install_requires=["torch>=2.13", "einops", "numpy"],
+    # on (docs/install.md: the table scripts/torch_versions.py writes); zeta_fsdp/torch_compat.py's
+    # MIN_TORCH says the same and refuses an older torch at import (tests/test_torch_compat.py).
+    install_requires=["torch>=2.10", "einops", "numpy"],
     extras_require={
         # load_pretrained / save_pretrained / consolidate_to_hf (transformers' key conversions, configs)
         "hf": ["transformers>=5", "safetensors"],
         "lightning": ["lightning>=2.4"],
         # everything the suite needs: the optional integrations, the .safetensors export, the demo plot.
         # (timm needs torchvision, which must match torch: tests/test_timm.py runs where both are installed)
-        "test": ["pytest", "safetensors", "matplotlib", "transformers>=5", "peft", "lightning>=2.4"],
+        # setuptools>=70.1 builds wheels itself (bdist_wheel): tests/test_install.py builds ours
+        # without build isolation, and a fresh venv on Python < 3.12 brings setuptools 65.
+        "test": [
+            "pytest",
+            "safetensors",
+            "matplotlib",
+            "transformers>=5",
+            "peft",
+            "lightning>=2.4",
+            "setuptools>=70.1",
+        ],
         "dev": ["ruff==0.17.6", "pytest"],
         "bench": ["matplotlib", "accelerate"],
         "demo": ["tqdm", "matplotlib"],

@@ -77,6 +77,13 @@ def pytest_runtest_protocol(item, nextitem):
         _running["item"] = None
 
 
+def program_lines(stdout: str) -> list[str]:
+    """A process's stdout lines as the program printed them: without the connection notices some
+    torch releases' gloo prints to stdout when a group starts (torch 2.10:
+    ``[Gloo] Rank 0 is connected to 0 peer ranks. Expected number of connected peer ranks is : 0``)."""
+    return [line for line in stdout.splitlines() if not line.startswith("[Gloo] ")]
+
+
 NOT_RUN = "NOT RUN"  # worker.NOT_RUN: a case its launch stopped before (another case failed)
 
 

@@ -7,7 +7,7 @@ import sys
 import textwrap
 
 import pytest
-from conftest import ROOT, rank_env
+from conftest import ROOT, program_lines, rank_env
 
 pytestmark = pytest.mark.launch  # every test here starts processes
 
@@ -77,7 +77,7 @@ def run_python(code: str) -> subprocess.CompletedProcess:
 def test_seed_examples_run_in_a_fresh_python():
     proc = run_python(SEED_EXAMPLES)
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.splitlines() == [
+    assert program_lines(proc.stdout) == [
         "basic (3, 10)",
         "auto_wrap (2, 10)",
         "advanced torch.bfloat16 torch.float32 torch.float32",
@@ -100,7 +100,7 @@ def test_a_group_the_user_made_is_never_torn_down():
         )
     )
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.strip() == "kept"
+    assert program_lines(proc.stdout) == ["kept"]
 
 
 def test_example_script_trains_on_two_ranks():

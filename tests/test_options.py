@@ -24,21 +24,21 @@ from zeta_fsdp.options import (
 
 
 @pytest.mark.parametrize(
-    "mp, param_dtype, reduce_dtype",
+    "mp, param_dtype, reduce_dtype, output_dtype",
     [
-        ("fp32", None, None),
-        ("FP32", None, None),
-        ("float32", None, None),
-        ("bf16", torch.bfloat16, torch.float32),
-        ("BFloat16", torch.bfloat16, torch.float32),
-        ("fp16", torch.float16, torch.float32),
-        ("float16", torch.float16, torch.float32),
-        (torch.bfloat16, torch.bfloat16, torch.float32),
+        ("fp32", None, None, None),
+        ("FP32", None, None, None),
+        ("float32", None, None, None),
+        ("bf16", torch.bfloat16, torch.float32, None),
+        ("BFloat16", torch.bfloat16, torch.float32, None),
+        ("fp16", torch.float16, torch.float32, None),
+        ("float16", torch.float16, torch.float32, None),
+        (torch.bfloat16, torch.bfloat16, torch.float32, None),
     ],
 )
-def test_mixed_precision_table(mp, param_dtype, reduce_dtype):
+def test_mixed_precision_table(mp, param_dtype, reduce_dtype, output_dtype):
     policy = resolve_mixed_precision(mp)
-    assert (policy.param_dtype, policy.reduce_dtype) == (param_dtype, reduce_dtype)
+    assert (policy.param_dtype, policy.reduce_dtype, policy.output_dtype) == (param_dtype, reduce_dtype, output_dtype)
 
 
 def test_policy_object_is_used_as_given():

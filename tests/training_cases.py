@@ -42,7 +42,7 @@ from zeta_fsdp.loss import MaskedTokenLossReduction, PerSampleLossReduction
 from zeta_fsdp.measure import collectives_per_step
 from zeta_fsdp.models.gpt import Block, lm_loss, small
 from zeta_fsdp.training import clip_grad_norm_, memory_report, no_sync
-from zeta_fsdp.wrapped import fsdp_engine
+from zeta_fsdp.wrapped import fsdp_engine, fsdp_param_groups
 
 CASES = Cases()
 case = CASES.case
@@ -127,16 +127,35 @@ def sharded_gpt(**fsdp_kwargs) -> tuple[nn.Module, nn.Module]:
     return fsdp(model, **kwargs), ref
 
 
-def sync_flags(model: nn.Module) -> list[tuple[bool, bool]]:
-    """(reduce_grads, all_reduce_grads) of every FSDP parameter group, read from torch's own state."""
-    from torch.distributed.fsdp._fully_shard._fsdp_state import _get_module_fsdp_state
+# While ``other_torch_state_layout`` is active, FSDP states hide their group names from the
+# library under test; the test's own reads (``unit_groups``) see through the disguise.
+_DISGUISE = {"on": False}
 
-    groups = {}
+
+def unit_groups(module: nn.Module) -> list:
+    """torch's FSDP parameter groups of one unit, through the library's reader
+    (``zeta_fsdp.fsdp.fsdp_param_groups``: whichever name this torch release uses)."""
+    was, _DISGUISE["on"] = _DISGUISE["on"], False
+    try:
+        groups = fsdp_param_groups(module)
+    finally:
+        _DISGUISE["on"] = was
+    assert groups is not None, f"cannot read the FSDP parameter groups of {type(module).__name__} on this torch"
+    return groups
+
+
+def model_groups(model: nn.Module) -> list:
+    """Every distinct FSDP parameter group of a wrapped model, in module order."""
+    groups: dict[int, object] = {}
     for module in model.modules():
         if isinstance(module, FSDPModule):
-            for group in _get_module_fsdp_state(module)._fsdp_param_groups:
-                groups[id(group)] = group
-    return [(g.reduce_grads, g.all_reduce_grads) for g in groups.values()]
+            groups.update((id(g), g) for g in unit_groups(module))
+    return list(groups.values())
+
+
+def sync_flags(model: nn.Module) -> list[tuple[bool, bool]]:
+    """(reduce_grads, all_reduce_grads) of every FSDP parameter group, read from torch's own state."""
+    return [(g.reduce_grads, g.all_reduce_grads) for g in model_groups(model)]
 
 
 class _OtherTorchState:
@@ -147,7 +166,8 @@ class _OtherTorchState:
         self._state, self._singular = state, singular
 
     def __getattr__(self, name: str):
-        if name == "_fsdp_param_groups" or (name == "_fsdp_param_group" and not self._singular):
+        hidden = name == "_fsdp_param_groups" or (name == "_fsdp_param_group" and not self._singular)
+        if hidden and _DISGUISE["on"]:
             raise AttributeError(name)
         return getattr(self._state, name)
 
@@ -156,12 +176,12 @@ class _OtherTorchState:
 def other_torch_state_layout(singular: bool):
     """``FSDPModule._get_fsdp_state()`` returns ``_OtherTorchState``; the public
     ``set_requires_gradient_sync`` / ``set_requires_all_reduce`` still work, as they do on any torch."""
-    from torch.distributed.fsdp._fully_shard._fsdp_state import _get_module_fsdp_state
+    real_state = FSDPModule.__dict__["_get_fsdp_state"]
 
     def groups(module, recurse):
         for m in module.modules() if recurse else [module]:
             if isinstance(m, FSDPModule):
-                yield from _get_module_fsdp_state(m)._fsdp_param_groups
+                yield from unit_groups(m)
 
     def set_requires_gradient_sync(self, requires_gradient_sync, *, recurse=True):
         for group in groups(self, recurse):
@@ -172,16 +192,18 @@ def other_torch_state_layout(singular: bool):
             group.all_reduce_grads = requires_all_reduce
 
     patches = {
-        "_get_fsdp_state": lambda self: _OtherTorchState(_get_module_fsdp_state(self), singular),
+        "_get_fsdp_state": lambda self: _OtherTorchState(real_state(self), singular),
         "set_requires_gradient_sync": set_requires_gradient_sync,
         "set_requires_all_reduce": set_requires_all_reduce,
     }
     originals = {name: FSDPModule.__dict__[name] for name in patches}
     for name, fn in patches.items():
         setattr(FSDPModule, name, fn)
+    _DISGUISE["on"] = True
     try:
         yield
     finally:
+        _DISGUISE["on"] = False
         for name, fn in originals.items():
             setattr(FSDPModule, name, fn)
 
@@ -374,8 +396,6 @@ def held_grad_bytes(model: nn.Module) -> int:
     """Bytes of every distinct gradient storage FSDP2 holds for the model now: sharded ``.grad``,
     unsharded gradients (``defer="all"``) and the reduce-scattered sum waiting for its all-reduce
     (``defer="all_reduce"``), read from torch's own state (torch 2.13 names)."""
-    from torch.distributed.fsdp._fully_shard._fsdp_state import _get_module_fsdp_state
-
     storages: dict[int, int] = {}
 
     def add(t: Optional[torch.Tensor]) -> None:
@@ -383,14 +403,12 @@ def held_grad_bytes(model: nn.Module) -> int:
             t = t.to_local() if hasattr(t, "to_local") else t
             storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
 
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            for group in _get_module_fsdp_state(module)._fsdp_param_groups:
-                add(group._partial_reduce_output)
-                for fp in group.fsdp_params:
-                    add(fp.sharded_param.grad)
-                    add(fp._unsharded_param.grad)
-                    add(fp.unsharded_accumulated_grad)
+    for group in model_groups(model):
+        add(group._partial_reduce_output)
+        for fp in group.fsdp_params:
+            add(fp.sharded_param.grad)
+            add(fp._unsharded_param.grad)
+            add(fp.unsharded_accumulated_grad)
     return sum(storages.values())
 
 

@@ -15,6 +15,8 @@ a Lightning ``Trainer`` strategy (``pip install "zeta-fsdp[lightning]"``).
 import importlib
 import warnings
 
+# First: refuses a torch older than the supported floor (torch_compat.MIN_TORCH), naming both.
+from . import torch_compat  # noqa: F401
 from .data import ResumableLoader, shard_dataloader
 from .distributed import shutdown
 from .fsdp import fsdp

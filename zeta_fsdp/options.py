@@ -23,6 +23,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 __all__ = [
     "MASTER_DTYPE_ALIASES",
     "MIXED_PRECISION_ALIASES",
+    "MP_PRESETS",
     "SHARDING_ALIASES",
     "ShardingSpec",
     "choose_engine",
@@ -35,12 +36,17 @@ __all__ = [
     "validate_reshard_after_forward",
 ]
 
-# Canonical name -> (param_dtype, reduce_dtype). Gradients are reduced in fp32 on purpose:
-# summing N bf16/fp16 gradients loses bits that fp32 keeps, at 2x the reduce-scatter bytes.
-_MP_TABLE: dict[str, tuple[Optional[torch.dtype], Optional[torch.dtype]]] = {
-    "fp32": (None, None),
-    "bf16": (torch.bfloat16, torch.float32),
-    "fp16": (torch.float16, torch.float32),
+# Canonical name -> (param_dtype, reduce_dtype, output_dtype): every field of the policy spelled
+# out, so a torch release that changes a default changes none of our numerics (torch 2.15 made
+# ``reduce_dtype=None`` follow the parameter's dtype where older releases reduced in
+# ``param_dtype``). Gradients are reduced in fp32 on purpose: summing N bf16/fp16 gradients loses
+# bits that fp32 keeps, at 2x the reduce-scatter bytes. ``None`` is deliberate where it stands:
+# "fp32" casts nothing (each parameter computes and reduces in its own dtype, as DDP's engine
+# does, on every release), and no preset casts outputs (a loss a model computes in fp32 stays fp32).
+MP_PRESETS: dict[str, tuple[Optional[torch.dtype], Optional[torch.dtype], Optional[torch.dtype]]] = {
+    "fp32": (None, None, None),
+    "bf16": (torch.bfloat16, torch.float32, None),
+    "fp16": (torch.float16, torch.float32, None),
 }
 
 MIXED_PRECISION_ALIASES: dict[str, str] = {
@@ -133,8 +139,9 @@ def resolve_mixed_precision(
     A bad value raises ``ValueError`` whose message starts with ``caller`` (the function the user called).
 
     Example:
-        >>> resolve_mixed_precision("FP16")
-        MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float32, output_dtype=None, cast_forward_inputs=True)
+        >>> policy = resolve_mixed_precision("FP16")
+        >>> policy.param_dtype, policy.reduce_dtype, policy.output_dtype
+        (torch.float16, torch.float32, None)
     """
     if isinstance(mp, MixedPrecisionPolicy):
         return mp
@@ -149,8 +156,10 @@ def resolve_mixed_precision(
             f"{caller}(): unknown mp={mp!r}. Accepted (case-insensitive): {accepted}, "
             "or a torch.distributed.fsdp.MixedPrecisionPolicy."
         )
-    param_dtype, reduce_dtype = _MP_TABLE[MIXED_PRECISION_ALIASES[key]]
-    return MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    param_dtype, reduce_dtype, output_dtype = MP_PRESETS[MIXED_PRECISION_ALIASES[key]]
+    return MixedPrecisionPolicy(
+        param_dtype=param_dtype, reduce_dtype=reduce_dtype, output_dtype=output_dtype, cast_forward_inputs=True
+    )
 
 
 def resolve_sharding(shard_strat: Union[str, enum.Enum, None], *, caller: str = "fsdp") -> ShardingSpec:

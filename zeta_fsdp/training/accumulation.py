@@ -22,6 +22,7 @@ import torch.nn as nn
 from torch.distributed._composable.replicate import replicate
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 
+from .. import torch_compat
 from ..report import format_bytes, render_table
 from ..wrapped import fsdp_param_groups, replicated_modules
 
@@ -210,15 +211,19 @@ def accumulation_costs(
 def gradient_wait_dtype(policy: MixedPrecisionPolicy, dtype: torch.dtype) -> torch.dtype:
     """The dtype FSDP2 keeps a parameter's gradient in between its backward and its reduction
     (unsharded gradients under ``no_sync``, the reduce-scatter output, the sum ``defer="all_reduce"``
-    keeps): the policy's reduce dtype when it differs from the compute dtype, else the compute dtype
-    (torch's ``FSDPParam.init_dtype_attrs``). ``dtype``: the parameter's own (sharded) dtype.
+    keeps). ``dtype``: the parameter's own (sharded) dtype. The policy's ``reduce_dtype`` when set;
+    with ``reduce_dtype=None`` it depends on the torch release (``torch_compat``): torch >= 2.15
+    keeps the parameter's own dtype, older releases the compute dtype (``FSDPParam.init_dtype_attrs``).
+    ``resolve_mixed_precision``'s presets set ``reduce_dtype`` wherever the two would differ.
 
     Example:
         >>> gradient_wait_dtype(MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32), torch.float32)
         torch.float32
-        >>> gradient_wait_dtype(MixedPrecisionPolicy(param_dtype=torch.bfloat16), torch.float32)
+        >>> gradient_wait_dtype(MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16), torch.float32)
         torch.bfloat16
     """
+    if policy.reduce_dtype is None and torch_compat.REDUCE_DTYPE_NONE_KEEPS_PARAM_DTYPE:
+        return dtype
     reduce = policy.reduce_dtype if policy.reduce_dtype != policy.param_dtype else None
     compute = policy.param_dtype if policy.param_dtype != dtype and dtype.is_floating_point else None
     return reduce or compute or dtype

@@ -15,6 +15,7 @@ from torch.distributed.tensor import DTensor
 
 from ..distributed import get_rank, get_world_size
 from ..report import format_bytes, render_table
+from ..torch_compat import param_mp_policy
 from ..wrapped import fsdp_param_groups, replicated_modules
 from .accumulation import AccumulationCost, accumulation_costs, accumulation_table, ddp_all_reduces, gradient_wait_dtype
 
@@ -134,7 +135,7 @@ def _accumulation_bytes(model: nn.Module, micro_batches: int) -> dict[str, Accum
             # The sharded .grad is cast back to the parameter's dtype; the rest waits in
             # gradient_wait_dtype. (Read from the policy: FSDP2 sets its own dtype fields lazily.)
             dtype = fp.sharded_param.dtype
-            wait_dtype = gradient_wait_dtype(group.mp_policy, dtype)
+            wait_dtype = gradient_wait_dtype(param_mp_policy(group, fp), dtype)
             padded = fp.padded_sharded_param_size.numel()
             unsharded += fp.sharded_param.numel() * wait_dtype.itemsize  # a DTensor: the global numel
             partial += padded * wait_dtype.itemsize

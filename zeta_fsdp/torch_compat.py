@@ -1,0 +1,118 @@
+"""Which torch releases the package runs on, and the few places they differ.
+
+Importing this module (``import zeta_fsdp`` does so before anything else) runs
+``check_torch_version()``: below ``MIN_TORCH`` it raises at once, naming the installed and the
+required release, instead of a wrong gradient later (torch 2.8 sums gradients over gloo where
+2.10 averages them). ``setup.py`` declares the same floor.
+
+Example:
+    >>> from zeta_fsdp.torch_compat import MIN_TORCH, torch_release
+    >>> torch_release("2.15.0+cu130")
+    (2, 15)
+    >>> torch_release("2.10.0") >= MIN_TORCH
+    True
+"""
+
+from __future__ import annotations
+
+import re
+from typing import TYPE_CHECKING, Any, Optional
+
+import torch
+
+if TYPE_CHECKING:  # imported where used: an old torch must reach check_torch_version() first
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+__all__ = [
+    "MIN_TORCH",
+    "REDUCE_DTYPE_NONE_KEEPS_PARAM_DTYPE",
+    "UnsupportedTorchError",
+    "check_torch_version",
+    "param_mp_policy",
+    "torch_release",
+]
+
+# The oldest release the whole suite passes on (docs/install.md has the table and how it was made).
+# setup.py's install_requires says the same (tests/test_torch_compat.py and the built wheel's
+# metadata in tests/test_install.py check it).
+MIN_TORCH: tuple[int, int] = (2, 10)
+
+
+class UnsupportedTorchError(ImportError):
+    """``import zeta_fsdp`` on a torch older than ``MIN_TORCH``.
+
+    Example:
+        >>> issubclass(UnsupportedTorchError, ImportError)
+        True
+    """
+
+
+def torch_release(version: Optional[str] = None) -> tuple[int, int]:
+    """``(major, minor)`` of a torch version string (``torch.__version__`` when ``None``).
+
+    Example:
+        >>> torch_release("2.13.0+cpu")
+        (2, 13)
+    """
+    text = str(torch.__version__ if version is None else version)
+    match = re.match(r"(\d+)\.(\d+)", text)
+    if match is None:
+        raise ValueError(f"cannot read a torch release from {text!r}: expected 'MAJOR.MINOR...' such as '2.13.0'")
+    return int(match.group(1)), int(match.group(2))
+
+
+def check_torch_version(version: Optional[str] = None) -> None:
+    """Raise ``UnsupportedTorchError`` when ``version`` (default: the installed torch) is below ``MIN_TORCH``.
+
+    Example:
+        >>> check_torch_version("2.15.0")  # supported: returns None
+        >>> check_torch_version("2.9.1")  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        zeta_fsdp.torch_compat.UnsupportedTorchError: zeta_fsdp needs torch >= 2.10; this environment has torch 2.9.1 ...
+    """
+    installed = str(torch.__version__ if version is None else version)
+    if torch_release(installed) < MIN_TORCH:
+        floor = ".".join(map(str, MIN_TORCH))
+        raise UnsupportedTorchError(
+            f"zeta_fsdp needs torch >= {floor}; this environment has torch {installed} "
+            f"(imported from {torch.__file__}). Older releases compute wrong results with FSDP2 on "
+            f"CPU (e.g. summed instead of averaged gradients on 2.8). Install a newer one: "
+            f"pip install 'torch>={floor}'"
+        )
+
+
+def param_mp_policy(group: Any, fsdp_param: Any) -> MixedPrecisionPolicy:
+    """The ``MixedPrecisionPolicy`` FSDP2 applies to one parameter of a parameter group.
+
+    torch <= 2.14 keeps one policy per group (``FSDPParamGroup.mp_policy``); 2.15 keeps it on
+    each ``FSDPParam`` (``mp_policy``). Both are private: this is the one place that reads them.
+
+    Example:
+        >>> from types import SimpleNamespace
+        >>> from torch.distributed.fsdp import MixedPrecisionPolicy
+        >>> policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+        >>> param_mp_policy(SimpleNamespace(), SimpleNamespace(mp_policy=policy)) is policy  # torch 2.15
+        True
+        >>> param_mp_policy(SimpleNamespace(mp_policy=policy), SimpleNamespace()) is policy  # torch 2.13
+        True
+    """
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    for owner in (fsdp_param, group):
+        policy = getattr(owner, "mp_policy", None)
+        if isinstance(policy, MixedPrecisionPolicy):
+            return policy
+    raise AttributeError(
+        f"cannot read the MixedPrecisionPolicy of an FSDP parameter on torch {torch.__version__}: neither "
+        f"{type(fsdp_param).__name__}.mp_policy nor {type(group).__name__}.mp_policy exists"
+    )
+
+
+# ``MixedPrecisionPolicy(reduce_dtype=None)``: torch >= 2.15 reduces (and accumulates under
+# no_sync) each gradient in its parameter's own dtype; older releases in ``param_dtype``.
+REDUCE_DTYPE_NONE_KEEPS_PARAM_DTYPE: bool = torch_release() >= (2, 15)
+
+# On import: zeta_fsdp/__init__.py imports this module first, so an unsupported torch is refused
+# before any other module touches torch.distributed.
+check_torch_version()
