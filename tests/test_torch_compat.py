@@ -96,6 +96,7 @@ def test_the_floor_and_above_are_accepted(version):
     check_torch_version(version)
 
 
+@pytest.mark.launch
 def test_import_on_an_old_torch_fails_at_once_naming_both_versions():
     """``import zeta_fsdp`` in a fresh interpreter whose torch reports 2.9.1: the import raises
     our error (not a failure deep inside torch.distributed, and not a wrong gradient later)."""
