@@ -1,8 +1,9 @@
 """``FSDP2Strategy`` as a ``lightning.pytorch`` strategy: pass it to a ``Trainer``.
 
 Optional (``pip install zeta-fsdp[lightning]``); ``import zeta_fsdp`` never imports this module.
-Every piece of work is delegated to the Lightning-free ``zeta_fsdp.FSDP2Strategy`` (mesh,
-sharding, checkpoints); this class only answers Lightning's calls.
+A thin adapter: NeMo's API (``parallelize``, ``load_model_state_dict``, ``current_epoch_step``,
+``mp_policy``...) is the Lightning-free ``zeta_fsdp.FSDP2Strategy`` it holds as ``self.core``; this
+class only answers Lightning's calls (launch, process group, precision plugin, logging).
 
 Why ``ParallelStrategy`` and not Lightning's ``ModelParallelStrategy`` (NeMo's base): that one
 refuses ``precision="16-mixed"`` in the Trainer's checks, demands a ``configure_model`` hook,
@@ -18,30 +19,32 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import os
 from contextlib import nullcontext
-from datetime import timedelta
-from typing import Any, ContextManager, Mapping, Optional, Union
+from typing import Any, Callable, ContextManager, Mapping, Optional, Union
 
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 try:
-    from lightning.fabric.utilities.distributed import _get_default_process_group_backend_for_device as _lt_backend
-    from lightning.fabric.utilities.distributed import _init_dist_connection, _sync_ddp_if_available
+    from lightning.fabric.utilities.rank_zero import rank_zero_only as fabric_rank_zero_only
     from lightning.pytorch.plugins.precision import MixedPrecision, Precision
     from lightning.pytorch.strategies import ParallelStrategy
-    from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+    from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher  # no public name for it
     from lightning.pytorch.trainer.states import TrainerFn
+    from lightning.pytorch.utilities.exceptions import MisconfigurationException
+    from lightning.pytorch.utilities.rank_zero import rank_zero_only
 except ImportError as e:  # pragma: no cover - the extra is installed in CI
     raise ImportError(
         "zeta_fsdp.lightning needs Lightning: pip install 'zeta-fsdp[lightning]' (lightning>=2.4)."
     ) from e
 
 from .options import resolve_mixed_precision
+from .strategy import EpochStep
 from .strategy import FSDP2Strategy as CoreStrategy
 from .strategy.options import resolve_sizes
-from .strategy.steps import call_through_root
+from .strategy.steps import call_through_root, nemo_step_result
 from .training import clip_grad_norm_
 
 __all__ = ["FSDP2Strategy", "MESH_DIM_NAMES", "precision_policy"]
@@ -51,6 +54,8 @@ MESH_DIM_NAMES = ("data_parallel", "tensor_parallel")
 
 _MIXED = {"bf16-mixed": "bf16", "16-mixed": "fp16"}
 _ACCEPTED_PRECISION = ("32-true", "32", "bf16-mixed", "16-mixed")
+# What NeMo's validation/test steps log (its recipes monitor "val_loss").
+_LOGGED = {"validation": "val_loss", "test": "test_loss"}
 
 
 def precision_policy(precision: str) -> Optional[MixedPrecisionPolicy]:
@@ -108,17 +113,24 @@ def _hparam_classes(module: Any) -> list[type]:
     return found
 
 
+def _core_attribute(name: str, doc: str) -> property:
+    """An attribute read and written on the core strategy: one value, whichever class is asked."""
+    return property(lambda self: getattr(self.core, name), lambda self, value: setattr(self.core, name, value), doc=doc)
+
+
 class FSDP2Strategy(ParallelStrategy):
     """Lightning strategy running ``zeta_fsdp.FSDP2Strategy``: FSDP2 (+ tensor parallel) in a ``Trainer``.
 
     Takes exactly ``zeta_fsdp.FSDP2Strategy``'s arguments (and Lightning's ``process_group_backend``
-    / ``timeout``). ``"auto"`` sizes mean FSDP over all ranks (dp = world / tp, tp = 1). The mesh
-    dims are Lightning's names, ``self.device_mesh["data_parallel"]`` / ``["tensor_parallel"]``.
-    ``Trainer(precision="bf16-mixed" | "16-mixed")`` becomes the matching FSDP2 policy on every
-    unit with fp32 master weights; ``gradient_clip_val`` clips with ``zeta_fsdp.clip_grad_norm_``.
-    The module is sharded in ``setup`` (after ``configure_model`` if it has one); checkpoints are
-    zeta's (full file by default, ``checkpoint_format="sharded"`` for DCP), resumable with
-    ``trainer.fit(model, ckpt_path=...)``.
+    / ``timeout`` / ``save_distributed_checkpoint``). ``"auto"`` sizes mean FSDP over all ranks
+    (dp = world / tp, tp = 1). The mesh dims are Lightning's names, ``self.device_mesh["data_parallel"]``
+    / ``["tensor_parallel"]``. ``Trainer(precision="bf16-mixed" | "16-mixed")`` becomes the matching
+    FSDP2 policy on every unit with fp32 master weights; ``gradient_clip_val`` clips with
+    ``zeta_fsdp.clip_grad_norm_``. The module is sharded in ``setup`` (after ``configure_model``,
+    keeping what it parallelized itself); checkpoints are zeta's (full file by default,
+    ``checkpoint_format="sharded"`` for DCP), resumable with ``trainer.fit(model, ckpt_path=...)``.
+    NeMo's calls work as in NeMo: ``trainer.strategy.load_model_state_dict(adapter_state, strict=False)``,
+    ``load_optimizer_state_dict`` (applied at the next training step), ``val_loss`` / ``test_loss`` logged.
 
     Example:
         trainer = L.Trainer(devices=2, accelerator="cpu", precision="bf16-mixed",
@@ -134,7 +146,7 @@ class FSDP2Strategy(ParallelStrategy):
         data_sampler: Optional[Any] = None,
         checkpoint_io: Optional[Any] = None,
         mp_policy: Union[MixedPrecisionPolicy, str, None] = None,
-        parallelize_fn: Optional[Any] = None,
+        parallelize_fn: Optional[Callable[..., Any]] = None,
         **kwargs: Any,
     ) -> None:
         # zeta's strategy checks every argument now (no world size yet: it is known in _configure_launcher)
@@ -143,11 +155,57 @@ class FSDP2Strategy(ParallelStrategy):
         )
         # Lightning pickles hyperparameters (dataclasses too); they load back with weights_only=False.
         self.core.entries_weights_only = False
+        self.core.owns_optimizers = False  # Lightning calls configure_optimizers itself
         # Lightning's ModelParallelStrategy names its mesh dims so; users index self.device_mesh["data_parallel"]
         self.core.mesh_dim_names = MESH_DIM_NAMES
-        super().__init__()
+        super().__init__(checkpoint_io=checkpoint_io)
         self.num_nodes = 1
+        self.trainer: Optional[Any] = None  # NeMo's: the Trainer, once setup() ran
+        self._mesh: Optional[Any] = None
         self._user_policy = mp_policy is not None or "mp" in kwargs
+
+    # ------------------------------------------------------------------ NeMo's API: the core's
+
+    mp_policy = _core_attribute("mp_policy", "The FSDP2 ``MixedPrecisionPolicy`` of every unit (NeMo's attribute).")
+    parallelize_fn = _core_attribute("parallelize_fn", "What ``parallelize()`` runs once; ``None`` afterwards.")
+    data_sampler = _core_attribute("data_sampler", "NeMo's data sampler (``process_dataloader`` uses it).")
+
+    @property
+    def checkpoint_io(self) -> Any:
+        """The ``CheckpointIO`` replacing the full-format writer (``None``: zeta's own writer).
+
+        Example:
+            trainer.strategy.checkpoint_io = MyCheckpointIO()
+        """
+        return self.core.checkpoint_io
+
+    @checkpoint_io.setter
+    def checkpoint_io(self, io: Any) -> None:
+        self.core.checkpoint_io = self._checkpoint_io = io
+
+    @property
+    def current_epoch_step(self) -> EpochStep:
+        """The optimizer steps taken (an int, as NeMo's), with ``.epoch``.
+
+        Example:
+            int(trainer.strategy.current_epoch_step) == trainer.global_step
+            # -> True
+        """
+        return self.core.current_epoch_step
+
+    def parallelize(self) -> None:
+        """Shard the module with ``parallelize_fn``, once (``Trainer`` calls it in ``setup``).
+
+        Example:
+            trainer.strategy.parallelize()  # a second call does nothing
+        """
+        self.core.connect(self.lightning_module)
+        self.core.parallelize()
+        self.model = self.core.model
+
+    def _get_loss_reduction(self, step_type: str) -> Any:
+        """The loss reduction of ``step_type`` (the core's: the module's own, else token-weighted)."""
+        return self.core._get_loss_reduction(step_type)
 
     # ------------------------------------------------------------------ topology
 
@@ -186,12 +244,19 @@ class FSDP2Strategy(ParallelStrategy):
     def device_mesh(self) -> Any:
         """The 2-D mesh, dims named as Lightning's ``ModelParallelStrategy`` names them:
         ``("data_parallel", "tensor_parallel")``; also ``self.device_mesh`` in the LightningModule.
+        Before the Trainer set up the processes it raises, as Lightning's does (it would otherwise
+        start a process group of its own).
 
         Example:
             trainer.strategy.device_mesh["data_parallel"].size()
             # -> 2
         """
-        return self.core.device_mesh
+        if self._mesh is None:
+            raise RuntimeError(
+                "zeta_fsdp.lightning.FSDP2Strategy: the device mesh exists once the Trainer set up the processes "
+                "(in configure_model, setup or later), not before."
+            )
+        return self._mesh
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
@@ -215,13 +280,13 @@ class FSDP2Strategy(ParallelStrategy):
 
     @property
     def lightning_restore_optimizer(self) -> bool:
-        """``False``: ``load_checkpoint`` restores the optimizers itself.
+        """``True`` (NeMo's): Lightning hands the optimizer state to ``load_optimizer_state_dict``.
 
         Example:
             >>> FSDP2Strategy().lightning_restore_optimizer
-            False
+            True
         """
-        return False
+        return True
 
     def _configure_launcher(self) -> None:
         # The world size is known here, before any process starts: a bad size fails now, not in a
@@ -244,9 +309,6 @@ class FSDP2Strategy(ParallelStrategy):
         if self.cluster_environment is not None:
             self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
             self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
-        from lightning.fabric.utilities.rank_zero import rank_zero_only as fabric_rank_zero_only
-        from lightning.pytorch.utilities.rank_zero import rank_zero_only
-
         rank_zero_only.rank = fabric_rank_zero_only.rank = self.global_rank
 
     # ------------------------------------------------------------------ precision plugin
@@ -285,20 +347,25 @@ class FSDP2Strategy(ParallelStrategy):
     # ------------------------------------------------------------------ set-up
 
     def setup_environment(self) -> None:
-        """Join (start) the process group the Lightning way, then build zeta's ``(dp, tp)`` mesh.
+        """Join the job Lightning launched (zeta's process group start-up), then build the ``(dp, tp)`` mesh.
 
         Example:
             trainer.strategy.setup_environment()  # Lightning calls it
         """
         super().setup_environment()
         self.set_world_ranks()
-        backend = self.core.options.process_group_backend or _lt_backend(self.root_device)
-        timeout = self.core.options.timeout or timedelta(minutes=30)
-        device_id = self.root_device if self.root_device.type != "cpu" else None
-        _init_dist_connection(self.cluster_environment, backend, timeout=timeout, device_id=device_id)
+        env = self.cluster_environment
+        # the rendezvous Lightning's launcher (or torchrun, SLURM) chose, in the variables torch reads
+        os.environ.update(
+            MASTER_ADDR=env.main_address,
+            MASTER_PORT=str(env.main_port),
+            RANK=str(self.global_rank),
+            WORLD_SIZE=str(self.world_size),
+        )
+        self.core.options.device = self.core.options.device or self.root_device
         self.core.connect(self.lightning_module)
         self.core.setup_environment()
-        self.lightning_module._device_mesh = self.core.device_mesh
+        self._mesh = self.lightning_module._device_mesh = self.core.device_mesh
 
     def tensor_init_context(self, empty_init: Optional[bool] = None) -> ContextManager:
         """Where ``configure_model`` runs: real tensors, ``meta`` only with ``empty_init=True``.
@@ -312,17 +379,15 @@ class FSDP2Strategy(ParallelStrategy):
         return self.core.tensor_init_context(empty_init)
 
     def setup(self, trainer: Any) -> None:
-        """Shard the module with zeta (after ``configure_model``), then let Lightning create the optimizers.
+        """Shard the module (after ``configure_model``), then let Lightning create the optimizers.
 
         Example:
             trainer.strategy.setup(trainer)  # Lightning calls it
         """
         assert self.lightning_module is not None
+        self.trainer = trainer
         self.accelerator.setup(trainer)
-        self.core.connect(self.lightning_module)
-        # the strategy shards; Lightning's configure_optimizers creates the optimizers afterwards
-        self.core.setup_optimizers(lambda module: None)
-        self.model = self.core.model
+        self.parallelize()
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
@@ -342,48 +407,57 @@ class FSDP2Strategy(ParallelStrategy):
         Example:
             loader = trainer.strategy.process_dataloader(loader)
         """
-        if self.core.data_sampler is not None:
-            return self.core.process_dataloader(dataloader)
-        return dataloader
+        return self.core.process_dataloader(dataloader) if self.core.data_sampler is not None else dataloader
 
     # ------------------------------------------------------------------ steps (through the FSDP root)
 
-    def _step(self, name: str, context: ContextManager, *args: Any) -> Any:
-        # A step calling self.model(...) must not make a child the FSDP root (see call_through_root).
-        with context:
-            return call_through_root(self.lightning_module, name, *args)
-
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        """The module's ``training_step``, run inside the FSDP root's forward.
+        """The module's ``training_step`` inside the FSDP root's forward; a queued optimizer state applies first.
 
         Example:
             trainer.strategy.training_step(batch, 0)  # Lightning calls it
         """
-        return self._step("training_step", self.precision_plugin.train_step_context(), *args, *kwargs.values())
+        self.core.restore_pending_optimizer_state()  # NeMo: deferred to the first step (PEFT adds adapters late)
+        self.core.set_epoch(self.trainer.current_epoch if self.trainer is not None else 0)
+        with self.precision_plugin.train_step_context():
+            return call_through_root(self.lightning_module, "training_step", *args, *kwargs.values())
+
+    def _eval_step(self, step_type: str, context: ContextManager, args: tuple) -> Any:
+        # NeMo's step: the module's step, its loss reduction, val_loss / test_loss logged
+        with context:
+            output = call_through_root(self.lightning_module, f"{step_type}_step", *args)
+        loss, reduced = nemo_step_result(self.lightning_module, step_type, args[0] if args else None, output)
+        value, key = reduced.get("avg"), _LOGGED.get(step_type)
+        if key and isinstance(value, torch.Tensor) and value.numel() == 1:
+            try:  # the mean over ranks, so every rank's ModelCheckpoint(monitor="val_loss") decides alike
+                self.lightning_module.log(key, value.detach().float(), sync_dist=True, batch_size=1)
+            except MisconfigurationException:
+                pass  # the module logs this name itself, with other options: its own value stays
+        return reduced if step_type == "predict" else loss
 
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        """The module's ``validation_step`` through the FSDP root.
+        """The module's ``validation_step`` through the FSDP root; logs ``val_loss`` as NeMo does.
 
         Example:
             trainer.strategy.validation_step(batch, 0)
         """
-        return self._step("validation_step", self.precision_plugin.val_step_context(), *args, *kwargs.values())
+        return self._eval_step("validation", self.precision_plugin.val_step_context(), (*args, *kwargs.values()))
 
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        """The module's ``test_step`` through the FSDP root.
+        """The module's ``test_step`` through the FSDP root; logs ``test_loss``.
 
         Example:
             trainer.strategy.test_step(batch, 0)
         """
-        return self._step("test_step", self.precision_plugin.test_step_context(), *args, *kwargs.values())
+        return self._eval_step("test", self.precision_plugin.test_step_context(), (*args, *kwargs.values()))
 
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        """The module's ``predict_step`` through the FSDP root.
+        """The module's ``predict_step`` through the FSDP root; returns NeMo's reduced dict (``{"avg": output}``).
 
         Example:
             trainer.strategy.predict_step(batch, 0)
         """
-        return self._step("predict_step", self.precision_plugin.predict_step_context(), *args, *kwargs.values())
+        return self._eval_step("predict", self.precision_plugin.predict_step_context(), (*args, *kwargs.values()))
 
     # ------------------------------------------------------------------ collectives
 
@@ -409,20 +483,24 @@ class FSDP2Strategy(ParallelStrategy):
         return box[0]
 
     def reduce(self, tensor: Any, group: Optional[Any] = None, reduce_op: Optional[Any] = "mean") -> Any:
-        """All-reduce a tensor (mean by default), as Lightning's DDP does for ``self.log(sync_dist=True)``.
+        """All-reduce a tensor in place (mean by default), for ``self.log(sync_dist=True)``.
 
         Example:
             trainer.strategy.reduce(torch.tensor(1.0))
             # -> tensor(1.)
         """
-        if isinstance(tensor, torch.Tensor):
-            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
-        return tensor
+        if not isinstance(tensor, torch.Tensor) or not (dist.is_available() and dist.is_initialized()):
+            return tensor
+        name = reduce_op.lower() if isinstance(reduce_op, str) else None
+        mean = name in ("mean", "avg")  # gloo has no AVG: sum, then divide
+        op = dist.ReduceOp.SUM if mean else getattr(dist.ReduceOp, name.upper()) if name else reduce_op
+        dist.all_reduce(tensor, op=op, group=group)
+        return tensor.copy_(tensor / dist.get_world_size(group)) if mean else tensor
 
-    # ------------------------------------------------------------------ checkpoints
+    # ------------------------------------------------------------------ checkpoints (the core's)
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        """The full state dict on rank 0 (``{}`` elsewhere); ``save_checkpoint`` reuses it.
+        """Full on rank 0 (``{}`` elsewhere); with ``checkpoint_format="sharded"`` each rank's shards.
 
         Example:
             trainer.strategy.lightning_module_state_dict()
@@ -430,7 +508,7 @@ class FSDP2Strategy(ParallelStrategy):
         return self.core.lightning_module_state_dict()
 
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
-        """The optimizer's full state keyed by parameter FQN on rank 0; ``save_checkpoint`` reuses it.
+        """The optimizer's state keyed by parameter FQN (full on rank 0, or each rank's shards).
 
         Example:
             trainer.strategy.optimizer_state(trainer.optimizers[0])
@@ -438,7 +516,7 @@ class FSDP2Strategy(ParallelStrategy):
         return self.core.optimizer_state(optimizer)
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
-        """zeta's checkpoint (full file, or DCP directory with ``checkpoint_format="sharded"``); every rank calls it.
+        """zeta's checkpoint (full file, or DCP directory); ``storage_options`` goes to ``checkpoint_io``.
 
         Example:
             trainer.save_checkpoint("ckpt/manual.ckpt")
@@ -446,7 +524,7 @@ class FSDP2Strategy(ParallelStrategy):
         self.core.save_checkpoint(checkpoint, self.broadcast(filepath), storage_options)
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
-        """Restore weights and optimizer state now; return the checkpoint for Lightning's loops and callbacks.
+        """Restore the weights now, queue the optimizer state; return the checkpoint for Lightning.
 
         Example:
             trainer.fit(module, ckpt_path="ckpt/last.ckpt")  # calls it
@@ -455,26 +533,26 @@ class FSDP2Strategy(ParallelStrategy):
         # the file holds the module's hyperparameters (dataclasses...): allow exactly the classes the
         # live module's own hyperparameters use, nothing else.
         with torch.serialization.safe_globals(_hparam_classes(self.lightning_module)):
-            ckpt = self.core.load_checkpoint(self.broadcast(checkpoint_path), weights_only=weights_only)
-        self.core.restore_pending_optimizer_state()  # Lightning never restores them here
-        return ckpt
+            return self.core.load_checkpoint(self.broadcast(checkpoint_path), weights_only=weights_only)
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        """Nothing: ``load_checkpoint`` restored the weights already (other ranks hold an empty dict).
+        """Load weights now (full or sharded, ``strict=False`` for a part such as adapters), as NeMo's PEFT calls it.
 
         Example:
-            trainer.strategy.load_model_state_dict(ckpt)
+            trainer.strategy.load_model_state_dict({"state_dict": adapter_state}, strict=False)
         """
+        self.core.load_model_state_dict(checkpoint, strict)
 
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        """Nothing: ``load_checkpoint`` restored the optimizers already.
+        """Queue ``checkpoint["optimizer_states"]``; applied at the next training step (NeMo's deferral).
 
         Example:
             trainer.strategy.load_optimizer_state_dict(ckpt)
         """
+        self.core.load_optimizer_state_dict(checkpoint)
 
     def remove_checkpoint(self, filepath: Any) -> None:
-        """Delete a checkpoint (refusing anything that is not one); every rank calls it.
+        """Delete a checkpoint (the core's ``remove_checkpoint``); every rank calls it.
 
         Example:
             trainer.strategy.remove_checkpoint("ckpt/old.ckpt")

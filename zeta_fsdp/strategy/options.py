@@ -38,6 +38,7 @@ STRATEGY_KWARGS = (
     "async_save",
     "keep_last",
     "preemption_signals",
+    "save_distributed_checkpoint",
 )
 _BACKENDS = ("gloo", "nccl", "cuda:nccl,cpu:gloo")
 
@@ -161,7 +162,7 @@ def validate_strategy_options(
     _check_size("data_parallel_size", data_parallel_size)
     _check_size("tensor_parallel_size", tensor_parallel_size)
     kwargs = dict(kwargs)
-    checkpoint_format = kwargs.pop("checkpoint_format", "full")
+    checkpoint_format = _checkpoint_format(kwargs)
     if checkpoint_format not in CHECKPOINT_FORMATS:
         raise ValueError(
             f"FSDP2Strategy: checkpoint_format={checkpoint_format!r} is not accepted. Accepted: {CHECKPOINT_FORMATS}."
@@ -214,6 +215,22 @@ def validate_strategy_options(
         fsdp_kwargs=kwargs,
         **long_jobs,
     )
+
+
+def _checkpoint_format(kwargs: dict[str, Any]) -> str:
+    """Pop ``checkpoint_format`` and Lightning's ``save_distributed_checkpoint`` (``True``: "sharded")."""
+    fmt = kwargs.pop("checkpoint_format", None)
+    distributed = kwargs.pop("save_distributed_checkpoint", None)
+    if distributed is not None and not isinstance(distributed, bool):
+        raise ValueError(
+            f"FSDP2Strategy: save_distributed_checkpoint={distributed!r} is not accepted. Accepted: True, False."
+        )
+    implied = None if distributed is None else ("sharded" if distributed else "full")
+    if fmt is not None and implied is not None and fmt != implied:
+        raise ValueError(
+            f"FSDP2Strategy: checkpoint_format={fmt!r} and save_distributed_checkpoint={distributed} disagree; give one."
+        )
+    return fmt if fmt is not None else implied or "full"
 
 
 def _long_job_options(kwargs: dict[str, Any], checkpoint_format: str) -> dict[str, Any]:

@@ -9,19 +9,20 @@ Example:
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional
 
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.distributed.tensor import DTensor
 
 from ..fsdp import fsdp, is_fsdp_wrapped, materialize_meta_model
 from ..options import resolve_sharding
 from ..wrapping import tied_parameter_groups
 from .options import tp_style
 
-__all__ = ["current_ties", "default_parallelize", "shard_module", "tensor_init_context"]
+__all__ = ["current_ties", "default_parallelize", "shard_module", "tensor_init_context", "user_parallelized"]
 
 
 def tensor_init_context(empty_init: Optional[bool] = None) -> contextlib.AbstractContextManager:
@@ -42,6 +43,17 @@ def tensor_init_context(empty_init: Optional[bool] = None) -> contextlib.Abstrac
     return contextlib.nullcontext()
 
 
+def user_parallelized(module: nn.Module) -> bool:
+    """``True`` when the module already holds FSDP units or tensor-parallel (``DTensor``) parameters:
+    parallelized by the user (Lightning's ``configure_model`` contract), not to be sharded again.
+
+    Example:
+        >>> user_parallelized(nn.Linear(2, 2))
+        False
+    """
+    return is_fsdp_wrapped(module) or any(isinstance(p, DTensor) for p in module.parameters())
+
+
 def default_parallelize(
     module: nn.Module,
     device_mesh: DeviceMesh,
@@ -49,18 +61,23 @@ def default_parallelize(
     *,
     tp_plan: Any = None,
     device: Optional[torch.device] = None,
-    dim_names: Sequence[str] = ("dp", "tp"),
     **kwargs: Any,
 ) -> nn.Module:
-    """Tensor parallel on the tp mesh (when tp > 1; ``tp_plan`` or the module's ``tp_plan``), then
-    ``fsdp()`` on the dp mesh (``auto_wrap=True``, ``shard_strat="FULL_SHARD"`` unless given).
+    """Tensor parallel on the mesh's last dimension (when > 1; ``tp_plan`` or the module's ``tp_plan``),
+    then ``fsdp()`` on its first (``auto_wrap=True``, ``shard_strat="FULL_SHARD"`` unless given).
+
+    What the user parallelized already (in Lightning's ``configure_model``) is kept: FSDP units
+    mean nothing is added; tensor-parallel parameters mean no second TP, and no FSDP over a
+    data-parallel dimension of size 1 (their mesh stays the TP mesh).
 
     Example:
         default_parallelize(model, mesh, policy, TransformerBlock=Block)
     """
-    dp_name, tp_name = dim_names
-    tp_mesh = device_mesh[tp_name]
-    if tp_mesh.size() > 1:
+    dp_name, tp_name = device_mesh.mesh_dim_names
+    tp_mesh, already = device_mesh[tp_name], user_parallelized(module)
+    if is_fsdp_wrapped(module) or (already and device_mesh[dp_name].size() == 1):
+        return module
+    if tp_mesh.size() > 1 and not already:
         from torch.distributed.tensor.parallel import parallelize_module
 
         plan = tp_plan if tp_plan is not None else getattr(module, "tp_plan", None)
@@ -68,8 +85,9 @@ def default_parallelize(
             plan = plan(tp_mesh)
         if not plan:
             raise ValueError(
-                f"FSDP2Strategy: tensor_parallel_size={tp_mesh.size()} needs a tensor-parallel "
-                "plan: pass tp_plan={'layers.*.up': ColwiseParallel(), ...} or give the module a tp_plan attribute."
+                f"FSDP2Strategy: tensor_parallel_size={tp_mesh.size()} needs a tensor-parallel plan: pass "
+                "tp_plan={'layers.*.up': ColwiseParallel(), ...}, give the module a tp_plan attribute, "
+                "or parallelize it yourself (Lightning: in configure_model, with self.device_mesh)."
             )
         parallelize_module(module, tp_mesh, {k: tp_style(v) for k, v in plan.items()})
     options = {"auto_wrap": True, "shard_strat": "FULL_SHARD", **kwargs}
@@ -83,6 +101,9 @@ def default_parallelize(
                 "combined with tensor parallel here. Use FULL_SHARD or SHARD_GRAD with tensor_parallel_size > 1."
             )
         # tp == 1: fsdp() builds its 2-D (replicate, shard) mesh over the same ranks as the dp dimension.
+    if device is None:  # the mesh's device: Lightning's accelerator (or the strategy) chose it
+        cuda = device_mesh.device_type == "cuda"
+        device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device(device_mesh.device_type)
     return fsdp(module, mp=mp_policy, device=device, **options)
 
 
@@ -122,7 +143,7 @@ def shard_module(
     result = fn(module, device_mesh=device_mesh, mp_policy=mp_policy, **kwargs)
     if result is not None:
         module = result
-    if not is_fsdp_wrapped(module):
+    if not user_parallelized(module):
         raise RuntimeError(
             "FSDP2Strategy.parallelize(): the module is not sharded after parallelize_fn "
             f"({getattr(fn, '__name__', fn)}); it must apply fully_shard/fsdp(). Pass parallelize_fn=None "

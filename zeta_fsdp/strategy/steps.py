@@ -29,6 +29,7 @@ __all__ = [
     "forward_batch",
     "logits_of",
     "module_loss_reduction",
+    "nemo_step_result",
     "parse_optimizers",
     "run_step",
 ]
@@ -127,6 +128,24 @@ def module_loss_reduction(module: Optional[nn.Module], step_type: str) -> Any:
                 found = found()
             return found
     return None
+
+
+def nemo_step_result(module: nn.Module, step_type: str, batch: Any, output: Any) -> tuple[Any, dict[str, Any]]:
+    """NeMo's ``(loss, reduced)`` of a step's ``output``: the module's own loss reduction's ``forward``
+    (``module_loss_reduction``), else ``(output, {"avg": output})``. A reduction whose record has no
+    ``"avg"`` (zeta's) gets the global mean of the record as ``"avg"`` (one all-reduce, every rank).
+
+    Example:
+        >>> nemo_step_result(nn.Linear(2, 2), "validation", None, torch.tensor(0.5))
+        (tensor(0.5000), {'avg': tensor(0.5000)})
+    """
+    reduction = module_loss_reduction(module, step_type)
+    if reduction is None or output is None:
+        return output, {"avg": output}
+    loss, reduced = reduction.forward(batch, output)
+    if "avg" not in reduced and callable(getattr(reduction, "reduce", None)):
+        reduced = {**reduced, "avg": reduction.reduce([reduced])}
+    return loss, reduced
 
 
 def forward_batch(module: nn.Module, batch: Any) -> Any:
