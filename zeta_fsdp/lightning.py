@@ -363,7 +363,6 @@ class FSDP2Strategy(ParallelStrategy):
             WORLD_SIZE=str(self.world_size),
         )
         self.core.options.device = self.core.options.device or self.root_device
-        self.core.connect(self.lightning_module)
         self.core.setup_environment()
         self._mesh = self.lightning_module._device_mesh = self.core.device_mesh
 
