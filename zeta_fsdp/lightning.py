@@ -172,11 +172,7 @@ class FSDP2Strategy(ParallelStrategy):
 
     @property
     def checkpoint_io(self) -> Any:
-        """The ``CheckpointIO`` replacing the full-format writer (``None``: zeta's own writer).
-
-        Example:
-            trainer.strategy.checkpoint_io = MyCheckpointIO()
-        """
+        """The ``CheckpointIO`` replacing the full-format writer (``None``: zeta's own writer)."""
         return self.core.checkpoint_io
 
     @checkpoint_io.setter
@@ -185,20 +181,11 @@ class FSDP2Strategy(ParallelStrategy):
 
     @property
     def current_epoch_step(self) -> EpochStep:
-        """The optimizer steps taken (an int, as NeMo's), with ``.epoch``.
-
-        Example:
-            int(trainer.strategy.current_epoch_step) == trainer.global_step
-            # -> True
-        """
+        """The optimizer steps taken (an int, as NeMo's), with ``.epoch``."""
         return self.core.current_epoch_step
 
     def parallelize(self) -> None:
-        """Shard the module with ``parallelize_fn``, once (``Trainer`` calls it in ``setup``).
-
-        Example:
-            trainer.strategy.parallelize()  # a second call does nothing
-        """
+        """Shard the module with ``parallelize_fn``, once (``Trainer`` calls it in ``setup``)."""
         self.core.connect(self.lightning_module)
         self.core.parallelize()
         self.model = self.core.model
@@ -211,33 +198,18 @@ class FSDP2Strategy(ParallelStrategy):
 
     @property
     def root_device(self) -> torch.device:
-        """This rank's device (Lightning's choice).
-
-        Example:
-            trainer.strategy.root_device
-            # -> device(type='cpu')
-        """
+        """This rank's device (Lightning's choice)."""
         assert self.parallel_devices is not None
         return self.parallel_devices[self.local_rank]
 
     @property
     def num_processes(self) -> int:
-        """Processes on this node.
-
-        Example:
-            trainer.strategy.num_processes
-            # -> 2
-        """
+        """Processes on this node."""
         return len(self.parallel_devices) if self.parallel_devices is not None else 0
 
     @property
     def is_distributed(self) -> bool:
-        """Always ``True``: Lightning adds a distributed sampler over the data-parallel ranks.
-
-        Example:
-            >>> FSDP2Strategy().is_distributed
-            True
-        """
+        """Always ``True``: Lightning adds a distributed sampler over the data-parallel ranks."""
         return True
 
     @property
@@ -246,10 +218,6 @@ class FSDP2Strategy(ParallelStrategy):
         ``("data_parallel", "tensor_parallel")``; also ``self.device_mesh`` in the LightningModule.
         Before the Trainer set up the processes it raises, as Lightning's does (it would otherwise
         start a process group of its own).
-
-        Example:
-            trainer.strategy.device_mesh["data_parallel"].size()
-            # -> 2
         """
         if self._mesh is None:
             raise RuntimeError(
@@ -260,32 +228,17 @@ class FSDP2Strategy(ParallelStrategy):
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        """Lightning's ``DistributedSampler`` splits over the data-parallel group (tp peers read alike).
-
-        Example:
-            trainer.strategy.distributed_sampler_kwargs
-            # -> {'num_replicas': 2, 'rank': 0}
-        """
+        """Lightning's ``DistributedSampler`` splits over the data-parallel group (tp peers read alike)."""
         return {"num_replicas": self.core.data_parallel_size, "rank": self.core.data_parallel_rank}
 
     @property
     def restore_checkpoint_after_setup(self) -> bool:
-        """``True``: a checkpoint loads into the sharded module and its optimizers.
-
-        Example:
-            >>> FSDP2Strategy().restore_checkpoint_after_setup
-            True
-        """
+        """``True``: a checkpoint loads into the sharded module and its optimizers."""
         return True
 
     @property
     def lightning_restore_optimizer(self) -> bool:
-        """``True`` (NeMo's): Lightning hands the optimizer state to ``load_optimizer_state_dict``.
-
-        Example:
-            >>> FSDP2Strategy().lightning_restore_optimizer
-            True
-        """
+        """``True`` (NeMo's): Lightning hands the optimizer state to ``load_optimizer_state_dict``."""
         return True
 
     def _configure_launcher(self) -> None:
@@ -301,11 +254,7 @@ class FSDP2Strategy(ParallelStrategy):
             self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
 
     def set_world_ranks(self) -> None:
-        """Tell the cluster environment this process's global rank and the world size.
-
-        Example:
-            trainer.strategy.set_world_ranks()
-        """
+        """Tell the cluster environment this process's global rank and the world size."""
         if self.cluster_environment is not None:
             self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
             self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
@@ -315,12 +264,7 @@ class FSDP2Strategy(ParallelStrategy):
 
     @property
     def precision_plugin(self) -> Precision:
-        """Lightning's precision plugin, replaced by one that lets FSDP2 cast and zeta clip.
-
-        Example:
-            trainer.strategy.precision_plugin.precision
-            # -> 'bf16-mixed'
-        """
+        """Lightning's precision plugin, replaced by one that lets FSDP2 cast and zeta clip."""
         return self._precision_plugin if self._precision_plugin is not None else _FullPrecision()
 
     @precision_plugin.setter
@@ -347,11 +291,7 @@ class FSDP2Strategy(ParallelStrategy):
     # ------------------------------------------------------------------ set-up
 
     def setup_environment(self) -> None:
-        """Join the job Lightning launched (zeta's process group start-up), then build the ``(dp, tp)`` mesh.
-
-        Example:
-            trainer.strategy.setup_environment()  # Lightning calls it
-        """
+        """Join the job Lightning launched (zeta's process group start-up), then build the ``(dp, tp)`` mesh."""
         super().setup_environment()
         self.set_world_ranks()
         env = self.cluster_environment
@@ -370,19 +310,11 @@ class FSDP2Strategy(ParallelStrategy):
         """Where ``configure_model`` runs: real tensors, ``meta`` only with ``empty_init=True``.
 
         Lightning passes ``empty_init=None``: a model that loads pretrained weights there keeps them.
-
-        Example:
-            with trainer.strategy.tensor_init_context(empty_init=True):
-                model = GPT(cfg)
         """
         return self.core.tensor_init_context(empty_init)
 
     def setup(self, trainer: Any) -> None:
-        """Shard the module (after ``configure_model``), then let Lightning create the optimizers.
-
-        Example:
-            trainer.strategy.setup(trainer)  # Lightning calls it
-        """
+        """Shard the module (after ``configure_model``), then let Lightning create the optimizers."""
         assert self.lightning_module is not None
         self.trainer = trainer
         self.accelerator.setup(trainer)
@@ -394,28 +326,16 @@ class FSDP2Strategy(ParallelStrategy):
         self.setup_precision_plugin()
 
     def model_to_device(self) -> None:
-        """Nothing to move: sharding placed every shard on its device.
-
-        Example:
-            trainer.strategy.model_to_device()
-        """
+        """Nothing to move: sharding placed every shard on its device."""
 
     def process_dataloader(self, dataloader: Any) -> Any:
-        """Lightning already split the data over dp ranks; a ``data_sampler`` given to the strategy applies.
-
-        Example:
-            loader = trainer.strategy.process_dataloader(loader)
-        """
+        """Lightning already split the data over dp ranks; a ``data_sampler`` given to the strategy applies."""
         return self.core.process_dataloader(dataloader) if self.core.data_sampler is not None else dataloader
 
     # ------------------------------------------------------------------ steps (through the FSDP root)
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        """The module's ``training_step`` inside the FSDP root's forward; a queued optimizer state applies first.
-
-        Example:
-            trainer.strategy.training_step(batch, 0)  # Lightning calls it
-        """
+        """The module's ``training_step`` inside the FSDP root's forward; a queued optimizer state applies first."""
         self.core.restore_pending_optimizer_state()  # NeMo: deferred to the first step (PEFT adds adapters late)
         self.core.set_epoch(self.trainer.current_epoch if self.trainer is not None else 0)
         with self.precision_plugin.train_step_context():
@@ -435,46 +355,26 @@ class FSDP2Strategy(ParallelStrategy):
         return reduced if step_type == "predict" else loss
 
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        """The module's ``validation_step`` through the FSDP root; logs ``val_loss`` as NeMo does.
-
-        Example:
-            trainer.strategy.validation_step(batch, 0)
-        """
+        """The module's ``validation_step`` through the FSDP root; logs ``val_loss`` as NeMo does."""
         return self._eval_step("validation", self.precision_plugin.val_step_context(), (*args, *kwargs.values()))
 
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        """The module's ``test_step`` through the FSDP root; logs ``test_loss``.
-
-        Example:
-            trainer.strategy.test_step(batch, 0)
-        """
+        """The module's ``test_step`` through the FSDP root; logs ``test_loss``."""
         return self._eval_step("test", self.precision_plugin.test_step_context(), (*args, *kwargs.values()))
 
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        """The module's ``predict_step`` through the FSDP root; returns NeMo's reduced dict (``{"avg": output}``).
-
-        Example:
-            trainer.strategy.predict_step(batch, 0)
-        """
+        """The module's ``predict_step`` through the FSDP root; returns NeMo's reduced dict (``{"avg": output}``)."""
         return self._eval_step("predict", self.precision_plugin.predict_step_context(), (*args, *kwargs.values()))
 
     # ------------------------------------------------------------------ collectives
 
     def barrier(self, name: Optional[str] = None) -> None:
-        """Every rank waits here.
-
-        Example:
-            trainer.strategy.barrier()
-        """
+        """Every rank waits here."""
         if dist.is_available() and dist.is_initialized():
             dist.barrier()
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:
-        """``obj`` from rank ``src`` on every rank.
-
-        Example:
-            path = trainer.strategy.broadcast(path)
-        """
+        """``obj`` from rank ``src`` on every rank."""
         if not (dist.is_available() and dist.is_initialized()):
             return obj
         box = [obj]
@@ -482,12 +382,7 @@ class FSDP2Strategy(ParallelStrategy):
         return box[0]
 
     def reduce(self, tensor: Any, group: Optional[Any] = None, reduce_op: Optional[Any] = "mean") -> Any:
-        """All-reduce a tensor in place (mean by default), for ``self.log(sync_dist=True)``.
-
-        Example:
-            trainer.strategy.reduce(torch.tensor(1.0))
-            # -> tensor(1.)
-        """
+        """All-reduce a tensor in place (mean by default), for ``self.log(sync_dist=True)``."""
         if not isinstance(tensor, torch.Tensor) or not (dist.is_available() and dist.is_initialized()):
             return tensor
         name = reduce_op.lower() if isinstance(reduce_op, str) else None
@@ -499,35 +394,19 @@ class FSDP2Strategy(ParallelStrategy):
     # ------------------------------------------------------------------ checkpoints (the core's)
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        """Full on rank 0 (``{}`` elsewhere); with ``checkpoint_format="sharded"`` each rank's shards.
-
-        Example:
-            trainer.strategy.lightning_module_state_dict()
-        """
+        """Full on rank 0 (``{}`` elsewhere); with ``checkpoint_format="sharded"`` each rank's shards."""
         return self.core.lightning_module_state_dict()
 
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
-        """The optimizer's state keyed by parameter FQN (full on rank 0, or each rank's shards).
-
-        Example:
-            trainer.strategy.optimizer_state(trainer.optimizers[0])
-        """
+        """The optimizer's state keyed by parameter FQN (full on rank 0, or each rank's shards)."""
         return self.core.optimizer_state(optimizer)
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
-        """zeta's checkpoint (full file, or DCP directory); ``storage_options`` goes to ``checkpoint_io``.
-
-        Example:
-            trainer.save_checkpoint("ckpt/manual.ckpt")
-        """
+        """zeta's checkpoint (full file, or DCP directory); ``storage_options`` goes to ``checkpoint_io``."""
         self.core.save_checkpoint(checkpoint, self.broadcast(filepath), storage_options)
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
-        """Restore the weights now, queue the optimizer state; return the checkpoint for Lightning.
-
-        Example:
-            trainer.fit(module, ckpt_path="ckpt/last.ckpt")  # calls it
-        """
+        """Restore the weights now, queue the optimizer state; return the checkpoint for Lightning."""
         # Lightning 2.6 drops trainer.fit(weights_only=...) for strategies restoring after setup, and
         # the file holds the module's hyperparameters (dataclasses...): allow exactly the classes the
         # live module's own hyperparameters use, nothing else.
@@ -535,35 +414,19 @@ class FSDP2Strategy(ParallelStrategy):
             return self.core.load_checkpoint(self.broadcast(checkpoint_path), weights_only=weights_only)
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        """Load weights now (full or sharded, ``strict=False`` for a part such as adapters), as NeMo's PEFT calls it.
-
-        Example:
-            trainer.strategy.load_model_state_dict({"state_dict": adapter_state}, strict=False)
-        """
+        """Load weights now (full or sharded, ``strict=False`` for a part such as adapters), as NeMo's PEFT calls it."""
         self.core.load_model_state_dict(checkpoint, strict)
 
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        """Queue ``checkpoint["optimizer_states"]``; applied at the next training step (NeMo's deferral).
-
-        Example:
-            trainer.strategy.load_optimizer_state_dict(ckpt)
-        """
+        """Queue ``checkpoint["optimizer_states"]``; applied at the next training step (NeMo's deferral)."""
         self.core.load_optimizer_state_dict(checkpoint)
 
     def remove_checkpoint(self, filepath: Any) -> None:
-        """Delete a checkpoint (the core's ``remove_checkpoint``); every rank calls it.
-
-        Example:
-            trainer.strategy.remove_checkpoint("ckpt/old.ckpt")
-        """
+        """Delete a checkpoint (the core's ``remove_checkpoint``); every rank calls it."""
         self.core.remove_checkpoint(filepath)
 
     def teardown(self) -> None:
-        """Release Lightning's pieces; the process group stays (Lightning's own strategies keep it too).
-
-        Example:
-            trainer.strategy.teardown()
-        """
+        """Release Lightning's pieces; the process group stays (Lightning's own strategies keep it too)."""
         assert self.cluster_environment is not None
         self.cluster_environment.teardown()
         self.precision_plugin.teardown()

@@ -69,9 +69,6 @@ def default_parallelize(
     What the user parallelized already (in Lightning's ``configure_model``) is kept: FSDP units
     mean nothing is added; tensor-parallel parameters mean no second TP, and no FSDP over a
     data-parallel dimension of size 1 (their mesh stays the TP mesh).
-
-    Example:
-        default_parallelize(model, mesh, policy, TransformerBlock=Block)
     """
     dp_name, tp_name = device_mesh.mesh_dim_names
     tp_mesh, already = device_mesh[tp_name], user_parallelized(module)
@@ -110,10 +107,6 @@ def default_parallelize(
 def current_ties(module: nn.Module, before: list[list[str]]) -> list[list[str]]:
     """Tie groups to restore: those recorded before ``parallelize_fn`` whose names still exist, plus
     ties the module still shows under names a wrapper may have changed.
-
-    Example:
-        current_ties(model, [["head.weight", "tok_emb.weight"]])
-        # -> [['head.weight', 'tok_emb.weight']]
     """
     names = {n for n, _ in module.named_parameters(remove_duplicate=False)}
     ties = [group for group in before if all(n in names for n in group)]
@@ -134,9 +127,6 @@ def shard_module(
 
     A ``parallelize_fn`` that leaves the module without FSDP is an error, never a silently
     unsharded model.
-
-    Example:
-        model = shard_module(model, None, mesh, policy, torch.device("cpu"), TransformerBlock=Block)
     """
     fn = parallelize_fn or default_parallelize
     tied = tied_parameter_groups(module)
