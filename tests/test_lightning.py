@@ -153,6 +153,19 @@ def test_nemo_defaults_and_arguments_without_a_process_group():
         FSDP2Strategy(save_distributed_checkpoint=True, checkpoint_format="full")
     with pytest.raises(ValueError, match="save_distributed_checkpoint='yes'"):
         FSDP2Strategy(save_distributed_checkpoint="yes")
+    # NeMo's own constructor arguments: a NeMo script runs unchanged, or is told what is unsupported
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    plan = {"model.w1": "colwise"}
+    nemo = FSDP2Strategy(
+        context_parallel_size=1, sequence_parallel=False, use_hf_tp_plan=True, custom_tp_plan=plan,
+        offload_policy=CPUOffloadPolicy(),
+    )  # fmt: skip
+    assert nemo.core.options.tp_plan is plan and nemo.core.fsdp_kwargs == {"cpu_offload": True}
+    with pytest.raises(ValueError, match="context_parallel_size=2"):
+        FSDP2Strategy(context_parallel_size=2)
+    with pytest.raises(ValueError, match="sequence_parallel=True"):
+        FSDP2Strategy(sequence_parallel=True)
 
 
 def test_nemo_step_result_uses_the_module_reduction():

@@ -39,6 +39,12 @@ STRATEGY_KWARGS = (
     "keep_last",
     "preemption_signals",
     "save_distributed_checkpoint",
+    # NeMo's (mapped or refused in _nemo_arguments)
+    "context_parallel_size",
+    "sequence_parallel",
+    "use_hf_tp_plan",
+    "custom_tp_plan",
+    "offload_policy",
 )
 _BACKENDS = ("gloo", "nccl", "cuda:nccl,cpu:gloo")
 
@@ -162,6 +168,7 @@ def validate_strategy_options(
     _check_size("data_parallel_size", data_parallel_size)
     _check_size("tensor_parallel_size", tensor_parallel_size)
     kwargs = dict(kwargs)
+    _nemo_arguments(kwargs)
     checkpoint_format = _checkpoint_format(kwargs)
     if checkpoint_format not in CHECKPOINT_FORMATS:
         raise ValueError(
@@ -215,6 +222,24 @@ def validate_strategy_options(
         fsdp_kwargs=kwargs,
         **long_jobs,
     )
+
+
+def _nemo_arguments(kwargs: dict[str, Any]) -> None:
+    """NeMo's own constructor arguments, mapped so a NeMo script runs unchanged, or refused by name."""
+    cp = kwargs.pop("context_parallel_size", 1)
+    if cp not in (1, None):
+        raise ValueError(f"FSDP2Strategy: context_parallel_size={cp!r} is not supported. Accepted: 1.")
+    if kwargs.pop("sequence_parallel", False):
+        raise ValueError(
+            "FSDP2Strategy: sequence_parallel=True is not supported; give SequenceParallel styles in tp_plan."
+        )
+    kwargs.pop("use_hf_tp_plan", None)  # without a tp_plan the module's own tp_plan attribute is used
+    if kwargs.get("custom_tp_plan") is not None and kwargs.get("tp_plan") is not None:
+        raise ValueError("FSDP2Strategy: give the tensor-parallel plan once, as tp_plan or custom_tp_plan.")
+    plan = kwargs.pop("custom_tp_plan", None)
+    kwargs["tp_plan"] = plan if plan is not None else kwargs.get("tp_plan")
+    if kwargs.pop("offload_policy", None) is not None:
+        kwargs.setdefault("cpu_offload", True)
 
 
 def _checkpoint_format(kwargs: dict[str, Any]) -> str:
