@@ -39,13 +39,7 @@ STRATEGY_KWARGS = (
     "keep_last",
     "preemption_signals",
     "save_distributed_checkpoint",
-    # NeMo's (mapped or refused in _nemo_arguments)
-    "context_parallel_size",
-    "sequence_parallel",
-    "use_hf_tp_plan",
-    "custom_tp_plan",
-    "offload_policy",
-)
+) + ("context_parallel_size", "sequence_parallel", "use_hf_tp_plan", "custom_tp_plan", "offload_policy")  # NeMo's
 _BACKENDS = ("gloo", "nccl", "cuda:nccl,cpu:gloo")
 
 
