@@ -162,7 +162,10 @@ def write_full_checkpoint(
     def write() -> None:
         if checkpoint_io is not None:
             # Lightning's CheckpointIO takes storage_options (NeMo passes it, None included); a minimal one may not
-            params = inspect.signature(checkpoint_io.save_checkpoint).parameters
+            try:
+                params = inspect.signature(checkpoint_io.save_checkpoint).parameters
+            except (TypeError, ValueError):  # no signature to read (a builtin): pass it only when given
+                params = {}
             takes = "storage_options" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
             extra = {"storage_options": storage_options} if takes or storage_options is not None else {}
             checkpoint_io.save_checkpoint(dict(payload), filepath, **extra)
