@@ -16,9 +16,13 @@ import subprocess
 import sys
 
 import pytest
-from conftest import ROOT, rank_env
+from conftest import ROOT, dist_test, rank_env
 
 pytest.importorskip("lightning")
+
+# NeMo's strategy tests and Lightning's ModelParallelStrategy tests, real Trainer runs (lightning_cases.py)
+test_nemo_and_lightning_two_ranks = dist_test("lightning_cases.py", 2)
+test_nemo_and_lightning_four_ranks = dist_test("lightning_cases.py", 4)
 
 
 def run(tmp_path, mode: str, launcher: str) -> dict:
@@ -125,3 +129,61 @@ def test_example_lightning_train_fits_checkpoints_and_resumes(tmp_path):
     assert resumed == {s: losses[s] for s in (4, 5, 6)}, (resumed, losses)
     done = re.compile(r"^done: global_step 6, val_loss ([0-9.]+)$", re.M)
     assert done.findall(again) == done.findall(first) != [], (first[-500:], again[-500:])
+
+
+def test_nemo_defaults_and_arguments_without_a_process_group():
+    """NeMo's test_init / test_lightning_restore_optimizer / test_checkpoint_io, in-process: its attributes
+    are the core's (one value), Lightning's save_distributed_checkpoint is accepted, and reading the
+    mesh before the Trainer set up the processes raises (as Lightning's) instead of starting a group."""
+    import torch.distributed as dist
+
+    from zeta_fsdp.lightning import FSDP2Strategy
+
+    strategy = FSDP2Strategy(data_parallel_size=2, tensor_parallel_size=1)
+    assert strategy.mp_policy is strategy.core.mp_policy is not None
+    assert strategy.parallelize_fn is strategy.core.parallelize_fn is not None
+    assert strategy.lightning_restore_optimizer is True and strategy.trainer is None
+    strategy.mp_policy = "changed"
+    assert strategy.core.mp_policy == "changed"
+    io = object()
+    strategy.checkpoint_io = io
+    assert strategy.checkpoint_io is io is strategy.core.checkpoint_io
+    with pytest.raises(RuntimeError, match="device mesh"):
+        _ = strategy.device_mesh
+    assert not dist.is_initialized()
+    assert FSDP2Strategy(save_distributed_checkpoint=True).core.checkpoint_format == "sharded"
+    assert FSDP2Strategy(save_distributed_checkpoint=False).core.checkpoint_format == "full"
+    with pytest.raises(ValueError, match="disagree"):
+        FSDP2Strategy(save_distributed_checkpoint=True, checkpoint_format="full")
+    with pytest.raises(ValueError, match="save_distributed_checkpoint='yes'"):
+        FSDP2Strategy(save_distributed_checkpoint="yes")
+    # NeMo's own constructor arguments: a NeMo script runs unchanged, or is told what is unsupported
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    plan = {"model.w1": "colwise"}
+    nemo = FSDP2Strategy(
+        context_parallel_size=1, sequence_parallel=False, use_hf_tp_plan=True, custom_tp_plan=plan,
+        offload_policy=CPUOffloadPolicy(),
+    )  # fmt: skip
+    assert nemo.core.options.tp_plan is plan and nemo.core.fsdp_kwargs == {"cpu_offload": True}
+    with pytest.raises(ValueError, match="context_parallel_size=2"):
+        FSDP2Strategy(context_parallel_size=2)
+    with pytest.raises(ValueError, match="sequence_parallel=True"):
+        FSDP2Strategy(sequence_parallel=True)
+
+
+def test_nemo_step_result_uses_the_module_reduction():
+    """NeMo's _step_proxy: the module's own ``<step>_loss_reduction`` reduces the step's output, else
+    ``{"avg": output}``; a zeta reduction (no "avg" in its record) gets its global mean as "avg"."""
+    import torch
+
+    from zeta_fsdp.loss import MaskedTokenLossReduction
+    from zeta_fsdp.strategy.steps import nemo_step_result
+
+    plain = torch.nn.Linear(2, 2)
+    out = torch.tensor(0.25)
+    assert nemo_step_result(plain, "validation", None, out) == (out, {"avg": out})
+    plain.validation_loss_reduction = MaskedTokenLossReduction(validation_step=True)
+    batch = {"loss_mask": torch.tensor([1, 1, 0])}
+    loss, reduced = nemo_step_result(plain, "validation", batch, torch.tensor([1.0, 3.0, 7.0]))
+    assert loss.item() == 2.0 and reduced["avg"].item() == 2.0 and "loss_sum_and_ub_size" in reduced

@@ -162,21 +162,23 @@ def test_regression_lightning_adapter_passes_backend_and_timeout(monkeypatch):
     pytest.importorskip("lightning")
     import datetime
 
+    import torch.distributed as dist
     from lightning.fabric.plugins.environments import LightningEnvironment
     from lightning.pytorch.strategies import ParallelStrategy
 
     import zeta_fsdp.lightning as zl
 
     for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "NODE_RANK"):
-        monkeypatch.delenv(var, raising=False)
+        monkeypatch.setenv(var, "0")  # recorded, so the values the adapter sets are undone too
+        monkeypatch.delenv(var)
     seen = []
 
-    def record(env, backend, **kwargs):
-        seen.append({"backend": backend, **kwargs})
+    def record(*args, **kwargs):
+        seen.append(kwargs)
         raise _StopError
 
     monkeypatch.setattr(ParallelStrategy, "setup_environment", lambda self: None)  # the accelerator's set-up
-    monkeypatch.setattr(zl, "_init_dist_connection", record)
+    monkeypatch.setattr(dist, "init_process_group", record)
     for options, backend, timeout in (
         ({"process_group_backend": "cuda:nccl,cpu:gloo", "timeout": datetime.timedelta(seconds=42)}, None, None),
         ({}, "gloo", datetime.timedelta(minutes=30)),

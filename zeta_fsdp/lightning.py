@@ -1,8 +1,9 @@
 """``FSDP2Strategy`` as a ``lightning.pytorch`` strategy: pass it to a ``Trainer``.
 
 Optional (``pip install zeta-fsdp[lightning]``); ``import zeta_fsdp`` never imports this module.
-Every piece of work is delegated to the Lightning-free ``zeta_fsdp.FSDP2Strategy`` (mesh,
-sharding, checkpoints); this class only answers Lightning's calls.
+A thin adapter: NeMo's API (``parallelize``, ``load_model_state_dict``, ``current_epoch_step``,
+``mp_policy``...) is the Lightning-free ``zeta_fsdp.FSDP2Strategy`` it holds as ``self.core``; this
+class only answers Lightning's calls (launch, process group, precision plugin, logging).
 
 Why ``ParallelStrategy`` and not Lightning's ``ModelParallelStrategy`` (NeMo's base): that one
 refuses ``precision="16-mixed"`` in the Trainer's checks, demands a ``configure_model`` hook,
@@ -18,30 +19,32 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import os
 from contextlib import nullcontext
-from datetime import timedelta
-from typing import Any, ContextManager, Mapping, Optional, Union
+from typing import Any, Callable, ContextManager, Mapping, Optional, Union
 
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 try:
-    from lightning.fabric.utilities.distributed import _get_default_process_group_backend_for_device as _lt_backend
-    from lightning.fabric.utilities.distributed import _init_dist_connection, _sync_ddp_if_available
+    from lightning.fabric.utilities.rank_zero import rank_zero_only as fabric_rank_zero_only
     from lightning.pytorch.plugins.precision import MixedPrecision, Precision
     from lightning.pytorch.strategies import ParallelStrategy
-    from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+    from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher  # no public name for it
     from lightning.pytorch.trainer.states import TrainerFn
+    from lightning.pytorch.utilities.exceptions import MisconfigurationException
+    from lightning.pytorch.utilities.rank_zero import rank_zero_only
 except ImportError as e:  # pragma: no cover - the extra is installed in CI
     raise ImportError(
         "zeta_fsdp.lightning needs Lightning: pip install 'zeta-fsdp[lightning]' (lightning>=2.4)."
     ) from e
 
 from .options import resolve_mixed_precision
+from .strategy import EpochStep
 from .strategy import FSDP2Strategy as CoreStrategy
 from .strategy.options import resolve_sizes
-from .strategy.steps import call_through_root
+from .strategy.steps import call_through_root, nemo_step_result
 from .training import clip_grad_norm_
 
 __all__ = ["FSDP2Strategy", "MESH_DIM_NAMES", "precision_policy"]
@@ -51,6 +54,8 @@ MESH_DIM_NAMES = ("data_parallel", "tensor_parallel")
 
 _MIXED = {"bf16-mixed": "bf16", "16-mixed": "fp16"}
 _ACCEPTED_PRECISION = ("32-true", "32", "bf16-mixed", "16-mixed")
+# What NeMo's validation/test steps log (its recipes monitor "val_loss").
+_LOGGED = {"validation": "val_loss", "test": "test_loss"}
 
 
 def precision_policy(precision: str) -> Optional[MixedPrecisionPolicy]:
@@ -108,17 +113,24 @@ def _hparam_classes(module: Any) -> list[type]:
     return found
 
 
+def _core_attribute(name: str, doc: str) -> property:
+    """An attribute read and written on the core strategy: one value, whichever class is asked."""
+    return property(lambda self: getattr(self.core, name), lambda self, value: setattr(self.core, name, value), doc=doc)
+
+
 class FSDP2Strategy(ParallelStrategy):
     """Lightning strategy running ``zeta_fsdp.FSDP2Strategy``: FSDP2 (+ tensor parallel) in a ``Trainer``.
 
     Takes exactly ``zeta_fsdp.FSDP2Strategy``'s arguments (and Lightning's ``process_group_backend``
-    / ``timeout``). ``"auto"`` sizes mean FSDP over all ranks (dp = world / tp, tp = 1). The mesh
-    dims are Lightning's names, ``self.device_mesh["data_parallel"]`` / ``["tensor_parallel"]``.
-    ``Trainer(precision="bf16-mixed" | "16-mixed")`` becomes the matching FSDP2 policy on every
-    unit with fp32 master weights; ``gradient_clip_val`` clips with ``zeta_fsdp.clip_grad_norm_``.
-    The module is sharded in ``setup`` (after ``configure_model`` if it has one); checkpoints are
-    zeta's (full file by default, ``checkpoint_format="sharded"`` for DCP), resumable with
-    ``trainer.fit(model, ckpt_path=...)``.
+    / ``timeout`` / ``save_distributed_checkpoint``). ``"auto"`` sizes mean FSDP over all ranks
+    (dp = world / tp, tp = 1). The mesh dims are Lightning's names, ``self.device_mesh["data_parallel"]``
+    / ``["tensor_parallel"]``. ``Trainer(precision="bf16-mixed" | "16-mixed")`` becomes the matching
+    FSDP2 policy on every unit with fp32 master weights; ``gradient_clip_val`` clips with
+    ``zeta_fsdp.clip_grad_norm_``. The module is sharded in ``setup`` (after ``configure_model``,
+    keeping what it parallelized itself); checkpoints are zeta's (full file by default,
+    ``checkpoint_format="sharded"`` for DCP), resumable with ``trainer.fit(model, ckpt_path=...)``.
+    NeMo's calls work as in NeMo: ``trainer.strategy.load_model_state_dict(adapter_state, strict=False)``,
+    ``load_optimizer_state_dict`` (applied at the next training step), ``val_loss`` / ``test_loss`` logged.
 
     Example:
         trainer = L.Trainer(devices=2, accelerator="cpu", precision="bf16-mixed",
@@ -134,7 +146,7 @@ class FSDP2Strategy(ParallelStrategy):
         data_sampler: Optional[Any] = None,
         checkpoint_io: Optional[Any] = None,
         mp_policy: Union[MixedPrecisionPolicy, str, None] = None,
-        parallelize_fn: Optional[Any] = None,
+        parallelize_fn: Optional[Callable[..., Any]] = None,
         **kwargs: Any,
     ) -> None:
         # zeta's strategy checks every argument now (no world size yet: it is known in _configure_launcher)
@@ -143,85 +155,91 @@ class FSDP2Strategy(ParallelStrategy):
         )
         # Lightning pickles hyperparameters (dataclasses too); they load back with weights_only=False.
         self.core.entries_weights_only = False
+        self.core.owns_optimizers = False  # Lightning calls configure_optimizers itself
         # Lightning's ModelParallelStrategy names its mesh dims so; users index self.device_mesh["data_parallel"]
         self.core.mesh_dim_names = MESH_DIM_NAMES
-        super().__init__()
+        super().__init__(checkpoint_io=checkpoint_io)
         self.num_nodes = 1
+        self.trainer: Optional[Any] = None  # NeMo's: the Trainer, once setup() ran
+        self._mesh: Optional[Any] = None
         self._user_policy = mp_policy is not None or "mp" in kwargs
+
+    # ------------------------------------------------------------------ NeMo's API: the core's
+
+    mp_policy = _core_attribute("mp_policy", "The FSDP2 ``MixedPrecisionPolicy`` of every unit (NeMo's attribute).")
+    parallelize_fn = _core_attribute("parallelize_fn", "What ``parallelize()`` runs once; ``None`` afterwards.")
+    data_sampler = _core_attribute("data_sampler", "NeMo's data sampler (``process_dataloader`` uses it).")
+
+    @property
+    def checkpoint_io(self) -> Any:
+        """The ``CheckpointIO`` replacing the full-format writer (``None``: zeta's own writer)."""
+        return self.core.checkpoint_io
+
+    @checkpoint_io.setter
+    def checkpoint_io(self, io: Any) -> None:
+        self.core.checkpoint_io = self._checkpoint_io = io
+
+    @property
+    def current_epoch_step(self) -> EpochStep:
+        """The optimizer steps taken (an int, as NeMo's), with ``.epoch``."""
+        return self.core.current_epoch_step
+
+    def parallelize(self) -> None:
+        """Shard the module with ``parallelize_fn``, once (``Trainer`` calls it in ``setup``)."""
+        self.core.connect(self.lightning_module)
+        self.core.parallelize()
+        self.model = self.core.model
+
+    def _get_loss_reduction(self, step_type: str) -> Any:
+        """The loss reduction of ``step_type`` (the core's: the module's own, else token-weighted)."""
+        return self.core._get_loss_reduction(step_type)
 
     # ------------------------------------------------------------------ topology
 
     @property
     def root_device(self) -> torch.device:
-        """This rank's device (Lightning's choice).
-
-        Example:
-            trainer.strategy.root_device
-            # -> device(type='cpu')
-        """
+        """This rank's device (Lightning's choice)."""
         assert self.parallel_devices is not None
         return self.parallel_devices[self.local_rank]
 
     @property
     def num_processes(self) -> int:
-        """Processes on this node.
-
-        Example:
-            trainer.strategy.num_processes
-            # -> 2
-        """
+        """Processes on this node."""
         return len(self.parallel_devices) if self.parallel_devices is not None else 0
 
     @property
     def is_distributed(self) -> bool:
-        """Always ``True``: Lightning adds a distributed sampler over the data-parallel ranks.
-
-        Example:
-            >>> FSDP2Strategy().is_distributed
-            True
-        """
+        """Always ``True``: Lightning adds a distributed sampler over the data-parallel ranks."""
         return True
 
     @property
     def device_mesh(self) -> Any:
         """The 2-D mesh, dims named as Lightning's ``ModelParallelStrategy`` names them:
         ``("data_parallel", "tensor_parallel")``; also ``self.device_mesh`` in the LightningModule.
-
-        Example:
-            trainer.strategy.device_mesh["data_parallel"].size()
-            # -> 2
+        Before the Trainer set up the processes it raises, as Lightning's does (it would otherwise
+        start a process group of its own).
         """
-        return self.core.device_mesh
+        if self._mesh is None:
+            raise RuntimeError(
+                "zeta_fsdp.lightning.FSDP2Strategy: the device mesh exists once the Trainer set up the processes "
+                "(in configure_model, setup or later), not before."
+            )
+        return self._mesh
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        """Lightning's ``DistributedSampler`` splits over the data-parallel group (tp peers read alike).
-
-        Example:
-            trainer.strategy.distributed_sampler_kwargs
-            # -> {'num_replicas': 2, 'rank': 0}
-        """
+        """Lightning's ``DistributedSampler`` splits over the data-parallel group (tp peers read alike)."""
         return {"num_replicas": self.core.data_parallel_size, "rank": self.core.data_parallel_rank}
 
     @property
     def restore_checkpoint_after_setup(self) -> bool:
-        """``True``: a checkpoint loads into the sharded module and its optimizers.
-
-        Example:
-            >>> FSDP2Strategy().restore_checkpoint_after_setup
-            True
-        """
+        """``True``: a checkpoint loads into the sharded module and its optimizers."""
         return True
 
     @property
     def lightning_restore_optimizer(self) -> bool:
-        """``False``: ``load_checkpoint`` restores the optimizers itself.
-
-        Example:
-            >>> FSDP2Strategy().lightning_restore_optimizer
-            False
-        """
-        return False
+        """``True`` (NeMo's): Lightning hands the optimizer state to ``load_optimizer_state_dict``."""
+        return True
 
     def _configure_launcher(self) -> None:
         # The world size is known here, before any process starts: a bad size fails now, not in a
@@ -236,29 +254,17 @@ class FSDP2Strategy(ParallelStrategy):
             self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
 
     def set_world_ranks(self) -> None:
-        """Tell the cluster environment this process's global rank and the world size.
-
-        Example:
-            trainer.strategy.set_world_ranks()
-        """
+        """Tell the cluster environment this process's global rank and the world size."""
         if self.cluster_environment is not None:
             self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
             self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
-        from lightning.fabric.utilities.rank_zero import rank_zero_only as fabric_rank_zero_only
-        from lightning.pytorch.utilities.rank_zero import rank_zero_only
-
         rank_zero_only.rank = fabric_rank_zero_only.rank = self.global_rank
 
     # ------------------------------------------------------------------ precision plugin
 
     @property
     def precision_plugin(self) -> Precision:
-        """Lightning's precision plugin, replaced by one that lets FSDP2 cast and zeta clip.
-
-        Example:
-            trainer.strategy.precision_plugin.precision
-            # -> 'bf16-mixed'
-        """
+        """Lightning's precision plugin, replaced by one that lets FSDP2 cast and zeta clip."""
         return self._precision_plugin if self._precision_plugin is not None else _FullPrecision()
 
     @precision_plugin.setter
@@ -285,44 +291,34 @@ class FSDP2Strategy(ParallelStrategy):
     # ------------------------------------------------------------------ set-up
 
     def setup_environment(self) -> None:
-        """Join (start) the process group the Lightning way, then build zeta's ``(dp, tp)`` mesh.
-
-        Example:
-            trainer.strategy.setup_environment()  # Lightning calls it
-        """
+        """Join the job Lightning launched (zeta's process group start-up), then build the ``(dp, tp)`` mesh."""
         super().setup_environment()
         self.set_world_ranks()
-        backend = self.core.options.process_group_backend or _lt_backend(self.root_device)
-        timeout = self.core.options.timeout or timedelta(minutes=30)
-        device_id = self.root_device if self.root_device.type != "cpu" else None
-        _init_dist_connection(self.cluster_environment, backend, timeout=timeout, device_id=device_id)
-        self.core.connect(self.lightning_module)
+        env = self.cluster_environment
+        # the rendezvous Lightning's launcher (or torchrun, SLURM) chose, in the variables torch reads
+        os.environ.update(
+            MASTER_ADDR=env.main_address,
+            MASTER_PORT=str(env.main_port),
+            RANK=str(self.global_rank),
+            WORLD_SIZE=str(self.world_size),
+        )
+        self.core.options.device = self.core.options.device or self.root_device
         self.core.setup_environment()
-        self.lightning_module._device_mesh = self.core.device_mesh
+        self._mesh = self.lightning_module._device_mesh = self.core.device_mesh
 
     def tensor_init_context(self, empty_init: Optional[bool] = None) -> ContextManager:
         """Where ``configure_model`` runs: real tensors, ``meta`` only with ``empty_init=True``.
 
         Lightning passes ``empty_init=None``: a model that loads pretrained weights there keeps them.
-
-        Example:
-            with trainer.strategy.tensor_init_context(empty_init=True):
-                model = GPT(cfg)
         """
         return self.core.tensor_init_context(empty_init)
 
     def setup(self, trainer: Any) -> None:
-        """Shard the module with zeta (after ``configure_model``), then let Lightning create the optimizers.
-
-        Example:
-            trainer.strategy.setup(trainer)  # Lightning calls it
-        """
+        """Shard the module (after ``configure_model``), then let Lightning create the optimizers."""
         assert self.lightning_module is not None
+        self.trainer = trainer
         self.accelerator.setup(trainer)
-        self.core.connect(self.lightning_module)
-        # the strategy shards; Lightning's configure_optimizers creates the optimizers afterwards
-        self.core.setup_optimizers(lambda module: None)
-        self.model = self.core.model
+        self.parallelize()
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
@@ -330,78 +326,55 @@ class FSDP2Strategy(ParallelStrategy):
         self.setup_precision_plugin()
 
     def model_to_device(self) -> None:
-        """Nothing to move: sharding placed every shard on its device.
-
-        Example:
-            trainer.strategy.model_to_device()
-        """
+        """Nothing to move: sharding placed every shard on its device."""
 
     def process_dataloader(self, dataloader: Any) -> Any:
-        """Lightning already split the data over dp ranks; a ``data_sampler`` given to the strategy applies.
-
-        Example:
-            loader = trainer.strategy.process_dataloader(loader)
-        """
-        if self.core.data_sampler is not None:
-            return self.core.process_dataloader(dataloader)
-        return dataloader
+        """Lightning already split the data over dp ranks; a ``data_sampler`` given to the strategy applies."""
+        return self.core.process_dataloader(dataloader) if self.core.data_sampler is not None else dataloader
 
     # ------------------------------------------------------------------ steps (through the FSDP root)
 
-    def _step(self, name: str, context: ContextManager, *args: Any) -> Any:
-        # A step calling self.model(...) must not make a child the FSDP root (see call_through_root).
-        with context:
-            return call_through_root(self.lightning_module, name, *args)
-
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        """The module's ``training_step``, run inside the FSDP root's forward.
+        """The module's ``training_step`` inside the FSDP root's forward; a queued optimizer state applies first."""
+        self.core.restore_pending_optimizer_state()  # NeMo: deferred to the first step (PEFT adds adapters late)
+        self.core.set_epoch(self.trainer.current_epoch if self.trainer is not None else 0)
+        with self.precision_plugin.train_step_context():
+            return call_through_root(self.lightning_module, "training_step", *args, *kwargs.values())
 
-        Example:
-            trainer.strategy.training_step(batch, 0)  # Lightning calls it
-        """
-        return self._step("training_step", self.precision_plugin.train_step_context(), *args, *kwargs.values())
+    def _eval_step(self, step_type: str, context: ContextManager, args: tuple) -> Any:
+        # NeMo's step: the module's step, its loss reduction, val_loss / test_loss logged
+        with context:
+            output = call_through_root(self.lightning_module, f"{step_type}_step", *args)
+        loss, reduced = nemo_step_result(self.lightning_module, step_type, args[0] if args else None, output)
+        value, key = reduced.get("avg"), _LOGGED.get(step_type)
+        if key and isinstance(value, torch.Tensor) and value.numel() == 1:
+            try:  # the mean over ranks, so every rank's ModelCheckpoint(monitor="val_loss") decides alike
+                self.lightning_module.log(key, value.detach().float(), sync_dist=True, batch_size=1)
+            except MisconfigurationException:
+                pass  # the module logs this name itself, with other options: its own value stays
+        return reduced if step_type == "predict" else loss
 
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        """The module's ``validation_step`` through the FSDP root.
-
-        Example:
-            trainer.strategy.validation_step(batch, 0)
-        """
-        return self._step("validation_step", self.precision_plugin.val_step_context(), *args, *kwargs.values())
+        """The module's ``validation_step`` through the FSDP root; logs ``val_loss`` as NeMo does."""
+        return self._eval_step("validation", self.precision_plugin.val_step_context(), (*args, *kwargs.values()))
 
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        """The module's ``test_step`` through the FSDP root.
-
-        Example:
-            trainer.strategy.test_step(batch, 0)
-        """
-        return self._step("test_step", self.precision_plugin.test_step_context(), *args, *kwargs.values())
+        """The module's ``test_step`` through the FSDP root; logs ``test_loss``."""
+        return self._eval_step("test", self.precision_plugin.test_step_context(), (*args, *kwargs.values()))
 
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        """The module's ``predict_step`` through the FSDP root.
-
-        Example:
-            trainer.strategy.predict_step(batch, 0)
-        """
-        return self._step("predict_step", self.precision_plugin.predict_step_context(), *args, *kwargs.values())
+        """The module's ``predict_step`` through the FSDP root; returns NeMo's reduced dict (``{"avg": output}``)."""
+        return self._eval_step("predict", self.precision_plugin.predict_step_context(), (*args, *kwargs.values()))
 
     # ------------------------------------------------------------------ collectives
 
     def barrier(self, name: Optional[str] = None) -> None:
-        """Every rank waits here.
-
-        Example:
-            trainer.strategy.barrier()
-        """
+        """Every rank waits here."""
         if dist.is_available() and dist.is_initialized():
             dist.barrier()
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:
-        """``obj`` from rank ``src`` on every rank.
-
-        Example:
-            path = trainer.strategy.broadcast(path)
-        """
+        """``obj`` from rank ``src`` on every rank."""
         if not (dist.is_available() and dist.is_initialized()):
             return obj
         box = [obj]
@@ -409,84 +382,51 @@ class FSDP2Strategy(ParallelStrategy):
         return box[0]
 
     def reduce(self, tensor: Any, group: Optional[Any] = None, reduce_op: Optional[Any] = "mean") -> Any:
-        """All-reduce a tensor (mean by default), as Lightning's DDP does for ``self.log(sync_dist=True)``.
+        """All-reduce a tensor in place (mean by default), for ``self.log(sync_dist=True)``."""
+        if not isinstance(tensor, torch.Tensor) or not (dist.is_available() and dist.is_initialized()):
+            return tensor
+        name = reduce_op.lower() if isinstance(reduce_op, str) else None
+        mean = name in ("mean", "avg")  # gloo has no AVG: sum, then divide
+        op = dist.ReduceOp.SUM if mean else getattr(dist.ReduceOp, name.upper()) if name else reduce_op
+        dist.all_reduce(tensor, op=op, group=group)
+        return tensor.copy_(tensor / dist.get_world_size(group)) if mean else tensor
 
-        Example:
-            trainer.strategy.reduce(torch.tensor(1.0))
-            # -> tensor(1.)
-        """
-        if isinstance(tensor, torch.Tensor):
-            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
-        return tensor
-
-    # ------------------------------------------------------------------ checkpoints
+    # ------------------------------------------------------------------ checkpoints (the core's)
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        """The full state dict on rank 0 (``{}`` elsewhere); ``save_checkpoint`` reuses it.
-
-        Example:
-            trainer.strategy.lightning_module_state_dict()
-        """
+        """Full on rank 0 (``{}`` elsewhere); with ``checkpoint_format="sharded"`` each rank's shards."""
         return self.core.lightning_module_state_dict()
 
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
-        """The optimizer's full state keyed by parameter FQN on rank 0; ``save_checkpoint`` reuses it.
-
-        Example:
-            trainer.strategy.optimizer_state(trainer.optimizers[0])
-        """
+        """The optimizer's state keyed by parameter FQN (full on rank 0, or each rank's shards)."""
         return self.core.optimizer_state(optimizer)
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
-        """zeta's checkpoint (full file, or DCP directory with ``checkpoint_format="sharded"``); every rank calls it.
-
-        Example:
-            trainer.save_checkpoint("ckpt/manual.ckpt")
-        """
+        """zeta's checkpoint (full file, or DCP directory); ``storage_options`` goes to ``checkpoint_io``."""
         self.core.save_checkpoint(checkpoint, self.broadcast(filepath), storage_options)
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
-        """Restore weights and optimizer state now; return the checkpoint for Lightning's loops and callbacks.
-
-        Example:
-            trainer.fit(module, ckpt_path="ckpt/last.ckpt")  # calls it
-        """
+        """Restore the weights now, queue the optimizer state; return the checkpoint for Lightning."""
         # Lightning 2.6 drops trainer.fit(weights_only=...) for strategies restoring after setup, and
         # the file holds the module's hyperparameters (dataclasses...): allow exactly the classes the
         # live module's own hyperparameters use, nothing else.
         with torch.serialization.safe_globals(_hparam_classes(self.lightning_module)):
-            ckpt = self.core.load_checkpoint(self.broadcast(checkpoint_path), weights_only=weights_only)
-        self.core.restore_pending_optimizer_state()  # Lightning never restores them here
-        return ckpt
+            return self.core.load_checkpoint(self.broadcast(checkpoint_path), weights_only=weights_only)
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        """Nothing: ``load_checkpoint`` restored the weights already (other ranks hold an empty dict).
-
-        Example:
-            trainer.strategy.load_model_state_dict(ckpt)
-        """
+        """Load weights now (full or sharded, ``strict=False`` for a part such as adapters), as NeMo's PEFT calls it."""
+        self.core.load_model_state_dict(checkpoint, strict)
 
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        """Nothing: ``load_checkpoint`` restored the optimizers already.
-
-        Example:
-            trainer.strategy.load_optimizer_state_dict(ckpt)
-        """
+        """Queue ``checkpoint["optimizer_states"]``; applied at the next training step (NeMo's deferral)."""
+        self.core.load_optimizer_state_dict(checkpoint)
 
     def remove_checkpoint(self, filepath: Any) -> None:
-        """Delete a checkpoint (refusing anything that is not one); every rank calls it.
-
-        Example:
-            trainer.strategy.remove_checkpoint("ckpt/old.ckpt")
-        """
+        """Delete a checkpoint (the core's ``remove_checkpoint``); every rank calls it."""
         self.core.remove_checkpoint(filepath)
 
     def teardown(self) -> None:
-        """Release Lightning's pieces; the process group stays (Lightning's own strategies keep it too).
-
-        Example:
-            trainer.strategy.teardown()
-        """
+        """Release Lightning's pieces; the process group stays (Lightning's own strategies keep it too)."""
         assert self.cluster_environment is not None
         self.cluster_environment.teardown()
         self.precision_plugin.teardown()

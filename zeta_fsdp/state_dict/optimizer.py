@@ -327,7 +327,8 @@ def _distribute_full(
             continue
         device = like.device if isinstance(like, DTensor) else comm_device()
         if key in full:
-            value = full[key].detach().to(device=device, dtype=like.dtype)
+            # a copy: the optimizer updates its state in place (AdamW's step += 1), the caller's dict stays as given
+            value = full[key].detach().to(device=device, dtype=like.dtype, copy=True)
         else:
             value = torch.empty(like.shape, dtype=like.dtype, device=device)
         if broadcast:

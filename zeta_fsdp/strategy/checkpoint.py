@@ -14,6 +14,7 @@ Example:
 
 from __future__ import annotations
 
+import inspect
 import io
 import os
 import pickle
@@ -34,6 +35,7 @@ from ..state_dict import CheckpointError, is_checkpoint
 __all__ = [
     "Gathered",
     "META_KEY",
+    "Restored",
     "SHARDED_REF",
     "check_optimizers_match",
     "check_save_target",
@@ -54,6 +56,15 @@ META_KEY = "zeta_fsdp"
 # An optimizer entry that points at a sharded (DCP) checkpoint directory.
 SHARDED_REF = "zeta_fsdp_sharded_checkpoint"
 _TENSORS = ("state_dict", "optimizer_states")
+
+
+class Restored(dict):
+    """A state dict ``load_checkpoint`` already loaded into the model: ``load_model_weights`` skips it.
+
+    Example:
+        >>> isinstance(Restored({"w": 1}), dict)
+        True
+    """
 
 
 class Gathered(dict):
@@ -150,7 +161,13 @@ def write_full_checkpoint(
 
     def write() -> None:
         if checkpoint_io is not None:
-            extra = {} if storage_options is None else {"storage_options": storage_options}
+            # Lightning's CheckpointIO takes storage_options (NeMo passes it, None included); a minimal one may not
+            try:
+                params = inspect.signature(checkpoint_io.save_checkpoint).parameters
+            except (TypeError, ValueError):  # no signature to read (a builtin): pass it only when given
+                params = {}
+            takes = "storage_options" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
+            extra = {"storage_options": storage_options} if takes or storage_options is not None else {}
             checkpoint_io.save_checkpoint(dict(payload), filepath, **extra)
             return
         try:
@@ -367,6 +384,7 @@ def load_strategy_checkpoint(strategy: Any, filepath: PathLike, weights_only: Op
         ckpt = read_full_checkpoint(filepath, checkpoint_io=strategy.checkpoint_io, weights_only=weights_only)
         check_optimizers_match(strategy.optimizers, ckpt, path)
         strategy.load_model_state_dict(ckpt, strict=True)
+    ckpt["state_dict"] = Restored(ckpt.get("state_dict") or {})  # Lightning hands it back: not loaded twice
     if ckpt.get("optimizer_states"):
         strategy.load_optimizer_state_dict(ckpt)
     strategy.current_epoch_step = (ckpt.get("epoch", 0), ckpt.get("global_step", 0))
@@ -386,6 +404,8 @@ def load_model_weights(module: torch.nn.Module, ckpt: Any, strict: bool = True) 
         load_model_weights(model, {"state_dict": torch.load("weights.pt", weights_only=True)})
     """
     state = ckpt.get("state_dict", ckpt) if isinstance(ckpt, Mapping) else ckpt
+    if isinstance(state, Restored):
+        return
     state = {} if state is None else state
     if any(isinstance(v, DTensor) for v in state.values()):
         sd.load_sharded_state_dict(module, state, strict=strict)

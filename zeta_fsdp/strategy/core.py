@@ -102,11 +102,16 @@ class FSDP2Strategy:
         self.checkpoint_format = opts.checkpoint_format
         self.mp_policy = opts.mp_policy
         self.data_sampler, self.checkpoint_io = opts.data_sampler, opts.checkpoint_io
-        self.parallelize_fn = opts.parallelize_fn
+        # NeMo's default is a function too (readable, replaceable); parallelize() clears it once it ran.
+        self.parallelize_fn = opts.parallelize_fn or functools.partial(
+            strategy_parallel.default_parallelize, tp_plan=opts.tp_plan, device=opts.device
+        )
         self.fsdp_kwargs = opts.fsdp_kwargs
         # Extra checkpoint entries must load with torch.load(weights_only=True); the Lightning adapter
         # turns this off (Lightning pickles hyperparameters; loading them takes weights_only=False).
         self.entries_weights_only = True
+        # parallelize() creates the optimizers (configure_optimizers); the Lightning adapter leaves that to Lightning.
+        self.owns_optimizers = True
 
         self._module: Optional[nn.Module] = None
         self._device: Optional[torch.device] = None
@@ -222,23 +227,18 @@ class FSDP2Strategy:
         return strategy_parallel.tensor_init_context(empty_init)
 
     def parallelize(self) -> None:
-        """Shard the connected module, once (a second call does nothing), then create its optimizers.
-        Example: ``strategy.connect(model); strategy.parallelize()``."""
+        """Shard the connected module with ``parallelize_fn``, once (then ``parallelize_fn`` is ``None`` and a
+        second call does nothing), then create its optimizers. Example: ``strategy.connect(model); strategy.parallelize()``."""
         if self._parallelized:
             return
         module = self._require_module()
         self.setup_environment()
-        fn = self.parallelize_fn or functools.partial(
-            strategy_parallel.default_parallelize,
-            tp_plan=self.options.tp_plan,
-            device=self._device,
-            dim_names=self.mesh_dim_names,
-        )
+        fn = self.parallelize_fn or strategy_parallel.default_parallelize
         self._module = strategy_parallel.shard_module(
             module, fn, self._device_mesh, self.mp_policy, self._device, **self.fsdp_kwargs
         )
-        self._parallelized = True
-        if not self.optimizers:
+        self._parallelized, self.parallelize_fn = True, None
+        if not self.optimizers and self.owns_optimizers:
             self._create_optimizers()
 
     # ----------------------------------------------------------------------------- optimizers
@@ -401,22 +401,30 @@ class FSDP2Strategy:
     # ----------------------------------------------------------------------------- state dicts
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        """The module's full state dict (plain tensors, unwrapped FQNs) on rank 0; ``{}`` on other ranks.
-        Example: ``state = strategy.lightning_module_state_dict()  # every rank calls it``."""
+        """The module's full state dict (plain tensors, unwrapped FQNs) on rank 0, ``{}`` on other ranks; with
+        ``checkpoint_format="sharded"`` each rank's shards (DTensors). Every rank calls it.
+        Example: ``state = strategy.lightning_module_state_dict()``."""
         module = self._require_module()
         if not self._parallelized:
             return module.state_dict()
+        if self.checkpoint_format == "sharded":
+            return sd.get_sharded_state_dict(module)
         return ckpt_io.Gathered(sd.get_full_state_dict(module))
 
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        """``optimizer``'s full state keyed by parameter FQN, on rank 0 (``{}`` elsewhere); every rank calls it.
+        """``optimizer``'s state keyed by parameter FQN: full on rank 0 (``{}`` elsewhere), or with
+        ``checkpoint_format="sharded"`` each rank's shards; every rank calls it.
         Example: ``state = strategy.optimizer_state(strategy.optimizers[0])``."""
         self._restore_deferred_optimizer_state()
         optimizer = getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer wraps it
+        if self.checkpoint_format == "sharded":
+            return sd.get_optimizer_state_dict(self._require_module(), optimizer, full=False)
         return ckpt_io.Gathered(sd.get_optimizer_state_dict(self._require_module(), optimizer, full=True))
 
     def load_model_state_dict(self, ckpt: Mapping[str, Any], strict: bool = True) -> None:
-        """Load model weights now: ``ckpt["state_dict"]`` (or ``ckpt`` itself) into the sharded module.
+        """Load model weights now: ``ckpt["state_dict"]`` (or ``ckpt`` itself), full (rank 0's copy is used) or
+        sharded (DTensors), into the sharded module; ``strict=False`` loads a part (adapters). What
+        ``load_checkpoint`` returned is already loaded and is not loaded twice.
         Example: ``strategy.load_model_state_dict({"state_dict": torch.load("weights.pt", weights_only=True)})``."""
         self.parallelize()
         ckpt_io.load_model_weights(self._require_module(), ckpt, strict)
@@ -450,6 +458,11 @@ class FSDP2Strategy:
         """Save the model, every optimizer and ``checkpoint``'s other entries to ``filepath``; every rank calls it.
         Example: ``strategy.save_checkpoint({"note": "nightly"}, "ckpt/step_100.ckpt")``."""
         ckpt_io.check_save_target(filepath, self.checkpoint_format, "save_checkpoint")
+        if storage_options is not None and self.checkpoint_io is None:
+            raise TypeError(
+                f"FSDP2Strategy.save_checkpoint(): storage_options={storage_options!r} is for a checkpoint_io; "
+                "zeta's own writer takes none (pass checkpoint_io=..., or no storage_options)."
+            )
         self.parallelize()
         self._restore_deferred_optimizer_state()  # never save a fresh optimizer over a waiting state
         ckpt_io.save_strategy_checkpoint(self, checkpoint, filepath, storage_options)

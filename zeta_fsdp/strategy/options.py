@@ -38,7 +38,8 @@ STRATEGY_KWARGS = (
     "async_save",
     "keep_last",
     "preemption_signals",
-)
+    "save_distributed_checkpoint",
+) + ("context_parallel_size", "sequence_parallel", "use_hf_tp_plan", "custom_tp_plan", "offload_policy")  # NeMo's
 _BACKENDS = ("gloo", "nccl", "cuda:nccl,cpu:gloo")
 
 
@@ -161,7 +162,8 @@ def validate_strategy_options(
     _check_size("data_parallel_size", data_parallel_size)
     _check_size("tensor_parallel_size", tensor_parallel_size)
     kwargs = dict(kwargs)
-    checkpoint_format = kwargs.pop("checkpoint_format", "full")
+    _nemo_arguments(kwargs)
+    checkpoint_format = _checkpoint_format(kwargs)
     if checkpoint_format not in CHECKPOINT_FORMATS:
         raise ValueError(
             f"FSDP2Strategy: checkpoint_format={checkpoint_format!r} is not accepted. Accepted: {CHECKPOINT_FORMATS}."
@@ -214,6 +216,40 @@ def validate_strategy_options(
         fsdp_kwargs=kwargs,
         **long_jobs,
     )
+
+
+def _nemo_arguments(kwargs: dict[str, Any]) -> None:
+    """NeMo's own constructor arguments, mapped so a NeMo script runs unchanged, or refused by name."""
+    cp = kwargs.pop("context_parallel_size", 1)
+    if cp not in (1, None):
+        raise ValueError(f"FSDP2Strategy: context_parallel_size={cp!r} is not supported. Accepted: 1.")
+    if kwargs.pop("sequence_parallel", False):
+        raise ValueError(
+            "FSDP2Strategy: sequence_parallel=True is not supported; give SequenceParallel styles in tp_plan."
+        )
+    kwargs.pop("use_hf_tp_plan", None)  # without a tp_plan the module's own tp_plan attribute is used
+    if kwargs.get("custom_tp_plan") is not None and kwargs.get("tp_plan") is not None:
+        raise ValueError("FSDP2Strategy: give the tensor-parallel plan once, as tp_plan or custom_tp_plan.")
+    plan = kwargs.pop("custom_tp_plan", None)
+    kwargs["tp_plan"] = plan if plan is not None else kwargs.get("tp_plan")
+    if kwargs.pop("offload_policy", None) is not None:
+        kwargs.setdefault("cpu_offload", True)
+
+
+def _checkpoint_format(kwargs: dict[str, Any]) -> str:
+    """Pop ``checkpoint_format`` and Lightning's ``save_distributed_checkpoint`` (``True``: "sharded")."""
+    fmt = kwargs.pop("checkpoint_format", None)
+    distributed = kwargs.pop("save_distributed_checkpoint", None)
+    if distributed is not None and not isinstance(distributed, bool):
+        raise ValueError(
+            f"FSDP2Strategy: save_distributed_checkpoint={distributed!r} is not accepted. Accepted: True, False."
+        )
+    implied = None if distributed is None else ("sharded" if distributed else "full")
+    if fmt is not None and implied is not None and fmt != implied:
+        raise ValueError(
+            f"FSDP2Strategy: checkpoint_format={fmt!r} and save_distributed_checkpoint={distributed} disagree; give one."
+        )
+    return fmt if fmt is not None else implied or "full"
 
 
 def _long_job_options(kwargs: dict[str, Any], checkpoint_format: str) -> dict[str, Any]:

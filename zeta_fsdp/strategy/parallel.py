@@ -9,12 +9,13 @@ Example:
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional
 
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.distributed.tensor import DTensor
 
 from ..fsdp import fsdp
 from ..materialize import materialize_meta_model
@@ -23,7 +24,7 @@ from ..ties import tied_parameter_groups
 from ..wrapped import is_fsdp_wrapped
 from .options import tp_style
 
-__all__ = ["current_ties", "default_parallelize", "shard_module", "tensor_init_context"]
+__all__ = ["current_ties", "default_parallelize", "shard_module", "tensor_init_context", "user_parallelized"]
 
 
 def tensor_init_context(empty_init: Optional[bool] = None) -> contextlib.AbstractContextManager:
@@ -44,6 +45,17 @@ def tensor_init_context(empty_init: Optional[bool] = None) -> contextlib.Abstrac
     return contextlib.nullcontext()
 
 
+def user_parallelized(module: nn.Module) -> bool:
+    """``True`` when the module already holds FSDP units or tensor-parallel (``DTensor``) parameters:
+    parallelized by the user (Lightning's ``configure_model`` contract), not to be sharded again.
+
+    Example:
+        >>> user_parallelized(nn.Linear(2, 2))
+        False
+    """
+    return is_fsdp_wrapped(module) or any(isinstance(p, DTensor) for p in module.parameters())
+
+
 def default_parallelize(
     module: nn.Module,
     device_mesh: DeviceMesh,
@@ -51,18 +63,20 @@ def default_parallelize(
     *,
     tp_plan: Any = None,
     device: Optional[torch.device] = None,
-    dim_names: Sequence[str] = ("dp", "tp"),
     **kwargs: Any,
 ) -> nn.Module:
-    """Tensor parallel on the tp mesh (when tp > 1; ``tp_plan`` or the module's ``tp_plan``), then
-    ``fsdp()`` on the dp mesh (``auto_wrap=True``, ``shard_strat="FULL_SHARD"`` unless given).
+    """Tensor parallel on the mesh's last dimension (when > 1; ``tp_plan`` or the module's ``tp_plan``),
+    then ``fsdp()`` on its first (``auto_wrap=True``, ``shard_strat="FULL_SHARD"`` unless given).
 
-    Example:
-        default_parallelize(model, mesh, policy, TransformerBlock=Block)
+    What the user parallelized already (in Lightning's ``configure_model``) is kept: FSDP units
+    mean nothing is added; tensor-parallel parameters mean no second TP, and no FSDP over a
+    data-parallel dimension of size 1 (their mesh stays the TP mesh).
     """
-    dp_name, tp_name = dim_names
-    tp_mesh = device_mesh[tp_name]
-    if tp_mesh.size() > 1:
+    dp_name, tp_name = device_mesh.mesh_dim_names
+    tp_mesh, already = device_mesh[tp_name], user_parallelized(module)
+    if is_fsdp_wrapped(module) or (already and device_mesh[dp_name].size() == 1):
+        return module
+    if tp_mesh.size() > 1 and not already:
         from torch.distributed.tensor.parallel import parallelize_module
 
         plan = tp_plan if tp_plan is not None else getattr(module, "tp_plan", None)
@@ -70,8 +84,9 @@ def default_parallelize(
             plan = plan(tp_mesh)
         if not plan:
             raise ValueError(
-                f"FSDP2Strategy: tensor_parallel_size={tp_mesh.size()} needs a tensor-parallel "
-                "plan: pass tp_plan={'layers.*.up': ColwiseParallel(), ...} or give the module a tp_plan attribute."
+                f"FSDP2Strategy: tensor_parallel_size={tp_mesh.size()} needs a tensor-parallel plan: pass "
+                "tp_plan={'layers.*.up': ColwiseParallel(), ...}, give the module a tp_plan attribute, "
+                "or parallelize it yourself (Lightning: in configure_model, with self.device_mesh)."
             )
         parallelize_module(module, tp_mesh, {k: tp_style(v) for k, v in plan.items()})
     options = {"auto_wrap": True, "shard_strat": "FULL_SHARD", **kwargs}
@@ -85,16 +100,15 @@ def default_parallelize(
                 "combined with tensor parallel here. Use FULL_SHARD or SHARD_GRAD with tensor_parallel_size > 1."
             )
         # tp == 1: fsdp() builds its 2-D (replicate, shard) mesh over the same ranks as the dp dimension.
+    if device is None:  # the mesh's device: Lightning's accelerator (or the strategy) chose it
+        cuda = device_mesh.device_type == "cuda"
+        device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device(device_mesh.device_type)
     return fsdp(module, mp=mp_policy, device=device, **options)
 
 
 def current_ties(module: nn.Module, before: list[list[str]]) -> list[list[str]]:
     """Tie groups to restore: those recorded before ``parallelize_fn`` whose names still exist, plus
     ties the module still shows under names a wrapper may have changed.
-
-    Example:
-        current_ties(model, [["head.weight", "tok_emb.weight"]])
-        # -> [['head.weight', 'tok_emb.weight']]
     """
     names = {n for n, _ in module.named_parameters(remove_duplicate=False)}
     ties = [group for group in before if all(n in names for n in group)]
@@ -115,16 +129,13 @@ def shard_module(
 
     A ``parallelize_fn`` that leaves the module without FSDP is an error, never a silently
     unsharded model.
-
-    Example:
-        model = shard_module(model, None, mesh, policy, torch.device("cpu"), TransformerBlock=Block)
     """
     fn = parallelize_fn or default_parallelize
     tied = tied_parameter_groups(module)
     result = fn(module, device_mesh=device_mesh, mp_policy=mp_policy, **kwargs)
     if result is not None:
         module = result
-    if not is_fsdp_wrapped(module):
+    if not user_parallelized(module):
         raise RuntimeError(
             "FSDP2Strategy.parallelize(): the module is not sharded after parallelize_fn "
             f"({getattr(fn, '__name__', fn)}); it must apply fully_shard/fsdp(). Pass parallelize_fn=None "

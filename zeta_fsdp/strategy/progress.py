@@ -81,11 +81,7 @@ class StepCounter:
         self._paused = False
 
     def watch(self, optimizer: Optional[torch.optim.Optimizer]) -> None:
-        """Count ``optimizer``'s steps from now on (``None``: count nothing); replaces the previous one.
-
-        Example:
-            counter.watch(strategy.optimizers[0])
-        """
+        """Count ``optimizer``'s steps from now on (``None``: count nothing); replaces the previous one."""
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
@@ -98,12 +94,7 @@ class StepCounter:
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
-        """Steps inside do not count (restoring an optimizer state steps it to create the state).
-
-        Example:
-            with counter.paused():
-                restore_optimizer_states(model, optimizers, pending)
-        """
+        """Steps inside do not count (restoring an optimizer state steps it to create the state)."""
         self._paused = True
         try:
             yield

@@ -29,6 +29,7 @@ __all__ = [
     "forward_batch",
     "logits_of",
     "module_loss_reduction",
+    "nemo_step_result",
     "parse_optimizers",
     "run_step",
 ]
@@ -54,9 +55,6 @@ def call_through_root(module: nn.Module, method: str, *args: Any) -> Any:
     calls ``self.model(x)`` (not ``self(x)``) would make a child unit the root and leave the real
     root's parameters sharded. So, like Lightning's forward redirection, ``forward`` is swapped
     for the step for exactly one call; the step's own ``self(...)`` calls reach the real forward.
-
-    Example:
-        loss = call_through_root(model, "training_step", batch, 0)
     """
     if not isinstance(module, FSDPModule) and not is_replicated(module):  # DDP's hooks sit on the root too
         return getattr(module, method)(*args)
@@ -129,6 +127,24 @@ def module_loss_reduction(module: Optional[nn.Module], step_type: str) -> Any:
     return None
 
 
+def nemo_step_result(module: nn.Module, step_type: str, batch: Any, output: Any) -> tuple[Any, dict[str, Any]]:
+    """NeMo's ``(loss, reduced)`` of a step's ``output``: the module's own loss reduction's ``forward``
+    (``module_loss_reduction``), else ``(output, {"avg": output})``. A reduction whose record has no
+    ``"avg"`` (zeta's) gets the global mean of the record as ``"avg"`` (one all-reduce, every rank).
+
+    Example:
+        >>> nemo_step_result(nn.Linear(2, 2), "validation", None, torch.tensor(0.5))
+        (tensor(0.5000), {'avg': tensor(0.5000)})
+    """
+    reduction = module_loss_reduction(module, step_type)
+    if reduction is None or output is None:
+        return output, {"avg": output}
+    loss, reduced = reduction.forward(batch, output)
+    if "avg" not in reduced and callable(getattr(reduction, "reduce", None)):
+        reduced = {**reduced, "avg": reduction.reduce([reduced])}
+    return loss, reduced
+
+
 def forward_batch(module: nn.Module, batch: Any) -> Any:
     """Call a plain module with the batch: matching keyword arguments, else the inputs tensor.
 
@@ -178,22 +194,13 @@ def logits_of(output: Any) -> torch.Tensor:
 class LossTotals:
     """Running sums of loss-reduction records per step type: memory stays constant however long
     nobody asks, and one reduction (one all-reduce) gives the mean since the last ``pop``.
-
-    Example:
-        totals = LossTotals()
-        totals.add("training", reduction, {"avg": torch.tensor([2.0, 4.0])})
-        reduction.reduce([totals.pop("training")[1]])
     """
 
     def __init__(self) -> None:
         self._totals: dict[str, tuple[Any, str, torch.Tensor]] = {}
 
     def add(self, step_type: str, reduction: Any, record: Mapping[str, torch.Tensor]) -> None:
-        """Add one step's record (its first entry) to the running sum of ``step_type``.
-
-        Example:
-            LossTotals().add("validation", reduction, record)
-        """
+        """Add one step's record (its first entry) to the running sum of ``step_type``."""
         key = next(iter(record))
         value = record[key].detach()
         if step_type in self._totals:
@@ -219,9 +226,6 @@ def run_step(
     """One ``step_type`` step: the module's own ``<step_type>_step`` through the FSDP root, else
     ``reduce(step_type, batch)`` (``"predict"``: the module's output). Training runs in train mode;
     evaluation in eval mode without gradients, the previous mode restored after.
-
-    Example:
-        loss = run_step(model, "training", batch, 0, reduce_fn)
     """
     name = f"{step_type}_step"
     if step_type == "training":
@@ -244,10 +248,6 @@ class StepLosses:
     """The strategy's loss bookkeeping: which reduction a step uses (the module's own, else a
     ``MaskedTokenLossReduction`` over the data-parallel group ``group_fn()`` gives), the loss of a
     plain module's step, and the global mean since the last ``reduced`` call.
-
-    Example:
-        losses = StepLosses(lambda: mesh["dp"].get_group())
-        loss = losses.step(model, "training", batch); losses.reduced(model, "training")
     """
 
     def __init__(self, group_fn: Callable[[], Any]) -> None:
@@ -256,11 +256,7 @@ class StepLosses:
         self._totals = LossTotals()
 
     def reduction(self, module: Optional[nn.Module], step_type: str) -> Any:
-        """The module's ``<step_type>_loss_reduction`` / ``loss_reduction``, else the token-weighted default.
-
-        Example:
-            losses.reduction(model, "validation")
-        """
+        """The module's ``<step_type>_loss_reduction`` / ``loss_reduction``, else the token-weighted default."""
         own = module_loss_reduction(module, step_type)
         if own is not None:
             return own
@@ -271,22 +267,14 @@ class StepLosses:
         return self._defaults[step_type]
 
     def step(self, module: nn.Module, step_type: str, batch: Any) -> torch.Tensor:
-        """This rank's loss of ``module`` on ``batch``; its record joins the running total.
-
-        Example:
-            loss = losses.step(model, "training", batch)
-        """
+        """This rank's loss of ``module`` on ``batch``; its record joins the running total."""
         reduction = self.reduction(module, step_type)
         loss, record = reduction.forward(batch, logits_of(forward_batch(module, batch)))
         self._totals.add(step_type, reduction, record)
         return loss
 
     def reduced(self, module: Optional[nn.Module], step_type: str) -> torch.Tensor:
-        """Global mean of the ``step_type`` steps since the last call (one all-reduce); forgets them.
-
-        Example:
-            losses.reduced(model, "validation")
-        """
+        """Global mean of the ``step_type`` steps since the last call (one all-reduce); forgets them."""
         popped = self._totals.pop(step_type)
         if popped is None:
             return self.reduction(module, step_type).reduce([])
