@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import atexit
 import copy
-import shutil
 import threading
 import warnings
 import weakref
@@ -26,7 +25,8 @@ import torch.nn as nn
 from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemWriter
 from torch.distributed.tensor import DTensor
 
-from .checkpoint import checkpoint_state, save_failure, start_save
+from ..files import PathLock
+from .checkpoint import checkpoint_state, end_save, save_failure, start_save
 from .checks import FAILURES, PathLike, current_rank, dist_on, on_all_ranks, world_size
 from .publish import incomplete_dir, publish_checkpoint
 
@@ -108,7 +108,7 @@ class AsyncCheckpointer:
         # flight) so later saves copy into mapped memory; reuse_buffers=False frees it after each write.
         self._buffers: Optional[dict[str, torch.Tensor]] = {} if reuse_buffers else None
         self._made_group = False
-        self._pending: Optional[tuple[Path, bool, Future]] = None
+        self._pending: Optional[tuple[Path, Optional[PathLock], Future]] = None
         self._closed = False
         ref = weakref.ref(self)
         atexit.register(lambda: ref() is not None and ref()._wait_here())  # type: ignore[union-attr]
@@ -154,7 +154,7 @@ class AsyncCheckpointer:
         self.wait()
         path = Path(path)
         group = self._process_group()
-        made_tmp = start_save(path, optimizer, extra, overwrite=overwrite)
+        lock = start_save(path, optimizer, extra, overwrite=overwrite)
         try:
             # every rank staged, or every rank raises; the live tensors are not referenced afterwards
             staged = on_all_ranks(lambda: stage_state(checkpoint_state(model, optimizer, extra), self._buffers))
@@ -169,13 +169,12 @@ class AsyncCheckpointer:
                     no_dist=not dist_on(),
                 )
         except FAILURES as e:
-            if made_tmp:
-                _remove(incomplete_dir(path))
+            end_save(path, lock, published=False)
             raise save_failure(path, f"staging {path}", e) from e
         done: Future = Future()
         publisher = current_rank() == 0
         threading.Thread(target=_finish, args=(upload, path, publisher, done), daemon=True).start()
-        self._pending = (path, made_tmp, done)
+        self._pending = (path, lock, done)
         return path
 
     def wait(self) -> Optional[Path]:
@@ -190,7 +189,7 @@ class AsyncCheckpointer:
         """
         if self._pending is None:
             return None
-        path, made_tmp, done = self._pending
+        path, lock, done = self._pending
         self._pending = None
         error = done.exception()
 
@@ -198,12 +197,14 @@ class AsyncCheckpointer:
             if error is not None:
                 raise error
 
+        published = False
         try:
             on_all_ranks(check)
+            published = True
         except FAILURES as e:
-            if made_tmp:
-                _remove(incomplete_dir(path))
             raise save_failure(path, f"writing {path}", e) from e
+        finally:
+            end_save(path, lock, published)
         return path
 
     def close(self) -> None:
@@ -227,6 +228,8 @@ class AsyncCheckpointer:
         """At interpreter exit: let the write in flight finish (this rank only, no collective)."""
         if self._pending is not None:
             self._pending[2].exception()
+            if self._pending[1] is not None:
+                self._pending[1].release()
 
 
 def _finish(upload: Any, path: Path, publisher: bool, done: Future) -> None:
@@ -239,7 +242,3 @@ def _finish(upload: Any, path: Path, publisher: bool, done: Future) -> None:
         done.set_result(path)
     except BaseException as e:  # noqa: BLE001 - handed to wait(), which raises it on every rank
         done.set_exception(e)
-
-
-def _remove(directory: Path) -> None:
-    shutil.rmtree(directory, ignore_errors=True)
