@@ -27,7 +27,7 @@ from torch.distributed.tensor import DTensor
 
 from ..files import PathLock
 from .checkpoint import checkpoint_state, end_save, save_failure, start_save
-from .checks import FAILURES, PathLike, current_rank, dist_on, on_all_ranks, world_size
+from .checks import FAILURES, CheckpointError, PathLike, current_rank, dist_on, on_all_ranks, world_size
 from .publish import incomplete_dir, publish_checkpoint
 
 
@@ -81,6 +81,38 @@ class _AlreadyStaged:
 
     def close(self) -> None:
         pass
+
+
+class _StartGate:
+    """Holds a background write at its start until every rank has started one (``open``), or stops it (``close``)."""
+
+    def __init__(self) -> None:
+        self._event = threading.Event()
+        self._go = False
+
+    def open(self) -> None:
+        self._go = True
+        self._event.set()
+
+    def close(self) -> None:
+        self._event.set()
+
+    def wait(self) -> None:
+        self._event.wait()
+        if not self._go:
+            raise CheckpointError("the save did not start on every rank; this rank's write was cancelled")
+
+
+class _GatedWriter(FileSystemWriter):
+    """DCP's file writer whose ``reset`` (the first thing the write thread does, before any collective) waits at a gate."""
+
+    def __init__(self, path: Path, gate: _StartGate) -> None:
+        super().__init__(path)
+        self._gate = gate
+
+    def reset(self, checkpoint_id: Any = None) -> None:
+        self._gate.wait()
+        super().reset(checkpoint_id)
 
 
 class AsyncCheckpointer:
@@ -158,16 +190,30 @@ class AsyncCheckpointer:
         try:
             # every rank staged, or every rank raises; the live tensors are not referenced afterwards
             staged = on_all_ranks(lambda: stage_state(checkpoint_state(model, optimizer, extra), self._buffers))
-            with warnings.catch_warnings():
-                warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-                upload = dcp.async_save(
-                    staged,
-                    storage_writer=FileSystemWriter(incomplete_dir(path)),
-                    planner=DefaultSavePlanner(flatten_state_dict=False),
-                    process_group=group,
-                    async_stager=_AlreadyStaged(),
-                    no_dist=not dist_on(),
-                )
+            gate = _StartGate()
+
+            def start() -> Any:
+                with warnings.catch_warnings():
+                    warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+                    return dcp.async_save(
+                        staged,
+                        checkpoint_id=incomplete_dir(path),  # DCP then calls the writer's reset() first, in the thread
+                        storage_writer=_GatedWriter(incomplete_dir(path), gate),
+                        planner=DefaultSavePlanner(flatten_state_dict=False),
+                        process_group=group,
+                        async_stager=_AlreadyStaged(),
+                        no_dist=not dist_on(),
+                    )
+
+            # Started on every rank, or failed on every rank: a rank whose write thread started while a
+            # peer's failed to start must not wait in the write's first collective for that peer (until
+            # gloo's timeout). The threads wait at the gate, before any collective, until the ranks agree.
+            try:
+                upload = on_all_ranks(start)
+            except FAILURES:
+                gate.close()  # a thread that started here stops before its first collective
+                raise
+            gate.open()
         except FAILURES as e:
             end_save(path, lock, published=False)
             raise save_failure(path, f"staging {path}", e) from e
