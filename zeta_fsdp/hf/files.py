@@ -524,7 +524,9 @@ def staging_dir(path: Union[str, os.PathLike], *, overwrite: bool, caller: str) 
     ``publish_dir`` swaps the finished directory in.
 
     Example:
-        >>> tmp = staging_dir("out/llama", overwrite=False, caller="save_pretrained()")
+        >>> import tempfile
+        >>> staging_dir(Path(tempfile.mkdtemp()) / "llama", overwrite=False, caller="save_pretrained()").name
+        '.llama.incomplete'
     """
     from ..files import remove_tree
 
