@@ -377,6 +377,22 @@ def existing_dir_refused_and_failed_save_keeps_it() -> None:
     expect_error(FileExistsError, lambda: save_pretrained(model, out), "overwrite=True")
     expect_error(ValueError, lambda: save_pretrained(model, out, overwrite=True, dtype=torch.int8), "dtype")
     expect_error(ValueError, lambda: save_pretrained(model, out, overwrite=True, max_shard_size="lots"), "lots")
+    # overwrite=True replaces only a directory this library could have written (issue 18): a folder of
+    # the user's files (notes, docs/, .git/) is refused, byte for byte untouched, on every rank.
+    if rank() == 0:
+        (out / "docs").mkdir(exist_ok=True)
+        (out / "docs" / "a.md").write_text("doc")
+        (out / ".git").mkdir(exist_ok=True)
+        (out / ".git" / "HEAD").write_text("ref: main")
+    dist.barrier()
+    before = {str(p): p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()}
+    expect_error(FileExistsError, lambda: save_pretrained(model, out, overwrite=True), str(out), "keep.txt", "refusing")
+    assert {str(p): p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()} == before
+    assert not (out.parent / ".users_dir.incomplete").exists()
+    # A directory of ours is replaced; a save that fails midway (one rank's disk) leaves it as it was.
+    ours = work() / "ours_dir"
+    save_pretrained(model, ours, overwrite=True, max_shard_size="8KB")
+    kept = {p.name: p.read_bytes() for p in sorted(ours.iterdir())}
     import zeta_fsdp.hf.files as files_mod  # where save_pretrained's file writer lives
 
     real = files_mod.SafetensorsStreamWriter
@@ -389,27 +405,15 @@ def existing_dir_refused_and_failed_save_keeps_it() -> None:
 
     files_mod.SafetensorsStreamWriter = Failing
     try:
-        expect_error(Exception, lambda: save_pretrained(model, out, overwrite=True, max_shard_size="8KB"), "injected")
+        expect_error(Exception, lambda: save_pretrained(model, ours, overwrite=True, max_shard_size="8KB"), "injected")
     finally:
         files_mod.SafetensorsStreamWriter = real
     dist.barrier()
-    assert (out / "keep.txt").read_text() == "mine" and sorted(p.name for p in out.iterdir()) == ["keep.txt"]
-    assert not (out.parent / ".users_dir.incomplete").exists()
-    # overwrite=True replaces only a directory this library could have written (issue 18): a folder of
-    # the user's files (notes, docs/, .git/) is refused, byte for byte untouched, on every rank.
-    if rank() == 0:
-        (out / "docs").mkdir(exist_ok=True)
-        (out / "docs" / "a.md").write_text("doc")
-        (out / ".git").mkdir(exist_ok=True)
-        (out / ".git" / "HEAD").write_text("ref: main")
-    dist.barrier()
-    before = {str(p): p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()}
-    expect_error(FileExistsError, lambda: save_pretrained(model, out, overwrite=True), str(out), "keep.txt", "refusing")
-    assert {str(p): p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()} == before
-    ours = work() / "ours_dir"
-    save_pretrained(model, ours, overwrite=True, max_shard_size="8KB")
+    assert {p.name: p.read_bytes() for p in sorted(ours.iterdir())} == kept, "a failed save changed the directory"
+    assert not (ours.parent / ".ours_dir.incomplete").exists()
     save_pretrained(model, ours, overwrite=True)  # our own output: replaced
-    assert sorted(p.name for p in ours.iterdir()) == ["model.safetensors"], list(ours.iterdir())
+    names = sorted(p.name for p in ours.iterdir())
+    assert names == ["config.json", "generation_config.json", "model.safetensors"], names  # the 8KB shards: gone
 
 
 @case
