@@ -61,6 +61,10 @@ def one_run(index: int, timeout_s: float, rank_module: str) -> dict:
         text += Path(log.group(1)).read_text(errors="replace")
     aborted = bool(_ABORT.search(text))
     lines = [line for line in text.splitlines() if _ABORT.search(line)]
+    if rank_module and not aborted and code == 0:
+        import shutil
+
+        shutil.rmtree(cwd, ignore_errors=True)  # kept only when it holds the evidence of a failure
     return {"run": index, "code": code, "aborted": aborted, "seconds": time.monotonic() - start, "lines": lines[:3]}
 
 
