@@ -470,7 +470,7 @@ def bad_inputs_raise_before_touching():
 
     # an optimizer of another kind, and a checkpoint without optimizer state
     sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    expect_error(CheckpointError, lambda: load_checkpoint(good, model, sgd), "momentum_buffer", str(good))
+    expect_error(CheckpointError, lambda: load_checkpoint(good, model, sgd), "betas", "SGD", str(good))
     assert not sgd.state, "a failed load left state in the fresh SGD optimizer"
     save_checkpoint(ckpt_dir() / "model_only", model)
     expect_error(CheckpointError, load(ckpt_dir() / "model_only"), "no optimizer state")
@@ -496,6 +496,86 @@ def bad_inputs_raise_before_touching():
     )
     assert not (ckpt_dir() / "bad_extra").exists() and not (ckpt_dir() / ".bad_extra.incomplete").exists()
     unchanged("refused saves")
+
+
+def tree_bytes(path: Path) -> dict[str, bytes]:
+    """Every file under ``path`` (links not followed) -> its bytes, and every link -> where it points."""
+    out: dict[str, bytes] = {}
+    for p in sorted(path.rglob("*")):
+        key = str(p.relative_to(path))
+        if p.is_symlink():
+            out[key] = b"-> " + os.readlink(p).encode()
+        elif p.is_file():
+            out[key] = p.read_bytes()
+        else:
+            out[key + "/"] = b""
+    return out
+
+
+@case(group="save")
+def destructive_calls_touch_only_our_checkpoints():
+    """Issue 18: ``overwrite=True``, prune and retention replace or delete only checkpoints this library
+    wrote, never through a link; an optimizer of another class is refused before any change."""
+    from zeta_fsdp.state_dict import prune_checkpoints
+
+    model, opt, ours = trained_and_saved("ours", 2)
+    train(model, opt, [2])  # live values differ from the checkpoint's
+    params, optim = full_params(model), full_optim(model, opt)
+    users, lookalike, adopted = ckpt_dir() / "users_folder", ckpt_dir() / "lookalike", ckpt_dir() / "adopted"
+
+    def make():
+        import shutil
+
+        users.mkdir()
+        (users / "notes.txt").write_text("mine")
+        (users / "docs").mkdir()
+        (users / "docs" / "a.md").write_text("doc")
+        (users / ".git").mkdir()
+        (users / ".git" / "HEAD").write_text("ref: main")
+        lookalike.mkdir()  # a folder that merely holds a file named .metadata
+        (lookalike / ".metadata").write_bytes(b"not DCP metadata")
+        (lookalike / "data.csv").write_text("1,2")
+        shutil.copytree(ours, adopted)  # a checkpoint someone put their own file into
+        (adopted / "README").write_text("my notes about this run")
+
+    on_rank0(make)
+    before = {p: tree_bytes(p) for p in (users, lookalike, adopted, ours)}
+    for target, why in ((users, "no .metadata"), (lookalike, "corrupted"), (adopted, "README")):
+        expect_error(
+            CheckpointError,
+            lambda t=target: save_checkpoint(t, model, opt, overwrite=True),
+            str(target),
+            why,
+            "refusing",
+        )
+    assert not is_checkpoint(lookalike), "a folder holding a file named .metadata counted as a checkpoint"
+
+    # prune_checkpoints / CheckpointManager retention: a step directory that is a link loses the link only
+    root = ckpt_dir() / "pruned"
+
+    def link_step():
+        root.mkdir()
+        os.symlink(ours, root / "step_1", target_is_directory=True)
+        os.symlink(users, root / "step_0", target_is_directory=True)
+
+    on_rank0(link_step)
+    save_checkpoint(root / "step_2", model, opt)
+    if rank() == 0:
+        deleted = prune_checkpoints(root, 1)
+        assert deleted == [root / "step_1"], deleted
+        assert sorted(p.name for p in root.iterdir()) == ["step_0", "step_2"], list(root.iterdir())
+    dist.barrier()
+
+    # an optimizer of another class: SGD's lr/weight_decay must not become AdamW's
+    sgd = torch.optim.SGD(model.parameters(), lr=0.5)
+    expect_error(CheckpointError, lambda: load_checkpoint(ours, model, sgd), str(ours), "betas", "nothing was changed")
+    assert sgd.param_groups[0]["lr"] == 0.5 and sgd.param_groups[0]["weight_decay"] == 0, sgd.param_groups[0]
+    assert not sgd.state, "a refused load left state in the SGD optimizer"
+
+    for path, content in before.items():
+        assert tree_bytes(path) == content, f"{path} changed"
+    assert_equal_dicts("params after refusals", full_params(model), params)
+    assert_equal_dicts("optimizer after refusals", full_optim(model, opt), optim)
 
 
 # --------------------------------------------------------------------------- second 2-rank launch

@@ -10,6 +10,7 @@ same kernels on the same full (all-gathered) fp32 weights and the same inputs as
 from __future__ import annotations
 
 import copy
+import json
 import os
 import subprocess
 import sys
@@ -22,6 +23,7 @@ from torch.distributed.tensor import DTensor
 from worker import ARGS, Cases, expect_error, full, rank, run_cases, world
 
 from zeta_fsdp import consolidate_to_hf, fsdp, load_pretrained, save_checkpoint, save_pretrained
+from zeta_fsdp.hf.files import INDEX_NAME
 from zeta_fsdp.state_dict import CheckpointError
 
 warnings.filterwarnings("ignore")
@@ -375,6 +377,22 @@ def existing_dir_refused_and_failed_save_keeps_it() -> None:
     expect_error(FileExistsError, lambda: save_pretrained(model, out), "overwrite=True")
     expect_error(ValueError, lambda: save_pretrained(model, out, overwrite=True, dtype=torch.int8), "dtype")
     expect_error(ValueError, lambda: save_pretrained(model, out, overwrite=True, max_shard_size="lots"), "lots")
+    # overwrite=True replaces only a directory this library could have written (issue 18): a folder of
+    # the user's files (notes, docs/, .git/) is refused, byte for byte untouched, on every rank.
+    if rank() == 0:
+        (out / "docs").mkdir(exist_ok=True)
+        (out / "docs" / "a.md").write_text("doc")
+        (out / ".git").mkdir(exist_ok=True)
+        (out / ".git" / "HEAD").write_text("ref: main")
+    dist.barrier()
+    before = {str(p): p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()}
+    expect_error(FileExistsError, lambda: save_pretrained(model, out, overwrite=True), str(out), "keep.txt", "refusing")
+    assert {str(p): p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()} == before
+    assert not (out.parent / ".users_dir.incomplete").exists()
+    # A directory of ours is replaced; a save that fails midway (one rank's disk) leaves it as it was.
+    ours = work() / "ours_dir"
+    save_pretrained(model, ours, overwrite=True, max_shard_size="8KB")
+    kept = {p.name: p.read_bytes() for p in sorted(ours.iterdir())}
     import zeta_fsdp.hf.files as files_mod  # where save_pretrained's file writer lives
 
     real = files_mod.SafetensorsStreamWriter
@@ -387,14 +405,15 @@ def existing_dir_refused_and_failed_save_keeps_it() -> None:
 
     files_mod.SafetensorsStreamWriter = Failing
     try:
-        expect_error(Exception, lambda: save_pretrained(model, out, overwrite=True, max_shard_size="8KB"), "injected")
+        expect_error(Exception, lambda: save_pretrained(model, ours, overwrite=True, max_shard_size="8KB"), "injected")
     finally:
         files_mod.SafetensorsStreamWriter = real
     dist.barrier()
-    assert (out / "keep.txt").read_text() == "mine" and sorted(p.name for p in out.iterdir()) == ["keep.txt"]
-    assert not (out.parent / ".users_dir.incomplete").exists()
-    save_pretrained(model, out, overwrite=True)
-    assert not (out / "keep.txt").exists() and (out / "model.safetensors").is_file()
+    assert {p.name: p.read_bytes() for p in sorted(ours.iterdir())} == kept, "a failed save changed the directory"
+    assert not (ours.parent / ".ours_dir.incomplete").exists()
+    save_pretrained(model, ours, overwrite=True)  # our own output: replaced
+    names = sorted(p.name for p in ours.iterdir())
+    assert names == ["config.json", "generation_config.json", "model.safetensors"], names  # the 8KB shards: gone
 
 
 @case
@@ -419,6 +438,51 @@ def consolidate_checkpoint_to_hf() -> None:
         assert proc.returncode != 0 and "overwrite" in proc.stderr + proc.stdout, proc.stderr
 
     on_rank0(check)
+
+
+@case
+def index_outside_or_malformed_refused_on_every_rank() -> None:
+    """Issue 18: reads stay inside the model directory; a malformed index is a CheckpointError on every
+    rank before any parameter changes; the Hugging Face cache layout (links into ../../blobs) loads."""
+    ref, d = reference_dir("llama_untied")
+    model = fsdp(build("llama_untied", seed=3), auto_wrap=True, shard_strat="FULL_SHARD")
+    before = _snapshot(model)
+    root = work() / "index_cases"
+    secret = root / "outside" / "secret.safetensors"
+    keys = list(json.loads((d.parent / "sharded_index" / INDEX_NAME).read_text())["weight_map"])
+
+    def make() -> None:
+        import shutil
+
+        shutil.rmtree(root, ignore_errors=True)  # a relaunch of the case starts afresh
+        secret.parent.mkdir(parents=True)
+        shutil.copy(d / "model.safetensors", secret)
+        for name, value in {
+            "relative": {"weight_map": {k: "../outside/secret.safetensors" for k in keys}},
+            "absolute": {"weight_map": {k: str(secret) for k in keys}},
+            "a_list": [1, 2],
+            "not_a_string": {"weight_map": {k: 7 for k in keys}},
+        }.items():
+            (root / name).mkdir()
+            (root / name / INDEX_NAME).write_text(json.dumps(value))
+        # the hub cache: models--x/snapshots/<rev>/model.safetensors -> ../../blobs/<hash>
+        blobs, snap = root / "models--x" / "blobs", root / "models--x" / "snapshots" / "abc"
+        blobs.mkdir(parents=True)
+        snap.mkdir(parents=True)
+        shutil.copy(d / "model.safetensors", blobs / "0123")
+        os.symlink("../../blobs/0123", snap / "model.safetensors")
+
+    on_rank0(make)
+    for name, needles in {
+        "relative": ["../outside/secret.safetensors", "not a file inside"],
+        "absolute": [str(secret), "not a file inside"],
+        "a_list": ["weight_map"],
+        "not_a_string": ["not a file name"],
+    }.items():
+        expect_error(CheckpointError, lambda n=name: load_pretrained(model, root / n), *needles)
+        _unchanged(model, before)
+    load_pretrained(model, root / "models--x" / "snapshots" / "abc")
+    assert_weights(model, ref.state_dict(), "hub cache layout")
 
 
 @case

@@ -22,6 +22,7 @@ from zeta_fsdp.data import ResumableLoader
 from zeta_fsdp.models.gpt import Block, lm_loss, small
 from zeta_fsdp.state_dict import (
     AsyncCheckpointer,
+    CheckpointError,
     CheckpointManager,
     get_full_state_dict,
     get_optimizer_state_dict,
@@ -134,6 +135,41 @@ def async_save_one_in_flight_and_bad_input_first():
 
 
 # --------------------------------------------------------------------------- the manager
+
+
+@case
+def async_save_failing_to_start_on_one_rank_raises_on_every_rank():
+    """Issue 18: an async save whose start fails on rank 1 only raises on every rank at once (no peer waits
+    in the write's collectives for gloo's timeout); the previous checkpoint stays, the checkpointer works on."""
+    import torch.distributed.checkpoint as dcp
+
+    model, opt = gpt()
+    train(model, opt, range(1))
+    checkpointer = AsyncCheckpointer()
+    path = root() / "start_fails"
+    checkpointer.save(path, model, opt, extra={"step": 1})
+    checkpointer.wait()
+    before = loaded(path)
+    train(model, opt, range(1, 2))
+    real = dcp.async_save
+
+    def failing(*args, **kwargs):
+        if rank() == 1:
+            raise RuntimeError("cannot start the write (injected)")
+        return real(*args, **kwargs)
+
+    dcp.async_save = failing
+    try:
+        expect_error(CheckpointError, lambda: checkpointer.save(path, model, opt, overwrite=True), "injected")
+    finally:
+        dcp.async_save = real
+    assert checkpointer.in_flight is None
+    assert_identical("previous checkpoint after a failed start", loaded(path)["state"], before["state"])
+    assert not (root() / ".start_fails.incomplete").exists() and not (root() / ".start_fails.lock").exists()
+    checkpointer.save(path, model, opt, extra={"step": 2}, overwrite=True)  # the checkpointer works on
+    checkpointer.wait()
+    assert loaded(path)["extra"] == {"step": 2}
+    checkpointer.close()
 
 
 @case

@@ -30,6 +30,7 @@ TWO_RANK = (
         "existing_dir_refused_and_failed_save_keeps_it",
         "consolidate_checkpoint_to_hf",
         "sharded_shapes_are_real_shards",
+        "index_outside_or_malformed_refused_on_every_rank",
         "clip_load_and_save",  # CLIP's 0-dim logit_scale: kept whole by fsdp(), loaded and saved
     ]
 )
@@ -85,3 +86,153 @@ def test_shard_plan_and_sizes():
             parse_size(bad)
     assert plan_shard_files({"a": 6, "b": 6, "c": 1, "d": 20}, 10) == [["a"], ["b", "c"], ["d"]]
     assert json.dumps(plan_shard_files({}, 10)) == "[]"
+
+
+# --------------------------------------------------------------------------- hostile headers (issue 18)
+
+
+def _raw_safetensors(path, header, data: bytes = b"\0" * 64) -> None:
+    import struct
+
+    raw = header if isinstance(header, bytes) else json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + data)
+
+
+@pytest.mark.parametrize(
+    "header, needle",
+    [
+        ([1, 2], "JSON list"),
+        ("[" * 100000 + "]" * 100000, "nested too deeply"),
+        ({"w": [1]}, "is a list, not an object"),
+        ({"w": {"dtype": "F32", "shape": [2], "data_offsets": [-8, 0]}}, "data_offsets [-8, 0]"),
+        ({"w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 16]}}, "data_offsets [0, 16]"),
+        ({"w": {"dtype": "F32", "shape": [-2], "data_offsets": [0, 8]}}, "malformed"),
+        ({"w": {"dtype": "F32", "shape": [4], "data_offsets": [60, 76]}}, "ends at 64"),
+        ({"w": {"dtype": "F32", "shape": [2], "data_offsets": ["0", "8"]}}, "not ints"),
+        ({"w": {"dtype": "XX", "shape": [2], "data_offsets": [0, 8]}}, "malformed"),
+        (
+            {
+                "a": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]},
+                "b": {"dtype": "F32", "shape": [4], "data_offsets": [8, 24]},
+            },
+            "overlap",
+        ),
+        (
+            {
+                "a": {"dtype": "F32", "shape": [8], "data_offsets": [0, 32]},
+                "e": {"dtype": "F32", "shape": [0], "data_offsets": [4, 4]},
+                "b": {"dtype": "F32", "shape": [2], "data_offsets": [16, 24]},
+            },
+            "overlap",
+        ),
+        ({"__metadata__": [1], "w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}, "__metadata__"),
+    ],
+    ids=[
+        "list",
+        "deep",
+        "entry-list",
+        "negative",
+        "wrong-length",
+        "negative-dim",
+        "past-end",
+        "string-offsets",
+        "dtype",
+        "overlap",
+        "overlap-past-empty",
+        "metadata-list",
+    ],
+)
+def test_malformed_header_is_a_checkpoint_error(tmp_path, header, needle):
+    from zeta_fsdp.hf.files import read_checkpoint_index
+    from zeta_fsdp.state_dict import CheckpointError
+
+    f = tmp_path / "model.safetensors"
+    _raw_safetensors(f, header.encode() if isinstance(header, str) else header)
+    with pytest.raises(CheckpointError) as info:
+        read_checkpoint_index(tmp_path)
+    assert needle in str(info.value) and str(f) in str(info.value), info.value
+
+
+@pytest.mark.parametrize(
+    "index, needle",
+    [
+        ([1], "weight_map"),
+        ({"weight_map": [1]}, "weight_map"),
+        ({"weight_map": {"w": 3}}, "not a file name"),
+        ({"weight_map": {"w": "../x/model.safetensors"}}, "not a file inside"),
+        ({"weight_map": {"w": "/etc/passwd"}}, "not a file inside"),
+        ({"weight_map": {"w": "link.safetensors"}}, "outside"),
+    ],
+    ids=["list", "map-list", "non-string", "dotdot", "absolute", "link-outside"],
+)
+def test_malformed_or_escaping_index_is_a_checkpoint_error(tmp_path, index, needle):
+    import os
+
+    from safetensors.torch import save_file
+
+    from zeta_fsdp.hf.files import INDEX_NAME, read_checkpoint_index
+    from zeta_fsdp.state_dict import CheckpointError
+
+    model_dir, outside = tmp_path / "m", tmp_path / "x"
+    model_dir.mkdir()
+    outside.mkdir()
+    save_file({"w": torch.ones(2)}, str(outside / "model.safetensors"))
+    os.symlink(outside / "model.safetensors", model_dir / "link.safetensors")
+    (model_dir / INDEX_NAME).write_text(json.dumps(index))
+    with pytest.raises(CheckpointError) as info:
+        read_checkpoint_index(model_dir)
+    assert needle in str(info.value), info.value
+
+
+def test_hub_cache_layout_loads(tmp_path):
+    """Files of a Hugging Face cache snapshot are links into ``../../blobs``: they stay readable."""
+    import os
+
+    from safetensors.torch import save_file
+
+    from zeta_fsdp.hf.files import INDEX_NAME, read_checkpoint_index, read_rows
+
+    blobs, snap = tmp_path / "models--x" / "blobs", tmp_path / "models--x" / "snapshots" / "abc"
+    blobs.mkdir(parents=True)
+    snap.mkdir(parents=True)
+    save_file({"a": torch.arange(4.0)}, str(blobs / "1111"))
+    save_file({"b": torch.ones(3)}, str(blobs / "2222"))
+    os.symlink("../../blobs/1111", snap / "model-00001-of-00002.safetensors")
+    os.symlink("../../blobs/2222", snap / "model-00002-of-00002.safetensors")
+    weight_map = {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}
+    (blobs / "3333").write_text(json.dumps({"weight_map": weight_map}))
+    os.symlink("../../blobs/3333", snap / INDEX_NAME)
+    entries = read_checkpoint_index(snap)
+    assert torch.equal(read_rows(entries["a"]), torch.arange(4.0)) and torch.equal(
+        read_rows(entries["b"]), torch.ones(3)
+    )
+
+
+def test_full_disk_names_the_file(tmp_path, monkeypatch):
+    """A full disk while writing a safetensors file names the file and says what to do."""
+    import builtins
+
+    from zeta_fsdp.hf.files import SafetensorsStreamWriter
+
+    real_open = builtins.open
+
+    class Full:
+        def __init__(self, f):
+            self.f = f
+
+        def write(self, data):
+            raise OSError(28, "No space left on device")
+
+        def __getattr__(self, name):
+            return getattr(self.f, name)
+
+    def opener(file, mode="r", *args, **kwargs):
+        f = real_open(file, mode, *args, **kwargs)
+        return Full(f) if str(file).endswith(".safetensors") and "w" in mode else f
+
+    monkeypatch.setattr(builtins, "open", opener)
+    target = tmp_path / "model.safetensors"
+    with pytest.raises(OSError, match="No space left") as info:
+        with SafetensorsStreamWriter(target, {"w": (torch.float32, (2,))}) as w:
+            w.write("w", torch.ones(2))
+    assert str(target) in str(info.value) and "save elsewhere" in str(info.value), info.value

@@ -98,9 +98,7 @@ def test_api_reference_lists_the_lightning_names():
     lacking = [n for n in zl.__all__ if callable(getattr(zl, n)) and "Example" not in (getattr(zl, n).__doc__ or "")]
     assert not lacking, lacking
     setup = (ROOT / "setup.py").read_text()
-    assert (
-        '"lightning": ["lightning>=2.4"]' in setup and '"lightning>=2.4"' in setup.split('"test":')[1].split("]")[0]
-    )
+    assert '"lightning": ["lightning>=2.4"]' in setup and '"lightning>=2.4"' in setup.split('"test":')[1].split("]")[0]
 
 
 STEP_LINE = re.compile(r"^step (\d+): loss ([0-9.]+)$", re.M)

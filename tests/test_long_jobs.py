@@ -90,3 +90,37 @@ def test_bench_long_jobs_quick(tmp_path):
     # The staged copy is exactly one copy of the rank's shards: that ratio is not a timing.
     ratios = [float(x) for x in re.findall(r"\| \*\*([0-9.]+)\*\* \| -?[0-9.]+ MiB \|$", text, re.M)]
     assert ratios == [1.0, 1.0], ratios
+
+
+LOADER_BEFORE_GROUP = """
+import json, sys
+from zeta_fsdp.data import ResumableLoader
+
+import torch.distributed as dist
+assert not dist.is_initialized()  # built before any process group, as a script may do under torchrun
+loader = ResumableLoader(list(range(40)), global_batch_size=8, shuffle=False)
+try:
+    ResumableLoader(list(range(40)), global_batch_size=5)
+    refused = ""
+except ValueError as e:
+    refused = str(e)
+out = {"rank": loader.rank, "world": loader.world_size, "batch": next(iter(loader)), "refused": refused}
+open(sys.argv[1] + f"/rank{loader.rank}.json", "w").write(json.dumps(out, default=lambda t: t.tolist()))
+"""
+
+
+@pytest.mark.launch
+def test_loader_built_before_the_group_takes_torchrun_rank(tmp_path):
+    """Issue 18: under torchrun, a ``ResumableLoader`` built before the process group exists is still rank r of W
+    (each rank its own slice of the global batch), and refuses a global batch size W does not divide."""
+    from conftest import torchrun
+
+    script = tmp_path / "loader_before_group.py"
+    script.write_text(LOADER_BEFORE_GROUP)
+    proc = torchrun(2, str(script), str(tmp_path), timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = {r: json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)}
+    assert [got[r]["world"] for r in (0, 1)] == [2, 2]
+    assert got[0]["batch"] == [0, 1, 2, 3] and got[1]["batch"] == [4, 5, 6, 7], got
+    for r in (0, 1):
+        assert "global_batch_size=5" in got[r]["refused"] and "world_size=2" in got[r]["refused"], got[r]

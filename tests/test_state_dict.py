@@ -320,6 +320,8 @@ def killed(self, target):
     return rename(self, target)
 
 Path.rename = killed
+import zeta_fsdp.files
+zeta_fsdp.files.exchange_paths = lambda a, b: False  # the two-rename publish (systems without renameat2)
 torch.manual_seed(2)
 save_checkpoint(path, small(), extra={"step": 2}, overwrite=True)
 """
@@ -331,7 +333,8 @@ def test_overwrite_killed_between_renames_recovers(tmp_path):
     cmd = [sys.executable, "-c", KILLED_BETWEEN_RENAMES, str(path)]
     proc = subprocess.run(cmd, cwd=ROOT, env=rank_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 3, proc.stderr[-3000:]
-    assert names(tmp_path) == [".c.incomplete", ".c.replaced"], "not the state between the two renames"
+    # The killed save's lock file stays (the kernel released the lock itself); the next writer removes it.
+    assert names(tmp_path) == [".c.incomplete", ".c.lock", ".c.replaced"], "not the state between the two renames"
     torch.manual_seed(2)
     new = small().state_dict()
     with pytest.warns(UserWarning, match="interrupted"):
@@ -365,9 +368,12 @@ def test_overwrite_interrupted_before_new_was_complete_restores_previous(tmp_pat
 
 @pytest.mark.parametrize("error", [OSError(5, "Input/output error"), KeyboardInterrupt()])
 def test_overwrite_failing_rename_puts_previous_back(tmp_path, monkeypatch, error):
+    import zeta_fsdp.files
+
     path = tmp_path / "c"
     weights = plain_checkpoint(path, 1)
     rename = Path.rename
+    monkeypatch.setattr(zeta_fsdp.files, "exchange_paths", lambda a, b: False)  # the two-rename publish
 
     def failing(self, target):
         if self.name == ".c.incomplete":
@@ -383,11 +389,197 @@ def test_overwrite_failing_rename_puts_previous_back(tmp_path, monkeypatch, erro
     assert_holds(path, 1, weights)
 
 
+def test_overwrite_failing_exchange_keeps_previous(tmp_path, monkeypatch):
+    """Where the atomic exchange is used (Linux), a failing one leaves the previous checkpoint in place."""
+    import zeta_fsdp.files
+
+    path = tmp_path / "c"
+    weights = plain_checkpoint(path, 1)
+
+    def failing(a, b):
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(zeta_fsdp.files, "exchange_paths", failing)
+    with pytest.raises(CheckpointError, match="untouched"):
+        plain_checkpoint(path, 2)
+    monkeypatch.undo()
+    assert names(tmp_path) == ["c"], "a failed overwrite left files behind"
+    assert_holds(path, 1, weights)
+
+
 def test_save_failing_before_writing_leaves_no_temp_dir(tmp_path):
     other = torch.optim.AdamW(small().parameters())  # the optimizer of another model
     with pytest.raises(CheckpointError, match="not in the model"):
         save_checkpoint(tmp_path / "c", small(), other)
     assert names(tmp_path) == [], "a failed save left a temporary directory"
+
+
+# --------------------------------------------------------------------------- files of anyone (issue 18)
+
+
+class _Payload:
+    """A pickle that creates ``marker`` when unpickled by anything but an allow-list unpickler."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        import os
+
+        return (os.mkdir, (str(self.marker),))
+
+
+@pytest.mark.launch
+def test_no_reader_runs_a_crafted_metadata_pickle(tmp_path, capsys):
+    """Every reader of ``.metadata`` (load, both consolidations, the CLI) refuses a crafted pickle."""
+    import pickle
+
+    from zeta_fsdp.hf import consolidate_to_hf
+
+    path, marker = tmp_path / "c", tmp_path / "PWNED"
+    plain_checkpoint(path, 1)
+    (path / ".metadata").write_bytes(pickle.dumps(_Payload(marker)))
+    model = small()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    readers = {
+        "load_checkpoint": lambda: load_checkpoint(path, model),
+        "consolidate_checkpoint": lambda: consolidate_checkpoint(path, tmp_path / "out.pt"),
+        "consolidate_to_hf": lambda: consolidate_to_hf(path, tmp_path / "out_hf"),
+    }
+    for name, read in readers.items():
+        with pytest.raises(CheckpointError, match="not allowed") as info:
+            read()
+        assert str(path) in str(info.value), (name, info.value)
+        assert not marker.exists(), f"{name} ran code from the checkpoint's .metadata"
+    assert not is_checkpoint(path)
+    for argv in (["consolidate", str(path), str(tmp_path / "o.pt")], ["consolidate", str(path), "o", "--hf"]):
+        assert cli.main(argv) == 2
+        err = capsys.readouterr().err
+        assert "not allowed" in err and err.count("\n") == 1, err
+        assert not marker.exists(), f"{argv} ran code from the checkpoint's .metadata"
+    proc = subprocess.run(
+        [sys.executable, "-m", "zeta_fsdp", "consolidate", str(path), str(tmp_path / "cli_hf"), "--hf"],
+        cwd=ROOT,
+        env=rank_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "not allowed" in proc.stderr, proc.stderr
+    assert not marker.exists()
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in before.items())
+    assert names(tmp_path) == ["c"]
+
+
+def test_metadata_pointing_outside_is_refused(tmp_path):
+    """A ``.metadata`` whose records name ``../file`` never makes a reader open a file outside."""
+    import pickle
+
+    from zeta_fsdp.state_dict.reader import read_metadata
+
+    path = tmp_path / "c"
+    plain_checkpoint(path, 1)
+    metadata = read_metadata(path, "test")
+    for info in metadata.storage_data.values():
+        info.relative_path = "../secret.distcp"
+    (path / ".metadata").write_bytes(pickle.dumps(metadata))
+    with pytest.raises(CheckpointError, match="not a file inside"):
+        load_checkpoint(path, small())
+
+
+@pytest.mark.launch
+def test_two_processes_saving_to_one_path_lose_nothing(tmp_path):
+    """Two jobs, 25 ``save_checkpoint(path, overwrite=True)`` each, at once: every call publishes a complete
+    checkpoint or raises ``CheckpointError``; the path always ends with a complete checkpoint of one call."""
+    path, n = tmp_path / "c", 25
+    script = str(ROOT / "tests" / "concurrent_save.py")
+    procs = [
+        subprocess.Popen(
+            [sys.executable, script, str(path), str(w), str(n), str(tmp_path / f"w{w}.json")],
+            cwd=ROOT,
+            env=rank_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for w in (1, 2)
+    ]
+    for proc in procs:
+        _, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0, err[-3000:]
+    results = {w: json.loads((tmp_path / f"w{w}.json").read_text()) for w in (1, 2)}
+    for w, calls in results.items():
+        raw = [r for r in calls if not (r == "ok" or r.startswith("CheckpointError"))]
+        assert not raw, f"writer {w}: {raw[:3]}"
+        assert all(str(path) in r for r in calls if r != "ok"), calls
+    assert results[1][-1] == "ok" or results[2][-1] == "ok"
+    model = torch.nn.Linear(64, 64)
+    extra = load_checkpoint(path, model)  # complete: every record CRC-checked
+    value = extra["writer"] * 1000 + extra["i"]
+    assert results[extra["writer"]][extra["i"]] == "ok", "the path holds the data of a call that reported failure"
+    assert all(torch.equal(p, torch.full_like(p, value)) for p in model.parameters()), "mixed checkpoint"
+    assert names(tmp_path) == ["c", "w1.json", "w2.json"], "a save left files beside the checkpoint"
+
+
+def test_destructive_calls_refuse_what_is_not_ours(tmp_path):
+    """``remove_checkpoint``, a full-format save, and a save onto a link touch only checkpoints of ours."""
+    import os
+
+    from zeta_fsdp.strategy.checkpoint import remove_checkpoint, write_full_checkpoint
+
+    ours = tmp_path / "ours"
+    weights = plain_checkpoint(ours, 1)
+    notes, users = tmp_path / "notes.txt", tmp_path / "users"
+    notes.write_text("my notes")
+    users.mkdir()
+    (users / ".metadata").write_text("not a checkpoint")
+    (users / "data.csv").write_text("1,2")
+    # a full-format save never replaces a file that is not a checkpoint
+    with pytest.raises(CheckpointError, match="not a checkpoint"):
+        write_full_checkpoint(notes, {"state_dict": {}})
+    assert notes.read_text() == "my notes"
+    # remove_checkpoint: a user's folder that merely holds a .metadata, or a file, is refused
+    for target in (users, notes):
+        with pytest.raises(CheckpointError, match="refusing") as info:
+            remove_checkpoint(target)
+        assert str(target) in str(info.value)
+    assert sorted(p.name for p in users.iterdir()) == [".metadata", "data.csv"] and notes.read_text() == "my notes"
+    # remove_checkpoint(link) unlinks the link (NeMo's "last" checkpoints); the checkpoint stays
+    last = tmp_path / "last"
+    os.symlink(ours, last, target_is_directory=True)
+    remove_checkpoint(last)
+    assert not os.path.lexists(last)
+    assert_holds(ours, 1, weights)
+    # a link to a user's file is not removed either
+    link = tmp_path / "link_to_notes"
+    os.symlink(notes, link)
+    with pytest.raises(CheckpointError, match="not a checkpoint"):
+        remove_checkpoint(link)
+    assert os.path.islink(link)
+    # save_checkpoint(overwrite=True) onto a link to a checkpoint replaces the link, not what it points to
+    os.symlink(ours, last, target_is_directory=True)
+    new = plain_checkpoint(last, 2)
+    assert not last.is_symlink() and is_checkpoint(last)
+    assert_holds(ours, 1, weights)
+    assert_holds(last, 2, new)
+    # ... and onto a link to a user's folder is refused
+    os.symlink(users, tmp_path / "step_9", target_is_directory=True)
+    with pytest.raises(CheckpointError, match="symbolic link"):
+        plain_checkpoint(tmp_path / "step_9", 3)
+    assert sorted(p.name for p in users.iterdir()) == [".metadata", "data.csv"]
+
+
+def test_path_lock_is_exclusive_and_leaves_nothing(tmp_path):
+    from zeta_fsdp.files import PathLock
+
+    a, b = PathLock(tmp_path / "c"), PathLock(tmp_path / "c")
+    assert a.acquire(timeout_s=0)
+    assert not b.acquire(timeout_s=0.1)
+    a.release()
+    assert names(tmp_path) == []
+    assert b.acquire(timeout_s=0)
+    b.release()
+    assert names(tmp_path) == []
 
 
 # --------------------------------------------------------------------------- the record reader (no process group)

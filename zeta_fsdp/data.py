@@ -9,12 +9,15 @@ the same order as if it had never stopped.
 
 from __future__ import annotations
 
+import os
 import warnings
 from typing import Any, Iterator, Mapping, Optional
 
 import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, RandomSampler, Sampler
+
+from .distributed import expected_world_size
 
 __all__ = ["ResumableLoader", "shard_dataloader"]
 
@@ -103,8 +106,9 @@ class ResumableLoader:
     ``load_state_dict`` continues from there at any world size that divides the global batch.
     Pass it to ``CheckpointManager(state={"data": loader})`` to save and restore it with the model.
 
-    ``rank`` / ``world_size`` default to the default process group's (one process without one);
-    pass the data-parallel ones under tensor parallelism. Other keyword arguments go to the
+    ``rank`` / ``world_size`` default to the default process group's; before one exists, to the
+    launcher's (torchrun's ``RANK`` / ``WORLD_SIZE``); one process without either. Pass the
+    data-parallel ones under tensor parallelism. Other keyword arguments go to the
     ``DataLoader`` that reads the samples (``collate_fn``, ``num_workers``, ``pin_memory`` ...).
 
     Example:
@@ -127,8 +131,12 @@ class ResumableLoader:
         **loader_kwargs: Any,
     ) -> None:
         on = dist.is_available() and dist.is_initialized()
-        self.world_size = int(world_size if world_size is not None else (dist.get_world_size() if on else 1))
-        self.rank = int(rank if rank is not None else (dist.get_rank() if on else 0))
+        # Built before the process group exists (under torchrun, before fsdp() starts it): the
+        # launcher's RANK / WORLD_SIZE say which rank this is, as fsdp() will read them.
+        default_world = expected_world_size()
+        default_rank = dist.get_rank() if on else (int(os.environ["RANK"]) if default_world > 1 else 0)
+        self.world_size = int(world_size if world_size is not None else default_world)
+        self.rank = int(rank if rank is not None else default_rank)
         if isinstance(global_batch_size, bool) or not isinstance(global_batch_size, int) or global_batch_size < 1:
             raise ValueError(f"ResumableLoader(): global_batch_size must be a positive int, got {global_batch_size!r}.")
         if global_batch_size % self.world_size:

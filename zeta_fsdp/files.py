@@ -11,12 +11,25 @@ Example:
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import os
 import shutil
+import time
+import warnings
 from pathlib import Path
-from typing import Callable, Union
+from typing import Callable, Optional, Union
 
-__all__ = ["atomic_write", "incomplete_path", "publish_dir", "replaced_path"]
+__all__ = [
+    "PathLock",
+    "atomic_write",
+    "exchange_paths",
+    "incomplete_path",
+    "lock_path",
+    "publish_dir",
+    "remove_tree",
+    "replaced_path",
+]
 
 
 def incomplete_path(path: Union[str, Path]) -> Path:
@@ -43,29 +56,169 @@ def replaced_path(path: Union[str, Path]) -> Path:
     return path.parent / f".{path.name}.replaced"
 
 
+def lock_path(path: Union[str, Path]) -> Path:
+    """The lock file of ``path``: ``.<name>.lock`` beside it (``PathLock``).
+
+    Example:
+        >>> lock_path("ckpt/step_100").as_posix()
+        'ckpt/.step_100.lock'
+    """
+    path = Path(path)
+    return path.parent / f".{path.name}.lock"
+
+
+class PathLock:
+    """An exclusive lock on ``path`` between processes: ``flock`` on ``lock_path(path)``.
+
+    Every writer of ``path`` (a save, the recovery of an interrupted overwrite) holds it from the
+    moment it looks at ``path`` until what it wrote is in place, so two jobs writing one path
+    take turns instead of interleaving. The lock file is removed on release; a waiter that
+    locked a file removed meanwhile sees that (its inode is no longer at ``lock_path``) and
+    locks the new one. The kernel releases the lock when the process dies (a crash never leaves
+    ``path`` locked). One process may hold it once (a second ``acquire`` waits like another process).
+
+    Example:
+        >>> import tempfile
+        >>> lock = PathLock(Path(tempfile.mkdtemp()) / "step_1")
+        >>> lock.acquire(timeout_s=0), PathLock(lock.path).acquire(timeout_s=0)
+        (True, False)
+        >>> lock.release()
+    """
+
+    def __init__(self, path: Union[str, Path]) -> None:
+        self.path = Path(path)
+        self.file = lock_path(self.path)
+        self._fd: Optional[int] = None
+
+    @property
+    def held(self) -> bool:
+        """``True`` while this object holds the lock."""
+        return self._fd is not None
+
+    def acquire(self, timeout_s: float) -> bool:
+        """Take the lock, waiting up to ``timeout_s`` seconds; ``False`` if another holder kept it.
+
+        Raises ``OSError`` when the lock file cannot be created (a read-only folder).
+        """
+        import fcntl
+
+        deadline = time.monotonic() + timeout_s
+        while True:
+            fd = os.open(self.file, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                if time.monotonic() >= deadline:
+                    return False
+                time.sleep(0.02)
+                continue
+            except BaseException:
+                os.close(fd)
+                raise
+            mine = os.fstat(fd)
+            try:
+                there = os.stat(self.file)
+            except FileNotFoundError:
+                there = None
+            if there is None or (there.st_dev, there.st_ino) != (mine.st_dev, mine.st_ino):
+                os.close(fd)  # the holder before us removed this file: lock the one there now
+                continue
+            self._fd = fd
+            return True
+
+    def release(self) -> None:
+        """Remove the lock file and let the next waiter in (no-op when not held)."""
+        fd, self._fd = self._fd, None
+        if fd is None:
+            return
+        try:
+            os.unlink(self.file)  # still locked: a waiter re-checks the inode after locking
+        except OSError:
+            pass
+        os.close(fd)
+
+    def __enter__(self) -> PathLock:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+_RENAME_EXCHANGE = 2
+_AT_FDCWD = -100
+
+
+def exchange_paths(a: Union[str, Path], b: Union[str, Path]) -> bool:
+    """Swap the entries ``a`` and ``b`` in one atomic step (Linux ``renameat2(RENAME_EXCHANGE)``).
+
+    Returns ``False`` where the system or file system cannot (then nothing changed); raises
+    ``OSError`` for other failures. A reader of ``b`` sees the old entry or the new one, never none.
+
+    Example:
+        exchange_paths(incomplete_path(out), out)  # out is the new directory, the old one beside it
+    """
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    if renameat2(_AT_FDCWD, os.fsencode(str(a)), _AT_FDCWD, os.fsencode(str(b)), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP):
+        return False
+    raise OSError(err, os.strerror(err), str(a), None, str(b))
+
+
+def remove_tree(path: Union[str, Path]) -> None:
+    """Delete ``path``: a symbolic link is unlinked (never followed), a directory removed with its content.
+
+    Example:
+        remove_tree(incomplete_path(out))
+    """
+    path = Path(path)
+    if path.is_symlink() or not path.is_dir():
+        path.unlink(missing_ok=True)
+    else:
+        shutil.rmtree(path)
+
+
 def publish_dir(
-    tmp: Union[str, Path], path: Union[str, Path], *, discard: Callable[[Path], object] = shutil.rmtree
+    tmp: Union[str, Path], path: Union[str, Path], *, discard: Callable[[Path], object] = remove_tree
 ) -> Path:
     """Rename the finished directory ``tmp`` to ``path``; what was at ``path`` goes only once ``tmp`` is in place.
 
-    The previous directory waits in ``replaced_path(path)`` between the two renames and is put
-    back if the second fails; ``discard`` deletes it (and a stale one left by an interrupted
-    clean-up) afterwards. Returns ``path``.
+    Where the system can, the two are swapped in one atomic step (``exchange_paths``): ``path``
+    never stops existing, and ``discard`` then deletes the previous entry at ``tmp``'s name.
+    Elsewhere the previous directory waits in ``replaced_path(path)`` between two renames and is
+    put back if the second fails; ``discard`` deletes it (and a stale one left by an interrupted
+    clean-up) afterwards. A symbolic link at ``path`` is replaced itself, never what it points
+    to (the default ``discard`` unlinks it). Returns ``path``.
 
     Example:
         publish_dir(incomplete_path(out), out)
     """
     tmp, path = Path(tmp), Path(path)
     old = replaced_path(path)
-    replacing = path.exists()
+    replacing = path.exists() or path.is_symlink()
+    if replacing and exchange_paths(tmp, path):
+        try:
+            discard(tmp)  # the previous entry, now under tmp's name
+        except Exception as e:  # noqa: BLE001 - the new directory is in place: say what is left, do not fail
+            warnings.warn(
+                f"{path} was replaced, but the previous content left at {tmp} was not removed: {e}", stacklevel=2
+            )
+        return path
     if replacing:
-        if old.exists():
+        if os.path.lexists(old):
             discard(old)  # left by an interrupted clean-up: what is at path is the complete one
         path.rename(old)
     try:
         tmp.rename(path)
     except BaseException:
-        if replacing and not path.exists():
+        if replacing and not os.path.lexists(path):
             old.rename(path)  # put the previous directory back
         raise
     if replacing:

@@ -47,13 +47,26 @@ def run(args: argparse.Namespace) -> int:
             return _to_hf(args)
         out = consolidate_checkpoint(args.dcp_dir, args.out, overwrite=args.overwrite)
     except FileExistsError as e:
+        if getattr(args, "overwrite", False):  # refused even with --overwrite: say why
+            raise UsageError(one_line(e)) from e
         raise UsageError(f"{args.out} already exists; pass --overwrite to replace it.") from e
     except (FileNotFoundError, CheckpointError, ImportError, ValueError) as e:  # a corrupted checkpoint: one line
-        raise UsageError(str(e)) from e
+        raise UsageError(one_line(e)) from e
     except OSError as e:  # reading DIR or writing OUT failed (permissions, full disk); the error names the file
-        raise UsageError(str(e)) from e
+        raise UsageError(one_line(e)) from e
     print(f"wrote {out} ({out.stat().st_size / 2**20:.1f} MiB)")
     return 0
+
+
+def one_line(error: BaseException) -> str:
+    """The error's message on one line (a message quoting a multi-line cause is joined with ``" | "``).
+
+    Example:
+        >>> one_line(ValueError("bad header\\nTraceback ..."))
+        'bad header | Traceback ...'
+    """
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    return " | ".join(lines) if lines else type(error).__name__
 
 
 def _to_hf(args: argparse.Namespace) -> int:

@@ -28,7 +28,8 @@ import torch
 import torch.nn as nn
 
 from ..files import publish_dir
-from ..state_dict import CheckpointError, is_checkpoint
+from ..state_dict import CheckpointError
+from ..state_dict.reader import dcp_load, open_checkpoint
 from .files import PlannedFilesWriter, parse_size, staging_dir
 from .naming import hf_class, model_tensors, saved_aliases, saved_tensors
 from .save import cast, check_dtype, plan_hf_files, write_hf_config, write_index
@@ -56,7 +57,14 @@ def meta_model_from_config(config: Union[str, os.PathLike]) -> nn.Module:
     file = config / "config.json" if config.is_dir() else config
     if not file.is_file():
         raise FileNotFoundError(f"{_CALLER}: {config} holds no config.json.")
-    raw = json.loads(file.read_text())
+    try:
+        raw = json.loads(file.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        raise ValueError(f"{_CALLER}: {file} is not a Hugging Face config (not JSON: {e}).") from e
+    if not isinstance(raw, dict):
+        raise ValueError(
+            f"{_CALLER}: {file} is not a Hugging Face config (a JSON {type(raw).__name__}, not an object)."
+        )
     try:
         cfg = transformers.AutoConfig.for_model(raw.pop("model_type"), **raw)
     except (KeyError, ValueError) as e:
@@ -99,8 +107,6 @@ def consolidate_to_hf(
         consolidate_to_hf("ckpt/step_100", "out/llama", config="llama-dir", dtype=torch.bfloat16)
         LlamaForCausalLM.from_pretrained("out/llama")
     """
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     src = Path(ckpt_dir)
@@ -108,10 +114,8 @@ def consolidate_to_hf(
     limit = parse_size(max_shard_size)
     if not src.exists():
         raise FileNotFoundError(f"{_CALLER}: no checkpoint at {src}: the path does not exist.")
-    if not is_checkpoint(src):
-        raise CheckpointError(f"{_CALLER}: {src} is not a checkpoint written by save_checkpoint().")
-    # Note: plain DCP metadata reader (the hardened allow-list reader is private to zeta_fsdp.state_dict).
-    metadata = FileSystemReader(src).read_metadata()
+    # The hardened reader: allow-list unpickling of .metadata, shard files present and long enough.
+    metadata = open_checkpoint(src, _CALLER)
     stored = {
         k[len(_MODEL) :]: md
         for k, md in metadata.state_dict_metadata.items()
@@ -165,10 +169,9 @@ def consolidate_to_hf(
                 md = stored[source[key]]
                 state: dict[str, Any] = {_MODEL + source[key]: torch.empty(tuple(md.size), dtype=md.properties.dtype)}
                 try:
-                    dcp.load(state, storage_reader=FileSystemReader(src), no_dist=True)
-                except BaseException as e:  # DCP's CheckpointException is a BaseException
-                    if not isinstance(e, Exception) and type(e).__name__ != "CheckpointException":
-                        raise
+                    # Every record CRC-checked before it is used; one readable error, no DCP traceback.
+                    dcp_load(state, src, alone=True, metadata=metadata)
+                except CheckpointError as e:
                     raise CheckpointError(f"{_CALLER}: reading {source[key]!r} from {src} failed: {e}") from None
                 out = pieces(key, cast(state.pop(_MODEL + source[key]), dtype))
                 for k in entries:

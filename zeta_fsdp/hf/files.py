@@ -14,17 +14,19 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO, Optional, Union
+from typing import BinaryIO, Iterator, Optional, Union
 
 import torch
 
 from ..files import incomplete_path
+from ..state_dict.checks import CheckpointError
 
 __all__ = [
     "INDEX_NAME",
@@ -32,12 +34,14 @@ __all__ = [
     "PlannedFilesWriter",
     "SafetensorsStreamWriter",
     "TensorEntry",
+    "contained_file",
     "parse_size",
     "plan_shard_files",
     "read_checkpoint_index",
     "read_rows",
     "read_safetensors_header",
     "shard_file_names",
+    "model_dir_problem",
     "staging_dir",
 ]
 
@@ -85,11 +89,33 @@ class TensorEntry:
         return self.nbytes // self.shape[0] if self.shape and self.shape[0] else self.nbytes
 
 
+def _bad(file: Path, why: str) -> CheckpointError:
+    return CheckpointError(f"{file} is not a valid safetensors file: {why}. Re-download or re-save it.")
+
+
+def _parse_json(raw: bytes, file: Path, what: str) -> object:
+    """``raw`` parsed as JSON; ``CheckpointError`` naming ``file`` when it is not (a deep nesting included)."""
+    try:
+        return json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{file}: its {what} is not JSON ({e}). Re-download or re-save it.") from e
+    except RecursionError as e:  # a deeply nested document: refused, never a crash
+        raise CheckpointError(f"{file}: its {what} is nested too deeply to be a safetensors {what}.") from e
+
+
+def _shape(value: object) -> Optional[tuple[int, ...]]:
+    if not isinstance(value, list) or not all(type(d) is int and d >= 0 for d in value):
+        return None
+    return tuple(value)
+
+
 def read_safetensors_header(file: Union[str, os.PathLike]) -> dict[str, TensorEntry]:
     """The tensors of one ``.safetensors`` file (header only: no tensor byte is read).
 
-    Raises ``ValueError`` naming the file when the header is not valid safetensors, or when a
-    tensor's bytes lie beyond the end of the file (a truncated download).
+    Raises ``CheckpointError`` (a ``ValueError``) naming the file when the header is not valid
+    safetensors: not a JSON object, an entry without a known dtype, a shape of non-negative
+    ints or two offsets, a byte range that does not match its shape, lies outside the data
+    section (a truncated download, or an offset pointing into the header), or overlaps another.
 
     Example:
         sorted(read_safetensors_header("model.safetensors"))[:2]
@@ -100,47 +126,108 @@ def read_safetensors_header(file: Union[str, os.PathLike]) -> dict[str, TensorEn
     with open(file, "rb") as f:
         raw = f.read(8)
         if len(raw) != 8:
-            raise ValueError(f"{file} is not a safetensors file: shorter than its 8-byte header length.")
+            raise _bad(file, "shorter than its 8-byte header length")
         (length,) = struct.unpack("<Q", raw)
         if length > min(_MAX_HEADER, size - 8):
-            raise ValueError(f"{file} is not a safetensors file: header length {length} exceeds the file.")
-        try:
-            header = json.loads(f.read(length))
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise ValueError(f"{file} is not a safetensors file: its header is not JSON ({e}).") from e
+            raise _bad(file, f"header length {length} exceeds the file ({size} bytes)")
+        header = _parse_json(f.read(length), file, "header")
+    if not isinstance(header, dict):
+        raise _bad(file, f"its header is a JSON {type(header).__name__}, not an object")
     base = 8 + length
+    data = size - base
     entries: dict[str, TensorEntry] = {}
+    ranges: list[tuple[int, int, str]] = []
     for key, info in header.items():
         if key == "__metadata__":
+            if not isinstance(info, dict):
+                raise _bad(file, f"its __metadata__ is a {type(info).__name__}, not an object")
             continue
-        try:
-            dtype = DTYPES[info["dtype"]]
-            shape = tuple(int(d) for d in info["shape"])
-            begin, end = (int(x) for x in info["data_offsets"])
-        except (KeyError, TypeError, ValueError) as e:
-            raise ValueError(f"{file}: the header entry of {key!r} is malformed ({e!r}).") from e
+        if not isinstance(info, dict):
+            raise _bad(file, f"the header entry of {key!r} is a {type(info).__name__}, not an object")
+        dtype = DTYPES.get(info.get("dtype")) if isinstance(info.get("dtype"), str) else None
+        shape = _shape(info.get("shape"))
+        offsets = info.get("data_offsets")
+        if dtype is None or shape is None or not isinstance(offsets, list) or len(offsets) != 2:
+            raise _bad(
+                file, f"the header entry of {key!r} is malformed (need dtype, shape, data_offsets): {info!r:.200}"
+            )
+        begin, end = offsets
+        if type(begin) is not int or type(end) is not int:
+            raise _bad(file, f"the data_offsets of {key!r} are not ints: {offsets!r:.100}")
         numel = 1
         for d in shape:
             numel *= d
         nbytes = numel * dtype.itemsize
-        if end - begin != nbytes or base + end > size:
-            raise ValueError(
-                f"{file}: tensor {key!r} ({info['dtype']} {list(shape)}) needs bytes {begin}..{end} of the "
-                f"data section but the file ends at {size - base}: truncated or corrupt."
+        if begin < 0 or end < begin or end - begin != nbytes:
+            raise _bad(
+                file,
+                f"tensor {key!r} ({info['dtype']} {list(shape)}, {nbytes} bytes) has data_offsets [{begin}, {end}]",
             )
+        if end > data:
+            raise _bad(
+                file,
+                f"tensor {key!r} needs bytes {begin}..{end} of the data section but it ends at {data} "
+                "(truncated or corrupt)",
+            )
+        ranges.append((begin, end, key))
         entries[key] = TensorEntry(file, key, dtype, shape, base + begin, nbytes)
+    reached, last = 0, None  # the end of the data seen so far, sorted by offset, and whose it is
+    for begin, end, key in sorted(r for r in ranges if r[1] > r[0]):  # empty tensors occupy no bytes
+        if begin < reached:
+            raise _bad(file, f"tensors {last!r} and {key!r} overlap (bytes {begin}..{min(end, reached)})")
+        reached, last = end, key
     return entries
+
+
+def _model_roots(path: Path) -> list[Path]:
+    """Where files of the model directory ``path`` may live, resolved: the directory itself, and for
+    a Hugging Face hub cache snapshot (``models--x/snapshots/<rev>``) the cache's ``blobs`` folder."""
+    roots = [path.resolve()]
+    if path.resolve().parent.name == "snapshots":
+        roots.append((path.resolve().parent.parent / "blobs").resolve())
+    return roots
+
+
+def contained_file(folder: Union[str, os.PathLike], name: object, what: str) -> Path:
+    """``folder / name`` for a file name read from a file in ``folder``, refused unless it stays inside.
+
+    ``name`` must be a relative path without ``..``; the file it names, symbolic links resolved,
+    must lie inside ``folder`` (or, for a hub cache snapshot, in the cache's ``blobs``). Raises
+    ``CheckpointError`` naming ``what`` (the file that named it) otherwise.
+
+    Example:
+        >>> contained_file("/models/llama", "../secret.safetensors", "index.json")
+        Traceback (most recent call last):
+        ...
+        zeta_fsdp.state_dict.checks.CheckpointError: index.json names '../secret.safetensors', ...
+    """
+    folder = Path(folder)
+    if not isinstance(name, str) or not name or "\0" in name or os.path.isabs(name) or ".." in Path(name).parts:
+        raise CheckpointError(
+            f"{what} names {name!r}, which is not a file inside {folder}; refusing to read it "
+            "(an index may only name files of its own directory)."
+        )
+    target = folder / name
+    real = target.resolve()
+    if not any(real == root or root in real.parents for root in _model_roots(folder)):
+        raise CheckpointError(
+            f"{what} names {name!r}, which resolves to {real}, outside {folder}; refusing to read it."
+        )
+    return target
 
 
 def read_checkpoint_index(path: Union[str, os.PathLike]) -> dict[str, TensorEntry]:
     """Every tensor of a Hugging Face checkpoint: a model directory or one ``.safetensors`` file.
 
     A directory is read through ``model.safetensors.index.json`` when present (only the files it
-    names, so a stale extra file is never read), else its ``model.safetensors``.
+    names, so a stale extra file is never read), else its ``model.safetensors``. Files the index
+    names must lie inside the directory (``contained_file``; a hub cache snapshot's links into
+    ``../../blobs`` are accepted).
 
     Raises:
         FileNotFoundError: ``path``, its index's shard files, or its weights file do not exist.
-        ValueError: a file is not valid safetensors, or the index names a key its file lacks.
+        CheckpointError: a malformed index or safetensors header, a file outside the directory,
+            or an index naming a key its file lacks (a ``ValueError``).
 
     Example:
         entries = read_checkpoint_index("out/llama")  # dir with model.safetensors or an index
@@ -152,25 +239,32 @@ def read_checkpoint_index(path: Union[str, os.PathLike]) -> dict[str, TensorEntr
         return read_safetensors_header(path)
     index = path / INDEX_NAME
     if index.is_file():
-        try:
-            weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
-        except (KeyError, json.JSONDecodeError) as e:
-            raise ValueError(f"{index} is not a safetensors index (no 'weight_map'): {e!r}") from e
+        document = _parse_json(index.read_bytes(), index, "index")
+        weight_map = document.get("weight_map") if isinstance(document, dict) else None
+        if not isinstance(weight_map, dict):
+            raise CheckpointError(
+                f"{index} is not a safetensors index: need a JSON object with a 'weight_map' object "
+                f"of {{tensor name: file name}}, got {type(document).__name__}"
+                + ("" if not isinstance(document, dict) else f" whose weight_map is {type(weight_map).__name__}")
+                + "."
+            )
         entries: dict[str, TensorEntry] = {}
         headers: dict[str, dict[str, TensorEntry]] = {}
         for key, name in weight_map.items():
+            if not isinstance(name, str):
+                raise CheckpointError(f"{index} maps {key!r} to {name!r}, not a file name.")
             if name not in headers:
-                shard = path / name
+                shard = contained_file(path, name, str(index))
                 if not shard.is_file():
                     raise FileNotFoundError(f"{index} names {name} (for {key!r}) but {shard} does not exist.")
                 headers[name] = read_safetensors_header(shard)
             if key not in headers[name]:
-                raise ValueError(f"{index} maps {key!r} to {name}, which does not hold it.")
+                raise CheckpointError(f"{index} maps {key!r} to {name}, which does not hold it.")
             entries[key] = headers[name][key]
         return entries
     single = path / SINGLE_NAME
     if single.is_file():
-        return read_safetensors_header(single)
+        return read_safetensors_header(contained_file(path, SINGLE_NAME, str(path)))
     found = sorted(p.name for p in path.glob("*.safetensors"))
     raise FileNotFoundError(
         f"{path} holds neither {SINGLE_NAME} nor {INDEX_NAME}"
@@ -267,6 +361,20 @@ def shard_file_names(count: int) -> list[str]:
     return [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
 
 
+@contextlib.contextmanager
+def _naming(file: Path) -> Iterator[None]:
+    """An ``OSError`` (a full disk, a quota) raised inside names ``file`` and says what to do."""
+    try:
+        yield
+    except OSError as e:
+        if str(file) in str(e):
+            raise
+        raise OSError(
+            e.errno,
+            f"cannot write {file}: {e.strerror or e}; free space there (or fix its permissions) or save elsewhere",
+        ) from e
+
+
 class SafetensorsStreamWriter:
     """Write one safetensors file whose tensors' names, dtypes and shapes are known up front.
 
@@ -293,8 +401,10 @@ class SafetensorsStreamWriter:
             offset += nbytes
         raw = json.dumps(header, separators=(",", ":")).encode()
         raw += b" " * (-len(raw) % 8)  # the data section starts 8-byte aligned, as safetensors writes it
-        self._f: Optional[BinaryIO] = open(self.file, "wb")
-        self._f.write(struct.pack("<Q", len(raw)) + raw)
+        self._f: Optional[BinaryIO] = None
+        with _naming(self.file):
+            self._f = open(self.file, "wb")
+            self._f.write(struct.pack("<Q", len(raw)) + raw)
         self._next = 0
 
     def write(self, key: str, tensor: torch.Tensor) -> None:
@@ -307,7 +417,8 @@ class SafetensorsStreamWriter:
             )
         data = tensor.detach().to("cpu").contiguous()
         if data.numel():
-            self._f.write(memoryview(data.reshape(-1).view(torch.uint8).numpy()))
+            with _naming(self.file):
+                self._f.write(memoryview(data.reshape(-1).view(torch.uint8).numpy()))
         self._next += 1
 
     def close(self) -> None:
@@ -318,8 +429,9 @@ class SafetensorsStreamWriter:
         try:
             if self._next != len(self._order):
                 raise ValueError(f"{self.file}: only {self._next} of {len(self._order)} tensors were written.")
-            f.flush()
-            os.fsync(f.fileno())
+            with _naming(self.file):
+                f.flush()
+                os.fsync(f.fileno())
         finally:
             f.close()
 
@@ -367,26 +479,77 @@ class PlannedFilesWriter:
         self._open.clear()
 
 
+_WRITTEN = re.compile(
+    r"^(model\.safetensors|model-\d{5}-of-\d{5}\.safetensors|model\.safetensors\.index\.json|config\.json|"
+    r"generation_config\.json)$"
+)
+
+
+def model_dir_problem(path: Union[str, os.PathLike]) -> Optional[str]:
+    """Why ``path`` is not a model directory this library could have written (``None`` when it could).
+
+    Ours holds regular files only, each one ``save_pretrained`` / ``consolidate_to_hf`` writes
+    (``model*.safetensors``, the index, ``config.json``, ``generation_config.json``). A folder
+    holding anything else (notes, a tokenizer, ``.git``) is not ours to replace.
+
+    Example:
+        >>> import tempfile
+        >>> folder = Path(tempfile.mkdtemp())
+        >>> _ = (folder / "notes.txt").write_text("mine")
+        >>> model_dir_problem(folder)
+        'it holds files this library does not write (notes.txt)'
+    """
+    path = Path(path)
+    if path.is_symlink():
+        return "it is a symbolic link"
+    if not path.is_dir():
+        return "it is not a directory"
+    foreign = []
+    for child in sorted(os.scandir(path), key=lambda entry: entry.name):
+        if not child.is_file(follow_symlinks=False) or not _WRITTEN.match(child.name):
+            foreign.append(child.name + ("/" if child.is_dir(follow_symlinks=False) else ""))
+    if foreign:
+        shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
+        return f"it holds files this library does not write ({shown})"
+    return None
+
+
 def staging_dir(path: Union[str, os.PathLike], *, overwrite: bool, caller: str) -> Path:
     """Check ``path`` may be written, then make (afresh) the hidden directory beside it to write into.
 
-    An existing non-empty ``path`` is refused unless ``overwrite``; a file at ``path`` always is.
-    Nothing at ``path`` is touched here: ``publish_dir`` swaps the finished directory in.
+    An existing non-empty ``path`` is refused unless ``overwrite``, and even then unless it holds
+    only what this library writes (``model_dir_problem``): a folder of the user's files is never
+    replaced. A file at ``path`` always is refused. A symbolic link at ``path`` is refused (the
+    folder it points to would not be the one replaced). Nothing at ``path`` is touched here:
+    ``publish_dir`` swaps the finished directory in.
 
     Example:
-        >>> tmp = staging_dir("out/llama", overwrite=False, caller="save_pretrained()")
+        >>> import tempfile
+        >>> staging_dir(Path(tempfile.mkdtemp()) / "llama", overwrite=False, caller="save_pretrained()").name
+        '.llama.incomplete'
     """
-    import shutil
+    from ..files import remove_tree
 
     path = Path(path)
+    if path.is_symlink():
+        raise FileExistsError(
+            f"{caller}: {path} is a symbolic link (to {os.path.realpath(path)}); pass the directory itself."
+        )
     if path.exists():
         if not path.is_dir():
             raise FileExistsError(f"{caller}: {path} exists and is a file; pass a directory path.")
-        if any(path.iterdir()) and not overwrite:
-            raise FileExistsError(f"{caller}: {path} exists and is not empty; pass overwrite=True to replace it.")
+        if any(path.iterdir()):
+            if not overwrite:
+                raise FileExistsError(f"{caller}: {path} exists and is not empty; pass overwrite=True to replace it.")
+            problem = model_dir_problem(path)
+            if problem is not None:
+                raise FileExistsError(
+                    f"{caller}: {path} is not a model directory written by this library ({problem}); "
+                    "refusing to replace it, even with overwrite=True. Save elsewhere, or remove it yourself."
+                )
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = incomplete_path(path)
-    if tmp.exists():  # left by an interrupted save: ours, never the user's
-        shutil.rmtree(tmp)
+    if os.path.lexists(tmp):  # left by an interrupted save: ours, never the user's
+        remove_tree(tmp)
     tmp.mkdir()
     return tmp

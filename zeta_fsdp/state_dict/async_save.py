@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import atexit
 import copy
-import shutil
 import threading
 import warnings
 import weakref
@@ -26,8 +25,9 @@ import torch.nn as nn
 from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemWriter
 from torch.distributed.tensor import DTensor
 
-from .checkpoint import checkpoint_state, save_failure, start_save
-from .checks import FAILURES, PathLike, current_rank, dist_on, on_all_ranks, world_size
+from ..files import PathLock
+from .checkpoint import checkpoint_state, end_save, save_failure, start_save
+from .checks import FAILURES, CheckpointError, PathLike, current_rank, dist_on, on_all_ranks, world_size
 from .publish import incomplete_dir, publish_checkpoint
 
 
@@ -83,6 +83,38 @@ class _AlreadyStaged:
         pass
 
 
+class _StartGate:
+    """Holds a background write at its start until every rank has started one (``open``), or stops it (``close``)."""
+
+    def __init__(self) -> None:
+        self._event = threading.Event()
+        self._go = False
+
+    def open(self) -> None:
+        self._go = True
+        self._event.set()
+
+    def close(self) -> None:
+        self._event.set()
+
+    def wait(self) -> None:
+        self._event.wait()
+        if not self._go:
+            raise CheckpointError("the save did not start on every rank; this rank's write was cancelled")
+
+
+class _GatedWriter(FileSystemWriter):
+    """DCP's file writer whose ``reset`` (the first thing the write thread does, before any collective) waits at a gate."""
+
+    def __init__(self, path: Path, gate: _StartGate) -> None:
+        super().__init__(path)
+        self._gate = gate
+
+    def reset(self, checkpoint_id: Any = None) -> None:
+        self._gate.wait()
+        super().reset(checkpoint_id)
+
+
 class AsyncCheckpointer:
     """Save checkpoints without stopping training for the write.
 
@@ -108,7 +140,7 @@ class AsyncCheckpointer:
         # flight) so later saves copy into mapped memory; reuse_buffers=False frees it after each write.
         self._buffers: Optional[dict[str, torch.Tensor]] = {} if reuse_buffers else None
         self._made_group = False
-        self._pending: Optional[tuple[Path, bool, Future]] = None
+        self._pending: Optional[tuple[Path, Optional[PathLock], Future]] = None
         self._closed = False
         ref = weakref.ref(self)
         atexit.register(lambda: ref() is not None and ref()._wait_here())  # type: ignore[union-attr]
@@ -154,28 +186,41 @@ class AsyncCheckpointer:
         self.wait()
         path = Path(path)
         group = self._process_group()
-        made_tmp = start_save(path, optimizer, extra, overwrite=overwrite)
+        lock = start_save(path, optimizer, extra, overwrite=overwrite)
         try:
             # every rank staged, or every rank raises; the live tensors are not referenced afterwards
             staged = on_all_ranks(lambda: stage_state(checkpoint_state(model, optimizer, extra), self._buffers))
-            with warnings.catch_warnings():
-                warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-                upload = dcp.async_save(
-                    staged,
-                    storage_writer=FileSystemWriter(incomplete_dir(path)),
-                    planner=DefaultSavePlanner(flatten_state_dict=False),
-                    process_group=group,
-                    async_stager=_AlreadyStaged(),
-                    no_dist=not dist_on(),
-                )
+            gate = _StartGate()
+
+            def start() -> Any:
+                with warnings.catch_warnings():
+                    warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+                    return dcp.async_save(
+                        staged,
+                        checkpoint_id=incomplete_dir(path),  # DCP then calls the writer's reset() first, in the thread
+                        storage_writer=_GatedWriter(incomplete_dir(path), gate),
+                        planner=DefaultSavePlanner(flatten_state_dict=False),
+                        process_group=group,
+                        async_stager=_AlreadyStaged(),
+                        no_dist=not dist_on(),
+                    )
+
+            # Started on every rank, or failed on every rank: a rank whose write thread started while a
+            # peer's failed to start must not wait in the write's first collective for that peer (until
+            # gloo's timeout). The threads wait at the gate, before any collective, until the ranks agree.
+            try:
+                upload = on_all_ranks(start)
+            except FAILURES:
+                gate.close()  # a thread that started here stops before its first collective
+                raise
+            gate.open()
         except FAILURES as e:
-            if made_tmp:
-                _remove(incomplete_dir(path))
+            end_save(path, lock, published=False)
             raise save_failure(path, f"staging {path}", e) from e
         done: Future = Future()
         publisher = current_rank() == 0
         threading.Thread(target=_finish, args=(upload, path, publisher, done), daemon=True).start()
-        self._pending = (path, made_tmp, done)
+        self._pending = (path, lock, done)
         return path
 
     def wait(self) -> Optional[Path]:
@@ -190,7 +235,7 @@ class AsyncCheckpointer:
         """
         if self._pending is None:
             return None
-        path, made_tmp, done = self._pending
+        path, lock, done = self._pending
         self._pending = None
         error = done.exception()
 
@@ -198,12 +243,14 @@ class AsyncCheckpointer:
             if error is not None:
                 raise error
 
+        published = False
         try:
             on_all_ranks(check)
+            published = True
         except FAILURES as e:
-            if made_tmp:
-                _remove(incomplete_dir(path))
             raise save_failure(path, f"writing {path}", e) from e
+        finally:
+            end_save(path, lock, published)
         return path
 
     def close(self) -> None:
@@ -227,6 +274,8 @@ class AsyncCheckpointer:
         """At interpreter exit: let the write in flight finish (this rank only, no collective)."""
         if self._pending is not None:
             self._pending[2].exception()
+            if self._pending[1] is not None:
+                self._pending[1].release()
 
 
 def _finish(upload: Any, path: Path, publisher: bool, done: Future) -> None:
@@ -239,7 +288,3 @@ def _finish(upload: Any, path: Path, publisher: bool, done: Future) -> None:
         done.set_result(path)
     except BaseException as e:  # noqa: BLE001 - handed to wait(), which raises it on every rank
         done.set_exception(e)
-
-
-def _remove(directory: Path) -> None:
-    shutil.rmtree(directory, ignore_errors=True)

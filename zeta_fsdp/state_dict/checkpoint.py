@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import io
-import shutil
+import os
 import warnings
 from pathlib import Path
 from typing import Any, Optional
@@ -22,6 +22,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
+from ..files import PathLock, remove_tree
 from ..ties import tied_aliases
 from .checks import (
     EXTRA_KEY,
@@ -42,6 +43,7 @@ from .checks import (
     on_all_ranks,
     shape_of,
 )
+from .metadata import checkpoint_problem
 from .model import get_sharded_state_dict
 from .optimizer import (
     check_group_consistency,
@@ -50,7 +52,7 @@ from .optimizer import (
     set_flat_optimizer_state,
     validate_optimizer,
 )
-from .publish import incomplete_dir, is_checkpoint, publish_checkpoint, recover
+from .publish import LOCK_WAIT_S, incomplete_dir, is_checkpoint, publish_checkpoint, recover
 from .reader import dcp_load, open_checkpoint, read_checked
 
 # --- save / load
@@ -120,7 +122,7 @@ def save_checkpoint(
                         extra={"step": step, "rng": torch.get_rng_state()})
     """
     path = Path(path)
-    made_tmp = start_save(path, optimizer, extra, overwrite=overwrite)
+    lock = start_save(path, optimizer, extra, overwrite=overwrite)
     published = False
     try:
         state = checkpoint_state(model, optimizer, extra)
@@ -132,25 +134,53 @@ def save_checkpoint(
         finish_save(path)
         published = True
     finally:
-        if made_tmp and not published:
-            shutil.rmtree(incomplete_dir(path), ignore_errors=True)
+        end_save(path, lock, published)
     return path
 
 
 # --- the steps of a save (``AsyncCheckpointer`` runs the same ones, the write in the background)
 
 
-def start_save(path: Path, optimizer: Optional[torch.optim.Optimizer], extra: Any, *, overwrite: bool) -> bool:
+def start_save(
+    path: Path, optimizer: Optional[torch.optim.Optimizer], extra: Any, *, overwrite: bool
+) -> Optional[PathLock]:
     """``check_save_inputs`` then ``prepare_save_dir``, agreed across ranks in one collective.
 
-    Returns ``True`` on the rank that made the ``.incomplete`` directory (see ``prepare_save_dir``).
+    Returns, on rank 0, the held ``PathLock`` of ``path`` (see ``prepare_save_dir``); hand it to
+    ``end_save`` when the save is published or failed. ``None`` on other ranks.
     """
 
-    def start() -> bool:
+    def start() -> Optional[PathLock]:
         check_save_inputs(optimizer, extra)
         return prepare_save_dir(path, overwrite=overwrite)
 
-    return on_all_ranks(start)
+    holder: list[PathLock] = []
+
+    def start_and_keep() -> Optional[PathLock]:
+        lock = start()
+        if lock is not None:
+            holder.append(lock)
+        return lock
+
+    try:
+        return on_all_ranks(start_and_keep)
+    except FAILURES:
+        for lock in holder:  # rank 0 prepared, another rank refused: nothing stays behind
+            end_save(path, lock, published=False)
+        raise
+
+
+def end_save(path: Path, lock: Optional[PathLock], published: bool) -> None:
+    """Rank 0, after a save: remove ``.<name>.incomplete`` unless it was published, then release the lock."""
+    if lock is None:
+        return
+    try:
+        if not published and os.path.lexists(incomplete_dir(path)):
+            remove_tree(incomplete_dir(path))
+    except OSError:
+        pass
+    finally:
+        lock.release()
 
 
 def check_save_inputs(optimizer: Optional[torch.optim.Optimizer], extra: Any) -> None:
@@ -160,30 +190,76 @@ def check_save_inputs(optimizer: Optional[torch.optim.Optimizer], extra: Any) ->
         check_loadable([g for g in optimizer.param_groups], "the optimizer's param_groups")
 
 
-def prepare_save_dir(path: Path, *, overwrite: bool) -> bool:
-    """Rank 0: make an empty ``.<name>.incomplete`` next to ``path``; other ranks do nothing.
+def check_replaceable(path: Path, *, overwrite: bool, caller: str = "save_checkpoint()") -> None:
+    """Refuse to save at ``path`` unless it is free, an empty folder, or (with ``overwrite``) a checkpoint of ours.
 
-    Returns ``True`` on the rank that made the directory (its last action, so a failure leaves
-    none): it is that rank's to remove if the save fails. Raises when ``path`` holds something
-    that must not be replaced.
+    A symbolic link at ``path`` counts as what it points to; only the link is ever replaced.
+
+    Example:
+        check_replaceable(Path("ckpt/step_100"), overwrite=True)
+    """
+    if not os.path.lexists(path):
+        return
+    if path.is_symlink():
+        if not is_checkpoint(path) and os.path.exists(path):
+            raise CheckpointError(
+                f"{caller}: {path} is a symbolic link to {os.path.realpath(path)}, which is not a checkpoint; "
+                "refusing to replace it. Save elsewhere, or remove the link yourself."
+            )
+    elif path.is_dir() and not any(path.iterdir()):
+        return
+    elif not path.is_dir():
+        raise CheckpointError(
+            f"{caller}: {path} exists and is a file, not a checkpoint; refusing to replace it. Save elsewhere."
+        )
+    else:
+        problem = checkpoint_problem(path)
+        if problem is not None:
+            raise CheckpointError(
+                f"{caller}: {path} exists and is not a checkpoint written by this library ({problem}); "
+                "refusing to replace it. Save elsewhere, or remove it yourself if it is yours to delete."
+            )
+    if not overwrite and os.path.exists(path):
+        raise FileExistsError(f"{caller}: a checkpoint already exists at {path}; pass overwrite=True to replace it.")
+
+
+def prepare_save_dir(path: Path, *, overwrite: bool) -> Optional[PathLock]:
+    """Rank 0: lock ``path``, check it may be written, make an empty ``.<name>.incomplete`` beside it.
+
+    Returns the held ``PathLock`` on rank 0 (``None`` elsewhere): while it is held no other
+    process saves to ``path`` (a second job waits up to ``LOCK_WAIT_S`` seconds, then raises
+    ``CheckpointError``), so the previous checkpoint survives any interleaving of two jobs.
+    Raises when ``path`` holds something that must not be replaced (``check_replaceable``).
     """
     if current_rank() != 0:
-        return False
-    recover(path)
-    if path.exists():
-        empty_dir = path.is_dir() and not any(path.iterdir())
-        if not empty_dir and not is_checkpoint(path):
-            raise CheckpointError(f"save_checkpoint(): {path} exists and is not a checkpoint; refusing to replace it.")
-        if is_checkpoint(path) and not overwrite:
-            raise FileExistsError(
-                f"save_checkpoint(): a checkpoint already exists at {path}; pass overwrite=True to replace it."
-            )
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = incomplete_dir(path)
-    if tmp.exists():  # left by an interrupted save
-        shutil.rmtree(tmp)
-    tmp.mkdir()
-    return True
+        return None
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        lock = PathLock(path)
+        got = lock.acquire(timeout_s=LOCK_WAIT_S)
+    except OSError as e:
+        raise CheckpointError(f"save_checkpoint(): cannot save to {path}: {e}") from e
+    if not got:
+        raise CheckpointError(
+            f"save_checkpoint(): another process has been saving to {path} for {LOCK_WAIT_S:.0f} s (it holds "
+            f"{lock.file}); nothing was saved. Save to another path, or wait for that job."
+        )
+    try:
+        recover(path, locked=True)
+        check_replaceable(path, overwrite=overwrite)
+        tmp = incomplete_dir(path)
+        if os.path.lexists(tmp):  # left by an interrupted save (the lock says no one writes it now)
+            remove_tree(tmp)
+        tmp.mkdir()
+    except OSError as e:
+        lock.release()
+        if isinstance(e, FileExistsError):
+            raise
+        raise CheckpointError(f"save_checkpoint(): cannot prepare {path}: {e}") from e
+    except BaseException:
+        lock.release()
+        raise
+    return lock
 
 
 def checkpoint_state(model: nn.Module, optimizer: Optional[torch.optim.Optimizer], extra: Any) -> dict[str, Any]:

@@ -8,7 +8,7 @@ The same script works on first launch and on every relaunch.
 from __future__ import annotations
 
 import re
-import shutil
+import warnings
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Optional
 
@@ -16,11 +16,12 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from ..files import PathLock, remove_tree
 from .async_save import AsyncCheckpointer
 from .checkpoint import load_checkpoint, save_checkpoint
 from .checks import CheckpointError, PathLike, current_rank, dist_on, on_all_ranks, world_size
 from .preemption import PreemptionHandler, SignalLike
-from .publish import discard_checkpoint_dir, is_checkpoint
+from .publish import discard_checkpoint_dir, is_checkpoint, removal_problem
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 _STALE = re.compile(r"^\.step_\d+\.incomplete$")
@@ -62,7 +63,10 @@ def prune_checkpoints(root: PathLike, keep_last: int) -> list[Path]:
 
     One process (rank 0). Never touches the newest complete checkpoint, a save in flight (a hidden
     ``.step_<n>.incomplete``), or anything not named ``step_<n>``. Each is deleted ``.metadata`` first,
-    so an interrupted delete never leaves a complete-looking checkpoint.
+    so an interrupted delete never leaves a complete-looking checkpoint. A ``step_<n>`` that is a
+    symbolic link loses the link only (the checkpoint it points to is kept); one that is not
+    verifiably a checkpoint written by this library (foreign files in it, say) is kept, with a
+    warning naming it and why.
 
     Example:
         prune_checkpoints("ckpt", keep_last=2)
@@ -70,10 +74,18 @@ def prune_checkpoints(root: PathLike, keep_last: int) -> list[Path]:
     """
     if isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1:
         raise ValueError(f"prune_checkpoints(): keep_last must be a positive int, got {keep_last!r}.")
-    doomed = [Path(root) / f"step_{step}" for step in checkpoint_steps(root)[:-keep_last]]
-    for path in doomed:
+    deleted = []
+    for path in [Path(root) / f"step_{step}" for step in checkpoint_steps(root)[:-keep_last]]:
+        problem = removal_problem(path)
+        if problem is not None:
+            warnings.warn(
+                f"prune_checkpoints(): kept {path}: it is not a checkpoint written by this library ({problem}).",
+                stacklevel=2,
+            )
+            continue
         discard_checkpoint_dir(path)
-    return doomed
+        deleted.append(path)
+    return deleted
 
 
 def _positive(name: str, value: Optional[int]) -> Optional[int]:
@@ -254,5 +266,18 @@ class CheckpointManager:
         if not self.root.is_dir():
             return
         for child in self.root.iterdir():
-            if _STALE.match(child.name):
-                shutil.rmtree(child, ignore_errors=True)
+            if not _STALE.match(child.name):
+                continue
+            # A save in flight (another job on this root) holds the lock of its step: leave it.
+            lock = PathLock(child.parent / child.name[1 : -len(".incomplete")])
+            try:
+                if not lock.acquire(timeout_s=0):
+                    continue
+            except OSError:
+                continue
+            try:
+                remove_tree(child)
+            except OSError:
+                pass
+            finally:
+                lock.release()

@@ -150,6 +150,10 @@ def set_flat_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer,
             param.grad = grad
 
 
+# Options torch's LR schedulers add to param groups: a checkpoint may hold them before the scheduler exists.
+_SCHEDULER_OPTIONS = {"initial_lr", "max_lr", "min_lr", "max_momentum", "base_momentum", "swa_lr"}
+
+
 def validate_optimizer(
     saved_keys: list[str], model: nn.Module, optimizer: torch.optim.Optimizer, source: str
 ) -> dict[int, str]:
@@ -171,6 +175,18 @@ def validate_optimizer(
         raise CheckpointError(
             f"the optimizer state in {source} does not match the optimizer: parameters without saved "
             f"state: {short_list(missing)}; saved parameters the optimizer does not have: {short_list(unexpected)}"
+        )
+    # Options (hyperparameters) the checkpoint's optimizer had and this one lacks mean another
+    # optimizer class: loading would set this one's lr/weight_decay from a different algorithm's.
+    # (Options this optimizer has and the checkpoint lacks are tolerated: a newer torch adds some.)
+    saved_options = {k.rsplit(".", 1)[1] for k in group_keys}
+    live_options = {option for group in optimizer.param_groups for option in group if option != "params"}
+    foreign = sorted(saved_options - live_options - _SCHEDULER_OPTIONS)
+    if foreign:
+        raise CheckpointError(
+            f"{source} was saved by an optimizer with options {foreign} that this {type(optimizer).__name__} does "
+            f"not have (its options: {sorted(live_options)}): a different optimizer class. Create the optimizer "
+            "the checkpoint was saved with (nothing was changed)."
         )
     chosen = {id(p): next(n for n in names if n in saved_fqns) for p, names, _ in params}
     state_keys = [k for k in saved_keys if k.startswith(STATE_PREFIX)]

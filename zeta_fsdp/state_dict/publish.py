@@ -7,23 +7,37 @@ import os
 import shutil
 import warnings
 from pathlib import Path
+from typing import Optional
 
-from ..files import incomplete_path, publish_dir, replaced_path
-from .checks import METADATA_FILE, PathLike
+from ..files import PathLock, incomplete_path, publish_dir, replaced_path
+from .checks import METADATA_FILE, CheckpointError, PathLike
+from .metadata import checkpoint_problem, load_metadata
+
+# How long a save waits for another process saving to the same path before it refuses.
+LOCK_WAIT_S = 60.0
 
 
 def is_checkpoint(path: PathLike) -> bool:
     """``True`` if ``path`` is a complete checkpoint (an interrupted save never leaves one).
 
-    An overwrite that stopped between its two renames (see ``save_checkpoint``) is finished first,
-    so the checkpoint is found again at ``path``.
+    Complete: its ``.metadata`` is there and validates (read with the allow-list unpickler; a
+    folder that merely holds a file of that name is not a checkpoint). An overwrite that stopped
+    between its two renames (see ``save_checkpoint``) is finished first, so the checkpoint is
+    found again at ``path``. A symbolic link to a checkpoint is one.
 
     Example:
         >>> if is_checkpoint("ckpt/last"):
         ...     extra = load_checkpoint("ckpt/last", model, optimizer)
     """
-    recover(Path(path))
-    return (Path(path) / METADATA_FILE).is_file()
+    path = Path(path)
+    recover(path)
+    if not (path / METADATA_FILE).is_file():
+        return False
+    try:
+        load_metadata(path / METADATA_FILE, "is_checkpoint()")
+    except CheckpointError:
+        return False
+    return True
 
 
 # Where save_checkpoint writes before renaming into place, and where overwrite=True keeps the
@@ -32,8 +46,43 @@ incomplete_dir = incomplete_path
 replaced_dir = replaced_path
 
 
+def removal_problem(path: Path) -> Optional[str]:
+    """Why ``discard_checkpoint_dir`` would refuse ``path`` (``None``: a link, an empty folder, or a checkpoint of ours).
+
+    Example:
+        >>> removal_problem(Path("/no/such/dir")) is None
+        True
+    """
+    path = Path(path)
+    if path.is_symlink() or not os.path.lexists(path):
+        return None
+    if path.is_dir() and not any(path.iterdir()):
+        return None
+    return checkpoint_problem(path)
+
+
 def discard_checkpoint_dir(path: Path) -> None:
-    """Delete a checkpoint directory, its ``.metadata`` first: an interrupted delete never looks complete."""
+    """Delete a checkpoint directory of ours, its ``.metadata`` first: an interrupted delete never looks complete.
+
+    A symbolic link is unlinked (what it points to is never touched); an empty folder removed;
+    anything else that is not verifiably a checkpoint (``checkpoint_problem``) raises
+    ``CheckpointError`` naming the path and why, and is left as it is.
+
+    Example:
+        discard_checkpoint_dir(Path("ckpt/step_100"))
+    """
+    path = Path(path)
+    if path.is_symlink():
+        path.unlink()
+        return
+    if not os.path.lexists(path):
+        return
+    problem = removal_problem(path)
+    if problem is not None:
+        raise CheckpointError(
+            f"{path} is not a checkpoint written by this library ({problem}); refusing to delete it. "
+            "Remove it yourself if it is yours to delete."
+        )
     try:
         (path / METADATA_FILE).unlink()
     except OSError:
@@ -41,15 +90,28 @@ def discard_checkpoint_dir(path: Path) -> None:
     shutil.rmtree(path, ignore_errors=True)
 
 
-def recover(path: Path) -> None:
+def recover(path: Path, *, locked: bool = False) -> None:
     """Finish an overwrite that stopped between its two renames (``save_checkpoint``'s last step).
 
     Then ``path`` is missing and ``.<name>.replaced`` holds what was there: the new checkpoint is
     renamed into place if ``.<name>.incomplete`` holds it complete, else the previous one is put back.
-    Ranks and processes may race here: a rename that loses fails and changes nothing.
+    Done under ``path``'s lock (``locked``: the caller holds it); when another process holds it
+    (a save in progress) or it cannot be taken (a read-only folder), nothing is done.
     """
     old, tmp = replaced_dir(path), incomplete_dir(path)
-    if path.exists() or not old.is_dir():
+    if os.path.lexists(path) or not old.is_dir():
+        return
+    if not locked:
+        lock = PathLock(path)
+        try:
+            if not lock.acquire(timeout_s=0):
+                return
+        except OSError:
+            return
+        try:
+            recover(path, locked=True)
+        finally:
+            lock.release()
         return
     if (tmp / METADATA_FILE).is_file():
         source = tmp
@@ -97,9 +159,11 @@ def fsync_dir(path: Path) -> None:
 def publish_checkpoint(path: Path) -> None:
     """Rename the complete ``.<name>.incomplete`` to ``path``, replacing a checkpoint there only once it is in place.
 
-    One process only (rank 0). A crash between the two renames leaves the previous checkpoint in
-    ``.<name>.replaced`` and the new one, complete, in ``.<name>.incomplete``: the next
-    ``is_checkpoint``, load or save of ``path`` finishes the job (``recover``).
+    One process only (rank 0, holding ``path``'s ``PathLock``). On Linux the two directories are
+    swapped in one atomic step (``files.exchange_paths``) and the previous one deleted after.
+    Elsewhere, a crash between two renames leaves the previous checkpoint in ``.<name>.replaced``
+    and the new one, complete, in ``.<name>.incomplete``: the next ``is_checkpoint``, load or
+    save of ``path`` finishes the job (``recover``).
     """
     publish_dir(incomplete_dir(path), path, discard=discard_checkpoint_dir)
     fsync_dir(path.parent)

@@ -6,7 +6,6 @@ from __future__ import annotations
 import io
 import mmap
 import os
-import pickle
 import zipfile
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -21,51 +20,9 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.futures import Future
 
 from .checks import METADATA_FILE, CheckpointError, dist_on, on_all_ranks, short_list
-from .publish import is_checkpoint, leftovers, recover
+from .metadata import load_metadata
+from .publish import leftovers, recover
 from .records import entries, tensor_record
-
-# --- reading checkpoints safely
-
-_METADATA_GLOBALS = {
-    ("torch", "Size"),
-    ("torch.serialization", "_get_layout"),
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-    ("pathlib", "Path"),
-    ("pathlib", "PosixPath"),
-    ("pathlib", "WindowsPath"),
-    ("pathlib", "PurePosixPath"),
-    ("pathlib", "PureWindowsPath"),
-    ("collections", "OrderedDict"),
-    ("builtins", "set"),
-    ("builtins", "frozenset"),
-}
-_METADATA_CLASSES = {
-    "BytesStorageMetadata",
-    "ChunkStorageMetadata",
-    "Metadata",
-    "MetadataIndex",
-    "StorageMeta",
-    "TensorProperties",
-    "TensorStorageMetadata",
-    "_MEM_FORMAT_ENCODING",
-}
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    """DCP pickles its ``.metadata`` with plain pickle; load it allowing only DCP's own metadata types.
-
-    Plain ``pickle.load`` (what DCP's reader does) runs whatever a crafted file names.
-    """
-
-    def find_class(self, module: str, name: str) -> Any:
-        allowed = (
-            (module, name) in _METADATA_GLOBALS
-            or (module == "torch.distributed.checkpoint.metadata" and name in _METADATA_CLASSES)
-            or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype))
-        )
-        if not allowed:
-            raise pickle.UnpicklingError(f"{module}.{name} is not allowed in checkpoint metadata")
-        return super().find_class(module, name)
 
 
 def read_metadata(path: Path, caller: str) -> Metadata:
@@ -74,17 +31,10 @@ def read_metadata(path: Path, caller: str) -> Metadata:
         raise FileNotFoundError(f"{caller}: {path} does not exist.{leftovers(path)}")
     if not path.is_dir():
         raise CheckpointError(f"{caller}: {path} is a file, not a checkpoint directory.")
-    if not is_checkpoint(path):
+    if not (path / METADATA_FILE).is_file():
         hint = leftovers(path)
         raise CheckpointError(f"{caller}: {path} is not a checkpoint (it has no {METADATA_FILE} file).{hint}")
-    try:
-        with open(path / METADATA_FILE, "rb") as f:
-            metadata = _MetadataUnpickler(f).load()
-    except Exception as e:  # noqa: BLE001 - any failure here means a damaged or foreign file
-        raise CheckpointError(f"{caller}: {path / METADATA_FILE} is corrupted or not DCP metadata: {e}") from e
-    if not isinstance(metadata, Metadata) or not isinstance(getattr(metadata, "storage_data", None), dict):
-        raise CheckpointError(f"{caller}: {path / METADATA_FILE} is not DCP checkpoint metadata.")
-    return metadata
+    return load_metadata(path / METADATA_FILE, caller)
 
 
 def _check_files(path: Path, metadata: Metadata, caller: str) -> None:

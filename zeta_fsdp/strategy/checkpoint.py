@@ -18,7 +18,6 @@ import inspect
 import io
 import os
 import pickle
-import shutil
 import zipfile
 from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence, Union
@@ -31,6 +30,7 @@ from .. import state_dict as sd
 from ..distributed import get_rank, get_world_size, on_all_ranks
 from ..files import atomic_write
 from ..state_dict import CheckpointError, is_checkpoint
+from ..state_dict.publish import discard_checkpoint_dir, removal_problem
 
 __all__ = [
     "Gathered",
@@ -113,6 +113,11 @@ def check_save_target(filepath: PathLike, checkpoint_format: str, caller: str) -
                 f"FSDP2Strategy.{caller}(): {path} is {kind}; a sharded (checkpoint_format='sharded') save "
                 "writes a directory. Remove it or save elsewhere."
             )
+        if checkpoint_format == "full" and path.is_file() and not is_full_checkpoint(path):
+            raise CheckpointError(
+                f"FSDP2Strategy.{caller}(): {path} is a file that is not a checkpoint (not written by torch.save); "
+                "refusing to replace it. Save elsewhere, or remove it yourself."
+            )
         if checkpoint_format == "full" and path.is_dir():
             kind = "a sharded checkpoint directory" if is_checkpoint(path) else "a directory"
             raise IsADirectoryError(
@@ -120,7 +125,7 @@ def check_save_target(filepath: PathLike, checkpoint_format: str, caller: str) -
                 "Remove it, save elsewhere, or use checkpoint_format='sharded'."
             )
 
-    on_all_ranks(check, rank0_only=True)
+    on_all_ranks(check, rank0_only=True, errors=(CheckpointError,))
     return path
 
 
@@ -170,13 +175,18 @@ def write_full_checkpoint(
             extra = {"storage_options": storage_options} if takes or storage_options is not None else {}
             checkpoint_io.save_checkpoint(dict(payload), filepath, **extra)
             return
+        if path.is_file() and not is_full_checkpoint(path):
+            raise CheckpointError(
+                f"FSDP2Strategy.save_checkpoint(): {path} is a file that is not a checkpoint (not written by "
+                "torch.save); refusing to replace it. Save elsewhere, or remove it yourself."
+            )
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             atomic_write(path, lambda tmp: torch.save(dict(payload), tmp))
         except Exception as e:  # noqa: BLE001 - torch's own messages do not name the path
             raise OSError(f"FSDP2Strategy.save_checkpoint(): cannot write {path}: {type(e).__name__}: {e}") from e
 
-    on_all_ranks(write, rank0_only=True)
+    on_all_ranks(write, rank0_only=True, errors=(CheckpointError,))
 
 
 def _torch_load(path: Path, weights_only: bool) -> dict[str, Any]:
@@ -272,37 +282,49 @@ def check_optimizers_match(optimizers: Sequence[torch.optim.Optimizer], ckpt: Ma
 def remove_checkpoint(filepath: PathLike, *, checkpoint_io: Any = None) -> None:
     """Delete a checkpoint (full-format file or sharded directory) on rank 0; refuse anything else.
 
-    A missing path is nothing to do. A directory that is not a sharded checkpoint, or a file that
-    is not a ``torch.save`` archive, raises ``ValueError`` on every rank and is left untouched.
+    A missing path is nothing to do. A symbolic link (NeMo keeps its "last" checkpoints as links)
+    is unlinked itself when it points to a checkpoint or nowhere; what it points to is never
+    touched. A directory that is not verifiably a sharded checkpoint written by this library
+    (``state_dict.metadata.checkpoint_problem``: validated metadata, nothing but shard files), or
+    a file that is not a ``torch.save`` archive, raises ``CheckpointError`` (a ``ValueError``) on
+    every rank naming the path and why, and is left untouched.
 
     Example:
         remove_checkpoint("ckpt/step_50.ckpt")
     """
     path = Path(filepath)
+    caller = "FSDP2Strategy.remove_checkpoint()"
 
     def remove() -> None:
         if checkpoint_io is not None:
             checkpoint_io.remove_checkpoint(filepath)
         elif not str(filepath).strip():
-            raise ValueError(f"FSDP2Strategy.remove_checkpoint(): filepath={str(filepath)!r} is empty.")
-        elif path.is_dir():
-            if not is_checkpoint(path):
-                raise ValueError(
-                    f"FSDP2Strategy.remove_checkpoint(): {path} is a directory but not a sharded checkpoint; "
-                    "refusing to delete it."
+            raise ValueError(f"{caller}: filepath={str(filepath)!r} is empty.")
+        elif path.is_symlink():
+            if path.exists() and not (is_checkpoint(path) or is_full_checkpoint(path)):
+                raise CheckpointError(
+                    f"{caller}: {path} is a symbolic link to {os.path.realpath(path)}, which is not a checkpoint; "
+                    "refusing to remove it."
                 )
-            shutil.rmtree(path)
+            path.unlink()  # the link only, as NeMo does: the checkpoint it points to stays
+        elif path.is_dir():
+            problem = removal_problem(path)
+            if problem is not None:
+                raise CheckpointError(
+                    f"{caller}: {path} is a directory but not a sharded checkpoint written by this library "
+                    f"({problem}); refusing to delete it."
+                )
+            discard_checkpoint_dir(path)
         elif path.exists():
             if not is_full_checkpoint(path):
-                raise ValueError(
-                    f"FSDP2Strategy.remove_checkpoint(): {path} is not a checkpoint file (not written by "
-                    "torch.save); refusing to delete it."
+                raise CheckpointError(
+                    f"{caller}: {path} is not a checkpoint file (not written by torch.save); refusing to delete it."
                 )
             path.unlink()
 
     if dist.is_available() and dist.is_initialized():
         dist.barrier()  # no rank may still be reading it
-    on_all_ranks(remove, rank0_only=True)
+    on_all_ranks(remove, rank0_only=True, errors=(CheckpointError,))
 
 
 def _meta(strategy: Any, checkpoint_format: str) -> dict[str, Any]:

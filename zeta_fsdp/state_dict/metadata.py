@@ -1,0 +1,162 @@
+"""One home for reading a checkpoint's ``.metadata``, and for telling whether a directory is a checkpoint of ours.
+
+DCP pickles its ``.metadata`` with plain pickle, and DCP's own reader
+(``FileSystemReader.read_metadata``) unpickles it with plain pickle: a crafted file runs whatever
+it names. Every reader in this package (load, both consolidations, the CLI, the strategy) reads it
+here instead, with an unpickler that knows DCP's metadata types only. ``checkpoint_problem`` is
+what every destructive call (``overwrite=True``, remove, prune, retention) asks first: a directory
+is replaced or deleted only when its metadata validates and it holds nothing a checkpoint does not.
+
+Example:
+    >>> import tempfile
+    >>> folder = Path(tempfile.mkdtemp())
+    >>> _ = (folder / "notes.txt").write_text("mine")
+    >>> checkpoint_problem(folder)
+    'it has no .metadata file'
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import re
+import stat
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+from torch.distributed.checkpoint.metadata import Metadata
+
+from .checks import METADATA_FILE, CheckpointError
+
+__all__ = ["checkpoint_problem", "load_metadata", "shard_file_name_ok"]
+
+_METADATA_GLOBALS = {
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("pathlib", "Path"),
+    ("pathlib", "PosixPath"),
+    ("pathlib", "WindowsPath"),
+    ("pathlib", "PurePosixPath"),
+    ("pathlib", "PureWindowsPath"),
+    ("collections", "OrderedDict"),
+    ("builtins", "set"),
+    ("builtins", "frozenset"),
+}
+_METADATA_CLASSES = {
+    "BytesStorageMetadata",
+    "ChunkStorageMetadata",
+    "Metadata",
+    "MetadataIndex",
+    "StorageMeta",
+    "TensorProperties",
+    "TensorStorageMetadata",
+    "_MEM_FORMAT_ENCODING",
+}
+# The files DCP's FileSystemWriter writes: one ``__<rank>_<n>.distcp`` per rank and writer thread.
+_SHARD_FILE = re.compile(r"^__\d+_\d+\.distcp$")
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Unpickle allowing only DCP's own metadata types (plain ``pickle.load`` runs whatever a file names)."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        allowed = (
+            (module, name) in _METADATA_GLOBALS
+            or (module == "torch.distributed.checkpoint.metadata" and name in _METADATA_CLASSES)
+            or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype))
+        )
+        if not allowed:
+            raise pickle.UnpicklingError(f"{module}.{name} is not allowed in checkpoint metadata")
+        return super().find_class(module, name)
+
+
+def shard_file_name_ok(name: Any) -> bool:
+    """``True`` for a file name a checkpoint may point to: one plain name inside its directory.
+
+    Example:
+        >>> shard_file_name_ok("__0_0.distcp"), shard_file_name_ok("../secret")
+        (True, False)
+    """
+    return (
+        isinstance(name, str)
+        and name not in ("", ".", "..")
+        and "/" not in name
+        and "\\" not in name
+        and "\0" not in name
+        and not os.path.isabs(name)
+    )
+
+
+def load_metadata(file: Path, caller: str) -> Metadata:
+    """The DCP ``Metadata`` in ``file``, unpickled with the allow-list and checked; ``CheckpointError`` otherwise.
+
+    Every storage record must name a shard file inside the checkpoint directory, at a
+    non-negative offset: a crafted ``.metadata`` cannot make a reader open another file.
+
+    Example:
+        metadata = load_metadata(Path("ckpt/step_100/.metadata"), "load_checkpoint()")
+    """
+    try:
+        with open(file, "rb") as f:
+            metadata = _MetadataUnpickler(f).load()
+    except Exception as e:  # noqa: BLE001 - any failure here means a damaged or foreign file
+        raise CheckpointError(f"{caller}: {file} is corrupted or not DCP metadata: {e}") from e
+    if not isinstance(metadata, Metadata) or not isinstance(getattr(metadata, "storage_data", None), dict):
+        raise CheckpointError(f"{caller}: {file} is not DCP checkpoint metadata.")
+    if not isinstance(getattr(metadata, "state_dict_metadata", None), dict):
+        raise CheckpointError(f"{caller}: {file} is not DCP checkpoint metadata (no state_dict_metadata).")
+    for index, info in metadata.storage_data.items():
+        name = getattr(info, "relative_path", None)
+        offset, length = getattr(info, "offset", None), getattr(info, "length", None)
+        if not shard_file_name_ok(name):
+            raise CheckpointError(
+                f"{caller}: {file} points {getattr(index, 'fqn', index)!r} at {name!r}, which is not a file "
+                "inside the checkpoint directory; refusing to read it."
+            )
+        if not (isinstance(offset, int) and isinstance(length, int) and offset >= 0 and length >= 0):
+            raise CheckpointError(
+                f"{caller}: {file} gives {getattr(index, 'fqn', index)!r} the byte range offset={offset!r}, "
+                f"length={length!r}; corrupted metadata."
+            )
+    return metadata
+
+
+def checkpoint_problem(path: Path) -> Optional[str]:
+    """Why ``path`` is not a complete checkpoint of ours (``None`` when it is).
+
+    Ours: a real directory (not a symbolic link), whose ``.metadata`` loads with the allow-list
+    and validates, holding nothing but that file and DCP shard files (``__<rank>_<n>.distcp``),
+    each a regular file. A folder that merely contains a file named ``.metadata``, or a
+    checkpoint someone put their own files into, is not ours to replace or delete.
+
+    Example:
+        >>> checkpoint_problem(Path("/no/such/dir"))
+        'it does not exist'
+    """
+    path = Path(path)
+    if path.is_symlink():
+        return "it is a symbolic link"
+    if not path.exists():
+        return "it does not exist"
+    if not path.is_dir():
+        return "it is a file, not a checkpoint directory"
+    if not (path / METADATA_FILE).is_file() or (path / METADATA_FILE).is_symlink():
+        return f"it has no {METADATA_FILE} file"
+    try:
+        metadata = load_metadata(path / METADATA_FILE, "")
+    except CheckpointError as e:
+        return str(e).lstrip(": ")
+    named = {info.relative_path for info in metadata.storage_data.values()}
+    foreign = []
+    for child in sorted(os.scandir(path), key=lambda entry: entry.name):
+        mode = child.stat(follow_symlinks=False).st_mode
+        if child.name == METADATA_FILE:
+            continue
+        if not stat.S_ISREG(mode) or not (child.name in named or _SHARD_FILE.match(child.name)):
+            foreign.append(child.name + ("/" if stat.S_ISDIR(mode) else ""))
+    if foreign:
+        shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
+        return f"it holds entries a checkpoint does not have ({shown})"
+    return None
