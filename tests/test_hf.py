@@ -30,6 +30,7 @@ TWO_RANK = (
         "existing_dir_refused_and_failed_save_keeps_it",
         "consolidate_checkpoint_to_hf",
         "sharded_shapes_are_real_shards",
+        "save_uneven_shards_every_engine",
         "clip_load_and_save",  # CLIP's 0-dim logit_scale: kept whole by fsdp(), loaded and saved
     ]
 )

@@ -88,8 +88,12 @@ def test_strategies_and_mixed_precision():
     assert full.allgather_peak_bytes == gathered[3] + 2 * gathered[0]
     # NO_SHARD in fp32 runs on DDP's engine: it computes with the parameters themselves
     assert ddp.engine == "replicate" and ddp.allgather_peak_bytes == 0, (ddp.engine, ddp.allgather_peak_bytes)
-    ddp_bf16 = plan(model, 2, "NO_SHARD", "bf16")  # FSDP2 (world, 1): bf16 copies of every unit, kept
-    assert ddp_bf16.engine == "fully_shard" and ddp_bf16.allgather_peak_bytes == unsharded // 2
+    # NO_SHARD in bf16: DDP's engine + autocast, whose bf16 copies of the Linear weights (the tied
+    # head included, once) autograd keeps for backward; embeddings and norms compute in fp32.
+    ddp_bf16 = plan(model, 2, "NO_SHARD", "bf16")
+    linear = {id(p): p.numel() for m in model.modules() if isinstance(m, nn.Linear) for p in m.parameters()}
+    assert ddp_bf16.engine == "replicate" and ddp_bf16.allgather_peak_bytes == 2 * sum(linear.values())
+    assert (ddp_bf16.param_bytes, ddp_bf16.grad_bytes) == (unsharded, unsharded), "fp32 parameters and gradients"
     bf16 = plan(model, 2, "FULL_SHARD", "bf16")
     assert [u.unsharded_bytes * 2 for u in bf16.units] == gathered, "bf16 all-gathers half the bytes"
     assert (bf16.param_bytes, bf16.grad_bytes, bf16.optimizer_bytes) == (

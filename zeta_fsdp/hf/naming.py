@@ -148,9 +148,12 @@ def map_checkpoint_keys(
     """
     import re
 
-    renamings, converters = _transforms(model)
     plan = KeyPlan()
     known = {k: True for k in list(wanted) + list(aliases)}
+    # A checkpoint whose every key names a model tensor needs no conversion: transformers' mapping
+    # is built only for checkpoints that need it (its first build compiles ~900 regexes, most of a
+    # small model's load time).
+    renamings, converters = ([], []) if all(k in known for k in checkpoint) else _transforms(model)
     groups: dict[str, tuple[Any, list[tuple[str, str]]]] = {}
     keys = list(checkpoint)
     if renamings or converters:

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from ..distributed import get_rank as rank
 from ..distributed import get_world_size as world
@@ -34,11 +34,12 @@ from ..files import publish_dir
 from ..state_dict.checks import on_all_ranks
 from .files import (
     INDEX_NAME,
-    PlannedFilesWriter,
+    SafetensorsLayout,
     parse_size,
     plan_shard_files,
     shard_file_names,
     staging_dir,
+    write_at,
 )
 from .naming import hf_class, is_hf_model, model_tensors, saved_tensors, tied_aliases
 
@@ -103,6 +104,129 @@ def write_index(out: Path, where: dict[str, str], files: dict[str, dict]) -> Non
     total = sum(d.itemsize * int(torch.Size(s).numel()) for f in files.values() for d, s in f.values())
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(where.items()))}
     (out / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
+
+
+_CAST_CHUNK = 64 * 2**20  # bytes cast to the saved dtype at a time: a rank never holds a whole cast tensor
+
+
+def rows_to_write(t: torch.Tensor) -> Optional[tuple[int, int]]:
+    """``(first row, row count)`` of ``t`` (along dim 0) this rank writes, or ``None`` if it needs a gather.
+
+    A DTensor sharded on dim 0 only (``Shard(0)`` and ``Replicate`` placements: FULL_SHARD,
+    SHARD_GRAD, HYBRID, uneven last shards included) holds a contiguous row range of the full
+    tensor: the ranks at coordinate 0 of every ``Replicate`` mesh dim write theirs (one copy of
+    each row). A plain tensor is whole on every rank: rank ``r`` writes ``torch.chunk`` piece
+    ``r`` of its rows (a 0-dim one: rank 0). Other placements (``Shard(d>0)``, strided shards)
+    return ``None``.
+
+    Example:
+        rows_to_write(fsdp_weight)  # rank 1 of 2, weight (10, 4)
+        # -> (5, 5)
+    """
+    if not isinstance(t, DTensor):
+        if t.dim() == 0:
+            return (0, 1) if rank() == 0 else (0, 0)
+        chunk = -(-t.shape[0] // world())
+        start = min(rank() * chunk, t.shape[0])
+        return start, min(chunk, t.shape[0] - start)
+    if t.dim() == 0 or any(
+        type(p) not in (Shard, Replicate) or (type(p) is Shard and p.dim != 0) for p in t.placements
+    ):
+        return None
+    coord = t.device_mesh.get_coordinate()
+    lo, hi = 0, t.shape[0]
+    for mesh_dim, placement in enumerate(t.placements):
+        if type(placement) is Replicate:
+            if coord[mesh_dim] != 0:
+                return (0, 0)  # another replica writes these rows
+            continue
+        n = t.device_mesh.size(mesh_dim)
+        chunk = -(-(hi - lo) // n)
+        lo = min(lo + coord[mesh_dim] * chunk, hi)
+        hi = min(lo + chunk, hi)
+    if t.to_local().shape[0] != hi - lo:
+        return None  # a layout we do not recognise: gather instead of guessing
+    return lo, hi - lo
+
+
+def _write_rows(fd: int, offset: int, rows: torch.Tensor, saved: torch.dtype, file: Path) -> None:
+    """``rows`` written at ``offset`` as ``saved`` dtype; a cast is done a bounded number of rows at a time."""
+    if rows.dtype == saved or rows.dim() == 0:
+        write_at(fd, offset, rows.to(saved), file=file)
+        return
+    row_bytes = int(torch.Size(rows.shape[1:]).numel()) * saved.itemsize
+    step = max(1, _CAST_CHUNK // max(1, row_bytes))
+    for i in range(0, rows.shape[0], step):
+        write_at(fd, offset + i * row_bytes, rows[i : i + step].to(saved), file=file)
+
+
+def _write_data(
+    model: nn.Module,
+    tensors: dict[str, torch.Tensor],
+    saved: dict[str, dict[str, tuple[torch.dtype, tuple[int, ...]]]],
+    where: dict[str, str],
+    plans: dict[str, SafetensorsLayout],
+    folder: Path,
+    dtype: Optional[torch.dtype],
+) -> None:
+    """Every rank writes its rows of every tensor at their offsets (``os.pwrite``), then fsyncs.
+
+    A tensor saved under its own name and shape whose rank-local part is a row range is written
+    from the local shard, nothing gathered. The rest (fused MoE tensors split on save, shards on
+    another dim) are gathered one at a time (``full_tensor``, every rank in the same order) and
+    written by the rank owning their file.
+    """
+    fds: dict[str, int] = {}
+    failed: Optional[BaseException] = None
+
+    def fd_of(name: str) -> int:
+        if name not in fds:
+            fds[name] = os.open(folder / name, os.O_WRONLY)
+        return fds[name]
+
+    owner = {name: i % world() for i, name in enumerate(plans)}
+    try:
+        for key, entries in saved.items():
+            t = tensors[key]
+            plain = list(entries) == [key] and tuple(entries[key][1]) == tuple(t.shape)
+            rows = rows_to_write(t) if plain else None
+            if rows is None:
+                # A failed write must not leave peers waiting in the next gather: keep gathering.
+                full = t.full_tensor() if isinstance(t, DTensor) else t
+                mine = [k for k in entries if owner[where[k]] == rank()]
+                if mine and failed is None:
+                    try:
+                        pieces = saved_tensors(model, key, cast(full.detach(), dtype))
+                        for k in mine:
+                            name = where[k]
+                            write_at(fd_of(name), plans[name].offset[k], pieces[k], file=folder / name)
+                        del pieces
+                    except Exception as e:
+                        failed = e
+                del full
+                continue
+            start, count = rows
+            if not count or failed is not None:
+                continue
+            local = t.to_local() if isinstance(t, DTensor) else t
+            if not isinstance(t, DTensor):
+                local = local.narrow(0, start, count) if local.dim() else local
+            name = where[key]
+            saved_dtype = entries[key][0]
+            row_bytes = saved_dtype.itemsize * (int(torch.Size(t.shape[1:]).numel()) if t.dim() else 1)
+            offset = plans[name].offset[key] + start * row_bytes
+            try:
+                _write_rows(fd_of(name), offset, local.detach(), saved_dtype, folder / name)
+            except Exception as e:
+                failed = e
+        if failed is None:
+            for fd in fds.values():  # this rank's bytes are on disk before anyone publishes
+                os.fsync(fd)
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+    if failed is not None:
+        raise failed
 
 
 def save_pretrained(
@@ -171,38 +295,27 @@ def save_pretrained(
     if world() > 1:
         dist.broadcast_object_list(tmp_list, src=0)
     tmp: Path = tmp_list[0]
-    writer_of = {name: i % world() for i, name in enumerate(files)}
     tensors = model_tensors(model)
     published = False
     try:
+        plans = {name: SafetensorsLayout(layout) for name, layout in files.items()}
 
-        def write() -> None:
-            failed: Optional[BaseException] = None
-            with PlannedFilesWriter(tmp, where, files) as out:
-                for key, entries in saved.items():
-                    t = tensors[key]
-                    full = t.full_tensor() if isinstance(t, DTensor) else t  # collective: every rank, same order
-                    mine = [k for k in entries if writer_of[where[k]] == rank()]
-                    if mine and failed is None:
-                        # A failed write must not leave this rank's peers waiting in the next gather:
-                        # keep gathering, stop writing, report once every tensor went round.
-                        try:
-                            pieces = saved_tensors(model, key, cast(full.detach(), dtype))
-                            for k in mine:
-                                out.write(k, pieces[k])
-                            del pieces
-                        except Exception as e:
-                            failed = e
-                    del full
-            if failed is not None:
-                raise failed
+        def create() -> None:
+            if rank() == 0:  # headers and final sizes first: every rank then fills its own byte ranges
+                for name, plan in plans.items():
+                    plan.create(tmp / name)
+
+        on_all_ranks(create)
+        on_all_ranks(lambda: _write_data(model, tensors, saved, where, plans, tmp, dtype))
+
+        def finish() -> None:
             if rank() == 0:
                 write_index(tmp, where, files)
                 if is_hf_model(model):
                     saved_dtype = dtype or next((t.dtype for t in tensors.values() if t.is_floating_point()), None)
                     write_hf_config(model, tmp, saved_dtype, hf_class(model).__name__)
 
-        on_all_ranks(write)
+        on_all_ranks(finish)
 
         def publish() -> None:
             if rank() == 0:
