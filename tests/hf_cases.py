@@ -124,7 +124,7 @@ ARCHS["llama_uneven"] = lambda: (
     T.AutoModelForCausalLM,
     T.LlamaConfig(
         vocab_size=97,
-        hidden_size=36,
+        hidden_size=40,
         num_hidden_layers=2,
         num_attention_heads=4,
         intermediate_size=41,

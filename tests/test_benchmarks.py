@@ -119,6 +119,11 @@ def test_bench_no_shard(tmp_path: Path) -> None:
     check_timing(data["timing"], variants)
     same_losses(data["first_loss"])
     assert data["engines"] == {"fsdp() NO_SHARD": "replicate", "fsdp() NO_SHARD, mesh=(world,1)": "fully_shard"}
+    bf16 = ["fsdp() NO_SHARD bf16", "fsdp() NO_SHARD bf16, mesh=(world,1)", "DDP + autocast(bf16)"]
+    check_timing(data["timing_bf16"], bf16)
+    assert data["engines_bf16"] == {bf16[0]: "replicate", bf16[1]: "fully_shard"}, data["engines_bf16"]
+    # NO_SHARD bf16 is DDP + autocast: the same first-step loss, bit for bit
+    assert data["first_loss_bf16"][bf16[0]] == data["first_loss_bf16"][bf16[2]], data["first_loss_bf16"]
 
 
 def test_bench_memory(tmp_path: Path) -> None:

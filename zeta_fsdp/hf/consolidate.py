@@ -1,8 +1,9 @@
 """``consolidate_to_hf``: a sharded ``save_checkpoint`` checkpoint -> a Hugging Face model directory, offline.
 
-One CPU process, no process group. Tensors are read from the DCP checkpoint one at a time (DCP
-reads only that tensor's chunks) and streamed into safetensors files, so the peak is one tensor,
-whatever the model's size.
+One CPU process, no process group. The safetensors files are planned first (headers and sizes
+known before any tensor is read); tensors are then read from the DCP checkpoint in batches of at
+most 256 MiB (one DCP call each; DCP reads only those tensors' chunks) and written straight to
+their offsets, so the peak is one batch (or one bigger tensor), whatever the model's size.
 
 Where ``config.json`` comes from: our checkpoints hold weights, optimizer state and the user's
 ``extra``, not the model's Hugging Face config. Pass ``config=`` (a model directory or a
@@ -29,7 +30,7 @@ import torch.nn as nn
 
 from ..files import publish_dir
 from ..state_dict import CheckpointError, is_checkpoint
-from .files import PlannedFilesWriter, parse_size, staging_dir
+from .files import SafetensorsLayout, parse_size, staging_dir, write_at
 from .naming import hf_class, model_tensors, saved_tensors, tied_aliases
 from .save import cast, check_dtype, plan_hf_files, write_hf_config, write_index
 
@@ -71,6 +72,24 @@ def meta_model_from_config(config: Union[str, os.PathLike]) -> nn.Module:
         return cls(cfg)
 
 
+_BATCH_BYTES = 256 * 2**20  # tensors read per DCP call: fewer calls, a bounded peak
+
+
+def _batches(saved: dict[str, Any], stored: dict[str, Any], source: dict[str, str]) -> list[list[str]]:
+    """Output keys in groups of at most ``_BATCH_BYTES`` of stored bytes (a bigger tensor alone)."""
+    groups: list[list[str]] = [[]]
+    used = 0
+    for key in saved:
+        md = stored[source[key]]
+        size = int(torch.Size(md.size).numel()) * md.properties.dtype.itemsize
+        if groups[-1] and used + size > _BATCH_BYTES:
+            groups.append([])
+            used = 0
+        groups[-1].append(key)
+        used += size
+    return [g for g in groups if g]
+
+
 def consolidate_to_hf(
     ckpt_dir: Union[str, os.PathLike],
     out_dir: Union[str, os.PathLike],
@@ -80,7 +99,7 @@ def consolidate_to_hf(
     max_shard_size: Union[int, str] = "5GB",
     overwrite: bool = False,
 ) -> Path:
-    """Turn a ``save_checkpoint`` checkpoint into a Hugging Face model directory; one process, tensor by tensor.
+    """Turn a ``save_checkpoint`` checkpoint into a Hugging Face model directory; one process, batch by batch.
 
     ``config``: the model's Hugging Face config (directory or ``config.json``): written as
     ``config.json``, and used for the architecture's tie rules, its MoE key conversions and to check
@@ -160,19 +179,36 @@ def consolidate_to_hf(
     where, files = plan_hf_files(layout, limit)
     tmp = staging_dir(out_dir, overwrite=overwrite, caller=_CALLER)
     try:
-        with PlannedFilesWriter(tmp, where, files) as writer:
-            for key, entries in saved.items():
-                md = stored[source[key]]
-                state: dict[str, Any] = {_MODEL + source[key]: torch.empty(tuple(md.size), dtype=md.properties.dtype)}
+        plans = {name: SafetensorsLayout(file_layout) for name, file_layout in files.items()}
+        for name, plan in plans.items():
+            plan.create(tmp / name)  # headers and sizes first: tensors then go straight to their offsets
+        fds = {name: os.open(tmp / name, os.O_WRONLY) for name in plans}
+        try:
+            reader = FileSystemReader(src)
+            for batch in _batches(saved, stored, source):
+                state: dict[str, Any] = {
+                    _MODEL + source[key]: torch.empty(
+                        tuple(stored[source[key]].size), dtype=stored[source[key]].properties.dtype
+                    )
+                    for key in batch
+                }
                 try:
-                    dcp.load(state, storage_reader=FileSystemReader(src), no_dist=True)
+                    dcp.load(state, storage_reader=reader, no_dist=True)
                 except BaseException as e:  # DCP's CheckpointException is a BaseException
                     if not isinstance(e, Exception) and type(e).__name__ != "CheckpointException":
                         raise
-                    raise CheckpointError(f"{_CALLER}: reading {source[key]!r} from {src} failed: {e}") from None
-                out = pieces(key, cast(state.pop(_MODEL + source[key]), dtype))
-                for k in entries:
-                    writer.write(k, out[k])
+                    raise CheckpointError(f"{_CALLER}: reading {batch} from {src} failed: {e}") from None
+                for key in batch:
+                    out = pieces(key, cast(state.pop(_MODEL + source[key]), dtype))
+                    for k in saved[key]:
+                        name = where[k]
+                        write_at(fds[name], plans[name].offset[k], out[k], file=tmp / name)
+                    del out
+            for fd in fds.values():
+                os.fsync(fd)
+        finally:
+            for fd in fds.values():
+                os.close(fd)
         write_index(tmp, where, files)
         if model is not None:
             first = next((d for d, _ in layout.values() if d.is_floating_point), None)

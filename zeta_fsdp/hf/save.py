@@ -2,11 +2,13 @@
 
 The files are planned before any byte moves: every kept tensor's saved names, dtypes and shapes
 (ties dropped as Hugging Face drops them; fused MoE tensors split back into transformers'
-per-expert keys), cut into files of at most ``max_shard_size``, file ``i`` written by rank
-``i % world``. Then, one tensor at a time, every rank takes part in gathering it and the rank that
-owns its file streams it to disk (``SafetensorsStreamWriter``: header first, then the bytes), so a
-rank's peak is its own shards plus one full tensor. Everything is written into a hidden directory
-beside ``path`` and renamed into place once complete.
+per-expert keys), cut into files of at most ``max_shard_size``. A safetensors header holds every
+tensor's byte range, so rank 0 writes the headers and sizes the files, and then every rank writes
+its own rows of every tensor at their offsets (``os.pwrite``: a dim-0 shard is one contiguous
+byte range) and fsyncs: no gather, no rank holds a whole tensor. Tensors that are saved under
+other names or shapes (fused MoE experts) or sharded on another dim are gathered one at a time
+and written by the rank owning their file. Everything goes into a hidden directory beside
+``path``, renamed into place once complete.
 
 Example:
     save_pretrained(model, "out/llama", dtype=torch.bfloat16)
@@ -242,8 +244,8 @@ def save_pretrained(
     Call on every rank. Writes ``model.safetensors`` (or ``model-0000i-of-0000n.safetensors`` files
     of at most ``max_shard_size`` plus ``model.safetensors.index.json``), and ``config.json`` /
     ``generation_config.json`` when the model has a Hugging Face ``.config``, so
-    ``AutoModelFor*.from_pretrained(path)`` loads it. No rank holds the whole model: tensors are
-    gathered one at a time and streamed to disk by the rank writing their file. Tied weights are
+    ``AutoModelFor*.from_pretrained(path)`` loads it. No rank holds the whole model, nor a whole
+    tensor: each rank writes its own rows at their offsets in the planned files. Tied weights are
     stored once, as Hugging Face stores them; fused MoE tensors are written under the per-expert keys
     transformers' own ``save_pretrained`` uses. ``dtype`` casts floating-point tensors on write.
 
