@@ -610,7 +610,7 @@ def fsdp(
     prefetch: Optional[int] = None,
 ) -> nn.Module:
     """Shard ``model`` with FSDP2 (``fully_shard``) and return the same object, now an ``FSDPModule``
-    (under NO_SHARD in fp32: replicated with DDP's engine, see Engines below).
+    (under NO_SHARD in fp32 or bf16: replicated with DDP's engine, see Engines below).
 
     Args:
         model: any ``nn.Module``, on CPU, CUDA or ``meta``.
@@ -647,7 +647,7 @@ def fsdp(
             chains, each unit all-gathers the next ``n`` in forward and the previous ``n`` in
             backward (more overlap on GPUs, up to ``n`` extra unsharded units held; no gain on
             CPU/gloo). Assumes blocks run in the order they are registered.
-            Neither has an effect on DDP's engine (NO_SHARD in fp32): nothing is gathered there.
+            Neither has an effect on DDP's engine (NO_SHARD in fp32 or bf16): nothing is gathered there.
 
     0-dim parameters (CLIP's ``logit_scale``), which ``fully_shard`` cannot shard, are kept whole
     on every rank in ``master_dtype`` and their gradient is averaged across ranks
@@ -658,7 +658,9 @@ def fsdp(
 
     Engines: every sharding strategy runs on FSDP2 (``fully_shard``: DTensor parameters). NO_SHARD
     with ``mp="fp32"`` runs on DDP's engine instead (composable ``replicate``: plain tensor
-    parameters, bucketed all-reduce, DDP's speed); a low-precision ``mp``, ``cpu_offload``, ignored
+    parameters, bucketed all-reduce, DDP's speed), and so does ``mp="bf16"``, with the forward under
+    ``torch.autocast(bfloat16)`` (fp32 parameters and gradients, all-reduced in fp32: DDP +
+    autocast); ``mp="fp16"`` or a custom policy, ``cpu_offload``, ignored
     parameters, a ``mesh`` or a model with nothing to train keep NO_SHARD on FSDP2
     (``options.choose_engine``; ``fsdp_engine(model)`` says which ran). State dicts, checkpoints, ``no_sync`` and ``clip_grad_norm_`` work on both.
 

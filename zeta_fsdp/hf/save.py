@@ -108,7 +108,7 @@ def write_index(out: Path, where: dict[str, str], files: dict[str, dict]) -> Non
     (out / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
 
 
-_CAST_CHUNK = 64 * 2**20  # bytes cast to the saved dtype at a time: a rank never holds a whole cast tensor
+_CAST_CHUNK = 8 * 2**20  # bytes cast to the saved dtype at a time: a rank never holds a whole cast tensor
 
 
 def rows_to_write(t: torch.Tensor) -> Optional[tuple[int, int]]:
