@@ -380,6 +380,24 @@ def write_results(out: Path, results: dict, args: argparse.Namespace) -> None:
         )
     lines += [
         "",
+        "Reading the figures:",
+        "",
+        "* The load floor reads into fresh memory: most of its time is the page faults of the new "
+        "pages (the kernel zeroes each 4 KiB page), which `load_pretrained` pays alike.",
+        "* transformers' FSDP2 loading leaves each rank's shards as views of a private memory map "
+        "of the file (checked: every local shard's `data_ptr` lies in the file's mapping): the bytes "
+        "are not copied, pages are mapped from the page cache at first touch (and count in RSS as "
+        "file pages). That is below the pread floor. Matching it would "
+        "mean backing FSDP2's sharded storage with the file mapping (zero-copy), which needs the "
+        "stored dtype to be the parameter's, page-aligned offsets and a file nobody truncates "
+        "while the model lives.",
+        "* Save timings include `fsync`: they depend on how much other dirty data the disk is "
+        "flushing at that moment (other jobs wrote too), so save ratios move more between runs "
+        "than load ratios.",
+        "* Times are medians of rounds inside one process: costs paid once per process (importing "
+        "transformers, building its key-conversion mapping, which `load_pretrained` skips for "
+        "checkpoints under the model's own names) fall in the first round only.",
+        "",
         f"Recorded {datetime.now(timezone.utc):%Y-%m-%d} on {platform.machine()}, {os.cpu_count()} CPU cores shared "
         "with other jobs (timings are noisy; ratios were measured side by side in one launch per size), "
         f"torch {__import__('torch').__version__}, transformers {__import__('transformers').__version__}.",
