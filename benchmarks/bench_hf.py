@@ -410,7 +410,10 @@ def write_results(out: Path, results: dict, args: argparse.Namespace) -> None:
         "",
     ]
     (out / "hf.md").write_text("\n".join(lines))
-    (out / "hf.json").write_text(json.dumps({"nproc": args.nproc, "sizes": results}, indent=2))
+    from _common import machine_info  # the benchmarks' shared machine record (imports torch)
+
+    data = {"command": cmd, "machine": machine_info(), "nproc": args.nproc, "sizes": results}
+    (out / "hf.json").write_text(json.dumps(data, indent=2))
     print("\n".join(lines))
 
 

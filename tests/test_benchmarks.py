@@ -126,6 +126,18 @@ def test_bench_no_shard(tmp_path: Path) -> None:
     assert data["first_loss_bf16"][bf16[0]] == data["first_loss_bf16"][bf16[2]], data["first_loss_bf16"]
 
 
+def test_bench_hf(tmp_path: Path) -> None:
+    run_bench("bench_hf.py", tmp_path)
+    data = results(tmp_path, "hf")
+    quick = data["sizes"]["quick"]
+    rows = ["load_floor", "load_ours", "load_ours_e2e", "load_transformers", "load_transformers_touched"]
+    rows += ["save_floor", "save_floor_ranks", "save_ours", "save_transformers"]
+    for row in rows:
+        assert positive(quick[row]["seconds"]), (row, quick[row])
+        assert len(quick[row]["rss_x_model"]) == 2, (row, quick[row])
+    assert quick["save_ours_bit_identical"] is True  # what save_pretrained wrote == save_pretrained's tensors
+
+
 def test_bench_memory(tmp_path: Path) -> None:
     run_bench("bench_memory.py", tmp_path, "--world-sizes", "4")  # 4 ranks: every strategy, HYBRID included
     data = results(tmp_path, "memory")

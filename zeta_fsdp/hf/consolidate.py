@@ -31,7 +31,7 @@ import torch.nn as nn
 from ..files import publish_dir
 from ..state_dict import CheckpointError, is_checkpoint
 from .files import SafetensorsLayout, parse_size, staging_dir, write_at
-from .naming import hf_class, model_tensors, saved_tensors, tied_aliases
+from .naming import hf_class, model_tensors, saved_layout, saved_tensors, tied_aliases
 from .save import cast, check_dtype, plan_hf_files, write_hf_config, write_index
 
 __all__ = ["consolidate_to_hf", "meta_model_from_config"]
@@ -170,11 +170,15 @@ def consolidate_to_hf(
     def pieces(key: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
         return saved_tensors(model, key, tensor) if model is not None else {key: tensor}
 
-    saved: dict[str, dict[str, tuple[torch.dtype, tuple[int, ...]]]] = {}
-    for key, name in source.items():
-        md = stored[name]
-        meta = torch.empty(tuple(md.size), dtype=md.properties.dtype, device="meta")
-        saved[key] = {k: (v.dtype, tuple(v.shape)) for k, v in pieces(key, cast(meta, dtype)).items()}
+    metas = {
+        key: cast(torch.empty(tuple(stored[name].size), dtype=stored[name].properties.dtype, device="meta"), dtype)
+        for key, name in source.items()
+    }
+    saved = (
+        saved_layout(model, metas)
+        if model is not None
+        else {k: {k: (t.dtype, tuple(t.shape))} for k, t in metas.items()}
+    )
     layout = {k: v for entries in saved.values() for k, v in entries.items()}
     where, files = plan_hf_files(layout, limit)
     tmp = staging_dir(out_dir, overwrite=overwrite, caller=_CALLER)
@@ -199,7 +203,9 @@ def consolidate_to_hf(
                         raise
                     raise CheckpointError(f"{_CALLER}: reading {batch} from {src} failed: {e}") from None
                 for key in batch:
-                    out = pieces(key, cast(state.pop(_MODEL + source[key]), dtype))
+                    value = cast(state.pop(_MODEL + source[key]), dtype)
+                    plain = list(saved[key]) == [key] and saved[key][key][1] == tuple(value.shape)
+                    out = {key: value} if plain else pieces(key, value)
                     for k in saved[key]:
                         name = where[k]
                         write_at(fds[name], plans[name].offset[k], out[k], file=tmp / name)

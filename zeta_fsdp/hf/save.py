@@ -43,7 +43,7 @@ from .files import (
     staging_dir,
     write_at,
 )
-from .naming import hf_class, is_hf_model, model_tensors, saved_tensors, tied_aliases
+from .naming import hf_class, is_hf_model, model_tensors, saved_layout, saved_tensors, tied_aliases
 
 __all__ = ["cast", "check_dtype", "plan_hf_files", "save_pretrained", "write_hf_config", "write_index"]
 
@@ -272,12 +272,12 @@ def save_pretrained(
             raise ValueError(f"{_CALLER}: overwrite={overwrite!r} is not accepted. Accepted: True or False.")
         tensors = model_tensors(model)
         aliases = tied_aliases(model, tensors)
-        saved: dict[str, dict[str, tuple[torch.dtype, tuple[int, ...]]]] = {}
-        for key, t in tensors.items():
-            if key in aliases:
-                continue
-            meta = torch.empty(t.shape, dtype=cast(torch.empty((), dtype=t.dtype), dtype).dtype, device="meta")
-            saved[key] = {k: (v.dtype, tuple(v.shape)) for k, v in saved_tensors(model, key, meta).items()}
+        metas = {
+            key: torch.empty(t.shape, dtype=cast(torch.empty((), dtype=t.dtype), dtype).dtype, device="meta")
+            for key, t in tensors.items()
+            if key not in aliases
+        }
+        saved = saved_layout(model, metas)
         layout = {k: v for entries in saved.values() for k, v in entries.items()}
         where, files = plan_hf_files(layout, limit)
         if rank() == 0:
