@@ -427,6 +427,7 @@ def existing_dir_refused_and_failed_save_keeps_it() -> None:
     dist.barrier()
     assert (out / "keep.txt").read_text() == "mine" and sorted(p.name for p in out.iterdir()) == ["keep.txt"]
     assert not (out.parent / ".users_dir.incomplete").exists()
+    dist.barrier()  # else rank 0 may already stage the next save while a peer checks the line above
     save_pretrained(model, out, overwrite=True)
     assert not (out / "keep.txt").exists() and (out / "model.safetensors").is_file()
 
@@ -473,6 +474,22 @@ def save_uneven_shards_every_engine() -> None:
         out = work() / f"uneven_{strat}_{dtype}_{size}".replace("torch.", "")
         save_pretrained(model, out, dtype=dtype, max_shard_size=size, overwrite=True)
         on_rank0(lambda o=out, d=dtype: same_tensors_as_transformers("llama_uneven", o, d))
+    # Buffers may differ between replicas (BatchNorm statistics are each rank's own): the file
+    # holds one rank's copy (rank 0's), never rows mixed from several ranks.
+    torch.manual_seed(6)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.BatchNorm1d(6))
+    weight = net[0].weight.detach().clone()
+    fsdp(net, shard_strat="NO_SHARD")
+    net[1].running_mean.fill_(1.0 + rank())
+    out = work() / "buffers_no_shard"
+    save_pretrained(net, out, overwrite=True)
+
+    def check() -> None:
+        stored = _stored(out)
+        assert torch.equal(stored["1.running_mean"], torch.full((6,), 1.0)), stored["1.running_mean"]
+        assert torch.equal(stored["0.weight"], weight)
+
+    on_rank0(check)
 
 
 @case

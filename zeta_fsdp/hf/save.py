@@ -33,6 +33,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from ..distributed import get_rank as rank
 from ..distributed import get_world_size as world
 from ..files import publish_dir
+from ..fsdp import fsdp_engine
 from ..state_dict.checks import on_all_ranks
 from .files import (
     INDEX_NAME,
@@ -111,23 +112,25 @@ def write_index(out: Path, where: dict[str, str], files: dict[str, dict]) -> Non
 _CAST_CHUNK = 8 * 2**20  # bytes cast to the saved dtype at a time: a rank never holds a whole cast tensor
 
 
-def rows_to_write(t: torch.Tensor) -> Optional[tuple[int, int]]:
+def rows_to_write(t: torch.Tensor, split: bool = True) -> Optional[tuple[int, int]]:
     """``(first row, row count)`` of ``t`` (along dim 0) this rank writes, or ``None`` if it needs a gather.
 
     A DTensor sharded on dim 0 only (``Shard(0)`` and ``Replicate`` placements: FULL_SHARD,
     SHARD_GRAD, HYBRID, uneven last shards included) holds a contiguous row range of the full
     tensor: the ranks at coordinate 0 of every ``Replicate`` mesh dim write theirs (one copy of
-    each row). A plain tensor is whole on every rank: rank ``r`` writes ``torch.chunk`` piece
-    ``r`` of its rows (a 0-dim one: rank 0). Other placements (``Shard(d>0)``, strided shards)
-    return ``None``.
+    each row). A plain tensor is whole on every rank: with ``split`` (replicas known to be equal:
+    parameters on DDP's engine) rank ``r`` writes ``torch.chunk`` piece ``r`` of its rows, else
+    rank 0 writes them all (a buffer such as BatchNorm's running statistics may differ between
+    ranks: the file gets one rank's copy, never a mix). Other placements (``Shard(d>0)``,
+    strided shards) return ``None``.
 
     Example:
         rows_to_write(fsdp_weight)  # rank 1 of 2, weight (10, 4)
         # -> (5, 5)
     """
     if not isinstance(t, DTensor):
-        if t.dim() == 0:
-            return (0, 1) if rank() == 0 else (0, 0)
+        if t.dim() == 0 or not split:
+            return (0, t.shape[0] if t.dim() else 1) if rank() == 0 else (0, 0)
         chunk = -(-t.shape[0] // world())
         start = min(rank() * chunk, t.shape[0])
         return start, min(chunk, t.shape[0] - start)
@@ -187,11 +190,14 @@ def _write_data(
         return fds[name]
 
     owner = {name: i % world() for i, name in enumerate(plans)}
+    # DDP's engine keeps parameters equal on every rank (it broadcasts them at build, then every
+    # rank applies the same averaged gradient): their rows can come from any rank.
+    params_equal = fsdp_engine(model) == "replicate"
     try:
         for key, entries in saved.items():
             t = tensors[key]
             plain = list(entries) == [key] and tuple(entries[key][1]) == tuple(t.shape)
-            rows = rows_to_write(t) if plain else None
+            rows = rows_to_write(t, split=params_equal and isinstance(t, nn.Parameter)) if plain else None
             if rows is None:
                 # A failed write must not leave peers waiting in the next gather: keep gathering.
                 full = t.full_tensor() if isinstance(t, DTensor) else t
