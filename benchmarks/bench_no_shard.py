@@ -12,6 +12,11 @@ Variants of one GPT, same initial weights, same per-rank batch, timed in interle
   * ``fsdp() NO_SHARD, mesh=(world,1)``: the façade asked for FSDP2's engine (its 0.1 behaviour);
   * ``DDP``: ``DistributedDataParallel``, the baseline (bucketed all-reduce).
 
+A second table, bf16 compute (``mp="bf16"``), interleaved the same way:
+  * ``fsdp() NO_SHARD bf16``: the façade (DDP's engine + ``torch.autocast(bfloat16)``);
+  * ``fsdp() NO_SHARD bf16, mesh=(world,1)``: FSDP2's ``MixedPrecisionPolicy`` (what it ran before);
+  * ``DDP + autocast(bf16)``: ``DistributedDataParallel`` with the forward under ``torch.autocast``.
+
 Run:
     python -m torch.distributed.run --standalone --nproc-per-node 2 benchmarks/bench_no_shard.py
 """
@@ -75,12 +80,54 @@ def composable_replicate(model: torch.nn.Module) -> torch.nn.Module:
     return replicate(model, gradient_as_bucket_view=True, find_unused_parameters=True)
 
 
+class AutocastForward(torch.nn.Module):
+    """``DistributedDataParallel`` with its forward under ``torch.autocast(bfloat16)``, as DDP users write it."""
+
+    def __init__(self, inner: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return self.inner(x)
+
+
+def bf16_table(report: Report, base: torch.nn.Module, spec, args: argparse.Namespace) -> dict:
+    """NO_SHARD with ``mp="bf16"`` against DDP + autocast: the same run, interleaved."""
+    mesh = build_mesh(resolve_sharding("NO_SHARD"), torch.device("cpu"))
+    common = {"auto_wrap": True, "shard_strat": "NO_SHARD", "TransformerBlock": Block, "mp": "bf16"}
+    models = {
+        "fsdp() NO_SHARD bf16": fsdp(copy.deepcopy(base), **common),
+        "fsdp() NO_SHARD bf16, mesh=(world,1)": fsdp(copy.deepcopy(base), mesh=mesh, **common),
+        "DDP + autocast(bf16)": AutocastForward(DistributedDataParallel(copy.deepcopy(base))),
+    }
+    engines = {k: fsdp_engine(m) for k, m in models.items() if fsdp_engine(m)}
+    batch = make_batch(spec)
+    steps = {k: train_step(m, torch.optim.AdamW(m.parameters(), lr=1e-4), batch) for k, m in models.items()}
+    first_loss = {k: float(step()) for k, step in steps.items()}
+    blocks, per_block = (2, 1) if args.quick else (args.blocks, args.steps_per_block)
+    times = interleaved_block_times(steps, blocks=blocks, steps_per_block=per_block, warmup=1 if args.quick else 3)
+    headers, rows, timing = timing_table(times, ["DDP + autocast(bf16)"])
+    report.table(f"{spec.describe()}, mp=bf16, AdamW", headers, rows)
+    report.table(
+        "bf16 first-step loss (fp32 cross-entropy of the logits; autocast and FSDP2's policy cast "
+        "different ops, so the mesh row agrees to bf16 rounding only)",
+        ["variant", "loss"],
+        [[k, f"{v:.6f}"] for k, v in first_loss.items()],
+    )
+    report.notes.append(
+        f"bf16 engines fsdp() chose: {engines}. fsdp() NO_SHARD bf16 is DDP's engine with autocast around "
+        "the forward: fp32 parameters, bf16 matmuls, fp32 gradients all-reduced in fp32."
+    )
+    return {"timing_bf16": timing, "first_loss_bf16": first_loss, "engines_bf16": engines}
+
+
 def rank_main(args: argparse.Namespace) -> None:
     report = Report(
         name="no_shard",
         title="NO_SHARD mechanisms vs DDP",
         command=args.command,
-        what=f"Same model, same run, {dist.get_world_size()} CPU ranks (gloo), fp32, AdamW.",
+        what=f"Same model, same run, {dist.get_world_size()} CPU ranks (gloo), AdamW; fp32, then bf16 compute.",
     )
     spec = QUICK_MODEL if args.quick else BENCH_MODEL
     base = build_model(spec)
@@ -122,6 +169,7 @@ def rank_main(args: argparse.Namespace) -> None:
         "models with unused parameters train as under FSDP2."
     )
     report.data.update({"model": spec.describe(), "timing": timing, "first_loss": first_loss, "engines": engines})
+    report.data.update(bf16_table(report, base, spec, args))
     report.publish(args.out_dir)
 
 

@@ -120,7 +120,21 @@ ARCHS = {
         ),
     ),  # fmt: skip
 }
-ZOO = [a for a in ARCHS if a != "clip"]
+# Dims that do not split evenly over 2 ranks (FSDP2 pads the last shard).
+ARCHS["llama_uneven"] = lambda: (
+    T.LlamaForCausalLM,
+    T.AutoModelForCausalLM,
+    T.LlamaConfig(
+        vocab_size=97,
+        hidden_size=40,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=41,
+        num_key_value_heads=2,
+        tie_word_embeddings=False,
+    ),
+)
+ZOO = [a for a in ARCHS if a not in ("clip", "llama_uneven")]
 
 
 def build(arch: str, seed: int = 0, meta: bool = False) -> torch.nn.Module:
@@ -238,12 +252,33 @@ def check_save(arch: str, strat: str, dtype=None) -> None:
         for f in out.glob("*.safetensors"):
             with safe_open(str(f), "pt") as sf:
                 stored |= set(sf.keys())
+        same_tensors_as_transformers(arch, out, dtype)
         ties = getattr(ref, "all_tied_weights_keys", None) or {}
         dropped = {a for a, k in ties.items() if ref.get_parameter(a) is ref.get_parameter(k)}
         assert not (stored & dropped), f"tied aliases stored: {stored & dropped}"
         assert (out / "config.json").is_file()
 
     on_rank0(check)
+
+
+def _stored(folder: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    out: dict[str, torch.Tensor] = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        out.update(load_file(str(f)))
+    return out
+
+
+def same_tensors_as_transformers(arch: str, out: Path, dtype=None) -> None:
+    """Every stored tensor equals, bit for bit and under the same key, what transformers' own
+    ``save_pretrained`` stored for the reference (``reference_dir``; cast to ``dtype`` as a model
+    ``.to(dtype)`` would be), both read back with ``safetensors.load_file``."""
+    ours, theirs = _stored(out), _stored(work() / "refs" / arch)
+    assert set(ours) == set(theirs), f"keys differ: {sorted(set(ours) ^ set(theirs))[:6]}"
+    for k, v in theirs.items():
+        v = v.to(dtype) if dtype is not None and v.is_floating_point() else v
+        assert ours[k].dtype == v.dtype and ours[k].shape == v.shape and torch.equal(ours[k], v), k
 
 
 def _clip_load_and_save() -> None:
@@ -393,21 +428,20 @@ def existing_dir_refused_and_failed_save_keeps_it() -> None:
     ours = work() / "ours_dir"
     save_pretrained(model, ours, overwrite=True, max_shard_size="8KB")
     kept = {p.name: p.read_bytes() for p in sorted(ours.iterdir())}
-    import zeta_fsdp.hf.files as files_mod  # where save_pretrained's file writer lives
+    import zeta_fsdp.hf.save as save_mod  # where save_pretrained's byte writer is looked up
 
-    real = files_mod.SafetensorsStreamWriter
+    real = save_mod.write_at
 
-    class Failing(real):
-        def write(self, key, tensor):
-            if rank() == world() - 1:
-                raise OSError("disk full (injected)")
-            super().write(key, tensor)
+    def failing(fd, offset, tensor, **kw):
+        if rank() == world() - 1:
+            raise OSError("disk full (injected)")
+        real(fd, offset, tensor, **kw)
 
-    files_mod.SafetensorsStreamWriter = Failing
+    save_mod.write_at = failing
     try:
         expect_error(Exception, lambda: save_pretrained(model, ours, overwrite=True, max_shard_size="8KB"), "injected")
     finally:
-        files_mod.SafetensorsStreamWriter = real
+        save_mod.write_at = real
     dist.barrier()
     assert {p.name: p.read_bytes() for p in sorted(ours.iterdir())} == kept, "a failed save changed the directory"
     assert not (ours.parent / ".ours_dir.incomplete").exists()
@@ -483,6 +517,42 @@ def index_outside_or_malformed_refused_on_every_rank() -> None:
         _unchanged(model, before)
     load_pretrained(model, root / "models--x" / "snapshots" / "abc")
     assert_weights(model, ref.state_dict(), "hub cache layout")
+
+
+@case
+def save_uneven_shards_every_engine() -> None:
+    """Dims that do not split evenly over the ranks (FSDP2 pads the last shard), the
+    replicated engine (NO_SHARD: plain tensors, rows split between ranks), a cast on write and
+    one file per tensor: the files hold transformers' tensors, bit for bit."""
+    ref, _ = reference_dir("llama_uneven")
+    for strat, dtype, size in (
+        ("FULL_SHARD", None, "5GB"),
+        ("NO_SHARD", None, "4KB"),
+        ("FULL_SHARD", torch.bfloat16, "4KB"),
+    ):
+        model = fsdp(copy.deepcopy(ref), auto_wrap=True, **STRATS[strat])
+        if strat == "FULL_SHARD" and world() == 2:
+            local = model.lm_head.weight.to_local().shape[0]
+            assert local == (49 if rank() == 0 else 48), local  # ceil(97 / 2) rows, then the rest
+        out = work() / f"uneven_{strat}_{dtype}_{size}".replace("torch.", "")
+        save_pretrained(model, out, dtype=dtype, max_shard_size=size, overwrite=True)
+        on_rank0(lambda o=out, d=dtype: same_tensors_as_transformers("llama_uneven", o, d))
+    # Buffers may differ between replicas (BatchNorm statistics are each rank's own): the file
+    # holds one rank's copy (rank 0's), never rows mixed from several ranks.
+    torch.manual_seed(6)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.BatchNorm1d(6))
+    weight = net[0].weight.detach().clone()
+    fsdp(net, shard_strat="NO_SHARD")
+    net[1].running_mean.fill_(1.0 + rank())
+    out = work() / "buffers_no_shard"
+    save_pretrained(net, out, overwrite=True)
+
+    def check() -> None:
+        stored = _stored(out)
+        assert torch.equal(stored["1.running_mean"], torch.full((6,), 1.0)), stored["1.running_mean"]
+        assert torch.equal(stored["0.weight"], weight)
+
+    on_rank0(check)
 
 
 @case

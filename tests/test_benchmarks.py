@@ -121,6 +121,23 @@ def test_bench_no_shard(tmp_path: Path) -> None:
     check_timing(data["timing"], variants)
     same_losses(data["first_loss"])
     assert data["engines"] == {"fsdp() NO_SHARD": "replicate", "fsdp() NO_SHARD, mesh=(world,1)": "fully_shard"}
+    bf16 = ["fsdp() NO_SHARD bf16", "fsdp() NO_SHARD bf16, mesh=(world,1)", "DDP + autocast(bf16)"]
+    check_timing(data["timing_bf16"], bf16)
+    assert data["engines_bf16"] == {bf16[0]: "replicate", bf16[1]: "fully_shard"}, data["engines_bf16"]
+    # NO_SHARD bf16 is DDP + autocast: the same first-step loss, bit for bit
+    assert data["first_loss_bf16"][bf16[0]] == data["first_loss_bf16"][bf16[2]], data["first_loss_bf16"]
+
+
+def test_bench_hf(tmp_path: Path) -> None:
+    run_bench("bench_hf.py", tmp_path)
+    data = results(tmp_path, "hf")
+    quick = data["sizes"]["quick"]
+    rows = ["load_floor", "load_ours", "load_ours_e2e", "load_transformers", "load_transformers_touched"]
+    rows += ["save_floor", "save_floor_ranks", "save_ours", "save_transformers"]
+    for row in rows:
+        assert positive(quick[row]["seconds"]), (row, quick[row])
+        assert len(quick[row]["rss_x_model"]) == 2, (row, quick[row])
+    assert quick["save_ours_bit_identical"] is True  # what save_pretrained wrote == save_pretrained's tensors
 
 
 def test_bench_memory(tmp_path: Path) -> None:

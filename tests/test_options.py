@@ -86,7 +86,10 @@ def test_mesh_shapes(strat, world, local, replicate, shape):
     ("strat", "mp", "kwargs", "engine", "why"),
     [
         ("NO_SHARD", "fp32", {}, "replicate", "DDP's engine"),
-        ("NO_SHARD", "bf16", {}, "fully_shard", "mp casts"),
+        ("NO_SHARD", "bf16", {}, "replicate", "autocast(bfloat16)"),
+        ("NO_SHARD", "fp16", {}, "fully_shard", "mp casts"),
+        ("NO_SHARD", MixedPrecisionPolicy(param_dtype=torch.bfloat16), {}, "fully_shard", "mp casts"),
+        ("NO_SHARD", "bf16", {"cpu_offload": True}, "fully_shard", "cpu_offload"),
         ("NO_SHARD", "fp32", {"cpu_offload": True}, "fully_shard", "cpu_offload"),
         ("NO_SHARD", "fp32", {"has_ignored": True}, "fully_shard", "ignored"),
         ("NO_SHARD", "fp32", {"mesh_given": True}, "fully_shard", "mesh"),

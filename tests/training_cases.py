@@ -12,6 +12,7 @@ import contextlib
 import copy
 import math
 from collections import Counter
+from pathlib import Path
 from typing import Callable, Optional
 
 import torch
@@ -21,6 +22,7 @@ import torch.nn.functional as F
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import Replicate
 from worker import (
+    ARGS,
     SEQ,
     UNIT_ROUNDOFF,
     VOCAB,
@@ -30,6 +32,7 @@ from worker import (
     expect_error,
     full,
     local_slice,
+    mean_over_ranks,
     rank,
     reference_backward,
     run_cases,
@@ -296,6 +299,67 @@ def no_sync_no_shard_replicate_accumulation():
     dist.all_gather(gathered, grad)
     assert all(torch.equal(g, gathered[0]) for g in gathered), "replicas' gradients differ after sync"
     assert_grads_match(model, ref, atol=0.0)  # (a + b) / 2 == a/2 + b/2 exactly: DDP's average
+
+
+class _Autocast(nn.Module):
+    """The reference for ``mp="bf16"`` NO_SHARD: the forward under ``torch.autocast``, as a DDP user writes it."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return self.inner(x)
+
+
+@case
+def no_shard_bf16_is_ddp_with_autocast():
+    """NO_SHARD with mp="bf16" runs on DDP's engine with autocast(bf16) around the forward: fp32
+    parameters and gradients (all-reduced in fp32), bf16 logits, and the same losses, gradients
+    and weights as a single process running the forward under ``torch.autocast`` (same kernels
+    on the same shapes; a 2-member fp32 average is exact), over 3 AdamW steps. Then the NO_SHARD
+    guarantees: no_sync communicates nothing, clip_grad_norm_ matches, state-dict keys and values
+    are the model's own, a checkpoint round-trips."""
+    from zeta_fsdp import load_checkpoint, save_checkpoint
+    from zeta_fsdp.fsdp import autocast_forward
+
+    model, ref = sharded_gpt(shard_strat="NO_SHARD", mp="bf16")
+    assert fsdp_engine(model) == "replicate" and not isinstance(model, FSDPModule)
+    assert all(type(p) is nn.Parameter and p.dtype == torch.float32 for p in model.parameters())
+    wrapped = _Autocast(ref)
+    opt, ref_opt = (torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, ref))
+    for step in range(3):
+        x, y = tokens(4, seed=20 + step)
+        ref_loss = reference_backward(wrapped, lm_loss, x, y, replicas=world())
+        logits = model(local_slice(x))
+        assert logits.dtype == torch.bfloat16, logits.dtype
+        loss = lm_loss(logits, local_slice(y))
+        loss.backward()
+        assert all(p.grad.dtype == torch.float32 for p in model.parameters() if p.grad is not None)
+        assert_grads_match(model, ref, atol=0.0)
+        assert_close(f"loss step {step}", mean_over_ranks(loss), ref_loss, 0.0)
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+    for (name, got), want in zip(model.state_dict().items(), ref.state_dict().values()):
+        assert got.dtype == want.dtype and torch.equal(got, want), name
+    assert list(model.state_dict()) == list(ref.state_dict())
+
+    x, y = tokens(8, seed=30)
+    with no_sync(model):
+        counts = comm_counts(lambda: lm_loss(model(local_slice(x)), local_slice(y)).backward())
+    assert counts == {}, f"a backward inside no_sync communicated: {counts}"
+    model.zero_grad()
+    autocast_forward(ref, "cpu", torch.bfloat16)  # shown equal to the explicit autocast above
+    _clip_parity(model, ref, tokens(4, seed=31), replicas=world())
+
+    ckpt = save_checkpoint(Path(ARGS.out) / "bf16_no_shard_ckpt", model, opt, overwrite=True)
+    again, _ = sharded_gpt(shard_strat="NO_SHARD", mp="bf16")
+    load_checkpoint(ckpt, again)
+    for (name, got), want in zip(again.state_dict().items(), model.state_dict().values()):
+        assert torch.equal(got, want), f"{name} differs after a checkpoint round trip"
 
 
 @case

@@ -27,6 +27,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 from .distributed import build_mesh, choose_device, ensure_process_group, shard_group_size, validate_mesh
 from .materialize import materialize_meta_model
 from .options import (
+    autocast_dtype,
     choose_engine,
     resolve_master_dtype,
     resolve_mixed_precision,
@@ -171,7 +172,7 @@ def fsdp(
     prefetch: Optional[int] = None,
 ) -> nn.Module:
     """Shard ``model`` with FSDP2 (``fully_shard``) and return the same object, now an ``FSDPModule``
-    (under NO_SHARD in fp32: replicated with DDP's engine, see Engines below).
+    (under NO_SHARD in fp32 or bf16: replicated with DDP's engine, see Engines below).
 
     Args:
         model: any ``nn.Module``, on CPU, CUDA or ``meta``.
@@ -212,7 +213,7 @@ def fsdp(
             chains, each unit all-gathers the next ``n`` in forward and the previous ``n`` in
             backward (more overlap on GPUs, up to ``n`` extra unsharded units held; no gain on
             CPU/gloo). Assumes blocks run in the order they are registered.
-            Neither has an effect on DDP's engine (NO_SHARD in fp32): nothing is gathered there.
+            Neither has an effect on DDP's engine (NO_SHARD in fp32 or bf16): nothing is gathered there.
 
     0-dim parameters (CLIP's ``logit_scale``), which ``fully_shard`` cannot shard, are kept whole
     on every rank in ``master_dtype`` and their gradient is averaged across ranks
@@ -223,7 +224,9 @@ def fsdp(
 
     Engines: every sharding strategy runs on FSDP2 (``fully_shard``: DTensor parameters). NO_SHARD
     with ``mp="fp32"`` runs on DDP's engine instead (composable ``replicate``: plain tensor
-    parameters, bucketed all-reduce, DDP's speed); a low-precision ``mp``, ``cpu_offload``, ignored
+    parameters, bucketed all-reduce, DDP's speed), and so does ``mp="bf16"``, with the forward under
+    ``torch.autocast(bfloat16)`` (fp32 parameters and gradients, all-reduced in fp32: DDP +
+    autocast); ``mp="fp16"`` or a custom policy, ``cpu_offload``, ignored
     parameters, a ``mesh`` or a model with nothing to train keep NO_SHARD on FSDP2
     (``options.choose_engine``; ``fsdp_engine(model)`` says which ran). State dicts, checkpoints, ``no_sync`` and ``clip_grad_norm_`` work on both.
 
@@ -290,7 +293,7 @@ def fsdp(
     if cast_to_master(model, master):
         plan.recount(model)
     if engine == "replicate":
-        replicate_model(model, compute_device)
+        replicate_model(model, compute_device, autocast_dtype(mp_policy))
         shard_index = 0
     else:
         # Pinned host memory needs an accelerator; on a CPU-only run offloading is a no-op anyway.

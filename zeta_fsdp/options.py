@@ -26,6 +26,7 @@ __all__ = [
     "MP_PRESETS",
     "SHARDING_ALIASES",
     "ShardingSpec",
+    "autocast_dtype",
     "choose_engine",
     "resolve_master_dtype",
     "stored_dtype",
@@ -188,6 +189,22 @@ def resolve_sharding(shard_strat: Union[str, enum.Enum, None], *, caller: str = 
 ENGINES = ("fully_shard", "replicate")
 
 
+def autocast_dtype(mp_policy: MixedPrecisionPolicy) -> Optional[torch.dtype]:
+    """``torch.bfloat16`` when ``mp_policy`` is the ``mp="bf16"`` preset, else ``None``.
+
+    That preset (bf16 compute, fp32 gradient reduction) is what DDP's engine gives with
+    ``torch.autocast(dtype=torch.bfloat16)`` around the forward: parameters and gradients stay
+    fp32, so gradients are all-reduced in fp32. fp16 needs a loss scaler and a custom policy may
+    ask for what autocast cannot do (bf16 reduction, an output dtype): those stay on FSDP2.
+
+    Example:
+        >>> autocast_dtype(resolve_mixed_precision("bf16")), autocast_dtype(resolve_mixed_precision("fp16"))
+        (torch.bfloat16, None)
+    """
+    bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    return torch.bfloat16 if mp_policy == bf16 else None
+
+
 def choose_engine(
     spec: ShardingSpec,
     mp_policy: MixedPrecisionPolicy,
@@ -206,7 +223,9 @@ def choose_engine(
     out of its unsharded buffers (1.4-1.5x DDP's step time, ``benchmarks/results/no_shard.md``).
     So NO_SHARD runs on ``replicate`` unless it needs something only FSDP2 has:
 
-    * a low-precision ``mp`` (FSDP2's ``MixedPrecisionPolicy``: bf16 compute, fp32 reduction),
+    * an ``mp`` other than ``"fp32"`` and ``"bf16"`` (``"bf16"`` runs on ``replicate`` with
+      ``torch.autocast(bfloat16)`` around the forward, ``autocast_dtype``; ``"fp16"`` and a custom
+      ``MixedPrecisionPolicy`` keep FSDP2's casting),
     * ``cpu_offload``, ``ignored_params`` / ``ignored_modules``,
     * a ``mesh`` passed by the caller (the way to ask for FSDP2's DTensor parameters),
     * no parameter that requires a gradient (a frozen model for inference: DDP refuses those).
@@ -217,11 +236,14 @@ def choose_engine(
         >>> choose_engine(resolve_sharding("NO_SHARD"), resolve_mixed_precision("fp32"))[0]
         'replicate'
         >>> choose_engine(resolve_sharding("NO_SHARD"), resolve_mixed_precision("bf16"))
+        ('replicate', "NO_SHARD, bf16: DDP's engine + autocast(bfloat16)")
+        >>> choose_engine(resolve_sharding("NO_SHARD"), resolve_mixed_precision("fp16"))
         ('fully_shard', 'mp casts parameters (MixedPrecisionPolicy)')
     """
     if not spec.replicate_all:
         return "fully_shard", f"{spec.name} shards parameters"
-    if mp_policy != MixedPrecisionPolicy():
+    autocast = autocast_dtype(mp_policy)
+    if mp_policy != MixedPrecisionPolicy() and autocast is None:
         return "fully_shard", "mp casts parameters (MixedPrecisionPolicy)"
     if cpu_offload:
         return "fully_shard", "cpu_offload=True"
@@ -231,6 +253,8 @@ def choose_engine(
         return "fully_shard", "a mesh was passed"
     if not has_trainable:
         return "fully_shard", "no parameter requires a gradient"
+    if autocast is not None:
+        return "replicate", "NO_SHARD, bf16: DDP's engine + autocast(bfloat16)"
     return "replicate", "NO_SHARD, fp32: DDP's engine"
 
 

@@ -28,6 +28,7 @@ from .wrapping import WrapPlan, WrapUnit
 __all__ = [
     "apply_activation_checkpointing",
     "apply_compile",
+    "autocast_forward",
     "average_replicated_grads",
     "cast_to_master",
     "replicate_model",
@@ -105,8 +106,40 @@ def shard_units(
         )
 
 
-def replicate_model(model: nn.Module, device: torch.device) -> None:
+def autocast_forward(model: nn.Module, device_type: str, dtype: torch.dtype) -> None:
+    """Run every forward of ``model`` under ``torch.autocast(device_type, dtype)``, as if the
+    caller had written ``with torch.autocast(...): model(x)``.
+
+    Entered by a forward pre-hook and left by a forward hook that runs even when the forward
+    raises (``always_call``); a stack keeps nested or re-entrant forwards paired. Activation
+    checkpointing recomputes under the same autocast state (``torch.utils.checkpoint`` records it).
+
+    Example:
+        >>> m = nn.Linear(4, 4)
+        >>> autocast_forward(m, "cpu", torch.bfloat16)
+        >>> m(torch.ones(1, 4)).dtype
+        torch.bfloat16
+    """
+    entered: list = []
+
+    def enter(module: nn.Module, args: Any) -> None:
+        context = torch.autocast(device_type, dtype=dtype)
+        context.__enter__()
+        entered.append(context)
+
+    def leave(module: nn.Module, args: Any, output: Any) -> None:
+        if entered:
+            entered.pop().__exit__(None, None, None)
+
+    model.register_forward_pre_hook(enter)
+    model.register_forward_hook(leave, always_call=True)
+
+
+def replicate_model(model: nn.Module, device: torch.device, autocast: Optional[torch.dtype] = None) -> None:
     """Put ``model`` on DDP's engine (composable ``replicate``): NO_SHARD at DDP speed.
+
+    ``autocast``: a low-precision dtype (``mp="bf16"``) to run the forward in, with
+    ``torch.autocast``: parameters, gradients and their all-reduce stay fp32 (DDP + autocast).
 
     Parameters stay plain tensors under their own names; gradients are all-reduced (averaged) in
     25 MiB buckets overlapping backward. ``gradient_as_bucket_view`` makes each ``.grad`` a view
@@ -122,6 +155,8 @@ def replicate_model(model: nn.Module, device: torch.device) -> None:
     if not any(t.is_meta for t in model.parameters()):
         model.to(device)
     replicate(model, device_id=device, gradient_as_bucket_view=True, find_unused_parameters=True)
+    if autocast is not None:
+        autocast_forward(model, device.type, autocast)
 
 
 def tail_units(plan: WrapPlan, count: int) -> list[WrapUnit]:

@@ -1,8 +1,9 @@
 """``consolidate_to_hf``: a sharded ``save_checkpoint`` checkpoint -> a Hugging Face model directory, offline.
 
-One CPU process, no process group. Tensors are read from the DCP checkpoint one at a time (DCP
-reads only that tensor's chunks) and streamed into safetensors files, so the peak is one tensor,
-whatever the model's size.
+One CPU process, no process group. The safetensors files are planned first (headers and sizes
+known before any tensor is read); tensors are then read from the DCP checkpoint in batches of at
+most 256 MiB (one DCP call each; DCP reads only those tensors' chunks) and written straight to
+their offsets, so the peak is one batch (or one bigger tensor), whatever the model's size.
 
 Where ``config.json`` comes from: our checkpoints hold weights, optimizer state and the user's
 ``extra``, not the model's Hugging Face config. Pass ``config=`` (a model directory or a
@@ -30,8 +31,8 @@ import torch.nn as nn
 from ..files import publish_dir
 from ..state_dict import CheckpointError
 from ..state_dict.reader import dcp_load, open_checkpoint
-from .files import PlannedFilesWriter, parse_size, staging_dir
-from .naming import hf_class, model_tensors, saved_aliases, saved_tensors
+from .files import SafetensorsLayout, parse_size, staging_dir, write_at
+from .naming import hf_class, model_tensors, saved_aliases, saved_layout, saved_tensors
 from .save import cast, check_dtype, plan_hf_files, write_hf_config, write_index
 
 __all__ = ["consolidate_to_hf", "meta_model_from_config"]
@@ -79,6 +80,24 @@ def meta_model_from_config(config: Union[str, os.PathLike]) -> nn.Module:
         return cls(cfg)
 
 
+_BATCH_BYTES = 256 * 2**20  # tensors read per DCP call: fewer calls, a bounded peak
+
+
+def _batches(saved: dict[str, Any], stored: dict[str, Any], source: dict[str, str]) -> list[list[str]]:
+    """Output keys in groups of at most ``_BATCH_BYTES`` of stored bytes (a bigger tensor alone)."""
+    groups: list[list[str]] = [[]]
+    used = 0
+    for key in saved:
+        md = stored[source[key]]
+        size = int(torch.Size(md.size).numel()) * md.properties.dtype.itemsize
+        if groups[-1] and used + size > _BATCH_BYTES:
+            groups.append([])
+            used = 0
+        groups[-1].append(key)
+        used += size
+    return [g for g in groups if g]
+
+
 def consolidate_to_hf(
     ckpt_dir: Union[str, os.PathLike],
     out_dir: Union[str, os.PathLike],
@@ -88,7 +107,7 @@ def consolidate_to_hf(
     max_shard_size: Union[int, str] = "5GB",
     overwrite: bool = False,
 ) -> Path:
-    """Turn a ``save_checkpoint`` checkpoint into a Hugging Face model directory; one process, tensor by tensor.
+    """Turn a ``save_checkpoint`` checkpoint into a Hugging Face model directory; one process, batch by batch.
 
     ``config``: the model's Hugging Face config (directory or ``config.json``): written as
     ``config.json``, and used for the architecture's tie rules, its MoE key conversions and to check
@@ -155,27 +174,49 @@ def consolidate_to_hf(
     def pieces(key: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
         return saved_tensors(model, key, tensor) if model is not None else {key: tensor}
 
-    saved: dict[str, dict[str, tuple[torch.dtype, tuple[int, ...]]]] = {}
-    for key, name in source.items():
-        md = stored[name]
-        meta = torch.empty(tuple(md.size), dtype=md.properties.dtype, device="meta")
-        saved[key] = {k: (v.dtype, tuple(v.shape)) for k, v in pieces(key, cast(meta, dtype)).items()}
+    metas = {
+        key: cast(torch.empty(tuple(stored[name].size), dtype=stored[name].properties.dtype, device="meta"), dtype)
+        for key, name in source.items()
+    }
+    saved = (
+        saved_layout(model, metas)
+        if model is not None
+        else {k: {k: (t.dtype, tuple(t.shape))} for k, t in metas.items()}
+    )
     layout = {k: v for entries in saved.values() for k, v in entries.items()}
     where, files = plan_hf_files(layout, limit)
     tmp = staging_dir(out_dir, overwrite=overwrite, caller=_CALLER)
     try:
-        with PlannedFilesWriter(tmp, where, files) as writer:
-            for key, entries in saved.items():
-                md = stored[source[key]]
-                state: dict[str, Any] = {_MODEL + source[key]: torch.empty(tuple(md.size), dtype=md.properties.dtype)}
+        plans = {name: SafetensorsLayout(file_layout) for name, file_layout in files.items()}
+        for name, plan in plans.items():
+            plan.create(tmp / name)  # headers and sizes first: tensors then go straight to their offsets
+        fds = {name: os.open(tmp / name, os.O_WRONLY) for name in plans}
+        try:
+            for batch in _batches(saved, stored, source):
+                state: dict[str, Any] = {
+                    _MODEL + source[key]: torch.empty(
+                        tuple(stored[source[key]].size), dtype=stored[source[key]].properties.dtype
+                    )
+                    for key in batch
+                }
                 try:
                     # Every record CRC-checked before it is used; one readable error, no DCP traceback.
                     dcp_load(state, src, alone=True, metadata=metadata)
                 except CheckpointError as e:
-                    raise CheckpointError(f"{_CALLER}: reading {source[key]!r} from {src} failed: {e}") from None
-                out = pieces(key, cast(state.pop(_MODEL + source[key]), dtype))
-                for k in entries:
-                    writer.write(k, out[k])
+                    raise CheckpointError(f"{_CALLER}: reading {batch} from {src} failed: {e}") from None
+                for key in batch:
+                    value = cast(state.pop(_MODEL + source[key]), dtype)
+                    plain = list(saved[key]) == [key] and saved[key][key][1] == tuple(value.shape)
+                    out = {key: value} if plain else pieces(key, value)
+                    for k in saved[key]:
+                        name = where[k]
+                        write_at(fds[name], plans[name].offset[k], out[k], file=tmp / name)
+                    del out
+            for fd in fds.values():
+                os.fsync(fd)
+        finally:
+            for fd in fds.values():
+                os.close(fd)
         write_index(tmp, where, files)
         if model is not None:
             first = next((d for d, _ in layout.values() if d.is_floating_point), None)

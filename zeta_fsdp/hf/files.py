@@ -32,6 +32,7 @@ __all__ = [
     "INDEX_NAME",
     "SINGLE_NAME",
     "PlannedFilesWriter",
+    "SafetensorsLayout",
     "SafetensorsStreamWriter",
     "TensorEntry",
     "contained_file",
@@ -43,6 +44,7 @@ __all__ = [
     "shard_file_names",
     "model_dir_problem",
     "staging_dir",
+    "write_at",
 ]
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -375,6 +377,77 @@ def _naming(file: Path) -> Iterator[None]:
         ) from e
 
 
+class SafetensorsLayout:
+    """A safetensors file planned before any tensor exists: its header bytes and where each tensor goes.
+
+    ``layout``: ``{key: (dtype, shape)}`` in file order. ``header`` is the file's first
+    ``data_start`` bytes (8-byte length, JSON, padded so the data starts 8-byte aligned, as the
+    safetensors library writes it); ``offset[key]`` is the absolute byte offset of ``key``'s first
+    byte and ``size`` the file's length. Knowing every offset up front is what lets several
+    writers fill one file in any order (``write_at``).
+
+    Example:
+        >>> plan = SafetensorsLayout({"a": (torch.float32, (2, 3)), "b": (torch.bfloat16, (4,))})
+        >>> plan.offset["b"] - plan.offset["a"], plan.size - plan.data_start
+        (24, 32)
+    """
+
+    def __init__(self, layout: dict[str, tuple[torch.dtype, tuple[int, ...]]]) -> None:
+        header: dict[str, object] = {"__metadata__": {"format": "pt"}}
+        relative: dict[str, int] = {}
+        end = 0
+        for key, (dtype, shape) in layout.items():
+            numel = 1
+            for d in shape:
+                numel *= d
+            nbytes = numel * dtype.itemsize
+            header[key] = {"dtype": NAMES[dtype], "shape": list(shape), "data_offsets": [end, end + nbytes]}
+            relative[key] = end
+            end += nbytes
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)  # the data section starts 8-byte aligned, as safetensors writes it
+        self.header = struct.pack("<Q", len(raw)) + raw
+        self.data_start = len(self.header)
+        self.offset = {k: self.data_start + r for k, r in relative.items()}
+        self.size = self.data_start + end
+
+    def create(self, file: Union[str, os.PathLike]) -> None:
+        """Write the header and size ``file`` to its final length (the data bytes are filled by ``write_at``)."""
+        with _naming(Path(file)):
+            fd = os.open(file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            try:
+                os.ftruncate(fd, self.size)
+                _pwrite_all(fd, memoryview(self.header), 0, file)
+            finally:
+                os.close(fd)
+
+
+def _pwrite_all(fd: int, data: memoryview, offset: int, file: object) -> None:
+    while len(data):
+        done = os.pwrite(fd, data, offset)
+        if done <= 0:
+            raise OSError(f"{file}: write returned {done} at byte {offset}.")
+        data, offset = data[done:], offset + done
+
+
+def write_at(fd: int, offset: int, tensor: torch.Tensor, *, file: object = "") -> None:
+    """Write ``tensor``'s bytes (row-major) at byte ``offset`` of the open file ``fd`` (``os.pwrite``).
+
+    Several processes may write disjoint ranges of one file at once. A non-contiguous or non-CPU
+    tensor is copied to a contiguous CPU one first.
+
+    Example:
+        fd = os.open("model.safetensors", os.O_WRONLY)
+        write_at(fd, plan.offset["lm_head.weight"] + start_row * row_bytes, local_rows)
+    """
+    data = tensor.detach()
+    if data.device.type != "cpu" or not data.is_contiguous():
+        data = data.to("cpu").contiguous()
+    if data.numel():
+        with _naming(Path(str(file))):  # a full disk names the file and says what to do
+            _pwrite_all(fd, memoryview(data.reshape(-1).view(torch.uint8).numpy()), offset, file)
+
+
 class SafetensorsStreamWriter:
     """Write one safetensors file whose tensors' names, dtypes and shapes are known up front.
 
@@ -390,21 +463,10 @@ class SafetensorsStreamWriter:
         self.file = Path(file)
         self._order = list(layout)
         self._layout = layout
-        header: dict[str, object] = {"__metadata__": {"format": "pt"}}
-        offset = 0
-        for key, (dtype, shape) in layout.items():
-            numel = 1
-            for d in shape:
-                numel *= d
-            nbytes = numel * dtype.itemsize
-            header[key] = {"dtype": NAMES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
-            offset += nbytes
-        raw = json.dumps(header, separators=(",", ":")).encode()
-        raw += b" " * (-len(raw) % 8)  # the data section starts 8-byte aligned, as safetensors writes it
         self._f: Optional[BinaryIO] = None
         with _naming(self.file):
             self._f = open(self.file, "wb")
-            self._f.write(struct.pack("<Q", len(raw)) + raw)
+            self._f.write(SafetensorsLayout(layout).header)
         self._next = 0
 
     def write(self, key: str, tensor: torch.Tensor) -> None:

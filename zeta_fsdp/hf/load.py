@@ -207,11 +207,12 @@ def load_pretrained(model: nn.Module, path: Union[str, os.PathLike], *, strict: 
         if isinstance(m, FSDPModule):
             m.reshard()
     entries, plan, tensors, aliases = on_all_ranks(lambda: _check(model, path, strict))
-    if any(t.is_meta for t in tensors.values()):
-        on_all_ranks(lambda: _allocate(model, tensors, aliases))
-        tensors = model_tensors(model)
 
     def fill() -> None:
+        nonlocal tensors
+        if any(t.is_meta for t in tensors.values()):  # checked on every rank: now allocate, then read
+            _allocate(model, tensors, aliases)
+            tensors = model_tensors(model)
         with torch.no_grad():
             for key, source in plan.direct.items():
                 t = tensors[key]
@@ -231,7 +232,7 @@ def load_pretrained(model: nn.Module, path: Union[str, os.PathLike], *, strict: 
                 local.copy_(_cut(full, local_box(t), rows_read=False))
                 del full
 
-    on_all_ranks(fill)  # an I/O error on one rank raises on all (no peer left waiting)
+    on_all_ranks(fill)  # an allocation or I/O error on one rank raises on all (no peer left waiting)
     left = [k for k, t in model_tensors(model).items() if t.is_meta]
     if left:
         raise CheckpointError(f"{_CALLER}: these tensors are still on the meta device: {_short(left)}")

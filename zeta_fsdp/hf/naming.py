@@ -34,6 +34,7 @@ __all__ = [
     "is_hf_model",
     "map_checkpoint_keys",
     "model_tensors",
+    "saved_layout",
     "saved_tensors",
     "saved_aliases",
 ]
@@ -138,9 +139,12 @@ def map_checkpoint_keys(
     """
     import re
 
-    renamings, converters = _transforms(model)
     plan = KeyPlan()
     known = {k: True for k in list(wanted) + list(aliases)}
+    # A checkpoint whose every key names a model tensor needs no conversion: transformers' mapping
+    # is built only for checkpoints that need it (its first build compiles ~900 regexes, most of a
+    # small model's load time).
+    renamings, converters = ([], []) if all(k in known for k in checkpoint) else _transforms(model)
     groups: dict[str, tuple[Any, list[tuple[str, str]]]] = {}
     keys = list(checkpoint)
     if renamings or converters:
@@ -212,3 +216,32 @@ def saved_tensors(model: nn.Module, key: str, tensor: torch.Tensor) -> dict[str,
     from transformers.core_model_loading import revert_weight_conversion
 
     return revert_weight_conversion(model, {key: tensor})
+
+
+def saved_layout(
+    model: nn.Module, tensors: dict[str, torch.Tensor]
+) -> dict[str, dict[str, tuple[torch.dtype, tuple[int, ...]]]]:
+    """For each model key, the ``{saved key: (dtype, shape)}`` it is saved as (``saved_tensors``'s names).
+
+    ``tensors``: model key -> tensor (``meta`` is enough). transformers' reverse mapping is run
+    once over all of them: when it keeps every tensor as it is (most models, Llama included),
+    every key is saved under its own name; only otherwise is each key mapped on its own (a
+    fused MoE tensor into its per-expert keys). One call instead of one per key, which matters
+    for a fast save (each per-key call rebuilds transformers' reverse transforms).
+
+    Example:
+        >>> saved_layout(nn.Linear(2, 3), {"bias": torch.empty(3, device="meta")})
+        {'bias': {'bias': (torch.float32, (3,))}}
+    """
+    same = {k: {k: (t.dtype, tuple(t.shape))} for k, t in tensors.items()}
+    if not is_hf_model(model):
+        return same
+    from transformers.core_model_loading import revert_weight_conversion
+
+    whole = revert_weight_conversion(model, dict(tensors))
+    if set(whole) == set(tensors) and all(whole[k] is t for k, t in tensors.items()):
+        return same
+    return {
+        k: {name: (v.dtype, tuple(v.shape)) for name, v in saved_tensors(model, k, t).items()}
+        for k, t in tensors.items()
+    }

@@ -2,11 +2,13 @@
 
 The files are planned before any byte moves: every kept tensor's saved names, dtypes and shapes
 (ties dropped as Hugging Face drops them; fused MoE tensors split back into transformers'
-per-expert keys), cut into files of at most ``max_shard_size``, file ``i`` written by rank
-``i % world``. Then, one tensor at a time, every rank takes part in gathering it and the rank that
-owns its file streams it to disk (``SafetensorsStreamWriter``: header first, then the bytes), so a
-rank's peak is its own shards plus one full tensor. Everything is written into a hidden directory
-beside ``path`` and renamed into place once complete.
+per-expert keys), cut into files of at most ``max_shard_size``. A safetensors header holds every
+tensor's byte range, so rank 0 writes the headers and sizes the files, and then every rank writes
+its own rows of every tensor at their offsets (``os.pwrite``: a dim-0 shard is one contiguous
+byte range) and fsyncs: no gather, no rank holds a whole tensor. Tensors that are saved under
+other names or shapes (fused MoE experts) or sharded on another dim are gathered one at a time
+and written by the rank owning their file. Everything goes into a hidden directory beside
+``path``, renamed into place once complete.
 
 Example:
     save_pretrained(model, "out/llama", dtype=torch.bfloat16)
@@ -26,21 +28,23 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from ..distributed import get_rank as rank
 from ..distributed import get_world_size as world
 from ..files import publish_dir
 from ..state_dict.checks import on_all_ranks
+from ..wrapped import fsdp_engine
 from .files import (
     INDEX_NAME,
-    PlannedFilesWriter,
+    SafetensorsLayout,
     parse_size,
     plan_shard_files,
     shard_file_names,
     staging_dir,
+    write_at,
 )
-from .naming import hf_class, is_hf_model, model_tensors, saved_aliases, saved_tensors
+from .naming import hf_class, is_hf_model, model_tensors, saved_aliases, saved_layout, saved_tensors
 
 __all__ = ["cast", "check_dtype", "plan_hf_files", "save_pretrained", "write_hf_config", "write_index"]
 
@@ -105,6 +109,134 @@ def write_index(out: Path, where: dict[str, str], files: dict[str, dict]) -> Non
     (out / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
 
 
+_CAST_CHUNK = 8 * 2**20  # bytes cast to the saved dtype at a time: a rank never holds a whole cast tensor
+
+
+def rows_to_write(t: torch.Tensor, split: bool = True) -> Optional[tuple[int, int]]:
+    """``(first row, row count)`` of ``t`` (along dim 0) this rank writes, or ``None`` if it needs a gather.
+
+    A DTensor sharded on dim 0 only (``Shard(0)`` and ``Replicate`` placements: FULL_SHARD,
+    SHARD_GRAD, HYBRID, uneven last shards included) holds a contiguous row range of the full
+    tensor: the ranks at coordinate 0 of every ``Replicate`` mesh dim write theirs (one copy of
+    each row). A plain tensor is whole on every rank: with ``split`` (replicas known to be equal:
+    parameters on DDP's engine) rank ``r`` writes ``torch.chunk`` piece ``r`` of its rows, else
+    rank 0 writes them all (a buffer such as BatchNorm's running statistics may differ between
+    ranks: the file gets one rank's copy, never a mix). Other placements (``Shard(d>0)``,
+    strided shards) return ``None``.
+
+    Example:
+        rows_to_write(fsdp_weight)  # rank 1 of 2, weight (10, 4)
+        # -> (5, 5)
+    """
+    if not isinstance(t, DTensor):
+        if t.dim() == 0 or not split:
+            return (0, t.shape[0] if t.dim() else 1) if rank() == 0 else (0, 0)
+        chunk = -(-t.shape[0] // world())
+        start = min(rank() * chunk, t.shape[0])
+        return start, min(chunk, t.shape[0] - start)
+    if t.dim() == 0 or any(
+        type(p) not in (Shard, Replicate) or (type(p) is Shard and p.dim != 0) for p in t.placements
+    ):
+        return None
+    coord = t.device_mesh.get_coordinate()
+    lo, hi = 0, t.shape[0]
+    for mesh_dim, placement in enumerate(t.placements):
+        if type(placement) is Replicate:
+            if coord[mesh_dim] != 0:
+                return (0, 0)  # another replica writes these rows
+            continue
+        n = t.device_mesh.size(mesh_dim)
+        chunk = -(-(hi - lo) // n)
+        lo = min(lo + coord[mesh_dim] * chunk, hi)
+        hi = min(lo + chunk, hi)
+    if t.to_local().shape[0] != hi - lo:
+        return None  # a layout we do not recognise: gather instead of guessing
+    return lo, hi - lo
+
+
+def _write_rows(fd: int, offset: int, rows: torch.Tensor, saved: torch.dtype, file: Path) -> None:
+    """``rows`` written at ``offset`` as ``saved`` dtype; a cast is done a bounded number of rows at a time."""
+    if rows.dtype == saved or rows.dim() == 0:
+        write_at(fd, offset, rows.to(saved), file=file)
+        return
+    row_bytes = int(torch.Size(rows.shape[1:]).numel()) * saved.itemsize
+    step = max(1, _CAST_CHUNK // max(1, row_bytes))
+    for i in range(0, rows.shape[0], step):
+        write_at(fd, offset + i * row_bytes, rows[i : i + step].to(saved), file=file)
+
+
+def _write_data(
+    model: nn.Module,
+    tensors: dict[str, torch.Tensor],
+    saved: dict[str, dict[str, tuple[torch.dtype, tuple[int, ...]]]],
+    where: dict[str, str],
+    plans: dict[str, SafetensorsLayout],
+    folder: Path,
+    dtype: Optional[torch.dtype],
+) -> None:
+    """Every rank writes its rows of every tensor at their offsets (``os.pwrite``), then fsyncs.
+
+    A tensor saved under its own name and shape whose rank-local part is a row range is written
+    from the local shard, nothing gathered. The rest (fused MoE tensors split on save, shards on
+    another dim) are gathered one at a time (``full_tensor``, every rank in the same order) and
+    written by the rank owning their file.
+    """
+    fds: dict[str, int] = {}
+    failed: Optional[BaseException] = None
+
+    def fd_of(name: str) -> int:
+        if name not in fds:
+            fds[name] = os.open(folder / name, os.O_WRONLY)
+        return fds[name]
+
+    owner = {name: i % world() for i, name in enumerate(plans)}
+    # DDP's engine keeps parameters equal on every rank (it broadcasts them at build, then every
+    # rank applies the same averaged gradient): their rows can come from any rank.
+    params_equal = fsdp_engine(model) == "replicate"
+    try:
+        for key, entries in saved.items():
+            t = tensors[key]
+            plain = list(entries) == [key] and tuple(entries[key][1]) == tuple(t.shape)
+            rows = rows_to_write(t, split=params_equal and isinstance(t, nn.Parameter)) if plain else None
+            if rows is None:
+                # A failed write must not leave peers waiting in the next gather: keep gathering.
+                full = t.full_tensor() if isinstance(t, DTensor) else t
+                mine = [k for k in entries if owner[where[k]] == rank()]
+                if mine and failed is None:
+                    try:
+                        pieces = saved_tensors(model, key, cast(full.detach(), dtype))
+                        for k in mine:
+                            name = where[k]
+                            write_at(fd_of(name), plans[name].offset[k], pieces[k], file=folder / name)
+                        del pieces
+                    except Exception as e:
+                        failed = e
+                del full
+                continue
+            start, count = rows
+            if not count or failed is not None:
+                continue
+            local = t.to_local() if isinstance(t, DTensor) else t
+            if not isinstance(t, DTensor):
+                local = local.narrow(0, start, count) if local.dim() else local
+            name = where[key]
+            saved_dtype = entries[key][0]
+            row_bytes = saved_dtype.itemsize * (int(torch.Size(t.shape[1:]).numel()) if t.dim() else 1)
+            offset = plans[name].offset[key] + start * row_bytes
+            try:
+                _write_rows(fd_of(name), offset, local.detach(), saved_dtype, folder / name)
+            except Exception as e:
+                failed = e
+        if failed is None:
+            for fd in fds.values():  # this rank's bytes are on disk before anyone publishes
+                os.fsync(fd)
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+    if failed is not None:
+        raise failed
+
+
 def save_pretrained(
     model: nn.Module,
     path: Union[str, os.PathLike],
@@ -118,8 +250,8 @@ def save_pretrained(
     Call on every rank. Writes ``model.safetensors`` (or ``model-0000i-of-0000n.safetensors`` files
     of at most ``max_shard_size`` plus ``model.safetensors.index.json``), and ``config.json`` /
     ``generation_config.json`` when the model has a Hugging Face ``.config``, so
-    ``AutoModelFor*.from_pretrained(path)`` loads it. No rank holds the whole model: tensors are
-    gathered one at a time and streamed to disk by the rank writing their file. Tied weights are
+    ``AutoModelFor*.from_pretrained(path)`` loads it. No rank holds the whole model, nor a whole
+    tensor: each rank writes its own rows at their offsets in the planned files. Tied weights are
     stored once, as Hugging Face stores them; fused MoE tensors are written under the per-expert keys
     transformers' own ``save_pretrained`` uses. ``dtype`` casts floating-point tensors on write.
 
@@ -146,12 +278,12 @@ def save_pretrained(
             raise ValueError(f"{_CALLER}: overwrite={overwrite!r} is not accepted. Accepted: True or False.")
         tensors = model_tensors(model)
         aliases = saved_aliases(model, tensors)
-        saved: dict[str, dict[str, tuple[torch.dtype, tuple[int, ...]]]] = {}
-        for key, t in tensors.items():
-            if key in aliases:
-                continue
-            meta = torch.empty(t.shape, dtype=cast(torch.empty((), dtype=t.dtype), dtype).dtype, device="meta")
-            saved[key] = {k: (v.dtype, tuple(v.shape)) for k, v in saved_tensors(model, key, meta).items()}
+        metas = {
+            key: torch.empty(t.shape, dtype=cast(torch.empty((), dtype=t.dtype), dtype).dtype, device="meta")
+            for key, t in tensors.items()
+            if key not in aliases
+        }
+        saved = saved_layout(model, metas)
         layout = {k: v for entries in saved.values() for k, v in entries.items()}
         where, files = plan_hf_files(layout, limit)
         if rank() == 0:
@@ -171,38 +303,27 @@ def save_pretrained(
     if world() > 1:
         dist.broadcast_object_list(tmp_list, src=0)
     tmp: Path = tmp_list[0]
-    writer_of = {name: i % world() for i, name in enumerate(files)}
     tensors = model_tensors(model)
     published = False
     try:
+        plans = {name: SafetensorsLayout(layout) for name, layout in files.items()}
 
-        def write() -> None:
-            failed: Optional[BaseException] = None
-            with PlannedFilesWriter(tmp, where, files) as out:
-                for key, entries in saved.items():
-                    t = tensors[key]
-                    full = t.full_tensor() if isinstance(t, DTensor) else t  # collective: every rank, same order
-                    mine = [k for k in entries if writer_of[where[k]] == rank()]
-                    if mine and failed is None:
-                        # A failed write must not leave this rank's peers waiting in the next gather:
-                        # keep gathering, stop writing, report once every tensor went round.
-                        try:
-                            pieces = saved_tensors(model, key, cast(full.detach(), dtype))
-                            for k in mine:
-                                out.write(k, pieces[k])
-                            del pieces
-                        except Exception as e:
-                            failed = e
-                    del full
-            if failed is not None:
-                raise failed
+        def create() -> None:
+            if rank() == 0:  # headers and final sizes first: every rank then fills its own byte ranges
+                for name, plan in plans.items():
+                    plan.create(tmp / name)
+
+        on_all_ranks(create)
+        on_all_ranks(lambda: _write_data(model, tensors, saved, where, plans, tmp, dtype))
+
+        def finish() -> None:
             if rank() == 0:
                 write_index(tmp, where, files)
                 if is_hf_model(model):
                     saved_dtype = dtype or next((t.dtype for t in tensors.values() if t.is_floating_point()), None)
                     write_hf_config(model, tmp, saved_dtype, hf_class(model).__name__)
 
-        on_all_ranks(write)
+        on_all_ranks(finish)
 
         def publish() -> None:
             if rank() == 0:

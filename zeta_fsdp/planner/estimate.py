@@ -38,7 +38,14 @@ import torch
 import torch.nn as nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
-from ..options import choose_engine, resolve_master_dtype, resolve_mixed_precision, resolve_sharding, stored_dtype
+from ..options import (
+    autocast_dtype,
+    choose_engine,
+    resolve_master_dtype,
+    resolve_mixed_precision,
+    resolve_sharding,
+    stored_dtype,
+)
 from ..report import format_bytes, render_table
 from ..training import AccumulationCost, accumulation_costs, accumulation_table, ddp_all_reduces, gradient_wait_dtype
 from ..wrapping import BlockSpec, build_wrap_plan
@@ -381,6 +388,27 @@ def _shard_geometry(param: torch.Tensor, shard_size: int, shard_rank: int) -> tu
     return chunk * row, rows * row, shard_size * chunk * row
 
 
+def _autocast_copies(model: nn.Module, policy: MixedPrecisionPolicy) -> int:
+    """Bytes of the weight copies ``torch.autocast`` makes on DDP's engine under ``mp="bf16"``.
+
+    Autocast casts the parameters of the ops it runs in low precision (``linear``, ``conv*``,
+    ``matmul``: a Linear or conv module's weight and bias) once per forward, caches the copies
+    of trainable leaves, and autograd keeps them for backward. Other parameters (embeddings,
+    norms) are used in fp32.
+    """
+    dtype = autocast_dtype(policy)
+    if dtype is None:
+        return 0
+    kinds = (nn.Linear, nn.modules.conv._ConvNd)
+    seen: dict[int, int] = {}
+    for module in model.modules():
+        if isinstance(module, kinds):
+            for p in module.parameters(recurse=False):
+                if p.requires_grad and p.is_floating_point():
+                    seen[id(p)] = p.numel() * dtype.itemsize
+    return sum(seen.values())
+
+
 def plan(
     model: nn.Module,
     world_size: Optional[int] = None,
@@ -468,8 +496,9 @@ def plan(
             for n in wrap.ignored_param_names
             if n_state and params[n].requires_grad
         ),
-        # DDP's engine computes with the parameters themselves: nothing is gathered or copied.
-        allgather_peak_bytes=0
+        # DDP's engine computes with the parameters themselves: nothing is gathered; under
+        # autocast (mp="bf16") the low-precision copies of weights autocast makes are the copies.
+        allgather_peak_bytes=_autocast_copies(model, policy)
         if engine == "replicate"
         else _allgather_peak(units, spec.reshard_after_forward, shard_size),
         master_dtype=stored_label,
@@ -491,6 +520,11 @@ def plan(
             f"engine: replicate ({why}): plain tensor parameters used in place, gradients are views "
             "of DDP's all-reduce buckets (no second copy)"
         )
+        if result.allgather_peak_bytes:
+            result.notes.append(
+                f"autocast: {result.allgather_peak_bytes:,} bytes of low-precision copies of Linear/conv "
+                "weights, cached for the forward and kept by autograd until backward (in 'all-gather peak')"
+            )
     frozen = [p for p in params.values() if not p.requires_grad]
     if frozen:
         result.notes.append(

@@ -151,7 +151,7 @@ class FSDP2Strategy:
     @property
     def model(self) -> Optional[nn.Module]:
         """The connected module; after ``parallelize()`` it is the sharded ``FSDPModule`` (with
-        ``shard_strat="NO_SHARD"`` in fp32: replicated on DDP's engine, ``fsdp_engine`` says).
+        ``shard_strat="NO_SHARD"`` in fp32 or bf16: replicated on DDP's engine, ``fsdp_engine`` says).
         Example: ``strategy.parallelize(); isinstance(strategy.model, FSDPModule)`` -> ``True``."""
         return self._module
 
