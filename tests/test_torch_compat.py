@@ -14,9 +14,9 @@ from conftest import ROOT, dist_test, rank_env
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from zeta_fsdp import torch_compat
+from zeta_fsdp.costs import gradient_wait_dtype
 from zeta_fsdp.options import MIXED_PRECISION_ALIASES, MP_PRESETS, resolve_mixed_precision
 from zeta_fsdp.torch_compat import MIN_TORCH, UnsupportedTorchError, check_torch_version, torch_release
-from zeta_fsdp.training.accumulation import gradient_wait_dtype
 
 test_two_ranks = dist_test("compat_cases.py", 2)
 

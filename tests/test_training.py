@@ -117,7 +117,8 @@ def test_loss_collective_buffers_on_the_communication_device(monkeypatch):
 def test_no_sync_defer_values_single_process():
     """A bad ``defer`` is a ValueError naming it, raised on entering, before anything changes;
     a plain module accepts both good values (nothing to defer)."""
-    from zeta_fsdp.training import accumulation_costs, memory_report, no_sync
+    from zeta_fsdp.costs import accumulation_costs
+    from zeta_fsdp.training import memory_report, no_sync
 
     net = torch.nn.Linear(2, 2)
     for bad in ("replicas", "ALL REDUCE", None, 1):

@@ -38,6 +38,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
+from ..costs import AccumulationCost, accumulation_costs, accumulation_table, ddp_all_reduces, gradient_wait_dtype
 from ..options import (
     autocast_dtype,
     choose_engine,
@@ -47,7 +48,6 @@ from ..options import (
     stored_dtype,
 )
 from ..report import format_bytes, render_table
-from ..training import AccumulationCost, accumulation_costs, accumulation_table, ddp_all_reduces, gradient_wait_dtype
 from ..wrapping import BlockSpec, build_wrap_plan
 from .common import dtype_name as _dtype_name
 from .common import resolve_world_and_mesh as _resolve_world_and_mesh

@@ -3,7 +3,7 @@
 * ``no_sync(model)``: accumulate gradients over micro-batches without any gradient collective;
   the first backward after the block reduces everything accumulated. ``defer="all_reduce"``
   keeps the reduce-scatter (sharded gradients) and defers only HYBRID_SHARD's replica all-reduce;
-  ``accumulation_costs`` / ``memory_report(micro_batches=K)`` say what each choice costs.
+  ``memory_report(micro_batches=K)`` says what each choice costs (``zeta_fsdp.costs``).
 * ``clip_grad_norm_(model, max_norm)``: the global gradient norm of a sharded model (DTensor
   gradients, on one or several meshes), returned as a plain float, and clipping in place.
 * ``memory_report(model, optimizer)``: bytes this rank holds for parameters, gradients and
@@ -17,27 +17,8 @@ Example:
     print(memory_report(model, optimizer).table())
 """
 
-from .accumulation import (
-    AccumulationCost,
-    accumulation_costs,
-    accumulation_table,
-    ddp_all_reduces,
-    gradient_wait_dtype,
-    no_sync,
-    resolve_defer,
-)
+from .accumulation import no_sync, resolve_defer
 from .clipping import clip_grad_norm_
 from .memory import MemoryReport, memory_report
 
-__all__ = [
-    "AccumulationCost",
-    "MemoryReport",
-    "accumulation_costs",
-    "accumulation_table",
-    "clip_grad_norm_",
-    "ddp_all_reduces",
-    "gradient_wait_dtype",
-    "memory_report",
-    "no_sync",
-    "resolve_defer",
-]
+__all__ = ["MemoryReport", "clip_grad_norm_", "memory_report", "no_sync", "resolve_defer"]

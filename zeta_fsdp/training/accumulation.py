@@ -1,9 +1,8 @@
-"""Gradient accumulation: ``no_sync`` and what each way of accumulating costs.
+"""Gradient accumulation: ``no_sync``.
 
 ``no_sync(model, defer="all")`` defers every gradient collective to the first backward after the
 block; ``defer="all_reduce"`` keeps each micro-batch's reduce-scatter and defers only HYBRID_SHARD's
-cross-replica all-reduce. ``accumulation_costs`` / ``accumulation_table`` give the gradient bytes
-held and the collectives per K micro-batches (``memory_report`` and the planner fill them in).
+cross-replica all-reduce. What each choice costs: ``zeta_fsdp.costs``.
 
 Example:
     with no_sync(model, defer="all_reduce"):
@@ -14,27 +13,15 @@ Example:
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
 from typing import Iterator
 
-import torch
 import torch.nn as nn
 from torch.distributed._composable.replicate import replicate
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
+from torch.distributed.fsdp import FSDPModule
 
-from .. import torch_compat
-from ..report import format_bytes, render_table
 from ..wrapped import fsdp_param_groups, replicated_modules
 
-__all__ = [
-    "AccumulationCost",
-    "accumulation_costs",
-    "accumulation_table",
-    "ddp_all_reduces",
-    "gradient_wait_dtype",
-    "no_sync",
-    "resolve_defer",
-]
+__all__ = ["no_sync", "resolve_defer"]
 
 
 def _fsdp_modules(model: nn.Module) -> list[FSDPModule]:
@@ -146,111 +133,6 @@ def no_sync(model: nn.Module, *, defer: str = "all") -> Iterator[nn.Module]:
             _set_sync(module, reduce_grads, all_reduce)
 
 
-@dataclass(frozen=True)
-class AccumulationCost:
-    """What one way of accumulating K micro-batches costs one rank (``accumulation_costs``).
-
-    Attributes:
-        choice: ``"sync"`` (reduce every micro-batch, no ``no_sync``), ``"all"`` or ``"all_reduce"``
-            (``no_sync(defer=...)`` for the first K-1 micro-batches).
-        grad_bytes: gradient bytes the rank holds between micro-batches (FSDP2's storage: padded
-            shards, the reduce dtype where gradients wait in it).
-        reduce_scatters, all_reduces: gradient collectives per K micro-batches, all units together.
-
-    Example:
-        >>> accumulation_costs(4, sharded=10, unsharded=40, partial=10, reduce_scatter_units=3, all_reduce_units=3)["all_reduce"]
-        AccumulationCost(choice='all_reduce', grad_bytes=10, reduce_scatters=12, all_reduces=3)
-    """
-
-    choice: str
-    grad_bytes: int
-    reduce_scatters: int
-    all_reduces: int
-
-
-_CHOICE_LABELS = {
-    "sync": "sync every micro-batch",
-    "all": 'no_sync(defer="all")',
-    "all_reduce": 'no_sync(defer="all_reduce")',
-}
-
-
-def accumulation_costs(
-    micro_batches: int,
-    *,
-    sharded: int,
-    unsharded: int,
-    partial: int,
-    reduce_scatter_units: int,
-    all_reduce_units: int,
-) -> dict[str, AccumulationCost]:
-    """Gradient bytes held and collectives per ``micro_batches`` micro-batches, for each choice.
-
-    ``sharded``: bytes of the sharded ``.grad`` (what syncing every micro-batch keeps);
-    ``unsharded``: the unsharded gradients ``defer="all"`` keeps; ``partial``: the reduce-scattered
-    sum ``defer="all_reduce"`` keeps on a mesh with replicas (on a 1-D mesh nothing is deferred:
-    it keeps ``sharded``). ``reduce_scatter_units`` / ``all_reduce_units``: units that reduce-scatter
-    (shard group > 1) / all-reduce (replicas > 1) in one synced backward. ``memory_report`` and the
-    planner fill these in; a ``ValueError`` for ``micro_batches`` < 1.
-
-    Example:
-        >>> costs = accumulation_costs(4, sharded=10, unsharded=40, partial=10, reduce_scatter_units=3, all_reduce_units=3)
-        >>> [(c.choice, c.grad_bytes, c.reduce_scatters, c.all_reduces) for c in costs.values()]
-        [('sync', 10, 12, 12), ('all', 40, 3, 3), ('all_reduce', 10, 12, 3)]
-    """
-    if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 1:
-        raise ValueError(f"micro_batches={micro_batches!r} is not accepted. Accepted: an int >= 1.")
-    k, rs, ar = micro_batches, reduce_scatter_units, all_reduce_units
-    return {
-        "sync": AccumulationCost("sync", sharded, k * rs, k * ar),
-        "all": AccumulationCost("all", unsharded, rs, ar),
-        "all_reduce": AccumulationCost("all_reduce", partial if ar else sharded, k * rs, ar),
-    }
-
-
-def gradient_wait_dtype(policy: MixedPrecisionPolicy, dtype: torch.dtype) -> torch.dtype:
-    """The dtype FSDP2 keeps a parameter's gradient in between its backward and its reduction
-    (unsharded gradients under ``no_sync``, the reduce-scatter output, the sum ``defer="all_reduce"``
-    keeps). ``dtype``: the parameter's own (sharded) dtype. The policy's ``reduce_dtype`` when set;
-    with ``reduce_dtype=None`` it depends on the torch release (``torch_compat``): torch >= 2.15
-    keeps the parameter's own dtype, older releases the compute dtype (``FSDPParam.init_dtype_attrs``).
-    ``resolve_mixed_precision``'s presets set ``reduce_dtype`` wherever the two would differ.
-
-    Example:
-        >>> gradient_wait_dtype(MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32), torch.float32)
-        torch.float32
-        >>> gradient_wait_dtype(MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16), torch.float32)
-        torch.bfloat16
-    """
-    if policy.reduce_dtype is None and torch_compat.REDUCE_DTYPE_NONE_KEEPS_PARAM_DTYPE:
-        return dtype
-    reduce = policy.reduce_dtype if policy.reduce_dtype != policy.param_dtype else None
-    compute = policy.param_dtype if policy.param_dtype != dtype and dtype.is_floating_point else None
-    return reduce or compute or dtype
-
-
-def accumulation_table(costs: dict[str, AccumulationCost], micro_batches: int) -> str:
-    """``accumulation_costs`` as a fixed-width table (used by ``MemoryReport`` and the planner).
-
-    Example:
-        >>> costs = accumulation_costs(4, sharded=10, unsharded=40, partial=10, reduce_scatter_units=3, all_reduce_units=3)
-        >>> print(accumulation_table(costs, 4).splitlines()[0])
-        gradient accumulation, 4 micro-batches  grads held between  reduce-scatters  all-reduces
-    """
-    header = (f"gradient accumulation, {micro_batches} micro-batches", "grads held between", "reduce-scatters")
-    rows = [header + ("all-reduces",)]
-    for cost in costs.values():
-        rows.append(
-            (
-                _CHOICE_LABELS[cost.choice],
-                format_bytes(cost.grad_bytes),
-                str(cost.reduce_scatters),
-                str(cost.all_reduces),
-            )
-        )
-    return render_table(rows, align="lrrr")
-
-
 @contextlib.contextmanager
 def _replicated_no_sync(model: nn.Module) -> Iterator[None]:
     """``no_sync`` for NO_SHARD on DDP's engine (composable ``replicate``).
@@ -265,33 +147,3 @@ def _replicated_no_sync(model: nn.Module) -> Iterator[None]:
         yield
     finally:
         model.set_requires_gradient_sync(not was_off)
-
-
-# DDP's defaults (``torch.distributed._DEFAULT_FIRST_BUCKET_BYTES``, ``bucket_cap_mb=25``).
-_DDP_FIRST_BUCKET_BYTES = 1024 * 1024
-_DDP_BUCKET_BYTES = 25 * 1024 * 1024
-
-
-def ddp_all_reduces(grads: list[tuple[torch.dtype, int]]) -> int:
-    """All-reduces per synced backward of NO_SHARD on DDP's engine, for gradients of these
-    ``(dtype, bytes)`` in parameter order: one per gradient bucket, as DDP's constructor assigns
-    them (``_compute_bucket_assignment_by_size``: parameters in order, one open bucket per dtype,
-    a bucket closed once it holds 1 MiB (the first) or 25 MiB (the rest)), plus one for the map of
-    used parameters (``find_unused_parameters=True``, which ``fsdp()`` sets).
-
-    Example:
-        >>> ddp_all_reduces([(torch.float32, 4 * 2**20)] * 3)  # a 4 MiB bucket, an 8 MiB one, the map
-        3
-        >>> ddp_all_reduces([(torch.float32, 100)] * 3)
-        2
-    """
-    limits: dict[torch.dtype, int] = {}
-    open_bytes: dict[torch.dtype, int] = {}
-    closed = 0
-    for dtype, nbytes in grads:
-        open_bytes[dtype] = open_bytes.get(dtype, 0) + nbytes
-        if open_bytes[dtype] >= limits.get(dtype, _DDP_FIRST_BUCKET_BYTES):
-            closed += 1
-            open_bytes[dtype] = 0
-            limits[dtype] = _DDP_BUCKET_BYTES
-    return closed + sum(1 for b in open_bytes.values() if b) + 1

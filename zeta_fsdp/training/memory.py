@@ -13,11 +13,11 @@ import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
+from ..costs import AccumulationCost, accumulation_costs, accumulation_table, ddp_all_reduces, gradient_wait_dtype
 from ..distributed import get_rank, get_world_size
 from ..report import format_bytes, render_table
 from ..torch_compat import param_mp_policy
 from ..wrapped import fsdp_param_groups, replicated_modules
-from .accumulation import AccumulationCost, accumulation_costs, accumulation_table, ddp_all_reduces, gradient_wait_dtype
 
 __all__ = ["MemoryReport", "memory_report"]
 
