@@ -19,6 +19,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import time
 import warnings
@@ -395,6 +396,9 @@ def shutdown(*, force: bool = False, timeout_s: float = 300.0) -> None:
     ours = _CREATED_BY_US["group"] is not None and _CREATED_BY_US["group"] is dist.group.WORLD
     if not (force or ours):
         return
+    # Models the script dropped may still sit in reference cycles holding the group (DDP's reducer
+    # does): collected now, before the group goes, not during interpreter exit after it.
+    gc.collect()
     world = dist.get_world_size()
     if world > 1:
         dist.barrier()
