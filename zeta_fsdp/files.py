@@ -32,6 +32,11 @@ __all__ = [
 ]
 
 
+def _hidden_sibling(path: Union[str, Path], suffix: str) -> Path:
+    path = Path(path)
+    return path.parent / f".{path.name}.{suffix}"
+
+
 def incomplete_path(path: Union[str, Path]) -> Path:
     """Where ``path`` is written before it is renamed into place: ``.<name>.incomplete`` beside it.
 
@@ -41,8 +46,7 @@ def incomplete_path(path: Union[str, Path]) -> Path:
         >>> incomplete_path("ckpt/model.pt").as_posix()
         'ckpt/.model.pt.incomplete'
     """
-    path = Path(path)
-    return path.parent / f".{path.name}.incomplete"
+    return _hidden_sibling(path, "incomplete")
 
 
 def replaced_path(path: Union[str, Path]) -> Path:
@@ -52,8 +56,7 @@ def replaced_path(path: Union[str, Path]) -> Path:
         >>> replaced_path("ckpt/step_100").as_posix()
         'ckpt/.step_100.replaced'
     """
-    path = Path(path)
-    return path.parent / f".{path.name}.replaced"
+    return _hidden_sibling(path, "replaced")
 
 
 def lock_path(path: Union[str, Path]) -> Path:
@@ -63,8 +66,7 @@ def lock_path(path: Union[str, Path]) -> Path:
         >>> lock_path("ckpt/step_100").as_posix()
         'ckpt/.step_100.lock'
     """
-    path = Path(path)
-    return path.parent / f".{path.name}.lock"
+    return _hidden_sibling(path, "lock")
 
 
 class PathLock:
