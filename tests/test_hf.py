@@ -237,3 +237,64 @@ def test_full_disk_names_the_file(tmp_path, monkeypatch):
         with SafetensorsStreamWriter(target, {"w": (torch.float32, (2,))}) as w:
             w.write("w", torch.ones(2))
     assert str(target) in str(info.value) and "save elsewhere" in str(info.value), info.value
+
+
+@pytest.mark.launch
+def test_two_processes_saving_pretrained_to_one_directory_lose_nothing(tmp_path):
+    """Two jobs, 10 ``save_pretrained(model, dir, overwrite=True)`` each, at once (issue 18): they take
+    turns on the directory's lock; every call publishes a complete file or raises naming the path, and
+    the directory ends with one call's whole, unmixed weights and nothing left beside it."""
+    import json
+    import subprocess
+    import sys
+
+    from conftest import ROOT, rank_env
+    from safetensors.torch import load_file
+
+    path, n = tmp_path / "m", 10
+    script = str(ROOT / "tests" / "concurrent_save.py")
+    procs = [
+        subprocess.Popen(
+            [sys.executable, script, str(path), str(w), str(n), str(tmp_path / f"w{w}.json"), "hf"],
+            cwd=ROOT,
+            env=rank_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for w in (1, 2)
+    ]
+    for proc in procs:
+        _, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0, err[-3000:]
+    results = {w: json.loads((tmp_path / f"w{w}.json").read_text()) for w in (1, 2)}
+    for w, calls in results.items():
+        bad = [r for r in calls if r != "ok" and str(path) not in r]
+        assert not bad, f"writer {w}: {bad[:3]}"
+    weights = load_file(str(path / "model.safetensors"))
+    values = {float(v.flatten()[0]) for v in weights.values()}
+    assert len(values) == 1 and all(torch.all(v == v.flatten()[0]) for v in weights.values()), "mixed weights"
+    value = int(values.pop())
+    writer, i = divmod(value, 1000)
+    assert results[writer][i] == "ok", "the directory holds the weights of a call that reported failure"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m", "w1.json", "w2.json"], "a save left files beside it"
+
+
+def test_a_model_directory_being_written_is_refused_by_name(tmp_path, monkeypatch):
+    """While another job holds a model directory's lock, a save to it waits, then refuses naming it."""
+    import zeta_fsdp.hf.files as hf_files
+    from zeta_fsdp.files import PathLock
+
+    path = tmp_path / "llama"
+    other = PathLock(path)
+    assert other.acquire(timeout_s=0)
+    monkeypatch.setattr(hf_files, "LOCK_WAIT_S", 0.05)
+    try:
+        with pytest.raises(FileExistsError, match="another job is writing"):
+            hf_files.staging_dir(path, overwrite=True, caller="save_pretrained()")
+        assert not path.exists() and not hf_files.incomplete_path(path).exists()
+    finally:
+        other.release()
+    tmp = hf_files.staging_dir(path, overwrite=True, caller="save_pretrained()")
+    hf_files.end_staging(tmp)
+    assert sorted(p.name for p in tmp_path.iterdir()) == []

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from pathlib import Path
 from typing import Union
 
@@ -28,7 +27,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from ..distributed import get_rank, get_world_size, on_all_ranks
 from ..files import publish_dir
-from .files import read_safetensors_header, staging_dir
+from .files import end_staging, read_safetensors_header, staging_dir
 
 __all__ = ["ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "adapter_tensors", "load_adapters", "save_adapters"]
 
@@ -115,7 +114,7 @@ def save_adapters(
         tensors = on_all_ranks(prepare)
     except Exception:
         for made in staged:
-            shutil.rmtree(made, ignore_errors=True)
+            end_staging(made)
         raise
     try:
         full = {}
@@ -140,8 +139,7 @@ def save_adapters(
         on_all_ranks(write)
     finally:
         for made in staged:
-            if made.exists():
-                shutil.rmtree(made, ignore_errors=True)
+            end_staging(made)
     return path
 
 

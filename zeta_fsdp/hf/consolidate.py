@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from pathlib import Path
 from typing import Any, Optional, Union
 
@@ -31,7 +30,7 @@ import torch.nn as nn
 from ..files import publish_dir
 from ..state_dict import CheckpointError
 from ..state_dict.reader import dcp_load, open_checkpoint
-from .files import SafetensorsLayout, parse_size, staging_dir, write_at
+from .files import SafetensorsLayout, end_staging, parse_size, staging_dir, write_at
 from .naming import hf_class, model_tensors, saved_aliases, saved_layout, saved_tensors
 from .save import cast, check_dtype, plan_hf_files, write_hf_config, write_index
 
@@ -222,7 +221,6 @@ def consolidate_to_hf(
             first = next((d for d, _ in layout.values() if d.is_floating_point), None)
             write_hf_config(model, tmp, dtype or first, hf_class(model).__name__)
         publish_dir(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    finally:
+        end_staging(tmp)  # removes what a failed run left; releases the path's lock
     return Path(out_dir)

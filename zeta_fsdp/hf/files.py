@@ -25,8 +25,9 @@ from typing import BinaryIO, Iterator, Optional, Union
 
 import torch
 
-from ..files import incomplete_path
+from ..files import PathLock, incomplete_path, remove_tree
 from ..state_dict.checks import CheckpointError
+from ..state_dict.publish import LOCK_WAIT_S
 
 __all__ = [
     "INDEX_NAME",
@@ -43,6 +44,7 @@ __all__ = [
     "read_safetensors_header",
     "shard_file_names",
     "model_dir_problem",
+    "end_staging",
     "staging_dir",
     "write_at",
 ]
@@ -576,8 +578,14 @@ def model_dir_problem(path: Union[str, os.PathLike]) -> Optional[str]:
     return None
 
 
+_STAGING_LOCKS: dict[Path, PathLock] = {}
+
+
 def staging_dir(path: Union[str, os.PathLike], *, overwrite: bool, caller: str) -> Path:
-    """Check ``path`` may be written, then make (afresh) the hidden directory beside it to write into.
+    """Lock ``path``, check it may be written, then make (afresh) the hidden directory beside it to write into.
+
+    The lock (``files.PathLock``, held until ``end_staging``) makes two jobs writing one model
+    directory take turns: the second waits up to ``LOCK_WAIT_S``, then is refused by name.
 
     An existing non-empty ``path`` is refused unless ``overwrite``, and even then unless it holds
     only what this library writes (``model_dir_problem``): a folder of the user's files is never
@@ -590,9 +598,41 @@ def staging_dir(path: Union[str, os.PathLike], *, overwrite: bool, caller: str) 
         >>> staging_dir(Path(tempfile.mkdtemp()) / "llama", overwrite=False, caller="save_pretrained()").name
         '.llama.incomplete'
     """
-    from ..files import remove_tree
-
     path = Path(path)
+    lock = PathLock(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if not lock.acquire(timeout_s=LOCK_WAIT_S):
+        raise FileExistsError(
+            f"{caller}: another job is writing {path} (it holds {lock.file}) and did not finish within "
+            f"{LOCK_WAIT_S:.0f} s; wait for it, or save elsewhere."
+        )
+    try:
+        tmp = _checked_staging_dir(path, overwrite, caller)
+    except BaseException:
+        lock.release()
+        raise
+    _STAGING_LOCKS[tmp] = lock
+    return tmp
+
+
+def end_staging(tmp: Path) -> None:
+    """After a save: remove ``tmp`` if it is still there (the save failed before publishing) and
+    release the lock ``staging_dir`` took.
+
+    Example:
+        >>> import tempfile
+        >>> tmp = staging_dir(Path(tempfile.mkdtemp()) / "llama", overwrite=False, caller="save_pretrained()")
+        >>> end_staging(tmp); tmp.exists()
+        False
+    """
+    if os.path.lexists(tmp):
+        remove_tree(tmp)
+    lock = _STAGING_LOCKS.pop(Path(tmp), None)
+    if lock is not None:
+        lock.release()
+
+
+def _checked_staging_dir(path: Path, overwrite: bool, caller: str) -> Path:
     if path.is_symlink():
         raise FileExistsError(
             f"{caller}: {path} is a symbolic link (to {os.path.realpath(path)}); pass the directory itself."

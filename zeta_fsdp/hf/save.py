@@ -20,7 +20,6 @@ from __future__ import annotations
 import copy
 import json
 import os
-import shutil
 from pathlib import Path
 from typing import Any, Optional, Union
 
@@ -38,6 +37,7 @@ from ..wrapped import fsdp_engine
 from .files import (
     INDEX_NAME,
     SafetensorsLayout,
+    end_staging,
     parse_size,
     plan_shard_files,
     shard_file_names,
@@ -297,14 +297,13 @@ def save_pretrained(
         saved, where, files = on_all_ranks(prepare)
     except Exception:
         for made in tmp_holder:  # rank 0 staged before another rank refused: leave nothing behind
-            shutil.rmtree(made, ignore_errors=True)
+            end_staging(made)
         raise
     tmp_list = [tmp_holder[0] if tmp_holder else None]
     if world() > 1:
         dist.broadcast_object_list(tmp_list, src=0)
     tmp: Path = tmp_list[0]
     tensors = model_tensors(model)
-    published = False
     try:
         plans = {name: SafetensorsLayout(layout) for name, layout in files.items()}
 
@@ -330,8 +329,7 @@ def save_pretrained(
                 publish_dir(tmp, path)
 
         on_all_ranks(publish)
-        published = True
     finally:
-        if rank() == 0 and not published and tmp is not None:
-            shutil.rmtree(tmp, ignore_errors=True)
+        if rank() == 0 and tmp is not None:
+            end_staging(tmp)  # removes what a failed save left; releases the path's lock
     return path
