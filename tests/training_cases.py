@@ -137,7 +137,7 @@ _DISGUISE = {"on": False}
 
 def unit_groups(module: nn.Module) -> list:
     """torch's FSDP parameter groups of one unit, through the library's reader
-    (``zeta_fsdp.fsdp.fsdp_param_groups``: whichever name this torch release uses)."""
+    (``zeta_fsdp.wrapped.fsdp_param_groups``: whichever name this torch release uses)."""
     was, _DISGUISE["on"] = _DISGUISE["on"], False
     try:
         groups = fsdp_param_groups(module)
@@ -322,7 +322,7 @@ def no_shard_bf16_is_ddp_with_autocast():
     guarantees: no_sync communicates nothing, clip_grad_norm_ matches, state-dict keys and values
     are the model's own, a checkpoint round-trips."""
     from zeta_fsdp import load_checkpoint, save_checkpoint
-    from zeta_fsdp.fsdp import autocast_forward
+    from zeta_fsdp.sharding import autocast_forward
 
     model, ref = sharded_gpt(shard_strat="NO_SHARD", mp="bf16")
     assert fsdp_engine(model) == "replicate" and not isinstance(model, FSDPModule)
