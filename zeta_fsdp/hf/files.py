@@ -457,7 +457,9 @@ class SafetensorsStreamWriter:
     announced order, so only one tensor is in memory at a time.
 
     Example:
-        >>> with SafetensorsStreamWriter("m.safetensors", {"w": (torch.float32, (2, 2))}) as w:
+        >>> import tempfile
+        >>> file = Path(tempfile.mkdtemp()) / "m.safetensors"
+        >>> with SafetensorsStreamWriter(file, {"w": (torch.float32, (2, 2))}) as w:
         ...     w.write("w", torch.zeros(2, 2))
     """
 
