@@ -84,6 +84,27 @@ def program_lines(stdout: str) -> list[str]:
     return [line for line in stdout.splitlines() if not line.startswith("[Gloo] ")]
 
 
+def run_concurrent_writers(path: Path, n: int, out: Path, *mode: str) -> dict[int, list[str]]:
+    """Two processes, ``n`` saves each to ``path`` at once (``tests/concurrent_save.py``); each one's
+    per-call results (``"ok"`` or the error it raised), keyed by writer 1 and 2."""
+    script = str(ROOT / "tests" / "concurrent_save.py")
+    procs = [
+        subprocess.Popen(
+            [sys.executable, script, str(path), str(w), str(n), str(out / f"w{w}.json"), *mode],
+            cwd=ROOT,
+            env=rank_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for w in (1, 2)
+    ]
+    for proc in procs:
+        _, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0, err[-3000:]
+    return {w: json.loads((out / f"w{w}.json").read_text()) for w in (1, 2)}
+
+
 NOT_RUN = "NOT RUN"  # worker.NOT_RUN: a case its launch stopped before (another case failed)
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from worker import ARGS, Cases, expect_error, full, rank, run_cases, world
+from worker import ARGS, Cases, assert_losses_match, expect_error, full, rank, run_cases, world
 
 from zeta_fsdp import fsdp, memory_report, save_pretrained
 from zeta_fsdp.hf.adapters import load_adapters, save_adapters
@@ -91,9 +91,7 @@ def train(model, ref, steps: int = 3) -> None:
         loss.backward()
         opt.step()
         opt.zero_grad()
-        losses = [torch.empty_like(loss.detach()) for _ in range(world())]
-        dist.all_gather(losses, loss.detach())
-        assert all(torch.equal(a, b) for a, b in zip(losses, ref_losses)), f"step {step}: {losses} != {ref_losses}"
+        assert_losses_match(loss, ref_losses, step)
     return opt
 
 

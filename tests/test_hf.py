@@ -244,30 +244,11 @@ def test_two_processes_saving_pretrained_to_one_directory_lose_nothing(tmp_path)
     """Two jobs, 10 ``save_pretrained(model, dir, overwrite=True)`` each, at once (issue 18): they take
     turns on the directory's lock; every call publishes a complete file or raises naming the path, and
     the directory ends with one call's whole, unmixed weights and nothing left beside it."""
-    import json
-    import subprocess
-    import sys
-
-    from conftest import ROOT, rank_env
+    from conftest import run_concurrent_writers
     from safetensors.torch import load_file
 
     path, n = tmp_path / "m", 10
-    script = str(ROOT / "tests" / "concurrent_save.py")
-    procs = [
-        subprocess.Popen(
-            [sys.executable, script, str(path), str(w), str(n), str(tmp_path / f"w{w}.json"), "hf"],
-            cwd=ROOT,
-            env=rank_env(),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for w in (1, 2)
-    ]
-    for proc in procs:
-        _, err = proc.communicate(timeout=300)
-        assert proc.returncode == 0, err[-3000:]
-    results = {w: json.loads((tmp_path / f"w{w}.json").read_text()) for w in (1, 2)}
+    results = run_concurrent_writers(path, n, tmp_path, "hf")
     for w, calls in results.items():
         bad = [r for r in calls if r != "ok" and str(path) not in r]
         assert not bad, f"writer {w}: {bad[:3]}"

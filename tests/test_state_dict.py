@@ -15,7 +15,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, check_case, launch_worker, launches, merge_ranks, rank_env, worker_cases
+from conftest import (
+    ROOT,
+    check_case,
+    launch_worker,
+    launches,
+    merge_ranks,
+    rank_env,
+    run_concurrent_writers,
+    worker_cases,
+)
 
 from zeta_fsdp import cli
 from zeta_fsdp.models.gpt import small
@@ -492,22 +501,7 @@ def test_two_processes_saving_to_one_path_lose_nothing(tmp_path):
     """Two jobs, 25 ``save_checkpoint(path, overwrite=True)`` each, at once: every call publishes a complete
     checkpoint or raises ``CheckpointError``; the path always ends with a complete checkpoint of one call."""
     path, n = tmp_path / "c", 25
-    script = str(ROOT / "tests" / "concurrent_save.py")
-    procs = [
-        subprocess.Popen(
-            [sys.executable, script, str(path), str(w), str(n), str(tmp_path / f"w{w}.json")],
-            cwd=ROOT,
-            env=rank_env(),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for w in (1, 2)
-    ]
-    for proc in procs:
-        _, err = proc.communicate(timeout=300)
-        assert proc.returncode == 0, err[-3000:]
-    results = {w: json.loads((tmp_path / f"w{w}.json").read_text()) for w in (1, 2)}
+    results = run_concurrent_writers(path, n, tmp_path)
     for w, calls in results.items():
         raw = [r for r in calls if not (r == "ok" or r.startswith("CheckpointError"))]
         assert not raw, f"writer {w}: {raw[:3]}"

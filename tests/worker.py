@@ -186,6 +186,15 @@ def mean_over_ranks(x: torch.Tensor) -> torch.Tensor:
     return (total / world()).reshape(shape)
 
 
+def assert_losses_match(loss: torch.Tensor, ref_losses: list, step: int, tol: float = 0.0) -> None:
+    """Every rank's ``loss`` equals the reference's loss for that rank's slice (within ``tol``)."""
+    losses = [torch.empty_like(loss.detach()) for _ in range(world())]
+    dist.all_gather(losses, loss.detach())
+    for r in range(world()):
+        err = (losses[r].double() - ref_losses[r].double()).abs().item()
+        assert err <= tol, f"step {step} rank {r}: loss {losses[r]} != {ref_losses[r]} (diff {err:.3e})"
+
+
 def expect_error(exc_type: type, fn: Callable[[], Any], *needles: str) -> str:
     """``fn()`` raises ``exc_type`` with every needle in its message; returns the message."""
     try:

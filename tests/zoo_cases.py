@@ -28,8 +28,7 @@ from __future__ import annotations
 import copy
 
 import torch
-import torch.distributed as dist
-from worker import Cases, full, rank, run_cases, world
+from worker import Cases, assert_losses_match, full, rank, run_cases, world
 from zoo_models import ZOO
 
 from zeta_fsdp import fsdp, get_wrap_plan
@@ -74,12 +73,8 @@ def zoo_parity(name: str, entry=None) -> None:
         loss.backward()
         opt.step()
         opt.zero_grad()
-        losses = [torch.empty_like(loss.detach()) for _ in range(world())]
-        dist.all_gather(losses, loss.detach())
-        for r in range(world()):
-            tol = 0.0 if step == 0 else loss_tol  # step 0: same weights, same kernels -> always exact
-            err = (losses[r].double() - ref_losses[r].double()).abs().item()
-            assert err <= tol, f"step {step} rank {r}: loss {losses[r]} != {ref_losses[r]} (diff {err:.3e})"
+        # step 0: same weights, same kernels -> always exact
+        assert_losses_match(loss, ref_losses, step, 0.0 if step == 0 else loss_tol)
     ref_params = dict(ref.named_parameters())
     names = [n for n, _ in model.named_parameters()]
     assert names == list(ref_params), "parameter names changed"
@@ -135,9 +130,7 @@ def master_weights_fp32_for_a_bf16_model():
         loss.backward()
         opt.step()
         opt.zero_grad()
-        losses = [torch.empty_like(loss.detach()) for _ in range(world())]
-        dist.all_gather(losses, loss.detach())
-        assert all(torch.equal(a, b) for a, b in zip(losses, ref_losses)), f"step {step}: {losses} != {ref_losses}"
+        assert_losses_match(loss, ref_losses, step)
     ref_params = dict(ref.named_parameters())
     for n, p in model.named_parameters():
         assert torch.equal(full(p), ref_params[n]), f"{n} differs from the reference"
