@@ -3,11 +3,6 @@
 Pure (no process group, no model): ``memory_report`` fills it in from a live model, the planner
 (``plan``) from a meta one, and the benchmarks compare both against what ``FSDPMemTracker`` and
 ``CommDebugMode`` measure. One home, so the three never disagree.
-
-Example:
-    >>> costs = accumulation_costs(4, sharded=10, unsharded=40, partial=10, reduce_scatter_units=3, all_reduce_units=3)
-    >>> costs["all"].grad_bytes, costs["sync"].reduce_scatters
-    (40, 12)
 """
 
 from __future__ import annotations
@@ -33,10 +28,6 @@ class AccumulationCost:
         grad_bytes: gradient bytes the rank holds between micro-batches (FSDP2's storage: padded
             shards, the reduce dtype where gradients wait in it).
         reduce_scatters, all_reduces: gradient collectives per K micro-batches, all units together.
-
-    Example:
-        >>> accumulation_costs(4, sharded=10, unsharded=40, partial=10, reduce_scatter_units=3, all_reduce_units=3)["all_reduce"]
-        AccumulationCost(choice='all_reduce', grad_bytes=10, reduce_scatters=12, all_reduces=3)
     """
 
     choice: str
@@ -69,11 +60,6 @@ def accumulation_costs(
     it keeps ``sharded``). ``reduce_scatter_units`` / ``all_reduce_units``: units that reduce-scatter
     (shard group > 1) / all-reduce (replicas > 1) in one synced backward. ``memory_report`` and the
     planner fill these in; a ``ValueError`` for ``micro_batches`` < 1.
-
-    Example:
-        >>> costs = accumulation_costs(4, sharded=10, unsharded=40, partial=10, reduce_scatter_units=3, all_reduce_units=3)
-        >>> [(c.choice, c.grad_bytes, c.reduce_scatters, c.all_reduces) for c in costs.values()]
-        [('sync', 10, 12, 12), ('all', 40, 3, 3), ('all_reduce', 10, 12, 3)]
     """
     if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 1:
         raise ValueError(f"micro_batches={micro_batches!r} is not accepted. Accepted: an int >= 1.")
@@ -92,12 +78,6 @@ def gradient_wait_dtype(policy: MixedPrecisionPolicy, dtype: torch.dtype) -> tor
     with ``reduce_dtype=None`` it depends on the torch release (``torch_compat``): torch >= 2.15
     keeps the parameter's own dtype, older releases the compute dtype (``FSDPParam.init_dtype_attrs``).
     ``resolve_mixed_precision``'s presets set ``reduce_dtype`` wherever the two would differ.
-
-    Example:
-        >>> gradient_wait_dtype(MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32), torch.float32)
-        torch.float32
-        >>> gradient_wait_dtype(MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16), torch.float32)
-        torch.bfloat16
     """
     if policy.reduce_dtype is None and torch_compat.REDUCE_DTYPE_NONE_KEEPS_PARAM_DTYPE:
         return dtype
@@ -107,13 +87,7 @@ def gradient_wait_dtype(policy: MixedPrecisionPolicy, dtype: torch.dtype) -> tor
 
 
 def accumulation_table(costs: dict[str, AccumulationCost], micro_batches: int) -> str:
-    """``accumulation_costs`` as a fixed-width table (used by ``MemoryReport`` and the planner).
-
-    Example:
-        >>> costs = accumulation_costs(4, sharded=10, unsharded=40, partial=10, reduce_scatter_units=3, all_reduce_units=3)
-        >>> print(accumulation_table(costs, 4).splitlines()[0])
-        gradient accumulation, 4 micro-batches  grads held between  reduce-scatters  all-reduces
-    """
+    """``accumulation_costs`` as a fixed-width table (used by ``MemoryReport`` and the planner)."""
     header = (f"gradient accumulation, {micro_batches} micro-batches", "grads held between", "reduce-scatters")
     rows = [header + ("all-reduces",)]
     for cost in costs.values():
@@ -139,12 +113,6 @@ def ddp_all_reduces(grads: list[tuple[torch.dtype, int]]) -> int:
     them (``_compute_bucket_assignment_by_size``: parameters in order, one open bucket per dtype,
     a bucket closed once it holds 1 MiB (the first) or 25 MiB (the rest)), plus one for the map of
     used parameters (``find_unused_parameters=True``, which ``fsdp()`` sets).
-
-    Example:
-        >>> ddp_all_reduces([(torch.float32, 4 * 2**20)] * 3)  # a 4 MiB bucket, an 8 MiB one, the map
-        3
-        >>> ddp_all_reduces([(torch.float32, 100)] * 3)
-        2
     """
     limits: dict[torch.dtype, int] = {}
     open_bytes: dict[torch.dtype, int] = {}

@@ -7,13 +7,6 @@ Every ``torch.distributed`` set-up call of the package lives here. The rules:
   one-process group on an in-memory store (no port, no env vars) so a notebook just works.
 * Meshes follow the sharding spec: 1-D ``(world,)`` for FULL_SHARD/SHARD_GRAD, 2-D
   ``(replicate, shard)`` for HYBRID, ``(world, 1)`` for NO_SHARD.
-
-Example:
-    >>> from zeta_fsdp.distributed import ensure_process_group, shutdown
-    >>> ensure_process_group(torch.device("cpu"))  # no group yet: a one-process gloo group
-    True
-    >>> get_world_size(), shutdown(), is_distributed()  # shutdown() destroys only a group we started
-    (1, None, False)
 """
 
 from __future__ import annotations
@@ -64,12 +57,7 @@ GroupLike = Union[dist.ProcessGroup, DeviceMesh, None]
 
 
 def is_distributed() -> bool:
-    """``True`` when a default process group exists (``torch.distributed`` is built and initialized).
-
-    Example:
-        >>> is_distributed()  # in a notebook before fsdp()
-        False
-    """
+    """``True`` when a default process group exists (``torch.distributed`` is built and initialized)."""
     return dist.is_available() and dist.is_initialized()
 
 
@@ -78,32 +66,18 @@ def _as_process_group(group: GroupLike) -> Optional[dist.ProcessGroup]:
 
 
 def get_rank(group: GroupLike = None) -> int:
-    """This process's rank in ``group`` (a process group or a 1-D mesh; default: the world); 0 without a group.
-
-    Example:
-        >>> get_rank()  # no process group: a single process
-        0
-    """
+    """This process's rank in ``group`` (a process group or a 1-D mesh; default: the world); 0 without a group."""
     return dist.get_rank(_as_process_group(group)) if is_distributed() else 0
 
 
 def get_world_size(group: GroupLike = None) -> int:
-    """Ranks in ``group`` (a process group or a 1-D mesh; default: the world); 1 without a group.
-
-    Example:
-        >>> get_world_size()  # no process group: a single process
-        1
-    """
+    """Ranks in ``group`` (a process group or a 1-D mesh; default: the world); 1 without a group."""
     return dist.get_world_size(_as_process_group(group)) if is_distributed() else 1
 
 
 def comm_device(group: GroupLike = None) -> torch.device:
     """Where a tensor must live for a collective of ``group``: the current CUDA device under NCCL
     (which takes no CPU tensors), else the CPU (also without a process group).
-
-    Example:
-        >>> comm_device()  # gloo, or no process group
-        device(type='cpu')
     """
     if not is_distributed():
         return torch.device("cpu")
@@ -116,10 +90,6 @@ def comm_device(group: GroupLike = None) -> torch.device:
 def without_launcher_env(env: Optional[dict[str, str]] = None) -> dict[str, str]:
     """A copy of ``env`` (default ``os.environ``) without the launcher's per-rank variables
     (``LAUNCHER_ENV_VARS``): for a subprocess that must start its own job, not join ours.
-
-    Example:
-        >>> without_launcher_env({"RANK": "3", "PATH": "/bin"})
-        {'PATH': '/bin'}
     """
     env = dict(os.environ if env is None else env)
     for var in LAUNCHER_ENV_VARS:
@@ -144,12 +114,7 @@ def _running_under_torchrun() -> bool:
 
 
 def expected_world_size() -> int:
-    """World size the job has or will have, without starting anything.
-
-    Example:
-        >>> expected_world_size()  # in a notebook
-        1
-    """
+    """World size the job has or will have, without starting anything."""
     if is_distributed():
         return dist.get_world_size()
     if _running_under_torchrun():
@@ -166,10 +131,6 @@ def choose_device(model: Optional[nn.Module] = None, device: Union[str, torch.de
 
     An explicit ``device`` wins. Otherwise CUDA (``cuda:LOCAL_RANK``) when available, else the
     device the model's parameters are on (``meta`` counts as "not chosen yet": CPU).
-
-    Example:
-        >>> choose_device(nn.Linear(2, 2))  # on a CPU machine
-        device(type='cpu')
     """
     if device is not None:
         device = torch.device(device)
@@ -186,12 +147,7 @@ def choose_device(model: Optional[nn.Module] = None, device: Union[str, torch.de
 
 
 def default_backend(device: torch.device, cpu_offload: bool = False) -> str:
-    """Backend for ``device``: gloo on CPU, nccl on CUDA (plus gloo for CPU-offloaded tensors).
-
-    Example:
-        >>> default_backend(torch.device("cuda"), cpu_offload=True)
-        'cuda:nccl,cpu:gloo'
-    """
+    """Backend for ``device``: gloo on CPU, nccl on CUDA (plus gloo for CPU-offloaded tensors)."""
     if device.type == "cuda":
         return "cuda:nccl,cpu:gloo" if cpu_offload else "nccl"
     return "gloo"
@@ -212,10 +168,6 @@ def ensure_process_group(
 
     Under ``torchrun`` (``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT`` set) it joins the
     job through ``env://``; otherwise it starts a one-process group on an in-memory store.
-
-    Example:
-        ensure_process_group(torch.device("cpu"))
-        # -> True
     """
     if not dist.is_available():
         raise RuntimeError("fsdp(): this PyTorch build has no torch.distributed support.")
@@ -263,10 +215,6 @@ def fake_process_group(world_size: int, rank: int = 0) -> Iterator[None]:
     PyTorch's ``"fake"`` backend on a ``FakeStore``: collectives return at once and move no data,
     so ``fsdp()`` can shard a ``meta`` model as any rank of any world size in one process (what
     ``planner.dry_run`` does). Refuses to run when a process group already exists.
-
-    Example:
-        with fake_process_group(world_size=1024, rank=7):
-            fsdp(meta_model, materialize=False)
     """
     from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
 
@@ -293,11 +241,6 @@ def mesh_shape(
     HYBRID replicates across nodes by default (``world_size // LOCAL_WORLD_SIZE`` groups) and
     shards within a node; ``replicate_size`` overrides the number of replicas. Error messages
     start with ``caller``, the public function the user called.
-
-    Example:
-        >>> from zeta_fsdp.options import resolve_sharding
-        >>> mesh_shape(resolve_sharding("HYBRID_SHARD"), 8, replicate_size=2)
-        (2, 4)
     """
     if spec.mesh_ndim == 1:
         if replicate_size not in (None, 1):
@@ -327,12 +270,7 @@ def mesh_shape(
 def shard_group_size(
     spec: ShardingSpec, mesh: Optional[DeviceMesh] = None, *, replicate_size: Optional[int] = None
 ) -> int:
-    """Number of ranks one parameter is sharded over (the last mesh dimension).
-
-    Example:
-        shard_group_size(resolve_sharding("FULL_SHARD"))
-        # -> 2
-    """
+    """Number of ranks one parameter is sharded over (the last mesh dimension)."""
     if mesh is not None:
         return mesh.size(-1)
     shape = mesh_shape(spec, expected_world_size(), local_world_size=_local_world_size(), replicate_size=replicate_size)
@@ -354,11 +292,7 @@ def validate_mesh(spec: ShardingSpec, mesh: DeviceMesh) -> None:
 
 
 def build_mesh(spec: ShardingSpec, device: torch.device, *, replicate_size: Optional[int] = None) -> DeviceMesh:
-    """Build the DeviceMesh ``spec`` needs over the default group (which must exist).
-
-    Example:
-        mesh = build_mesh(resolve_sharding("FULL_SHARD"), torch.device("cpu"))
-    """
+    """Build the DeviceMesh ``spec`` needs over the default group (which must exist)."""
     shape = mesh_shape(spec, dist.get_world_size(), local_world_size=_local_world_size(), replicate_size=replicate_size)
     names = ("dp_shard",) if len(shape) == 1 else ("dp_replicate", "dp_shard")
     return init_device_mesh(device.type, shape, mesh_dim_names=names)
@@ -371,11 +305,6 @@ def build_dp_tp_mesh(device: torch.device, dp: int, tp: int, *, names: tuple[str
 
     Tensor-parallel ranks are adjacent (the last dimension), so they share a node when ``tp``
     divides the ranks per node: TP's per-layer collectives stay on the fast links.
-
-    Example:
-        mesh = build_dp_tp_mesh(torch.device("cpu"), dp=2, tp=2)
-        mesh["dp"].size(), mesh["tp"].size()
-        # -> (2, 2)
     """
     return init_device_mesh(device.type, (dp, tp), mesh_dim_names=tuple(names))
 
@@ -452,10 +381,6 @@ def on_all_ranks(
     with its message (``describe(error)``), chained to the original where it happened. Alone (no
     peers) the original is raised as it is. ``catch``: what counts as failing (DCP's
     ``CheckpointException`` is a ``BaseException``). Other ranks return ``None`` with ``rank0_only``.
-
-    Example:
-        >>> on_all_ranks(lambda: 1 + 1)
-        2
     """
     world, me = get_world_size(), get_rank()
     result, error = None, None

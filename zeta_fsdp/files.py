@@ -1,13 +1,4 @@
-"""Files written all or nothing: a reader sees the old file or the new one, never half of one.
-
-Example:
-    >>> import tempfile
-    >>> folder = Path(tempfile.mkdtemp())
-    >>> atomic_write(folder / "result.json", lambda tmp: tmp.write_text('{"ok": true}')).read_text()
-    '{"ok": true}'
-    >>> sorted(p.name for p in folder.iterdir())  # no temporary file left
-    ['result.json']
-"""
+"""Files written all or nothing: a reader sees the old file or the new one, never half of one."""
 
 from __future__ import annotations
 
@@ -41,31 +32,17 @@ def incomplete_path(path: Union[str, Path]) -> Path:
     """Where ``path`` is written before it is renamed into place: ``.<name>.incomplete`` beside it.
 
     Hidden, and in the same folder so the final rename stays on one file system (atomic).
-
-    Example:
-        >>> incomplete_path("ckpt/model.pt").as_posix()
-        'ckpt/.model.pt.incomplete'
     """
     return _hidden_sibling(path, "incomplete")
 
 
 def replaced_path(path: Union[str, Path]) -> Path:
-    """Where ``publish_dir`` keeps what was at ``path`` until the new directory is in place.
-
-    Example:
-        >>> replaced_path("ckpt/step_100").as_posix()
-        'ckpt/.step_100.replaced'
-    """
+    """Where ``publish_dir`` keeps what was at ``path`` until the new directory is in place."""
     return _hidden_sibling(path, "replaced")
 
 
 def lock_path(path: Union[str, Path]) -> Path:
-    """The lock file of ``path``: ``.<name>.lock`` beside it (``PathLock``).
-
-    Example:
-        >>> lock_path("ckpt/step_100").as_posix()
-        'ckpt/.step_100.lock'
-    """
+    """The lock file of ``path``: ``.<name>.lock`` beside it (``PathLock``)."""
     return _hidden_sibling(path, "lock")
 
 
@@ -78,13 +55,6 @@ class PathLock:
     locked a file removed meanwhile sees that (its inode is no longer at ``lock_path``) and
     locks the new one. The kernel releases the lock when the process dies (a crash never leaves
     ``path`` locked). One process may hold it once (a second ``acquire`` waits like another process).
-
-    Example:
-        >>> import tempfile
-        >>> lock = PathLock(Path(tempfile.mkdtemp()) / "step_1")
-        >>> lock.acquire(timeout_s=0), PathLock(lock.path).acquire(timeout_s=0)
-        (True, False)
-        >>> lock.release()
     """
 
     def __init__(self, path: Union[str, Path]) -> None:
@@ -156,9 +126,6 @@ def exchange_paths(a: Union[str, Path], b: Union[str, Path]) -> bool:
 
     Returns ``False`` where the system or file system cannot (then nothing changed); raises
     ``OSError`` for other failures. A reader of ``b`` sees the old entry or the new one, never none.
-
-    Example:
-        exchange_paths(incomplete_path(out), out)  # out is the new directory, the old one beside it
     """
     try:
         libc = ctypes.CDLL(None, use_errno=True)
@@ -175,11 +142,7 @@ def exchange_paths(a: Union[str, Path], b: Union[str, Path]) -> bool:
 
 
 def remove_tree(path: Union[str, Path]) -> None:
-    """Delete ``path``: a symbolic link is unlinked (never followed), a directory removed with its content.
-
-    Example:
-        remove_tree(incomplete_path(out))
-    """
+    """Delete ``path``: a symbolic link is unlinked (never followed), a directory removed with its content."""
     path = Path(path)
     if path.is_symlink() or not path.is_dir():
         path.unlink(missing_ok=True)
@@ -198,9 +161,6 @@ def publish_dir(
     put back if the second fails; ``discard`` deletes it (and a stale one left by an interrupted
     clean-up) afterwards. A symbolic link at ``path`` is replaced itself, never what it points
     to (the default ``discard`` unlinks it). Returns ``path``.
-
-    Example:
-        publish_dir(incomplete_path(out), out)
     """
     tmp, path = Path(tmp), Path(path)
     old = replaced_path(path)
@@ -233,9 +193,6 @@ def atomic_write(path: Union[str, Path], write: Callable[[Path], object]) -> Pat
 
     If ``write`` raises, ``path`` is left as it was and the temporary file is removed. Returns
     ``path``. (For folders, such as DCP checkpoints, see ``save_checkpoint``.)
-
-    Example:
-        atomic_write(out, lambda tmp: torch.save(weights, tmp))
     """
     path = Path(path)
     tmp = incomplete_path(path)

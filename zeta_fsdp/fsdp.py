@@ -8,10 +8,6 @@ Steps, in order (validation here; each later step a plain function of its own mo
     -> ``fully_shard`` bottom-up, the SAME MixedPrecisionPolicy on every unit, or DDP's engine
     -> materialize a meta-device model (``to_empty``, init, re-tie)         ``materialize``
 What was done is recorded on the model and read back by ``wrapped``.
-
-Example:
-    from zeta_fsdp import fsdp
-    model = fsdp(nn.Sequential(nn.Linear(784, 256), nn.ReLU(), nn.Linear(256, 10)))
 """
 
 from __future__ import annotations

@@ -1,8 +1,5 @@
 """Materializing a model built on the ``meta`` device, after sharding: allocate each rank's shards
 (``to_empty``), initialise every tensor, re-tie, and prove nothing was left uninitialised.
-
-Example:
-    materialize_meta_model(meta_built_and_sharded, torch.device("cpu"), tied_params=[])
 """
 
 from __future__ import annotations
@@ -64,15 +61,6 @@ def run_own_initialisers(model: nn.Module) -> None:
     ``reset_parameters()`` (``nn.Linear``, ``nn.LayerNorm``, yours), else torch.nn's private
     ``_reset_parameters()`` (``nn.MultiheadAttention``'s ``in_proj_weight``; ``nn.Transformer``
     re-drawing every matrix xavier-uniform over its children's init, as its constructor does).
-
-    Example:
-        >>> _ = torch.manual_seed(0)
-        >>> with torch.device("meta"):
-        ...     attn = nn.MultiheadAttention(4, 2)
-        >>> attn = attn.to_empty(device="cpu")
-        >>> run_own_initialisers(attn)
-        >>> bool(attn.in_proj_bias.eq(0).all()), bool(attn.in_proj_weight.isfinite().all())
-        (True, True)
     """
     for module in _children_first(model):
         init = getattr(module, "reset_parameters", None)
@@ -170,10 +158,6 @@ def materialize_meta_model(
     repeated). We therefore seed the init with ``shard_index`` on CPU: distinct across shards,
     equal across replicas (HYBRID/NO_SHARD replicas must hold identical copies). The caller's RNG
     state is left as it was.
-
-    Example:
-        materialize_meta_model(meta_built_and_sharded, torch.device("cpu"), [])
-        # -> True
     """
     tensors = dict(model.named_parameters())
     tensors.update(model.named_buffers())

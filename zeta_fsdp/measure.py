@@ -51,11 +51,6 @@ def restore_fsdp_hooks(model: nn.Module) -> Iterator[None]:
     (``fully_shard([norm, head])``): the group's shared hook is lost and tracker hooks are left
     behind, and the group's backward methods stay patched. Restoring the exact hook tables and
     methods keeps the model trainable after a measurement.
-
-    Example:
-        # what peak_memory_by_category does around the tracker
-        with restore_fsdp_hooks(model), FSDPMemTracker(model, optimizer):
-            train_step(batch)
     """
     saved = [(m, {name: dict(getattr(m, name)) for name in _HOOK_DICTS}) for m in model.modules()]
     states = []
@@ -131,12 +126,7 @@ _MEMTRACKER_NAMES = {
 
 
 def memtracker_categories(snapshot: dict) -> dict[str, int]:
-    """One device's ``MemTracker`` snapshot under ``FSDPMemTracker``'s category names.
-
-    Example:
-        >>> memtracker_categories({"Parameter": 8, "Gradient": 8, "Optstate": 16})
-        {'Sharded Param': 8, 'Sharded Grad': 8, 'OptState': 16}
-    """
+    """One device's ``MemTracker`` snapshot under ``FSDPMemTracker``'s category names."""
     names = {getattr(k, "value", str(k)): int(v) for k, v in snapshot.items()}
     return {_MEMTRACKER_NAMES.get(k, k): v for k, v in names.items()}
 
@@ -144,10 +134,6 @@ def memtracker_categories(snapshot: dict) -> dict[str, int]:
 def gradient_bucket_bytes(model: nn.Module) -> int:
     """Bytes of DDP's gradient buckets in a model ``fsdp()`` put on DDP's engine (0 before its
     first forward, where DDP is built). Every ``.grad`` is a view into them.
-
-    Example:
-        >>> gradient_bucket_bytes(torch.nn.Linear(2, 2))  # not replicated: no buckets
-        0
     """
     from torch.distributed._composable.replicate import replicate
 

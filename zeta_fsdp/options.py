@@ -2,13 +2,6 @@
 
 Every resolver raises ``ValueError`` naming the bad value and listing every accepted one,
 so ``fsdp()`` can validate all of its arguments before it touches anything.
-
-Example:
-    >>> from zeta_fsdp.options import resolve_mixed_precision, resolve_sharding
-    >>> resolve_mixed_precision("bfloat16").param_dtype
-    torch.bfloat16
-    >>> resolve_sharding("shard_grad_op").reshard_after_forward
-    False
 """
 
 from __future__ import annotations
@@ -196,10 +189,6 @@ def autocast_dtype(mp_policy: MixedPrecisionPolicy) -> Optional[torch.dtype]:
     ``torch.autocast(dtype=torch.bfloat16)`` around the forward: parameters and gradients stay
     fp32, so gradients are all-reduced in fp32. fp16 needs a loss scaler and a custom policy may
     ask for what autocast cannot do (bf16 reduction, an output dtype): those stay on FSDP2.
-
-    Example:
-        >>> autocast_dtype(resolve_mixed_precision("bf16")), autocast_dtype(resolve_mixed_precision("fp16"))
-        (torch.bfloat16, None)
     """
     bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     return torch.bfloat16 if mp_policy == bf16 else None
@@ -266,10 +255,6 @@ def validate_reshard_after_forward(
     An int ``k`` keeps parameters sharded over groups of ``k`` ranks between forward and backward
     (less memory than ``False``, cheaper intra-node all-gather than ``True``). ``k`` equal to the
     shard group size is the same as ``True``; ``k == 1`` is the same as ``False``.
-
-    Example:
-        >>> validate_reshard_after_forward(2, shard_group_size=4)
-        2
     """
     if value is None or isinstance(value, bool):
         return value
@@ -296,12 +281,6 @@ def validate_prefetch(value: Optional[int]) -> Optional[int]:
 
     An int ``n`` sets explicit chains: in forward each unit all-gathers the next ``n`` units, in
     backward the previous ``n``. ``bool`` is refused: ``True`` would silently mean ``1``.
-
-    Example:
-        >>> validate_prefetch(2)
-        2
-        >>> validate_prefetch(None) is None
-        True
     """
     if value is None or (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
         return value
@@ -317,12 +296,6 @@ def validate_keep_tail_unsharded(value: Union[bool, int]) -> int:
 
     The count is of the units that run last in forward (the output head first, then the last
     blocks, counting back), which keep their parameters unsharded between forward and backward.
-
-    Example:
-        >>> validate_keep_tail_unsharded(True)
-        1
-        >>> validate_keep_tail_unsharded(0)
-        0
     """
     if isinstance(value, bool):
         return int(value)
@@ -377,13 +350,6 @@ def stored_dtype(param: torch.Tensor, master: Optional[torch.dtype]) -> torch.dt
     stored in ``master``; a frozen one (``requires_grad=False``: a LoRA base, a frozen tower)
     keeps its own dtype (a bf16 base stays bf16: half the bytes of fp32 masters, and no
     optimizer ever reads it); integer parameters and ``master=None`` keep theirs too.
-
-    Example:
-        >>> w = torch.zeros(2, dtype=torch.bfloat16)
-        >>> stored_dtype(torch.nn.Parameter(w), torch.float32)
-        torch.float32
-        >>> stored_dtype(torch.nn.Parameter(w, requires_grad=False), torch.float32)
-        torch.bfloat16
     """
     if master is None or not param.is_floating_point() or not param.requires_grad:
         return param.dtype

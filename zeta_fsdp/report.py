@@ -2,16 +2,6 @@
 
 Every printed report of the package (``WrapPlan.table``, ``MemoryReport.table``, the planner's
 report, the demo's table) goes through these two functions, so sizes and columns read alike.
-
-Example:
-    >>> from zeta_fsdp.report import format_bytes, render_table
-    >>> format_bytes(1536)
-    '1.50 KiB'
-    >>> print(render_table([("name", "bytes"), ("a", "12"), ("bb", "3")]))
-    name  bytes
-    ----  -----
-    a        12
-    bb        3
 """
 
 from __future__ import annotations
@@ -24,12 +14,7 @@ _UNITS = ("B", "KiB", "MiB", "GiB", "TiB")
 
 
 def format_bytes(nbytes: float) -> str:
-    """Bytes with a binary unit, two decimals above 1 KiB: ``1536 -> '1.50 KiB'``.
-
-    Example:
-        >>> format_bytes(440), format_bytes(3 * 2**30)
-        ('440 B', '3.00 GiB')
-    """
+    """Bytes with a binary unit, two decimals above 1 KiB: ``1536 -> '1.50 KiB'``."""
     value = float(nbytes)
     for unit in _UNITS:
         if abs(value) < 1024 or unit == _UNITS[-1]:
@@ -51,14 +36,6 @@ def render_table(
     right). ``rules``: indices of the rows a dashed line follows (negative counts from the end:
     ``-2`` puts one above a total row). ``max_width``: cells longer than this are cut with
     ``...``. Trailing spaces are stripped.
-
-    Example:
-        >>> print(render_table([("unit", "MiB"), ("a", "1.00"), ("total", "1.00")], rules=(0, -2)))
-        unit    MiB
-        -----  ----
-        a      1.00
-        -----  ----
-        total  1.00
     """
     columns = len(rows[0])
     align = align or "l" + "r" * (columns - 1)

@@ -4,9 +4,6 @@ checkpointing, ``torch.compile``), the master-dtype cast, ``fully_shard`` bottom
 
 Each step is a plain function of a ``WrapPlan`` (``wrapping``) and what ``distributed`` built; the
 façade (``fsdp.py``) validates first and calls them in order.
-
-Example:
-    shard_units(plan, mesh, mp_policy, True, OffloadPolicy(), set())
 """
 
 from __future__ import annotations
@@ -113,12 +110,6 @@ def autocast_forward(model: nn.Module, device_type: str, dtype: torch.dtype) -> 
     Entered by a forward pre-hook and left by a forward hook that runs even when the forward
     raises (``always_call``); a stack keeps nested or re-entrant forwards paired. Activation
     checkpointing recomputes under the same autocast state (``torch.utils.checkpoint`` records it).
-
-    Example:
-        >>> m = nn.Linear(4, 4)
-        >>> autocast_forward(m, "cpu", torch.bfloat16)
-        >>> m(torch.ones(1, 4)).dtype
-        torch.bfloat16
     """
     entered: list = []
 
@@ -165,12 +156,6 @@ def tail_units(plan: WrapPlan, count: int) -> list[WrapUnit]:
     Backward starts with exactly these, so resharding them after forward only to all-gather them
     again at once costs one all-gather each (torchtitan keeps ``[norm, output]`` unsharded for
     this reason). Embedding units (first in forward, last in backward) are never counted.
-
-    Example:
-        >>> from zeta_fsdp.models.gpt import small
-        >>> from zeta_fsdp.wrapping import build_wrap_plan
-        >>> [u.name for u in tail_units(build_wrap_plan(small(), auto_wrap=True), 2)]
-        ['[tok_emb, pos_emb, norm, head]', 'blocks.2']
     """
     return [u for u in plan.backward_order if u.kind != "embedding"][:count]
 
@@ -183,9 +168,6 @@ def set_prefetch_chains(plan: WrapPlan, depth: int) -> None:
     on each unit's first module (a unit's modules share one FSDP state), in the orders of
     ``WrapPlan.forward_order`` / ``backward_order``. Collective counts are unchanged: a
     prefetched all-gather replaces the one the unit would issue itself.
-
-    Example:
-        set_prefetch_chains(plan, 2)  # after shard_units(plan, ...)
     """
     for order, setter in (
         (plan.forward_order, "set_modules_to_forward_prefetch"),
@@ -206,9 +188,6 @@ def average_replicated_grads(params: Iterable[nn.Parameter], mesh: DeviceMesh) -
     (the mean FSDP's reduce-scatter takes). Under ``no_sync`` the mean is taken each micro-batch:
     the already-averaged part is equal on every rank, so the result is the same mean. Returns the
     hook handles.
-
-    Example:
-        handles = average_replicated_grads([model.logit_scale], mesh)
     """
     groups = [mesh.get_group(d) for d in range(mesh.ndim) if mesh.size(d) > 1]
     size = mesh.size()

@@ -3,15 +3,6 @@
 Pure: no process group. Sharding must keep a tie inside one unit (``wrapping``), ``to_empty``
 unties (``retie`` puts it back), and a state dict or a Hugging Face file stores a tie once
 (``tied_aliases`` names what to drop and what it is an alias of).
-
-Example:
-    >>> import torch.nn as nn
-    >>> model = nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 10, bias=False))
-    >>> model[1].weight = model[0].weight
-    >>> tied_parameter_groups(model)
-    [['0.weight', '1.weight']]
-    >>> tied_aliases(dict(model.named_parameters(remove_duplicate=False)))
-    {'1.weight': '0.weight'}
 """
 
 from __future__ import annotations
@@ -25,13 +16,7 @@ __all__ = ["retie", "tied_aliases", "tied_groups", "tied_parameter_groups"]
 
 
 def tied_groups(tensors: Mapping[str, torch.Tensor]) -> list[list[str]]:
-    """Names that hold one tensor object, one list per tie (more than one name), in ``tensors``' order.
-
-    Example:
-        >>> w = torch.ones(2)
-        >>> tied_groups({"a": w, "b": torch.ones(2), "c": w})
-        [['a', 'c']]
-    """
+    """Names that hold one tensor object, one list per tie (more than one name), in ``tensors``' order."""
     by_id: dict[int, list[str]] = {}
     for name, tensor in tensors.items():
         by_id.setdefault(id(tensor), []).append(name)
@@ -39,14 +24,7 @@ def tied_groups(tensors: Mapping[str, torch.Tensor]) -> list[list[str]]:
 
 
 def tied_parameter_groups(model: nn.Module) -> list[list[str]]:
-    """Names of parameters that are one object (tied weights), one list per tie, in module order.
-
-    Example:
-        >>> model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
-        >>> model[1].weight = model[0].weight
-        >>> tied_parameter_groups(model)
-        [['0.weight', '1.weight']]
-    """
+    """Names of parameters that are one object (tied weights), one list per tie, in module order."""
     return tied_groups(dict(model.named_parameters(remove_duplicate=False)))
 
 
@@ -55,11 +33,6 @@ def tied_aliases(tensors: Mapping[str, torch.Tensor], keep: Optional[Mapping[str
 
     The kept name of a group is the one ``keep`` maps an alias of it to (Hugging Face's
     ``all_tied_weights_keys``), else the group's first name.
-
-    Example:
-        >>> w = torch.ones(2)
-        >>> tied_aliases({"embed.weight": w, "head.weight": w}, keep={"embed.weight": "head.weight"})
-        {'embed.weight': 'head.weight'}
     """
     keep = keep or {}
     aliases: dict[str, str] = {}
@@ -73,12 +46,6 @@ def retie(model: nn.Module, groups: list[list[str]]) -> None:
     """Make every name of each group hold the group's first parameter again.
 
     ``to_empty`` (meta init, loading into a meta model) hands tied names separate tensors.
-
-    Example:
-        >>> model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
-        >>> retie(model, [["0.weight", "1.weight"]])
-        >>> model[1].weight is model[0].weight
-        True
     """
     for names in groups:
         first = model.get_parameter(names[0])

@@ -4,13 +4,6 @@ Importing this module (``import zeta_fsdp`` does so before anything else) runs
 ``check_torch_version()``: below ``MIN_TORCH`` it raises at once, naming the installed and the
 required release, instead of a wrong gradient later (torch 2.8 sums gradients over gloo where
 2.10 averages them). ``setup.py`` declares the same floor.
-
-Example:
-    >>> from zeta_fsdp.torch_compat import MIN_TORCH, torch_release
-    >>> torch_release("2.15.0+cu130")
-    (2, 15)
-    >>> torch_release("2.10.0") >= MIN_TORCH
-    True
 """
 
 from __future__ import annotations
@@ -39,21 +32,11 @@ MIN_TORCH: tuple[int, int] = (2, 10)
 
 
 class UnsupportedTorchError(ImportError):
-    """``import zeta_fsdp`` on a torch older than ``MIN_TORCH``.
-
-    Example:
-        >>> issubclass(UnsupportedTorchError, ImportError)
-        True
-    """
+    """``import zeta_fsdp`` on a torch older than ``MIN_TORCH``."""
 
 
 def torch_release(version: Optional[str] = None) -> tuple[int, int]:
-    """``(major, minor)`` of a torch version string (``torch.__version__`` when ``None``).
-
-    Example:
-        >>> torch_release("2.13.0+cpu")
-        (2, 13)
-    """
+    """``(major, minor)`` of a torch version string (``torch.__version__`` when ``None``)."""
     text = str(torch.__version__ if version is None else version)
     match = re.match(r"(\d+)\.(\d+)", text)
     if match is None:
@@ -87,15 +70,6 @@ def param_mp_policy(group: Any, fsdp_param: Any) -> MixedPrecisionPolicy:
 
     torch <= 2.14 keeps one policy per group (``FSDPParamGroup.mp_policy``); 2.15 keeps it on
     each ``FSDPParam`` (``mp_policy``). Both are private: this is the one place that reads them.
-
-    Example:
-        >>> from types import SimpleNamespace
-        >>> from torch.distributed.fsdp import MixedPrecisionPolicy
-        >>> policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
-        >>> param_mp_policy(SimpleNamespace(), SimpleNamespace(mp_policy=policy)) is policy  # torch 2.15
-        True
-        >>> param_mp_policy(SimpleNamespace(mp_policy=policy), SimpleNamespace()) is policy  # torch 2.13
-        True
     """
     from torch.distributed.fsdp import MixedPrecisionPolicy
 

@@ -3,11 +3,6 @@
 The one place the package reads FSDP2's private per-module state or asks which engine a model
 runs on; modules that only need to know (memory, accumulation, measuring, naming) import this,
 not the façade.
-
-Example:
-    >>> import torch.nn as nn
-    >>> is_fsdp_wrapped(nn.Linear(2, 2)), fsdp_engine(nn.Linear(2, 2))
-    (False, None)
 """
 
 from __future__ import annotations
@@ -39,9 +34,6 @@ _ENGINE_ATTR = "_zeta_fsdp_engine"
 def record_wrap(model: nn.Module, engine: str, plan: WrapPlan) -> None:
     """Remember on ``model`` which engine ``fsdp()`` put it on and the plan it applied
     (``fsdp_engine``, ``get_wrap_plan`` read them).
-
-    Example:
-        record_wrap(model, "fully_shard", plan)
     """
     model.__dict__[_ENGINE_ATTR] = engine
     model.__dict__[_PLAN_ATTR] = plan
@@ -50,10 +42,6 @@ def record_wrap(model: nn.Module, engine: str, plan: WrapPlan) -> None:
 def is_replicated(module: nn.Module) -> bool:
     """``True`` if ``module`` itself was passed to composable ``replicate`` (DDP's engine), as
     ``fsdp(shard_strat="NO_SHARD")`` does for an fp32 model.
-
-    Example:
-        >>> is_replicated(nn.Linear(2, 2))
-        False
     """
     return isinstance(module, ReplicatedModule)
 
@@ -73,10 +61,6 @@ def replicated_modules(model: nn.Module) -> list[nn.Module]:
     """The modules in ``model`` (itself included) that ``replicate`` manages: the model ``fsdp()``
     put on DDP's engine, also when it is reached through a wrapper (``torch.compile``'s
     ``OptimizedModule``, a container).
-
-    Example:
-        >>> replicated_modules(nn.Sequential(nn.Linear(2, 2)))
-        []
     """
     return [m for m in model.modules() if isinstance(m, ReplicatedModule)]
 
@@ -96,10 +80,6 @@ def fsdp_engine(model: nn.Module) -> Optional[str]:
 def unwrapped_class(model: nn.Module) -> type:
     """The model's own class: ``fully_shard`` and ``replicate`` swap in a generated subclass
     (``FSDP<Name>``, ``DDP<Name>``).
-
-    Example:
-        >>> unwrapped_class(nn.Linear(2, 2)).__name__
-        'Linear'
     """
     return next(c for c in type(model).__mro__ if not issubclass(c, (FSDPModule, ReplicatedModule)))
 
@@ -107,10 +87,6 @@ def unwrapped_class(model: nn.Module) -> type:
 def fsdp_state(module: nn.Module) -> Optional[Any]:
     """FSDP2's private per-module state (``module._get_fsdp_state()``), or ``None`` when the module
     is not sharded or this torch does not expose it. The one place the package reads it.
-
-    Example:
-        >>> fsdp_state(nn.Linear(2, 2)) is None
-        True
     """
     if not isinstance(module, FSDPModule):
         return None
@@ -127,10 +103,6 @@ def fsdp_param_groups(module: nn.Module) -> Optional[list]:
     Private torch attributes: ``_fsdp_param_groups`` (a list, newer torch) or
     ``_fsdp_param_group`` (one group or ``None``, older torch; in newer torch a property that
     raises when a unit has several groups).
-
-    Example:
-        >>> fsdp_param_groups(nn.Linear(2, 2)) is None  # not sharded: no state to read
-        True
     """
     state = fsdp_state(module)
     if state is None:

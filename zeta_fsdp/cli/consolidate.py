@@ -1,8 +1,4 @@
-"""``python -m zeta_fsdp consolidate DIR OUT``: argument parsing only; the work is ``consolidate_checkpoint``.
-
-Example:
-    $ python -m zeta_fsdp consolidate checkpoints/step_100 model.safetensors
-"""
+"""``python -m zeta_fsdp consolidate DIR OUT``: argument parsing only; the work is ``consolidate_checkpoint``."""
 
 from __future__ import annotations
 
@@ -14,13 +10,7 @@ HELP = "turn a sharded checkpoint into one torch.save or .safetensors file of th
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The subcommand's arguments (``DIR OUT [--overwrite] [--hf [--config C] [--dtype D] [--max-shard-size S]]``).
-
-    Example:
-        >>> add_arguments(parser := argparse.ArgumentParser())
-        >>> parser.parse_args(["ckpt", "out.pt"]).overwrite
-        False
-    """
+    """The subcommand's arguments (``DIR OUT [--overwrite] [--hf [--config C] [--dtype D] [--max-shard-size S]]``)."""
     parser.add_argument("dcp_dir", metavar="DIR", help="checkpoint directory written by save_checkpoint()")
     parser.add_argument("out", metavar="OUT", help="output file: *.safetensors (needs safetensors) or torch.save")
     parser.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
@@ -31,14 +21,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Consolidate ``args.dcp_dir`` into ``args.out``; bad input raises ``UsageError`` (one line).
-
-    Example:
-        >>> run(argparse.Namespace(dcp_dir="/no/such/dir", out="x.pt", overwrite=False, hf=False))  # doctest: +ELLIPSIS
-        Traceback (most recent call last):
-        ...
-        zeta_fsdp.cli.args.UsageError: ...
-    """
+    """Consolidate ``args.dcp_dir`` into ``args.out``; bad input raises ``UsageError`` (one line)."""
     # Imported here: `python -m zeta_fsdp --help` need not load torch.distributed.checkpoint.
     from ..state_dict import CheckpointError, consolidate_checkpoint
 
@@ -59,12 +42,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def one_line(error: BaseException) -> str:
-    """The error's message on one line (a message quoting a multi-line cause is joined with ``" | "``).
-
-    Example:
-        >>> one_line(ValueError("bad header\\nTraceback ..."))
-        'bad header | Traceback ...'
-    """
+    """The error's message on one line (a message quoting a multi-line cause is joined with ``" | "``)."""
     lines = [line.strip() for line in str(error).splitlines() if line.strip()]
     return " | ".join(lines) if lines else type(error).__name__
 

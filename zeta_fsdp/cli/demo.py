@@ -5,14 +5,6 @@ whole on Ctrl-C), on CUDA with nccl when there is a GPU per rank, else on CPU wi
 (``demo_device``), waits, and returns one row per strategy: the loss after N steps (the same for
 every strategy: same seed, same data), per-rank peak memory by category (``FSDPMemTracker``),
 step time and collectives per step (``CommDebugMode``). What each rank does is ``demo_rank``.
-
-Example:
-    >>> losses_equal({"mp": "fp32", "rows": [{"loss_final": 3.0}, {"loss_final": 3.0}]})
-    (True, 0.0)
-
-    From a shell::
-
-        python -m zeta_fsdp demo --nproc 2 --steps 8 --plot memory.png
 """
 
 from __future__ import annotations
@@ -70,13 +62,7 @@ _STRATEGY_NOTES = {
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The subcommand's arguments.
-
-    Example:
-        >>> add_arguments(parser := argparse.ArgumentParser())
-        >>> parser.parse_args(["--nproc", "4"]).steps
-        8
-    """
+    """The subcommand's arguments."""
     nproc = int_in(1, MAX_NPROC, "--nproc")
     parser.add_argument("--nproc", type=nproc, default=2, help="local ranks to launch (default 2)")
     steps = int_in(1, MAX_STEPS, "--steps")
@@ -87,12 +73,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run the demo and print its table; bad input raises ``UsageError``, a failed rank returns 1.
-
-    Example:
-        # two ranks on this machine, about a minute on CPU
-        run(argparse.Namespace(nproc=2, steps=2, mp="fp32", plot=None))
-    """
+    """Run the demo and print its table; bad input raises ``UsageError``, a failed rank returns 1."""
     try:
         result = run_demo(nproc=args.nproc, steps=args.steps, mp=args.mp, plot=args.plot, log=sys.stderr)
     except ValueError as e:
@@ -112,23 +93,12 @@ def run(args: argparse.Namespace) -> int:
 
 
 class DemoError(RuntimeError):
-    """A rank failed or the launcher could not run: the message is one line (plus the log path).
-
-    Example:
-        try:
-            run_demo(nproc=2)
-        except DemoError as e:
-            print(e)  # e.g. "rank1 failed: RuntimeError: ... (full log: /tmp/.../launcher.log)"
-    """
+    """A rank failed or the launcher could not run: the message is one line (plus the log path)."""
 
 
 def demo_device(nproc: int) -> tuple[str, str]:
     """(device type, backend) the demo's ``nproc`` ranks use: ``("cuda", "nccl")`` when CUDA is
     available with a GPU for every rank, else ``("cpu", "gloo")`` (CPU is enough for the demo).
-
-    Example:
-        >>> demo_device(2)  # on a machine without a GPU
-        ('cpu', 'gloo')
     """
     import torch
 
@@ -172,11 +142,6 @@ def run_demo(
     ``log``: where to say that the ranks are being launched (nothing is said when ``None``).
     Raises ``ValueError`` for bad arguments (before anything starts), ``DemoError`` when a rank
     fails, ``KeyboardInterrupt`` after stopping every rank on Ctrl-C.
-
-    Example:
-        # launches two ranks; tests/test_cli.py checks a real run
-        result = run_demo(nproc=2, steps=4)
-        [row["strategy"] for row in result["rows"]]  # ['FULL_SHARD', 'SHARD_GRAD', 'NO_SHARD']
     """
     _validate(nproc, steps, mp, plot)
     mp = MIXED_PRECISION_ALIASES[mp.lower()]
@@ -264,27 +229,14 @@ def _collectives(counts: dict[str, int]) -> str:
 
 
 def losses_equal(result: dict[str, Any]) -> tuple[bool, float]:
-    """Do all strategies end at the same loss? Returns (within tolerance, largest difference).
-
-    Example:
-        >>> losses_equal({"mp": "fp32", "rows": [{"loss_final": 3.0}, {"loss_final": 3.0}]})
-        (True, 0.0)
-    """
+    """Do all strategies end at the same loss? Returns (within tolerance, largest difference)."""
     finals = [row["loss_final"] for row in result["rows"]]
     spread = max(finals) - min(finals)
     return spread <= LOSS_TOLERANCE[result["mp"]], spread
 
 
 def format_table(result: dict[str, Any]) -> str:
-    """The demo's printed report: one row per strategy, then the loss-equality verdict.
-
-    Example:
-        >>> row = {"strategy": "FULL_SHARD", "loss_first": 4.2, "loss_final": 3.1, "memory": {"Total": 2048},
-        ...        "step_seconds": 0.01, "collectives": {"all_gather_into_tensor": 4}}
-        >>> table = format_table({"model": "GPT", "nproc": 2, "steps": 8, "mp": "fp32", "rows": [row]})
-        >>> print(table.splitlines()[-1])
-        loss after 8 steps: equal across strategies (largest difference 0.0e+00)
-    """
+    """The demo's printed report: one row per strategy, then the loss-equality verdict."""
     n = result["steps"]
     header = (
         "strategy",
@@ -326,11 +278,7 @@ def format_table(result: dict[str, Any]) -> str:
 
 
 def write_plot(result: dict[str, Any], path: str) -> None:
-    """Write a stacked bar chart of per-rank peak memory by category, one bar per strategy.
-
-    Example:
-        write_plot(run_demo(nproc=2), "memory.png")
-    """
+    """Write a stacked bar chart of per-rank peak memory by category, one bar per strategy."""
     import matplotlib
 
     matplotlib.use("Agg")  # no display needed

@@ -3,10 +3,6 @@
 Each rank wraps the demo GPT with ``fsdp()`` once per strategy, trains it on its slice of the
 same global batches, measures peak memory (``measure.peak_memory_by_category``), collectives and
 step time, and rank 0 writes every result as JSON for the launcher.
-
-Example:
-    >>> strategies_for(4)
-    ['FULL_SHARD', 'SHARD_GRAD', 'NO_SHARD', 'HYBRID_SHARD']
 """
 
 from __future__ import annotations
@@ -29,12 +25,7 @@ PER_RANK_BATCH = 4
 
 
 def strategies_for(nproc: int) -> list[str]:
-    """The strategies the demo compares at ``nproc`` ranks (HYBRID needs 2 replicas of >= 2 ranks).
-
-    Example:
-        >>> strategies_for(4)
-        ['FULL_SHARD', 'SHARD_GRAD', 'NO_SHARD', 'HYBRID_SHARD']
-    """
+    """The strategies the demo compares at ``nproc`` ranks (HYBRID needs 2 replicas of >= 2 ranks)."""
     names = ["FULL_SHARD", "SHARD_GRAD", "NO_SHARD"]
     if nproc >= 4 and nproc % 2 == 0:
         names.append("HYBRID_SHARD")
@@ -170,12 +161,7 @@ def release_group_holders() -> None:
 
 
 def main(argv: list[str]) -> None:
-    """One rank of the demo (started by ``torch.distributed.run``; ``argv`` from the launcher).
-
-    Example:
-        # what the launcher runs, per rank
-        python -m zeta_fsdp.cli.demo_rank --out DIR --steps 8 --mp fp32 --device cpu
-    """
+    """One rank of the demo (started by ``torch.distributed.run``; ``argv`` from the launcher)."""
     parser = argparse.ArgumentParser(prog="zeta_fsdp.cli.demo_rank")
     parser.add_argument("--out", required=True)
     parser.add_argument("--steps", type=int, required=True)

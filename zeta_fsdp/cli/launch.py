@@ -5,13 +5,6 @@ waits. Ctrl-C (SIGINT) or SIGTERM stops every rank: the ranks live in their own 
 forward the stop to ``torch.distributed.run`` and then make sure no rank process is left
 (Linux ``/proc``). If the launcher itself is killed (SIGKILL, no clean-up), the kernel sends
 SIGTERM to ``torch.distributed.run`` (``PR_SET_PDEATHSIG``), which then stops its ranks.
-
-Example:
-    >>> import tempfile
-    >>> cmd = [sys.executable, "-c", "print('one rank')"]
-    >>> with tempfile.TemporaryDirectory() as tmp:
-    ...     launch_and_wait(cmd, Path(tmp) / "launcher.log", timeout_s=60, marker="-c")
-    0
 """
 
 from __future__ import annotations
@@ -31,21 +24,12 @@ __all__ = ["LaunchTimeoutError", "launch_and_wait", "progress_tty", "rank_env"]
 
 
 class LaunchTimeoutError(RuntimeError):
-    """The ranks did not finish in time; every one of them was stopped.
-
-    Example:
-        >>> str(LaunchTimeoutError("the ranks did not finish within 600 s; stopped them"))
-        'the ranks did not finish within 600 s; stopped them'
-    """
+    """The ranks did not finish in time; every one of them was stopped."""
 
 
 def rank_env() -> dict[str, str]:
     """The environment of locally launched ranks: ours without a job's launcher variables, one
     intra-op thread per rank (the ranks share the cores).
-
-    Example:
-        >>> rank_env()["OMP_NUM_THREADS"]
-        '1'
     """
     env = without_launcher_env()
     env["OMP_NUM_THREADS"] = "1"
@@ -140,12 +124,7 @@ def _die_with_launcher() -> None:
 
 
 def progress_tty() -> str:
-    """The terminal the launcher's stderr is on, for rank 0's progress bar (``""`` when not a TTY).
-
-    Example:
-        >>> isinstance(progress_tty(), str)
-        True
-    """
+    """The terminal the launcher's stderr is on, for rank 0's progress bar (``""`` when not a TTY)."""
     try:
         return os.ttyname(sys.stderr.fileno()) if sys.stderr.isatty() else ""
     except (OSError, ValueError, AttributeError):
@@ -156,10 +135,6 @@ def launch_and_wait(cmd: list[str], log_path: Path, timeout_s: float, marker: st
     """Run the launcher ``cmd`` (output to ``log_path``) and return its exit code; on Ctrl-C,
     SIGTERM or timeout stop every rank first (processes whose command line holds ``marker``, or
     ``torch.distributed.run``), then raise ``KeyboardInterrupt`` / ``LaunchTimeoutError``.
-
-    Example:
-        # how the demo launches its ranks
-        launch_and_wait([sys.executable, "-m", "torch.distributed.run", ...], log_path, 600, "zeta_fsdp.cli.demo_rank")
     """
     with open(log_path, "w") as log, _sigterm_as_interrupt():
         # A session of its own: a terminal's Ctrl-C reaches only us, and we stop the ranks in order.

@@ -4,11 +4,6 @@
 without allocating (the ``meta`` device) and never downloads. The command line also makes modules
 in the current folder importable (``importable_cwd``), as ``python -m`` does; a library call of
 ``meta_model_from_spec`` imports from ``sys.path`` as it is.
-
-Example:
-    >>> model = meta_model_from_spec("zeta_fsdp.models.gpt:small", {"n_layers": 2})
-    >>> type(model).__name__, len(model.blocks)
-    ('GPT', 2)
 """
 
 from __future__ import annotations
@@ -38,11 +33,6 @@ def importable_cwd() -> Iterator[None]:
 
     The command line's ``plan my_models:build`` finds ``./my_models.py`` this way; the planner's
     dry-run subprocess inherits ``sys.path``, so it finds it too.
-
-    Example:
-        >>> with importable_cwd():
-        ...     os.getcwd() in sys.path
-        True
     """
     cwd = os.getcwd()
     added = cwd not in sys.path

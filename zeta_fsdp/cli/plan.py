@@ -2,9 +2,6 @@
 
 MODEL is a spec (see ``model_spec``); a ``module:factory`` spec may name a module in the current
 folder, as ``python -m`` would find it.
-
-Example:
-    $ python -m zeta_fsdp plan zeta_fsdp.models.gpt:small dim=4096 n_layers=32 --world-size 1024 --mp bf16
 """
 
 from __future__ import annotations
@@ -34,13 +31,7 @@ def _non_negative_int(text: str) -> int:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The subcommand's arguments.
-
-    Example:
-        >>> add_arguments(parser := argparse.ArgumentParser())
-        >>> parser.parse_args(["zeta_fsdp.models.gpt:small", "n_layers=4"]).world_size
-        8
-    """
+    """The subcommand's arguments."""
     parser.add_argument("model", metavar="MODEL", help=MODEL_SPEC_HELP + "; built on the meta device")
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="factory arguments / config fields")
     world = int_in(1, _MAX_WORLD_SIZE, "--world-size")
@@ -81,14 +72,6 @@ def run(args: argparse.Namespace) -> int:
     """Build the model on ``meta``, plan it (with a dry run unless ``--no-dry-run``), print the report.
 
     Returns 1 when the dry run disagrees with the plan or fails, 0 otherwise.
-
-    Example:
-        >>> parser = argparse.ArgumentParser()
-        >>> add_arguments(parser)
-        >>> run(parser.parse_args(["zeta_fsdp.models.gpt:small", "--world-size", "2", "--no-dry-run"]))  # doctest: +ELLIPSIS
-        GPT: 34,950 parameters (136.52 KiB unsharded)
-        ...
-        0
     """
     from ..planner import plan
 

@@ -4,13 +4,6 @@ The files are exactly PEFT's (``adapter_model.safetensors`` + ``adapter_config.j
 ``PeftModel.from_pretrained(base, path)`` loads what ``save_adapters`` wrote, and
 ``load_adapters`` reads what ``PeftModel.save_pretrained`` wrote. Only the adapter tensors are
 gathered (a few MiB for a LoRA of a 70B base), never the frozen base.
-
-Example:
-    model = fsdp(get_peft_model(base, LoraConfig(r=8, target_modules=["q_proj", "v_proj"])),
-                 auto_wrap=True, mp="bf16", shard_strat="FULL_SHARD")
-    ...  # train
-    save_adapters(model, "out/adapter")          # every rank calls it; rank 0 writes
-    load_adapters(model, "out/adapter")          # every rank reads its shards back
 """
 
 from __future__ import annotations
@@ -56,9 +49,6 @@ def adapter_tensors(model: nn.Module, adapter_name: str = "default") -> dict[str
     PEFT decides which tensors belong to the adapter and how they are named in the file (the
     adapter name dropped: ``...q_proj.lora_A.default.weight`` -> ``...q_proj.lora_A.weight``);
     the tensors are the model's own (sharded ``DTensor``s under ``fsdp()``).
-
-    Example:
-        keys = list(adapter_tensors(model))   # e.g. 'base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight'
     """
     from peft.utils import get_peft_model_state_dict
 

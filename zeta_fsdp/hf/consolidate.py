@@ -11,10 +11,6 @@ Where ``config.json`` comes from: our checkpoints hold weights, optimizer state 
 complete ``from_pretrained`` directory: the architecture's tie rules and transformers' key
 conversions (MoE experts) are applied, and the checkpoint's keys are checked against it. Without
 it, the weights are written under the checkpoint's own names and no ``config.json`` is written.
-
-Example:
-    consolidate_to_hf("ckpt/step_100", "out/hf", config="meta-llama/Llama-3.2-1B-dir")
-    # -> $ python -m zeta_fsdp consolidate ckpt/step_100 out/hf --hf --config llama-dir --dtype bf16
 """
 
 from __future__ import annotations
@@ -44,10 +40,6 @@ def meta_model_from_config(config: Union[str, os.PathLike]) -> nn.Module:
     """The Hugging Face model ``config`` (a model directory or a ``config.json``) describes, built on ``meta``.
 
     Its class is the config's first ``architectures`` entry. Nothing is allocated.
-
-    Example:
-        meta_model_from_config("llama-dir").lm_head.weight.device
-        # -> device(type='meta')
     """
     import transformers
 

@@ -6,10 +6,6 @@ JSON header ``{name: {"dtype", "shape", "data_offsets"}}``, then the raw bytes).
 ourselves lets every rank pread exactly its own rows of a tensor (nothing memory-mapped, so no
 page of another rank's shard counts in this rank's RSS), and writing it ourselves lets a file be
 streamed tensor by tensor without holding the whole file in memory first.
-
-Example:
-    entries = read_checkpoint_index("llama-dir")  # {key: TensorEntry(file, dtype, shape, offset)}
-    rows = read_rows(entries["lm_head.weight"], start=0, count=8)
 """
 
 from __future__ import annotations
@@ -72,13 +68,7 @@ _MAX_HEADER = 100 * 2**20  # the safetensors library's own limit: a bigger heade
 
 @dataclass(frozen=True)
 class TensorEntry:
-    """Where one tensor lives in a safetensors file: ``file``, its ``dtype`` and ``shape``, byte ``offset``.
-
-    Example:
-        entry = read_safetensors_header("model.safetensors")["wte.weight"]
-        entry.shape, entry.dtype
-        # -> ((50257, 768), torch.float32)
-    """
+    """Where one tensor lives in a safetensors file: ``file``, its ``dtype`` and ``shape``, byte ``offset``."""
 
     file: Path
     key: str
@@ -120,10 +110,6 @@ def read_safetensors_header(file: Union[str, os.PathLike]) -> dict[str, TensorEn
     safetensors: not a JSON object, an entry without a known dtype, a shape of non-negative
     ints or two offsets, a byte range that does not match its shape, lies outside the data
     section (a truncated download, or an offset pointing into the header), or overlaps another.
-
-    Example:
-        sorted(read_safetensors_header("model.safetensors"))[:2]
-        # -> ['lm_head.weight', 'model.embed_tokens.weight']
     """
     file = Path(file)
     size = file.stat().st_size
@@ -198,12 +184,6 @@ def contained_file(folder: Union[str, os.PathLike], name: object, what: str) -> 
     ``name`` must be a relative path without ``..``; the file it names, symbolic links resolved,
     must lie inside ``folder`` (or, for a hub cache snapshot, in the cache's ``blobs``). Raises
     ``CheckpointError`` naming ``what`` (the file that named it) otherwise.
-
-    Example:
-        >>> contained_file("/models/llama", "../secret.safetensors", "index.json")
-        Traceback (most recent call last):
-        ...
-        zeta_fsdp.state_dict.checks.CheckpointError: index.json names '../secret.safetensors', ...
     """
     folder = Path(folder)
     if not isinstance(name, str) or not name or "\0" in name or os.path.isabs(name) or ".." in Path(name).parts:
@@ -232,9 +212,6 @@ def read_checkpoint_index(path: Union[str, os.PathLike]) -> dict[str, TensorEntr
         FileNotFoundError: ``path``, its index's shard files, or its weights file do not exist.
         CheckpointError: a malformed index or safetensors header, a file outside the directory,
             or an index naming a key its file lacks (a ``ValueError``).
-
-    Example:
-        entries = read_checkpoint_index("out/llama")  # dir with model.safetensors or an index
     """
     path = Path(path)
     if not path.exists():
@@ -284,10 +261,6 @@ def read_rows(
     Rows of a row-major tensor are one contiguous byte range, so a rank reads exactly the bytes
     of its shard; nothing is memory-mapped. ``count=None`` reads to the end. ``out``: a contiguous
     CPU tensor of the stored dtype and the rows' shape to read straight into (no extra copy).
-
-    Example:
-        read_rows(entry, 4, 2).shape  # rows 4 and 5
-        # -> torch.Size([2, 768])
     """
     if not entry.shape:  # 0-dim
         start, count, shape = 0, 1, ()
@@ -314,12 +287,7 @@ _UNITS.update({"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40})
 
 
 def parse_size(size: Union[int, str]) -> int:
-    """``"5GB"`` (10^9, as Hugging Face counts), ``"500MiB"`` (2^20) or an int of bytes -> bytes.
-
-    Example:
-        >>> parse_size("5GB"), parse_size("1MiB"), parse_size(1000)
-        (5000000000, 1048576, 1000)
-    """
+    """``"5GB"`` (10^9, as Hugging Face counts), ``"500MiB"`` (2^20) or an int of bytes -> bytes."""
     if isinstance(size, bool) or not isinstance(size, (int, str)):
         raise ValueError(
             f"max_shard_size={size!r} is not accepted. Accepted: bytes as an int, or '5GB', '500MB', '2GiB'."
@@ -342,10 +310,6 @@ def plan_shard_files(sizes: dict[str, int], max_shard_size: int) -> list[list[st
     """Split keys (in order) into files of at most ``max_shard_size`` bytes, as Hugging Face does.
 
     A tensor larger than the limit gets a file of its own.
-
-    Example:
-        >>> plan_shard_files({"a": 6, "b": 6, "c": 1}, 10)
-        [['a'], ['b', 'c']]
     """
     files: list[list[str]] = [[]]
     used = 0
@@ -387,11 +351,6 @@ class SafetensorsLayout:
     safetensors library writes it); ``offset[key]`` is the absolute byte offset of ``key``'s first
     byte and ``size`` the file's length. Knowing every offset up front is what lets several
     writers fill one file in any order (``write_at``).
-
-    Example:
-        >>> plan = SafetensorsLayout({"a": (torch.float32, (2, 3)), "b": (torch.bfloat16, (4,))})
-        >>> plan.offset["b"] - plan.offset["a"], plan.size - plan.data_start
-        (24, 32)
     """
 
     def __init__(self, layout: dict[str, tuple[torch.dtype, tuple[int, ...]]]) -> None:
@@ -437,10 +396,6 @@ def write_at(fd: int, offset: int, tensor: torch.Tensor, *, file: object = "") -
 
     Several processes may write disjoint ranges of one file at once. A non-contiguous or non-CPU
     tensor is copied to a contiguous CPU one first.
-
-    Example:
-        fd = os.open("model.safetensors", os.O_WRONLY)
-        write_at(fd, plan.offset["lm_head.weight"] + start_row * row_bytes, local_rows)
     """
     data = tensor.detach()
     if data.device.type != "cpu" or not data.is_contiguous():
@@ -455,12 +410,6 @@ class SafetensorsStreamWriter:
 
     The header is written first; then ``write(key, tensor)`` appends each tensor's bytes in the
     announced order, so only one tensor is in memory at a time.
-
-    Example:
-        >>> import tempfile
-        >>> file = Path(tempfile.mkdtemp()) / "m.safetensors"
-        >>> with SafetensorsStreamWriter(file, {"w": (torch.float32, (2, 2))}) as w:
-        ...     w.write("w", torch.zeros(2, 2))
     """
 
     def __init__(self, file: Union[str, os.PathLike], layout: dict[str, tuple[torch.dtype, tuple[int, ...]]]) -> None:
@@ -515,11 +464,6 @@ class SafetensorsStreamWriter:
 class PlannedFilesWriter:
     """Streams tensors into the planned safetensors files (``plan_shard_files``): each file is opened
     at its first tensor and closed, complete, at its last; leaving on an error closes what is open.
-
-    Example:
-        with PlannedFilesWriter(tmp, where, files) as out:
-            for key, tensor in tensors.items():
-                out.write(key, tensor)
     """
 
     def __init__(self, folder: Path, where: dict[str, str], files: dict[str, dict]) -> None:
@@ -557,13 +501,6 @@ def model_dir_problem(path: Union[str, os.PathLike]) -> Optional[str]:
     Ours holds regular files only, each one ``save_pretrained`` / ``consolidate_to_hf`` writes
     (``model*.safetensors``, the index, ``config.json``, ``generation_config.json``). A folder
     holding anything else (notes, a tokenizer, ``.git``) is not ours to replace.
-
-    Example:
-        >>> import tempfile
-        >>> folder = Path(tempfile.mkdtemp())
-        >>> _ = (folder / "notes.txt").write_text("mine")
-        >>> model_dir_problem(folder)
-        'it holds files this library does not write (notes.txt)'
     """
     path = Path(path)
     if path.is_symlink():
@@ -594,11 +531,6 @@ def staging_dir(path: Union[str, os.PathLike], *, overwrite: bool, caller: str) 
     replaced. A file at ``path`` always is refused. A symbolic link at ``path`` is refused (the
     folder it points to would not be the one replaced). Nothing at ``path`` is touched here:
     ``publish_dir`` swaps the finished directory in.
-
-    Example:
-        >>> import tempfile
-        >>> staging_dir(Path(tempfile.mkdtemp()) / "llama", overwrite=False, caller="save_pretrained()").name
-        '.llama.incomplete'
     """
     path = Path(path)
     lock = PathLock(path)
@@ -620,12 +552,6 @@ def staging_dir(path: Union[str, os.PathLike], *, overwrite: bool, caller: str) 
 def end_staging(tmp: Path) -> None:
     """After a save: remove ``tmp`` if it is still there (the save failed before publishing) and
     release the lock ``staging_dir`` took.
-
-    Example:
-        >>> import tempfile
-        >>> tmp = staging_dir(Path(tempfile.mkdtemp()) / "llama", overwrite=False, caller="save_pretrained()")
-        >>> end_staging(tmp); tmp.exists()
-        False
     """
     if os.path.lexists(tmp):
         remove_tree(tmp)

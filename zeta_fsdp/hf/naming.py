@@ -11,10 +11,6 @@ Pure: no file and no process group. Two things make a model's own names differ f
   architecture transformers can load converts the same way here.
 
 transformers is imported only for a model whose class comes from it.
-
-Example:
-    aliases = saved_aliases(model)  # {"lm_head.weight": "model.embed_tokens.weight"}
-    plan = map_checkpoint_keys(model, checkpoint_shapes, model_shapes)
 """
 
 from __future__ import annotations
@@ -41,12 +37,7 @@ __all__ = [
 
 
 def is_hf_model(model: nn.Module) -> bool:
-    """``True`` for a transformers ``PreTrainedModel`` (sharded or not), without importing transformers otherwise.
-
-    Example:
-        >>> is_hf_model(nn.Linear(2, 2))
-        False
-    """
+    """``True`` for a transformers ``PreTrainedModel`` (sharded or not), without importing transformers otherwise."""
     if not any(c.__module__.startswith("transformers.") for c in type(model).__mro__):
         return False
     from transformers import PreTrainedModel
@@ -55,32 +46,18 @@ def is_hf_model(model: nn.Module) -> bool:
 
 
 def hf_class(model: nn.Module) -> type:
-    """The model's own class: ``fully_shard`` / ``replicate`` swap in a generated subclass.
-
-    Example:
-        hf_class(fsdp(LlamaForCausalLM(cfg))).__name__
-        # -> 'LlamaForCausalLM'
-    """
+    """The model's own class: ``fully_shard`` / ``replicate`` swap in a generated subclass."""
     return unwrapped_class(model)
 
 
 def model_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Every parameter and persistent buffer under every name (aliases included), in state-dict order.
-
-    Example:
-        >>> list(model_tensors(nn.Linear(2, 2)))
-        ['weight', 'bias']
-    """
+    """Every parameter and persistent buffer under every name (aliases included), in state-dict order."""
     return dict(model.state_dict(keep_vars=True))
 
 
 def saved_aliases(model: nn.Module, tensors: Optional[dict[str, torch.Tensor]] = None) -> dict[str, str]:
     """``{alias: kept name}`` for every tensor of ``model`` reachable under several names: the kept
     name is the one Hugging Face keeps (``all_tied_weights_keys``), else the first in state-dict order.
-
-    Example:
-        saved_aliases(tied_llama)
-        # -> {'lm_head.weight': 'model.embed_tokens.weight'}
     """
     tensors = model_tensors(model) if tensors is None else tensors
     keep = dict(getattr(model, "all_tied_weights_keys", None) or {}) if is_hf_model(model) else {}
@@ -131,11 +108,6 @@ def map_checkpoint_keys(
     ``checkpoint``: key -> (dtype, shape). A checkpoint key naming a tied alias serves the kept
     name. Keys Hugging Face itself ignores on load (``_keys_to_ignore_on_load_unexpected``/
     ``_missing``, old ``position_ids``/``rotary_emb.inv_freq`` buffers) are not reported.
-
-    Example:
-        plan = map_checkpoint_keys(model, {"w": (torch.float32, (2, 2))}, {"w": (2, 2)}, {})
-        plan.direct
-        # -> {'w': 'w'}
     """
     import re
 
@@ -205,10 +177,6 @@ def saved_tensors(model: nn.Module, key: str, tensor: torch.Tensor) -> dict[str,
 
     Usually ``{key: tensor}``; a fused MoE tensor becomes its per-expert tensors, under the names
     transformers' own ``save_pretrained`` writes. Works on ``meta`` tensors (to plan files ahead).
-
-    Example:
-        list(saved_tensors(mixtral, "model.layers.0.mlp.experts.down_proj", t))[:1]
-        # -> ['model.layers.0.block_sparse_moe.experts.0.w2.weight']
     """
     renamings, converters = _transforms(model)
     if not renamings and not converters:
@@ -228,10 +196,6 @@ def saved_layout(
     every key is saved under its own name; only otherwise is each key mapped on its own (a
     fused MoE tensor into its per-expert keys). One call instead of one per key, which matters
     for a fast save (each per-key call rebuilds transformers' reverse transforms).
-
-    Example:
-        >>> saved_layout(nn.Linear(2, 3), {"bias": torch.empty(3, device="meta")})
-        {'bias': {'bias': (torch.float32, (3,))}}
     """
     same = {k: {k: (t.dtype, tuple(t.shape))} for k, t in tensors.items()}
     if not is_hf_model(model):

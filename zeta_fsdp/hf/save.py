@@ -9,10 +9,6 @@ byte range) and fsyncs: no gather, no rank holds a whole tensor. Tensors that ar
 other names or shapes (fused MoE experts) or sharded on another dim are gathered one at a time
 and written by the rank owning their file. Everything goes into a hidden directory beside
 ``path``, renamed into place once complete.
-
-Example:
-    save_pretrained(model, "out/llama", dtype=torch.bfloat16)
-    LlamaForCausalLM.from_pretrained("out/llama")  # single process, unsharded
 """
 
 from __future__ import annotations
@@ -68,13 +64,7 @@ def cast(t: torch.Tensor, dtype: Optional[torch.dtype]) -> torch.Tensor:
 def plan_hf_files(
     layout: dict[str, tuple[torch.dtype, tuple[int, ...]]], max_shard_size: int
 ) -> tuple[dict[str, str], dict[str, dict[str, tuple[torch.dtype, tuple[int, ...]]]]]:
-    """``({saved key: file name}, {file name: its layout})`` for saved keys in order.
-
-    Example:
-        >>> where, files = plan_hf_files({"w": (torch.float32, (2, 2))}, 10**9)
-        >>> where
-        {'w': 'model.safetensors'}
-    """
+    """``({saved key: file name}, {file name: its layout})`` for saved keys in order."""
     sizes = {k: d.itemsize * int(torch.Size(s).numel()) for k, (d, s) in layout.items()}
     groups = plan_shard_files(sizes, max_shard_size)
     names = shard_file_names(len(groups))
@@ -123,10 +113,6 @@ def rows_to_write(t: torch.Tensor, split: bool = True) -> Optional[tuple[int, in
     rank 0 writes them all (a buffer such as BatchNorm's running statistics may differ between
     ranks: the file gets one rank's copy, never a mix). Other placements (``Shard(d>0)``,
     strided shards) return ``None``.
-
-    Example:
-        rows_to_write(fsdp_weight)  # rank 1 of 2, weight (10, 4)
-        # -> (5, 5)
     """
     if not isinstance(t, DTensor):
         if t.dim() == 0 or not split:

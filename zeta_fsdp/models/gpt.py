@@ -3,11 +3,6 @@
 Everything FSDP has to get right is in it on purpose: a ``ModuleList`` of blocks, an input
 embedding tied to the output head, a final norm, a buffer (the causal mask), and ``init_weights()``
 so it can be built on the ``meta`` device and materialized after sharding.
-
-Example:
-    >>> model = GPT(GPTConfig(vocab_size=37, dim=30, n_heads=3, n_layers=2, max_seq_len=11))
-    >>> model(torch.randint(0, 37, (2, 11))).shape
-    torch.Size([2, 11, 37])
 """
 
 from __future__ import annotations

@@ -13,25 +13,14 @@ DEFAULT_LOCAL_WORLD_SIZE = 8
 
 
 def dtype_name(dtype: Optional[torch.dtype]) -> str:
-    """``"bfloat16"`` for ``torch.bfloat16``; ``"none"`` for ``None``.
-
-    Example:
-        >>> dtype_name(torch.bfloat16), dtype_name(None)
-        ('bfloat16', 'none')
-    """
+    """``"bfloat16"`` for ``torch.bfloat16``; ``"none"`` for ``None``."""
     return "none" if dtype is None else str(dtype).replace("torch.", "")
 
 
 def resolve_world_and_mesh(
     spec: Any, world_size: Optional[int], replicate_size: Optional[int], local_world_size: Optional[int], caller: str
 ) -> tuple[int, tuple[int, ...]]:
-    """The job's world size (the launcher's when ``None``) and the mesh ``fsdp()`` would build.
-
-    Example:
-        >>> from zeta_fsdp.options import resolve_sharding
-        >>> resolve_world_and_mesh(resolve_sharding("HYBRID_SHARD"), 64, None, None, "plan")
-        (64, (8, 8))
-    """
+    """The job's world size (the launcher's when ``None``) and the mesh ``fsdp()`` would build."""
     if world_size is None:
         world_size = expected_world_size()
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:

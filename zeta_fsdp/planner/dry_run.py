@@ -2,14 +2,6 @@
 
 It checks the memory estimate (``plan(..., dry_run=True)``) against what ``fsdp()`` really
 builds, at any world size, on one CPU: nothing is allocated and nothing communicated.
-
-Example:
-    >>> import torch
-    >>> from zeta_fsdp.models.gpt import small
-    >>> with torch.device("meta"):
-    ...     model = small()
-    >>> dry_run(model, 8, "FULL_SHARD").param_bytes
-    18260
 """
 
 from __future__ import annotations

@@ -14,18 +14,6 @@ from ``wrapping.build_wrap_plan`` (the same code ``fsdp()`` runs), the mesh from
 Per-rank figures are for one rank (``rank=0`` by default: rank 0 always holds a full chunk, so
 it is the largest shard). ``dry_run()`` checks the parameter bytes against the real ``fsdp()`` on a
 meta copy under PyTorch's fake process group, in a subprocess (the caller never gets a fake group).
-
-Example:
-    >>> import torch
-    >>> from zeta_fsdp.models.gpt import small
-    >>> from zeta_fsdp.planner import plan
-    >>> with torch.device("meta"):
-    ...     model = small()
-    >>> p = plan(model, world_size=2, shard_strat="FULL_SHARD")
-    >>> p.param_bytes
-    69960
-    >>> print(p.report().splitlines()[0])
-    GPT: 34,950 parameters (136.52 KiB unsharded)
 """
 
 from __future__ import annotations

@@ -40,11 +40,6 @@ def stage_state(state: dict[str, Any], buffers: Optional[dict[str, torch.Tensor]
     shards. ``buffers`` (``{key: CPU tensor}``, filled on first use) are reused by later calls with
     tensors of the same shape and dtype: copying into memory already mapped is several times faster
     than into fresh pages (the write that read them must be finished).
-
-    Example:
-        >>> staged = stage_state({"w": torch.ones(2)})
-        >>> staged["w"] is not None
-        True
     """
     out: dict[str, Any] = {}
     for key, value in state.items():

@@ -194,9 +194,6 @@ def check_replaceable(path: Path, *, overwrite: bool, caller: str = "save_checkp
     """Refuse to save at ``path`` unless it is free, an empty folder, or (with ``overwrite``) a checkpoint of ours.
 
     A symbolic link at ``path`` counts as what it points to; only the link is ever replaced.
-
-    Example:
-        check_replaceable(Path("ckpt/step_100"), overwrite=True)
     """
     if not os.path.lexists(path):
         return

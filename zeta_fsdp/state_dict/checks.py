@@ -68,10 +68,6 @@ def on_all_ranks(fn: Callable[[], Any]) -> Any:
     ``distributed.on_all_ranks`` with the checkpoint code's vocabulary: DCP's exceptions count
     (a ``BaseException``) and read as one line per failing rank, and an error of another type
     than the built-in ones arrives as ``CheckpointError``.
-
-    Example:
-        >>> on_all_ranks(lambda: "ok")
-        'ok'
     """
     return _on_all_ranks(
         fn,

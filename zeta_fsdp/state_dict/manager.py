@@ -28,12 +28,7 @@ _STALE = re.compile(r"^\.step_\d+\.incomplete$")
 
 
 def checkpoint_steps(root: PathLike) -> list[int]:
-    """The steps of the complete ``root/step_<n>`` checkpoints, oldest first (``[]`` when none).
-
-    Example:
-        checkpoint_steps("ckpt")
-        # -> [100, 200, 300]
-    """
+    """The steps of the complete ``root/step_<n>`` checkpoints, oldest first (``[]`` when none)."""
     root = Path(root)
     if not root.is_dir():
         return []

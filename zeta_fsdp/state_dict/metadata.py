@@ -6,13 +6,6 @@ it names. Every reader in this package (load, both consolidations, the CLI, the 
 here instead, with an unpickler that knows DCP's metadata types only. ``checkpoint_problem`` is
 what every destructive call (``overwrite=True``, remove, prune, retention) asks first: a directory
 is replaced or deleted only when its metadata validates and it holds nothing a checkpoint does not.
-
-Example:
-    >>> import tempfile
-    >>> folder = Path(tempfile.mkdtemp())
-    >>> _ = (folder / "notes.txt").write_text("mine")
-    >>> checkpoint_problem(folder)
-    'it has no .metadata file'
 """
 
 from __future__ import annotations
@@ -73,12 +66,7 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 
 def shard_file_name_ok(name: Any) -> bool:
-    """``True`` for a file name a checkpoint may point to: one plain name inside its directory.
-
-    Example:
-        >>> shard_file_name_ok("__0_0.distcp"), shard_file_name_ok("../secret")
-        (True, False)
-    """
+    """``True`` for a file name a checkpoint may point to: one plain name inside its directory."""
     return (
         isinstance(name, str)
         and name not in ("", ".", "..")
@@ -94,9 +82,6 @@ def load_metadata(file: Path, caller: str) -> Metadata:
 
     Every storage record must name a shard file inside the checkpoint directory, at a
     non-negative offset: a crafted ``.metadata`` cannot make a reader open another file.
-
-    Example:
-        metadata = load_metadata(Path("ckpt/step_100/.metadata"), "load_checkpoint()")
     """
     try:
         with open(file, "rb") as f:
@@ -130,10 +115,6 @@ def checkpoint_problem(path: Path) -> Optional[str]:
     and validates, holding nothing but that file and DCP shard files (``__<rank>_<n>.distcp``),
     each a regular file. A folder that merely contains a file named ``.metadata``, or a
     checkpoint someone put their own files into, is not ours to replace or delete.
-
-    Example:
-        >>> checkpoint_problem(Path("/no/such/dir"))
-        'it does not exist'
     """
     path = Path(path)
     if path.is_symlink():

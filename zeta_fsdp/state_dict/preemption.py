@@ -14,12 +14,7 @@ SignalLike = Union[int, signal.Signals, str]
 
 
 def resolve_signals(signals: Iterable[SignalLike]) -> list[signal.Signals]:
-    """``["SIGTERM", signal.SIGUSR1, 10]`` -> signal members; a bad entry raises naming it and what is accepted.
-
-    Example:
-        >>> resolve_signals(["SIGTERM", "usr1"])
-        [<Signals.SIGTERM: 15>, <Signals.SIGUSR1: 10>]
-    """
+    """``["SIGTERM", signal.SIGUSR1, 10]`` -> signal members; a bad entry raises naming it and what is accepted."""
     out = []
     for item in signals:
         try:

@@ -47,12 +47,7 @@ replaced_dir = replaced_path
 
 
 def removal_problem(path: Path) -> Optional[str]:
-    """Why ``discard_checkpoint_dir`` would refuse ``path`` (``None``: a link, an empty folder, or a checkpoint of ours).
-
-    Example:
-        >>> removal_problem(Path("/no/such/dir")) is None
-        True
-    """
+    """Why ``discard_checkpoint_dir`` would refuse ``path`` (``None``: a link, an empty folder, or a checkpoint of ours)."""
     path = Path(path)
     if path.is_symlink() or not os.path.lexists(path):
         return None
@@ -67,9 +62,6 @@ def discard_checkpoint_dir(path: Path) -> None:
     A symbolic link is unlinked (what it points to is never touched); an empty folder removed;
     anything else that is not verifiably a checkpoint (``checkpoint_problem``) raises
     ``CheckpointError`` naming the path and why, and is left as it is.
-
-    Example:
-        discard_checkpoint_dir(Path("ckpt/step_100"))
     """
     path = Path(path)
     if path.is_symlink():

@@ -6,10 +6,6 @@ A full-format checkpoint is one ``torch.save`` file written by rank 0, holding `
 so on rank 0 and makes every rank raise the same error (``distributed.on_all_ranks``), naming
 the path, before anything the user owns is changed. The sharded format is
 ``zeta_fsdp.state_dict``'s DCP directory.
-
-Example:
-    write_full_checkpoint("ckpt/last.ckpt", payload)
-    ckpt = read_full_checkpoint("ckpt/last.ckpt")  # rank 0 keeps the tensors
 """
 
 from __future__ import annotations
@@ -59,30 +55,15 @@ _TENSORS = ("state_dict", "optimizer_states")
 
 
 class Restored(dict):
-    """A state dict ``load_checkpoint`` already loaded into the model: ``load_model_weights`` skips it.
-
-    Example:
-        >>> isinstance(Restored({"w": 1}), dict)
-        True
-    """
+    """A state dict ``load_checkpoint`` already loaded into the model: ``load_model_weights`` skips it."""
 
 
 class Gathered(dict):
-    """A state the strategy gathered for a checkpoint: ``save_strategy_checkpoint`` reuses it, never gathers twice.
-
-    Example:
-        >>> isinstance(Gathered({"w": 1}), dict)
-        True
-    """
+    """A state the strategy gathered for a checkpoint: ``save_strategy_checkpoint`` reuses it, never gathers twice."""
 
 
 def is_full_checkpoint(path: PathLike) -> bool:
-    """``True`` if ``path`` is a file written by ``torch.save`` (a zip archive with a pickle in it).
-
-    Example:
-        is_full_checkpoint("ckpt/last.ckpt")
-        # -> True
-    """
+    """``True`` if ``path`` is a file written by ``torch.save`` (a zip archive with a pickle in it)."""
     path = Path(path)
     if not path.is_file() or not zipfile.is_zipfile(path):
         return False
@@ -94,14 +75,7 @@ def is_full_checkpoint(path: PathLike) -> bool:
 
 
 def check_save_target(filepath: PathLike, checkpoint_format: str, caller: str) -> Path:
-    """The path to save to, refused when saving there would fail or destroy something else.
-
-    Example:
-        >>> check_save_target("", "full", "save_checkpoint")
-        Traceback (most recent call last):
-        ...
-        ValueError: FSDP2Strategy.save_checkpoint(): filepath='' is empty; pass the checkpoint's path.
-    """
+    """The path to save to, refused when saving there would fail or destroy something else."""
     if not str(filepath).strip():
         raise ValueError(f"FSDP2Strategy.{caller}(): filepath={str(filepath)!r} is empty; pass the checkpoint's path.")
     path = Path(filepath)
@@ -130,14 +104,7 @@ def check_save_target(filepath: PathLike, checkpoint_format: str, caller: str) -
 
 
 def check_weights_only_loadable(entries: Mapping[str, Any], caller: str) -> None:
-    """Refuse entries that ``torch.load(weights_only=True)`` would not read back, now rather than at resume.
-
-    Example:
-        >>> check_weights_only_loadable({"note": object()}, "save_checkpoint")
-        Traceback (most recent call last):
-        ...
-        TypeError: FSDP2Strategy.save_checkpoint(): the checkpoint's entries must load with ...
-    """
+    """Refuse entries that ``torch.load(weights_only=True)`` would not read back, now rather than at resume."""
     buffer = io.BytesIO()
     try:
         torch.save(dict(entries), buffer)
@@ -158,9 +125,6 @@ def write_full_checkpoint(
     raises if it failed, no temporary file is left and a checkpoint already there is kept.
 
     ``checkpoint_io`` (Lightning's ``CheckpointIO``) replaces the writer and gets the path as given.
-
-    Example:
-        write_full_checkpoint("ckpt/last.ckpt", {"state_dict": sd, "global_step": 10})
     """
     path = Path(filepath)
 
@@ -220,11 +184,6 @@ def read_full_checkpoint(
 
     Other ranks get ``state_dict={}`` and one ``None`` per optimizer state. A missing, truncated or
     foreign file raises the same error on every rank, naming the path.
-
-    Example:
-        ckpt = read_full_checkpoint("ckpt/last.ckpt")
-        ckpt["global_step"]
-        # -> 10
     """
     path = Path(filepath)
 
@@ -254,12 +213,6 @@ def check_optimizers_match(optimizers: Sequence[torch.optim.Optimizer], ckpt: Ma
     """The live optimizers are the kind the checkpoint saved: count and class, before anything changes.
 
     Every rank decides alike: it reads only entries every rank holds (``META_KEY``).
-
-    Example:
-        check_optimizers_match([torch.optim.SGD(params, lr=0.1)], adam_ckpt, "last.ckpt")
-        # -> Traceback (most recent call last):
-        # -> ...
-        # -> zeta_fsdp.state_dict.CheckpointError: ... saved by Adam, but the optimizer is SGD ...
     """
     meta = ckpt.get(META_KEY) or {}
     saved = meta.get("optimizer_classes")
@@ -288,9 +241,6 @@ def remove_checkpoint(filepath: PathLike, *, checkpoint_io: Any = None) -> None:
     (``state_dict.metadata.checkpoint_problem``: validated metadata, nothing but shard files), or
     a file that is not a ``torch.save`` archive, raises ``CheckpointError`` (a ``ValueError``) on
     every rank naming the path and why, and is left untouched.
-
-    Example:
-        remove_checkpoint("ckpt/step_50.ckpt")
     """
     path = Path(filepath)
     caller = "FSDP2Strategy.remove_checkpoint()"
@@ -346,9 +296,6 @@ def save_strategy_checkpoint(
     optimizer states are gathered collectively unless ``checkpoint`` holds ``Gathered`` ones
     (Lightning asks for them first). The full format is one file (``write_full_checkpoint``);
     the sharded format a DCP directory written by every rank.
-
-    Example:
-        save_strategy_checkpoint(strategy, {"note": "nightly"}, "ckpt/step_100.ckpt")
     """
     fmt = strategy.checkpoint_format
     module, optimizers = strategy.model, strategy.optimizers
@@ -387,9 +334,6 @@ def load_strategy_checkpoint(strategy: Any, filepath: PathLike, weights_only: Op
     The optimizers are checked against the checkpoint first (count and class); then the weights
     are restored, the optimizer state queued (``strategy.load_optimizer_state_dict``), and
     ``current_epoch_step`` and the LR schedulers restored. Every rank raises alike, naming the path.
-
-    Example:
-        ckpt = load_strategy_checkpoint(strategy, "ckpt/step_100.ckpt")
     """
     path = Path(filepath)
     module = strategy.model
@@ -421,9 +365,6 @@ def load_model_weights(module: torch.nn.Module, ckpt: Any, strict: bool = True) 
     A full state dict (plain tensors) is sharded into the live model, rank 0's copy used (other
     ranks may pass ``{}``); a sharded one (DTensors) loads shard by shard. Keys and shapes are
     checked first (``strict``): on a mismatch nothing changes.
-
-    Example:
-        load_model_weights(model, {"state_dict": torch.load("weights.pt", weights_only=True)})
     """
     state = ckpt.get("state_dict", ckpt) if isinstance(ckpt, Mapping) else ckpt
     if isinstance(state, Restored):
@@ -436,11 +377,7 @@ def load_model_weights(module: torch.nn.Module, ckpt: Any, strict: bool = True) 
 
 
 def restore_optimizer_states(module: torch.nn.Module, optimizers: Sequence[Any], pending: Sequence[Any]) -> None:
-    """Load queued optimizer states (full, keyed by FQN, rank 0's copy; or a sharded-checkpoint reference).
-
-    Example:
-        restore_optimizer_states(model, [opt], ckpt["optimizer_states"])
-    """
+    """Load queued optimizer states (full, keyed by FQN, rank 0's copy; or a sharded-checkpoint reference)."""
     if len(pending) != len(optimizers):
         raise RuntimeError(
             f"FSDP2Strategy: the checkpoint holds the state of {len(pending)} optimizer(s), but "

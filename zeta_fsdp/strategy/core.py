@@ -6,14 +6,6 @@ default, or sharded DCP). The class keeps NeMo's API; the work lives in plain fu
 ``strategy_options``, ``strategy_parallel``, ``strategy_steps``, ``strategy_checkpoint`` and
 ``strategy_progress``. Modules are duck-typed like a ``LightningModule`` (their own ``training_step``,
 ``configure_optimizers``... are called); a plain ``nn.Module``'s output is reduced per token.
-
-Example:
-    strategy = FSDP2Strategy(TransformerBlock=Block)
-    strategy.connect(model)
-    strategy.setup_optimizers(lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3))
-    for i, batch in enumerate(strategy.process_dataloader(loader)):
-        strategy.training_step(batch, i).backward()
-        strategy.optimizer_step(max_norm=1.0)
 """
 
 from __future__ import annotations
@@ -40,7 +32,8 @@ from ..distributed import (
     on_all_ranks,
     shutdown,
 )
-from ..training import clip_grad_norm_, no_sync, resolve_defer
+from ..training import clip_grad_norm_, no_sync
+from ..training.accumulation import resolve_defer
 from . import checkpoint as ckpt_io
 from . import parallel as strategy_parallel
 from .options import resolve_sizes, validate_strategy_options

@@ -4,11 +4,6 @@ Pure: nothing here starts a process group or reads one. The constructor runs
 ``validate_strategy_options`` (every option, no world size: under Lightning's launcher or a
 SLURM launch the world is not known yet); ``resolve_sizes`` turns ``"auto"`` sizes into numbers
 once the world size is known (``setup_environment()``, or before Lightning launches its ranks).
-
-Example:
-    >>> opts = validate_strategy_options("auto", "auto", mp="bf16")
-    >>> resolve_sizes(opts.data_parallel_size, opts.tensor_parallel_size, world=4)
-    (4, 1)
 """
 
 from __future__ import annotations
@@ -45,12 +40,7 @@ _BACKENDS = ("gloo", "nccl", "cuda:nccl,cpu:gloo")
 
 @dataclass
 class StrategyOptions:
-    """Every ``FSDP2Strategy`` argument, checked.
-
-    Example:
-        >>> validate_strategy_options(2, "auto").data_parallel_size
-        2
-    """
+    """Every ``FSDP2Strategy`` argument, checked."""
 
     data_parallel_size: Union[str, int]
     tensor_parallel_size: Union[str, int]
@@ -76,12 +66,7 @@ def _check_size(name: str, value: Any) -> None:
 
 
 def resolve_sizes(dp: Union[str, int], tp: Union[str, int], world: int) -> tuple[int, int]:
-    """``"auto"`` sizes to numbers: tp 1 unless given, dp = world / tp; the product must be the world.
-
-    Example:
-        >>> resolve_sizes("auto", 2, world=4)
-        (2, 2)
-    """
+    """``"auto"`` sizes to numbers: tp 1 unless given, dp = world / tp; the product must be the world."""
     _check_size("data_parallel_size", dp)
     _check_size("tensor_parallel_size", tp)
     tp_size = 1 if tp == "auto" else tp
@@ -103,12 +88,7 @@ def resolve_sizes(dp: Union[str, int], tp: Union[str, int], world: int) -> tuple
 
 
 def tp_style(style: Any) -> Any:
-    """Hugging Face style plan strings to torch ``ParallelStyle`` objects; objects pass through.
-
-    Example:
-        >>> type(tp_style("colwise")).__name__
-        'ColwiseParallel'
-    """
+    """Hugging Face style plan strings to torch ``ParallelStyle`` objects; objects pass through."""
     if not isinstance(style, str):
         return style
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
@@ -122,10 +102,6 @@ def tp_style(style: Any) -> Any:
 def fsdp_option_names(parallelize_fn: Optional[Callable[..., Any]] = None) -> list[str]:
     """The ``**kwargs`` names the strategy passes on: ``fsdp()``'s options (not the model, nor the
     strategy's own ``mp``/``device``), plus a custom ``parallelize_fn``'s own keyword parameters.
-
-    Example:
-        >>> "shard_strat" in fsdp_option_names()
-        True
     """
     names = [n for n in inspect.signature(fsdp).parameters if n not in ("model", "mp", "device")]
     if parallelize_fn is not None:
@@ -152,12 +128,6 @@ def validate_strategy_options(
 
     A bad value raises ``ValueError`` naming it and what is accepted. Sizes are checked for their
     form here and against the world size later (``resolve_sizes``).
-
-    Example:
-        >>> validate_strategy_options(mp_policy="bf16", TransformerBlok=object)
-        Traceback (most recent call last):
-        ...
-        ValueError: FSDP2Strategy: unknown keyword argument(s) ['TransformerBlok']. ...
     """
     _check_size("data_parallel_size", data_parallel_size)
     _check_size("tensor_parallel_size", tensor_parallel_size)

@@ -1,9 +1,6 @@
 """How ``FSDP2Strategy`` shards its module: tensor parallel, then ``fsdp()``, then meta materialization.
 
 Plain functions: the strategy's ``tensor_init_context`` and ``parallelize`` delegate here.
-
-Example:
-    module = shard_module(model, None, mesh, policy, torch.device("cpu"), TransformerBlock=Block)
 """
 
 from __future__ import annotations
@@ -33,12 +30,6 @@ def tensor_init_context(empty_init: Optional[bool] = None) -> contextlib.Abstrac
     ``None`` keeps real tensors on purpose: Lightning passes it around ``configure_model``, where
     models load pretrained weights, and ``__init__`` may initialise tensors itself (``nn.init.zeros_``);
     on ``meta`` both would be replaced by ``reset_parameters()``.
-
-    Example:
-        >>> with tensor_init_context(empty_init=True):
-        ...     layer = nn.Linear(2, 2)
-        >>> layer.weight.is_meta
-        True
     """
     if empty_init:
         return torch.device("meta")
@@ -48,10 +39,6 @@ def tensor_init_context(empty_init: Optional[bool] = None) -> contextlib.Abstrac
 def user_parallelized(module: nn.Module) -> bool:
     """``True`` when the module already holds FSDP units or tensor-parallel (``DTensor``) parameters:
     parallelized by the user (Lightning's ``configure_model`` contract), not to be sharded again.
-
-    Example:
-        >>> user_parallelized(nn.Linear(2, 2))
-        False
     """
     return is_fsdp_wrapped(module) or any(isinstance(p, DTensor) for p in module.parameters())
 

@@ -1,9 +1,5 @@
 """The strategy's progress: ``EpochStep`` (``current_epoch_step``, an int that knows its epoch) and
 ``StepCounter`` (counts real optimizer steps, however they are made).
-
-Example:
-    >>> EpochStep(epoch=1, step=250) >= 200
-    True
 """
 
 from __future__ import annotations
@@ -68,11 +64,6 @@ class EpochStep(int):
 class StepCounter:
     """Counts the steps of one optimizer through a step post-hook: ``opt.step()`` called by the
     user, by ``FSDP2Strategy.optimizer_step()`` or by Lightning all count (the seeds call ``opt.step()``).
-
-    Example:
-        >>> opt = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)
-        >>> counter = StepCounter(); counter.watch(opt); opt.step(); counter.step
-        1
     """
 
     def __init__(self) -> None:

@@ -1,10 +1,6 @@
 """How the strategy calls a module: its own hooks, through the FSDP root, what they return, the loss.
 
 Plain functions shared by ``zeta_fsdp.strategy`` and ``zeta_fsdp.lightning``.
-
-Example:
-    defines(model, "training_step")
-    # -> True
 """
 
 from __future__ import annotations
@@ -38,12 +34,7 @@ STEP_TYPES = ("training", "validation", "test", "predict")
 
 
 def defines(module: nn.Module, name: str) -> bool:
-    """``True`` when the module's class defines ``name`` itself (not a plain ``nn.Module``).
-
-    Example:
-        >>> defines(nn.Linear(2, 2), "training_step")
-        False
-    """
+    """``True`` when the module's class defines ``name`` itself (not a plain ``nn.Module``)."""
     attr = getattr(type(module), name, None)
     return callable(attr) and getattr(nn.Module, name, None) is not attr
 
@@ -79,13 +70,7 @@ def call_through_root(module: nn.Module, method: str, *args: Any) -> Any:
 
 
 def parse_optimizers(result: Any) -> tuple[list[torch.optim.Optimizer], list[Any]]:
-    """Lightning's ``configure_optimizers`` return forms -> (optimizers, schedulers).
-
-    Example:
-        >>> opt = torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1)
-        >>> parse_optimizers({"optimizer": opt}) == ([opt], [])
-        True
-    """
+    """Lightning's ``configure_optimizers`` return forms -> (optimizers, schedulers)."""
     if result is None:
         return [], []
     if isinstance(result, torch.optim.Optimizer):
@@ -111,10 +96,6 @@ def parse_optimizers(result: Any) -> tuple[list[torch.optim.Optimizer], list[Any
 def module_loss_reduction(module: Optional[nn.Module], step_type: str) -> Any:
     """The module's own ``<step_type>_loss_reduction`` or ``loss_reduction`` (an object, or a callable
     returning one), else ``None``; an unknown ``step_type`` is a ``ValueError``.
-
-    Example:
-        >>> module_loss_reduction(nn.Linear(2, 2), "training") is None
-        True
     """
     if step_type not in STEP_TYPES:
         raise ValueError(f"FSDP2Strategy: unknown step type {step_type!r}. Accepted: {STEP_TYPES}.")
@@ -131,10 +112,6 @@ def nemo_step_result(module: nn.Module, step_type: str, batch: Any, output: Any)
     """NeMo's ``(loss, reduced)`` of a step's ``output``: the module's own loss reduction's ``forward``
     (``module_loss_reduction``), else ``(output, {"avg": output})``. A reduction whose record has no
     ``"avg"`` (zeta's) gets the global mean of the record as ``"avg"`` (one all-reduce, every rank).
-
-    Example:
-        >>> nemo_step_result(nn.Linear(2, 2), "validation", None, torch.tensor(0.5))
-        (tensor(0.5000), {'avg': tensor(0.5000)})
     """
     reduction = module_loss_reduction(module, step_type)
     if reduction is None or output is None:
@@ -146,12 +123,7 @@ def nemo_step_result(module: nn.Module, step_type: str, batch: Any, output: Any)
 
 
 def forward_batch(module: nn.Module, batch: Any) -> Any:
-    """Call a plain module with the batch: matching keyword arguments, else the inputs tensor.
-
-    Example:
-        >>> forward_batch(nn.Linear(2, 1), {"input": torch.ones(1, 2)}).shape
-        torch.Size([1, 1])
-    """
+    """Call a plain module with the batch: matching keyword arguments, else the inputs tensor."""
     if isinstance(batch, Mapping):
         params = inspect.signature(module.forward).parameters
         takes_kwargs = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
@@ -173,12 +145,7 @@ def forward_batch(module: nn.Module, batch: Any) -> Any:
 
 
 def logits_of(output: Any) -> torch.Tensor:
-    """The logits (or per-token losses) in a module's output: a tensor, ``["logits"]`` or ``.logits``.
-
-    Example:
-        >>> logits_of({"logits": torch.zeros(2)})
-        tensor([0., 0.])
-    """
+    """The logits (or per-token losses) in a module's output: a tensor, ``["logits"]`` or ``.logits``."""
     if isinstance(output, torch.Tensor):
         return output
     logits = output.get("logits") if isinstance(output, Mapping) else getattr(output, "logits", None)
@@ -208,12 +175,7 @@ class LossTotals:
         self._totals[step_type] = (reduction, key, value)
 
     def pop(self, step_type: str) -> Optional[tuple[Any, dict[str, torch.Tensor]]]:
-        """``(reduction, {key: summed record})`` of ``step_type`` and forget it; ``None`` if empty.
-
-        Example:
-            >>> LossTotals().pop("training") is None
-            True
-        """
+        """``(reduction, {key: summed record})`` of ``step_type`` and forget it; ``None`` if empty."""
         if step_type not in self._totals:
             return None
         reduction, key, total = self._totals.pop(step_type)
@@ -287,10 +249,6 @@ def create_optimizers(
 ) -> Optional[tuple[list[torch.optim.Optimizer], list[Any]]]:
     """``fn(module)``, else the module's ``configure_optimizers()``, as (optimizers, schedulers);
     ``None`` when there is neither.
-
-    Example:
-        >>> create_optimizers(nn.Linear(2, 2), None) is None
-        True
     """
     if fn is not None:
         return parse_optimizers(fn(module))

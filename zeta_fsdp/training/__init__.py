@@ -17,8 +17,8 @@ Example:
     print(memory_report(model, optimizer).table())
 """
 
-from .accumulation import no_sync, resolve_defer
+from .accumulation import no_sync
 from .clipping import clip_grad_norm_
 from .memory import MemoryReport, memory_report
 
-__all__ = ["MemoryReport", "clip_grad_norm_", "memory_report", "no_sync", "resolve_defer"]
+__all__ = ["MemoryReport", "clip_grad_norm_", "memory_report", "no_sync"]

@@ -3,11 +3,6 @@
 ``no_sync(model, defer="all")`` defers every gradient collective to the first backward after the
 block; ``defer="all_reduce"`` keeps each micro-batch's reduce-scatter and defers only HYBRID_SHARD's
 cross-replica all-reduce. What each choice costs: ``zeta_fsdp.costs``.
-
-Example:
-    with no_sync(model, defer="all_reduce"):
-        (loss_fn(model(batch0)) / 2).backward()
-    (loss_fn(model(batch1)) / 2).backward()
 """
 
 from __future__ import annotations
@@ -56,10 +51,6 @@ _DEFER_CHOICES = ("all", "all_reduce")
 def resolve_defer(defer: object) -> str:
     """``no_sync``'s ``defer`` value, normalized (``"all"`` or ``"all_reduce"``); else ``ValueError``
     naming the value and the accepted ones.
-
-    Example:
-        >>> resolve_defer("ALL_REDUCE")
-        'all_reduce'
     """
     if isinstance(defer, str) and defer.strip().lower() in _DEFER_CHOICES:
         return defer.strip().lower()

@@ -1,8 +1,4 @@
-"""``clip_grad_norm_``: the global gradient norm of a sharded (or replicated) model, and clipping.
-
-Example:
-    norm = clip_grad_norm_(model, 1.0)
-"""
+"""``clip_grad_norm_``: the global gradient norm of a sharded (or replicated) model, and clipping."""
 
 from __future__ import annotations
 

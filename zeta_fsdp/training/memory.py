@@ -1,8 +1,4 @@
-"""``memory_report``: the bytes this rank holds for parameters, gradients and optimizer state.
-
-Example:
-    print(memory_report(model, optimizer).table())
-"""
+"""``memory_report``: the bytes this rank holds for parameters, gradients and optimizer state."""
 
 from __future__ import annotations
 
