@@ -519,7 +519,7 @@ def test_destructive_calls_refuse_what_is_not_ours(tmp_path):
     """``remove_checkpoint``, a full-format save, and a save onto a link touch only checkpoints of ours."""
     import os
 
-    from zeta_fsdp.strategy.checkpoint import remove_checkpoint, write_full_checkpoint
+    from zeta_fsdp.state_dict.full import remove_checkpoint, write_full_checkpoint
 
     ours = tmp_path / "ours"
     weights = plain_checkpoint(ours, 1)

@@ -32,6 +32,8 @@ from ..distributed import (
     on_all_ranks,
     shutdown,
 )
+from ..state_dict.checks import from_rank0
+from ..state_dict.full import remove_checkpoint
 from ..training import clip_grad_norm_, no_sync
 from ..training.accumulation import resolve_defer
 from . import checkpoint as ckpt_io
@@ -450,7 +452,7 @@ class FSDP2Strategy:
     ) -> None:
         """Save the model, every optimizer and ``checkpoint``'s other entries to ``filepath``; every rank calls it.
         Example: ``strategy.save_checkpoint({"note": "nightly"}, "ckpt/step_100.ckpt")``."""
-        ckpt_io.check_save_target(filepath, self.checkpoint_format, "save_checkpoint")
+        ckpt_io.check_target(self, filepath)
         if storage_options is not None and self.checkpoint_io is None:
             raise TypeError(
                 f"FSDP2Strategy.save_checkpoint(): storage_options={storage_options!r} is for a checkpoint_io; "
@@ -472,7 +474,7 @@ class FSDP2Strategy:
     def remove_checkpoint(self, filepath: Union[str, os.PathLike]) -> None:
         """Delete a checkpoint (file or sharded directory): rank 0, after every rank reached this point.
         Example: ``strategy.remove_checkpoint("ckpt/step_50.ckpt")``."""
-        ckpt_io.remove_checkpoint(filepath, checkpoint_io=self.checkpoint_io)
+        remove_checkpoint(filepath, checkpoint_io=self.checkpoint_io)
 
     # ----------------------------------------------------------------------------- long jobs
 
@@ -515,11 +517,7 @@ class FSDP2Strategy:
         Example: ``strategy.resume_latest("ckpt"); start = int(strategy.current_epoch_step)``."""
         self.parallelize()
         self.wait_for_checkpoint()
-        latest = on_all_ranks(lambda: sd.latest_checkpoint(root), rank0_only=True)
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            box = [latest]
-            dist.broadcast_object_list(box, src=0)
-            latest = box[0]
+        latest = from_rank0(lambda: sd.latest_checkpoint(root))
         return None if latest is None else self.load_checkpoint(latest)
 
     def teardown(self) -> None:
