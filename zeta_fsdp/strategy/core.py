@@ -93,9 +93,9 @@ class FSDP2Strategy:
         self.options = opts
         self.checkpoint_format = opts.checkpoint_format
         self.mp_policy = opts.mp_policy
-        self.data_sampler, self.checkpoint_io = opts.data_sampler, opts.checkpoint_io
+        self.data_sampler, self.checkpoint_io = data_sampler, checkpoint_io
         # NeMo's default is a function too (readable, replaceable); parallelize() clears it once it ran.
-        self.parallelize_fn = opts.parallelize_fn or functools.partial(
+        self.parallelize_fn = parallelize_fn or functools.partial(
             strategy_parallel.default_parallelize, tp_plan=opts.tp_plan, device=opts.device
         )
         self.fsdp_kwargs = opts.fsdp_kwargs
