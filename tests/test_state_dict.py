@@ -9,6 +9,7 @@ checkpoints those launches left, in this process, with no process group.
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -519,7 +520,7 @@ def test_destructive_calls_refuse_what_is_not_ours(tmp_path):
     """``remove_checkpoint``, a full-format save, and a save onto a link touch only checkpoints of ours."""
     import os
 
-    from zeta_fsdp.strategy.checkpoint import remove_checkpoint, write_full_checkpoint
+    from zeta_fsdp.state_dict.full import remove_checkpoint, write_full_checkpoint
 
     ours = tmp_path / "ours"
     weights = plain_checkpoint(ours, 1)
@@ -561,6 +562,34 @@ def test_destructive_calls_refuse_what_is_not_ours(tmp_path):
     with pytest.raises(CheckpointError, match="symbolic link"):
         plain_checkpoint(tmp_path / "step_9", 3)
     assert sorted(p.name for p in users.iterdir()) == [".metadata", "data.csv"]
+
+
+def test_full_format_file_through_state_dict(tmp_path):
+    """The full format (one ``torch.save`` file) and the sharded one share one save-target check and
+    one weights-only check; the file reads back only with ``weights_only`` unless asked otherwise."""
+    from zeta_fsdp.state_dict.full import read_full_checkpoint, write_full_checkpoint
+    from zeta_fsdp.strategy import EpochStep
+
+    full = tmp_path / "full.ckpt"
+    write_full_checkpoint(full, {"state_dict": {"w": torch.ones(2)}, "optimizer_states": [], "step": 3})
+    ckpt = read_full_checkpoint(full)
+    assert ckpt["step"] == 3 and torch.equal(ckpt["state_dict"]["w"], torch.ones(2))
+    kept = full.read_bytes()
+    with pytest.raises(FileExistsError, match="is a full-format checkpoint"):  # a sharded save onto it
+        save_checkpoint(full, torch.nn.Linear(2, 2))
+    with pytest.raises(IsADirectoryError, match="a full-format save writes one file"):
+        write_full_checkpoint(tmp_path, {"state_dict": {}})
+    with pytest.raises(ValueError, match="is empty"):
+        write_full_checkpoint("  ", {"state_dict": {}})
+    assert full.read_bytes() == kept
+    with pytest.raises(TypeError, match=r"save_checkpoint\(\): extra must be loadable with torch.load\(weights_only"):
+        save_checkpoint(tmp_path / "x", torch.nn.Linear(2, 2), extra={"epoch": EpochStep(1, 2)})
+    pickled = tmp_path / "pickled.ckpt"
+    torch.save({"state_dict": {}, "obj": EpochStep(1, 2)}, pickled)  # a class weights_only refuses
+    with pytest.raises(CheckpointError, match=re.escape(str(pickled)) + r".*weights_only=True\) refuses"):
+        read_full_checkpoint(pickled)
+    assert read_full_checkpoint(pickled, weights_only=False)["obj"] == (1, 2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["full.ckpt", "pickled.ckpt"]
 
 
 def test_path_lock_is_exclusive_and_leaves_nothing(tmp_path):

@@ -19,6 +19,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 from contextlib import nullcontext
 from typing import Any, Callable, ContextManager, Mapping, Optional, Union
@@ -41,7 +42,6 @@ except ImportError as e:  # pragma: no cover - the extra is installed in CI
     ) from e
 
 from .options import resolve_mixed_precision
-from .strategy import EpochStep
 from .strategy import FSDP2Strategy as CoreStrategy
 from .strategy.options import resolve_sizes
 from .strategy.steps import call_through_root, nemo_step_result
@@ -113,9 +113,21 @@ def _hparam_classes(module: Any) -> list[type]:
     return found
 
 
-def _core_attribute(name: str, doc: str) -> property:
-    """An attribute read and written on the core strategy: one value, whichever class is asked."""
+def _core_attribute(name: str) -> property:
+    """NeMo's attribute ``name``, read and written on the core: one value, whichever class is asked."""
+    doc = getattr(CoreStrategy, name).__doc__ if isinstance(getattr(CoreStrategy, name, None), property) else None
     return property(lambda self: getattr(self.core, name), lambda self, value: setattr(self.core, name, value), doc=doc)
+
+
+def _core_method(name: str) -> Callable[..., Any]:
+    """NeMo's method ``name``: the core's, with its signature and docstring."""
+    method = getattr(CoreStrategy, name)
+
+    @functools.wraps(method)
+    def call(self: Any, *args: Any, **kwargs: Any) -> Any:
+        return method(self.core, *args, **kwargs)
+
+    return call
 
 
 class FSDP2Strategy(ParallelStrategy):
@@ -166,9 +178,17 @@ class FSDP2Strategy(ParallelStrategy):
 
     # ------------------------------------------------------------------ NeMo's API: the core's
 
-    mp_policy = _core_attribute("mp_policy", "The FSDP2 ``MixedPrecisionPolicy`` of every unit (NeMo's attribute).")
-    parallelize_fn = _core_attribute("parallelize_fn", "What ``parallelize()`` runs once; ``None`` afterwards.")
-    data_sampler = _core_attribute("data_sampler", "NeMo's data sampler (``process_dataloader`` uses it).")
+    mp_policy = _core_attribute("mp_policy")
+    parallelize_fn = _core_attribute("parallelize_fn")
+    data_sampler = _core_attribute("data_sampler")
+    current_epoch_step = _core_attribute("current_epoch_step")
+    _get_loss_reduction = _core_method("_get_loss_reduction")
+    tensor_init_context = _core_method("tensor_init_context")
+    lightning_module_state_dict = _core_method("lightning_module_state_dict")
+    optimizer_state = _core_method("optimizer_state")
+    load_model_state_dict = _core_method("load_model_state_dict")
+    load_optimizer_state_dict = _core_method("load_optimizer_state_dict")
+    remove_checkpoint = _core_method("remove_checkpoint")
 
     @property
     def checkpoint_io(self) -> Any:
@@ -179,20 +199,11 @@ class FSDP2Strategy(ParallelStrategy):
     def checkpoint_io(self, io: Any) -> None:
         self.core.checkpoint_io = self._checkpoint_io = io
 
-    @property
-    def current_epoch_step(self) -> EpochStep:
-        """The optimizer steps taken (an int, as NeMo's), with ``.epoch``."""
-        return self.core.current_epoch_step
-
     def parallelize(self) -> None:
         """Shard the module with ``parallelize_fn``, once (``Trainer`` calls it in ``setup``)."""
         self.core.connect(self.lightning_module)
         self.core.parallelize()
         self.model = self.core.model
-
-    def _get_loss_reduction(self, step_type: str) -> Any:
-        """The loss reduction of ``step_type`` (the core's: the module's own, else token-weighted)."""
-        return self.core._get_loss_reduction(step_type)
 
     # ------------------------------------------------------------------ topology
 
@@ -306,13 +317,6 @@ class FSDP2Strategy(ParallelStrategy):
         self.core.setup_environment()
         self._mesh = self.lightning_module._device_mesh = self.core.device_mesh
 
-    def tensor_init_context(self, empty_init: Optional[bool] = None) -> ContextManager:
-        """Where ``configure_model`` runs: real tensors, ``meta`` only with ``empty_init=True``.
-
-        Lightning passes ``empty_init=None``: a model that loads pretrained weights there keeps them.
-        """
-        return self.core.tensor_init_context(empty_init)
-
     def setup(self, trainer: Any) -> None:
         """Shard the module (after ``configure_model``), then let Lightning create the optimizers."""
         assert self.lightning_module is not None
@@ -393,14 +397,6 @@ class FSDP2Strategy(ParallelStrategy):
 
     # ------------------------------------------------------------------ checkpoints (the core's)
 
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        """Full on rank 0 (``{}`` elsewhere); with ``checkpoint_format="sharded"`` each rank's shards."""
-        return self.core.lightning_module_state_dict()
-
-    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
-        """The optimizer's state keyed by parameter FQN (full on rank 0, or each rank's shards)."""
-        return self.core.optimizer_state(optimizer)
-
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
         """zeta's checkpoint (full file, or DCP directory); ``storage_options`` goes to ``checkpoint_io``."""
         self.core.save_checkpoint(checkpoint, self.broadcast(filepath), storage_options)
@@ -412,18 +408,6 @@ class FSDP2Strategy(ParallelStrategy):
         # live module's own hyperparameters use, nothing else.
         with torch.serialization.safe_globals(_hparam_classes(self.lightning_module)):
             return self.core.load_checkpoint(self.broadcast(checkpoint_path), weights_only=weights_only)
-
-    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        """Load weights now (full or sharded, ``strict=False`` for a part such as adapters), as NeMo's PEFT calls it."""
-        self.core.load_model_state_dict(checkpoint, strict)
-
-    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        """Queue ``checkpoint["optimizer_states"]``; applied at the next training step (NeMo's deferral)."""
-        self.core.load_optimizer_state_dict(checkpoint)
-
-    def remove_checkpoint(self, filepath: Any) -> None:
-        """Delete a checkpoint (the core's ``remove_checkpoint``); every rank calls it."""
-        self.core.remove_checkpoint(filepath)
 
     def teardown(self) -> None:
         """Release Lightning's pieces; the process group stays (Lightning's own strategies keep it too)."""

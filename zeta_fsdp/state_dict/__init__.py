@@ -27,6 +27,7 @@ Layout of the package (one concern per module; the public names are re-exported 
 * ``reader``: the hardened DCP reader (safe metadata unpickling, file checks, CRC-32 per record),
 * ``publish``: atomic publish of a checkpoint directory and recovery of an interrupted overwrite,
 * ``checkpoint``: ``save_checkpoint`` / ``load_checkpoint`` as a sequence of named steps,
+* ``full``: the full format (one ``torch.save`` file, rank 0; ``FSDP2Strategy``'s default), removing either format,
 * ``consolidate``: offline consolidation into one file of weights,
 * ``async_save``: ``AsyncCheckpointer`` (stage, write in the background, publish),
 * ``preemption``: ``PreemptionHandler`` (a signal -> stop at the next step boundary),

@@ -43,7 +43,7 @@ from .checks import (
     on_all_ranks,
     shape_of,
 )
-from .metadata import checkpoint_problem
+from .metadata import checkpoint_problem, is_full_checkpoint
 from .model import get_sharded_state_dict
 from .optimizer import (
     check_group_consistency,
@@ -78,7 +78,7 @@ def _plainly_loadable(obj: Any, depth: int = 0) -> bool:
     return False
 
 
-def check_loadable(obj: Any, what: str) -> None:
+def check_loadable(obj: Any, what: str, caller: str = "save_checkpoint()") -> None:
     """``obj`` must come back through ``torch.load(weights_only=True)``: refuse it now, not at resume."""
     if isinstance(obj, list):  # param groups: the parameters themselves are stored by name, not here
         obj = [{k: v for k, v in group.items() if k != "params"} for group in obj]
@@ -91,7 +91,7 @@ def check_loadable(obj: Any, what: str) -> None:
         torch.load(buffer, weights_only=True)
     except Exception as e:  # noqa: BLE001 - reported with the reason torch gives
         raise TypeError(
-            f"save_checkpoint(): {what} must be loadable with torch.load(weights_only=True): tensors, "
+            f"{caller}: {what} must be loadable with torch.load(weights_only=True): tensors, "
             "numbers, strings, None, and lists/tuples/dicts of them (convert numpy arrays to "
             f"tensors or lists). {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
         ) from e
@@ -190,13 +190,33 @@ def check_save_inputs(optimizer: Optional[torch.optim.Optimizer], extra: Any) ->
         check_loadable([g for g in optimizer.param_groups], "the optimizer's param_groups")
 
 
-def check_replaceable(path: Path, *, overwrite: bool, caller: str = "save_checkpoint()") -> None:
-    """Refuse to save at ``path`` unless it is free, an empty folder, or (with ``overwrite``) a checkpoint of ours.
+def check_save_target(
+    path: PathLike, *, overwrite: bool, caller: str = "save_checkpoint()", full: bool = False
+) -> Path:
+    """Refuse to save at ``path`` what would fail there or destroy something that is not a checkpoint of ours.
 
-    A symbolic link at ``path`` counts as what it points to; only the link is ever replaced.
+    A sharded checkpoint (a directory) replaces nothing but an empty folder or (with ``overwrite``)
+    a checkpoint of ours; a symbolic link counts as what it points to, and only the link is ever
+    replaced. A full-format one (``full``: one ``torch.save`` file) replaces only such a file.
     """
+    if not str(path).strip():
+        raise ValueError(f"{caller}: filepath={str(path)!r} is empty; pass the checkpoint's path.")
+    path = Path(path)
+    if full:
+        if path.is_dir():
+            kind = "a sharded checkpoint directory" if is_checkpoint(path) else "a directory"
+            raise IsADirectoryError(
+                f"{caller}: {path} is {kind}; a full-format save writes one file. "
+                "Remove it, save elsewhere, or use checkpoint_format='sharded'."
+            )
+        if path.is_file() and not is_full_checkpoint(path):
+            raise CheckpointError(
+                f"{caller}: {path} is a file that is not a checkpoint (not written by torch.save); "
+                "refusing to replace it. Save elsewhere, or remove it yourself."
+            )
+        return path
     if not os.path.lexists(path):
-        return
+        return path
     if path.is_symlink():
         if not is_checkpoint(path) and os.path.exists(path):
             raise CheckpointError(
@@ -204,7 +224,12 @@ def check_replaceable(path: Path, *, overwrite: bool, caller: str = "save_checkp
                 "refusing to replace it. Save elsewhere, or remove the link yourself."
             )
     elif path.is_dir() and not any(path.iterdir()):
-        return
+        return path
+    elif is_full_checkpoint(path):
+        raise FileExistsError(
+            f"{caller}: {path} is a full-format checkpoint; a sharded (checkpoint_format='sharded') save "
+            "writes a directory. Remove it or save elsewhere."
+        )
     elif not path.is_dir():
         raise CheckpointError(
             f"{caller}: {path} exists and is a file, not a checkpoint; refusing to replace it. Save elsewhere."
@@ -218,6 +243,7 @@ def check_replaceable(path: Path, *, overwrite: bool, caller: str = "save_checkp
             )
     if not overwrite and os.path.exists(path):
         raise FileExistsError(f"{caller}: a checkpoint already exists at {path}; pass overwrite=True to replace it.")
+    return path
 
 
 def prepare_save_dir(path: Path, *, overwrite: bool) -> Optional[PathLock]:
@@ -226,7 +252,7 @@ def prepare_save_dir(path: Path, *, overwrite: bool) -> Optional[PathLock]:
     Returns the held ``PathLock`` on rank 0 (``None`` elsewhere): while it is held no other
     process saves to ``path`` (a second job waits up to ``LOCK_WAIT_S`` seconds, then raises
     ``CheckpointError``), so the previous checkpoint survives any interleaving of two jobs.
-    Raises when ``path`` holds something that must not be replaced (``check_replaceable``).
+    Raises when ``path`` holds something that must not be replaced (``check_save_target``).
     """
     if current_rank() != 0:
         return None
@@ -243,7 +269,7 @@ def prepare_save_dir(path: Path, *, overwrite: bool) -> Optional[PathLock]:
         )
     try:
         recover(path, locked=True)
-        check_replaceable(path, overwrite=overwrite)
+        check_save_target(path, overwrite=overwrite)
         tmp = incomplete_dir(path)
         if os.path.lexists(tmp):  # left by an interrupted save (the lock says no one writes it now)
             remove_tree(tmp)

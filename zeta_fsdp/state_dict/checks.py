@@ -6,6 +6,7 @@ import os
 from typing import Any, Callable, Mapping, Optional, Union
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.checkpoint import CheckpointException
 
@@ -62,8 +63,8 @@ def error_reason(error: BaseException) -> str:
     return f"{type(error).__name__}: {error}" if not isinstance(error, CheckpointError) else str(error)
 
 
-def on_all_ranks(fn: Callable[[], Any]) -> Any:
-    """Run ``fn`` on every rank; if it raises anywhere, raise the same error everywhere.
+def on_all_ranks(fn: Callable[[], Any], *, rank0_only: bool = False) -> Any:
+    """Run ``fn`` on every rank (or rank 0 only); if it raises anywhere, raise the same error everywhere.
 
     ``distributed.on_all_ranks`` with the checkpoint code's vocabulary: DCP's exceptions count
     (a ``BaseException``) and read as one line per failing rank, and an error of another type
@@ -71,11 +72,25 @@ def on_all_ranks(fn: Callable[[], Any]) -> Any:
     """
     return _on_all_ranks(
         fn,
+        rank0_only=rank0_only,
         errors=(CheckpointError, ImportError),
         catch=FAILURES,
         default=CheckpointError,
         describe=lambda e: error_reason(e) if isinstance(e, CheckpointException) else str(e),
     )
+
+
+def from_rank0(fn: Callable[[], Any]) -> Any:
+    """``fn()`` run on rank 0 alone (it reads a file, lists a folder), its result broadcast to every rank.
+
+    An error in it is raised on every rank alike (``on_all_ranks``); the result must pickle.
+    """
+    result = on_all_ranks(fn, rank0_only=True)
+    if dist_on() and world_size() > 1:
+        box = [result]
+        dist.broadcast_object_list(box, src=0)
+        result = box[0]
+    return result
 
 
 # --- names and shapes

@@ -13,13 +13,12 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping, Optional
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
 from ..files import PathLock, remove_tree
 from .async_save import AsyncCheckpointer
 from .checkpoint import load_checkpoint, save_checkpoint
-from .checks import CheckpointError, PathLike, current_rank, dist_on, on_all_ranks, world_size
+from .checks import CheckpointError, PathLike, current_rank, from_rank0, on_all_ranks
 from .preemption import PreemptionHandler, SignalLike
 from .publish import discard_checkpoint_dir, is_checkpoint, removal_problem
 
@@ -157,12 +156,7 @@ class CheckpointManager:
             manager.latest()
             # -> PosixPath('ckpt/step_300')
         """
-        found = on_all_ranks(lambda: latest_checkpoint(self.root) if current_rank() == 0 else None)
-        if dist_on() and world_size() > 1:
-            box = [found]
-            dist.broadcast_object_list(box, src=0)
-            found = box[0]
-        return found
+        return from_rank0(lambda: latest_checkpoint(self.root))
 
     def resume(self) -> int:
         """Load the latest complete checkpoint (model, optimizer, ``state``); return its step, or 0 if none.

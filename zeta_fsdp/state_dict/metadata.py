@@ -1,4 +1,4 @@
-"""One home for reading a checkpoint's ``.metadata``, and for telling whether a directory is a checkpoint of ours.
+"""One home for reading a checkpoint's ``.metadata``, and for telling whether a path is a checkpoint of ours.
 
 DCP pickles its ``.metadata`` with plain pickle, and DCP's own reader
 (``FileSystemReader.read_metadata``) unpickles it with plain pickle: a crafted file runs whatever
@@ -14,6 +14,7 @@ import os
 import pickle
 import re
 import stat
+import zipfile
 from pathlib import Path
 from typing import Any, Optional
 
@@ -22,7 +23,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 
 from .checks import METADATA_FILE, CheckpointError
 
-__all__ = ["checkpoint_problem", "load_metadata", "shard_file_name_ok"]
+__all__ = ["checkpoint_problem", "is_full_checkpoint", "load_metadata", "shard_file_name_ok"]
 
 _METADATA_GLOBALS = {
     ("torch", "Size"),
@@ -106,6 +107,16 @@ def load_metadata(file: Path, caller: str) -> Metadata:
                 f"length={length!r}; corrupted metadata."
             )
     return metadata
+
+
+def is_full_checkpoint(path: Any) -> bool:
+    """``True`` if ``path`` is a full-format checkpoint: a ``torch.save`` file (a zip archive with a pickle in it)."""
+    path = Path(path)
+    try:
+        with zipfile.ZipFile(path) as archive:
+            return any(name.endswith("/data.pkl") or name == "data.pkl" for name in archive.namelist())
+    except (OSError, zipfile.BadZipFile):
+        return False
 
 
 def checkpoint_problem(path: Path) -> Optional[str]:

@@ -2,8 +2,8 @@
 
 ``core`` holds the class (NeMo's methods, each a few lines); ``options`` checks the constructor's
 arguments and resolves sizes; ``parallel`` shards the module (TP, then ``fsdp()``); ``steps`` runs
-training/eval steps and reduces losses; ``checkpoint`` writes and reads both checkpoint formats;
-``progress`` counts optimizer steps.
+training/eval steps and reduces losses; ``checkpoint`` says what goes in a checkpoint (both formats
+are ``zeta_fsdp.state_dict``'s); ``progress`` counts optimizer steps.
 
 Example:
     >>> from zeta_fsdp.strategy import FSDP2Strategy

@@ -1,11 +1,8 @@
 """``FSDP2Strategy``: NeMo's FSDP2 strategy API on zeta_fsdp's pieces, no Lightning needed.
 
-The strategy owns the distributed side of training: process group and ``(dp, tp)`` mesh, sharding,
-optimizers made after sharding, data sampling, the token-weighted loss, checkpoints (full file by
-default, or sharded DCP). The class keeps NeMo's API; the work lives in plain functions of
-``strategy_options``, ``strategy_parallel``, ``strategy_steps``, ``strategy_checkpoint`` and
-``strategy_progress``. Modules are duck-typed like a ``LightningModule`` (their own ``training_step``,
-``configure_optimizers``... are called); a plain ``nn.Module``'s output is reduced per token.
+Each method is a few lines over the package's modules (``options``, ``parallel``, ``steps``,
+``checkpoint``, ``progress`` here; ``state_dict``, ``training``, ``data``). Modules are duck-typed
+like a ``LightningModule``; a plain ``nn.Module``'s output is reduced per token.
 """
 
 from __future__ import annotations
@@ -32,13 +29,15 @@ from ..distributed import (
     on_all_ranks,
     shutdown,
 )
+from ..state_dict.checks import from_rank0
+from ..state_dict.full import remove_checkpoint
 from ..training import clip_grad_norm_, no_sync
 from ..training.accumulation import resolve_defer
 from . import checkpoint as ckpt_io
 from . import parallel as strategy_parallel
 from .options import resolve_sizes, validate_strategy_options
 from .progress import EpochStep, StepCounter
-from .steps import StepLosses, create_optimizers, run_step
+from .steps import StepLosses, parse_optimizers, run_step
 
 __all__ = ["EpochStep", "FSDP2Strategy"]
 
@@ -94,9 +93,9 @@ class FSDP2Strategy:
         self.options = opts
         self.checkpoint_format = opts.checkpoint_format
         self.mp_policy = opts.mp_policy
-        self.data_sampler, self.checkpoint_io = opts.data_sampler, opts.checkpoint_io
+        self.data_sampler, self.checkpoint_io = data_sampler, checkpoint_io
         # NeMo's default is a function too (readable, replaceable); parallelize() clears it once it ran.
-        self.parallelize_fn = opts.parallelize_fn or functools.partial(
+        self.parallelize_fn = parallelize_fn or functools.partial(
             strategy_parallel.default_parallelize, tp_plan=opts.tp_plan, device=opts.device
         )
         self.fsdp_kwargs = opts.fsdp_kwargs
@@ -136,17 +135,13 @@ class FSDP2Strategy:
         self._module = module
 
     @property
-    def lightning_module(self) -> Optional[nn.Module]:
-        """The connected module (sharded in place by ``parallelize()``).
-        Example: ``strategy.connect(model); strategy.lightning_module is model`` -> ``True``."""
-        return self._module
-
-    @property
     def model(self) -> Optional[nn.Module]:
-        """The connected module; after ``parallelize()`` it is the sharded ``FSDPModule`` (with
+        """The connected module (``lightning_module`` too), sharded in place by ``parallelize()`` (with
         ``shard_strat="NO_SHARD"`` in fp32 or bf16: replicated on DDP's engine, ``fsdp_engine`` says).
         Example: ``strategy.parallelize(); isinstance(strategy.model, FSDPModule)`` -> ``True``."""
         return self._module
+
+    lightning_module = model
 
     def _require_module(self) -> nn.Module:
         if self._module is None:
@@ -216,8 +211,12 @@ class FSDP2Strategy:
 
     def tensor_init_context(self, empty_init: Optional[bool] = None) -> contextlib.AbstractContextManager:
         """Context in which to build the module: real tensors (as NeMo's), or ``meta`` with ``empty_init=True``.
+
+        ``None`` keeps real tensors on purpose: Lightning passes it around ``configure_model``, where
+        models load pretrained weights, and ``__init__`` may initialise tensors itself; on ``meta``
+        both would be replaced by ``reset_parameters()``.
         Example: ``with strategy.tensor_init_context(empty_init=True): model = GPT(cfg)``."""
-        return strategy_parallel.tensor_init_context(empty_init)
+        return torch.device("meta") if empty_init else contextlib.nullcontext()
 
     def parallelize(self) -> None:
         """Shard the connected module with ``parallelize_fn``, once (then ``parallelize_fn`` is ``None`` and a
@@ -248,9 +247,11 @@ class FSDP2Strategy:
         return self.optimizers
 
     def _create_optimizers(self) -> None:
-        created = create_optimizers(self._require_module(), self._optimizer_fn)
-        if created is not None:
-            self.optimizers, self.lr_schedulers = created
+        module = self._require_module()
+        if self._optimizer_fn is not None:
+            self.optimizers, self.lr_schedulers = parse_optimizers(self._optimizer_fn(module))
+        elif callable(getattr(module, "configure_optimizers", None)):
+            self.optimizers, self.lr_schedulers = parse_optimizers(module.configure_optimizers())
 
     @property
     def optimizers(self) -> list[torch.optim.Optimizer]:
@@ -291,7 +292,7 @@ class FSDP2Strategy:
         """One forward pass and loss for training; returns the loss to call ``backward()`` on.
         Example: ``loss = strategy.training_step(batch, batch_idx); loss.backward(); strategy.optimizer_step()``."""
         self.parallelize()
-        self._restore_deferred_optimizer_state()
+        self.restore_pending_optimizer_state()
         return run_step(self._require_module(), "training", batch, batch_idx, self._reduce_step)
 
     def _eval_step(self, step_type: str, batch: Any, batch_idx: Optional[int]) -> Any:
@@ -334,7 +335,7 @@ class FSDP2Strategy:
         Example: ``strategy.training_step(batch).backward(); norm = strategy.optimizer_step(max_norm=1.0)``."""
         if not self.optimizers:
             raise RuntimeError("FSDP2Strategy.optimizer_step(): no optimizer; see setup_optimizers().")
-        self._restore_deferred_optimizer_state()
+        self.restore_pending_optimizer_state()
         norm = self.clip_grad_norm_(max_norm, norm_type) if max_norm is not None else None
         for optimizer in self.optimizers:
             optimizer.step()
@@ -408,7 +409,7 @@ class FSDP2Strategy:
         """``optimizer``'s state keyed by parameter FQN: full on rank 0 (``{}`` elsewhere), or with
         ``checkpoint_format="sharded"`` each rank's shards; every rank calls it.
         Example: ``state = strategy.optimizer_state(strategy.optimizers[0])``."""
-        self._restore_deferred_optimizer_state()
+        self.restore_pending_optimizer_state()
         optimizer = getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer wraps it
         if self.checkpoint_format == "sharded":
             return sd.get_optimizer_state_dict(self._require_module(), optimizer, full=False)
@@ -433,9 +434,6 @@ class FSDP2Strategy:
     def restore_pending_optimizer_state(self) -> None:
         """Apply now an optimizer state queued by ``load_checkpoint`` (otherwise applied at the next step).
         Example: ``strategy.load_checkpoint("last.ckpt"); strategy.restore_pending_optimizer_state()``."""
-        self._restore_deferred_optimizer_state()
-
-    def _restore_deferred_optimizer_state(self) -> None:
         pending = self._optimizer_state_to_restore
         if pending is None:
             return
@@ -450,14 +448,14 @@ class FSDP2Strategy:
     ) -> None:
         """Save the model, every optimizer and ``checkpoint``'s other entries to ``filepath``; every rank calls it.
         Example: ``strategy.save_checkpoint({"note": "nightly"}, "ckpt/step_100.ckpt")``."""
-        ckpt_io.check_save_target(filepath, self.checkpoint_format, "save_checkpoint")
+        ckpt_io.check_target(self, filepath)
         if storage_options is not None and self.checkpoint_io is None:
             raise TypeError(
                 f"FSDP2Strategy.save_checkpoint(): storage_options={storage_options!r} is for a checkpoint_io; "
                 "zeta's own writer takes none (pass checkpoint_io=..., or no storage_options)."
             )
         self.parallelize()
-        self._restore_deferred_optimizer_state()  # never save a fresh optimizer over a waiting state
+        self.restore_pending_optimizer_state()  # never save a fresh optimizer over a waiting state
         ckpt_io.save_strategy_checkpoint(self, checkpoint, filepath, storage_options)
 
     def load_checkpoint(self, filepath: Union[str, os.PathLike], weights_only: Optional[bool] = None) -> dict[str, Any]:
@@ -472,7 +470,7 @@ class FSDP2Strategy:
     def remove_checkpoint(self, filepath: Union[str, os.PathLike]) -> None:
         """Delete a checkpoint (file or sharded directory): rank 0, after every rank reached this point.
         Example: ``strategy.remove_checkpoint("ckpt/step_50.ckpt")``."""
-        ckpt_io.remove_checkpoint(filepath, checkpoint_io=self.checkpoint_io)
+        remove_checkpoint(filepath, checkpoint_io=self.checkpoint_io)
 
     # ----------------------------------------------------------------------------- long jobs
 
@@ -515,11 +513,7 @@ class FSDP2Strategy:
         Example: ``strategy.resume_latest("ckpt"); start = int(strategy.current_epoch_step)``."""
         self.parallelize()
         self.wait_for_checkpoint()
-        latest = on_all_ranks(lambda: sd.latest_checkpoint(root), rank0_only=True)
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            box = [latest]
-            dist.broadcast_object_list(box, src=0)
-            latest = box[0]
+        latest = from_rank0(lambda: sd.latest_checkpoint(root))
         return None if latest is None else self.load_checkpoint(latest)
 
     def teardown(self) -> None:

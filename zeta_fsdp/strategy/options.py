@@ -40,7 +40,7 @@ _BACKENDS = ("gloo", "nccl", "cuda:nccl,cpu:gloo")
 
 @dataclass
 class StrategyOptions:
-    """Every ``FSDP2Strategy`` argument, checked."""
+    """``FSDP2Strategy``'s arguments, checked (``data_sampler``, ``checkpoint_io``, ``parallelize_fn`` are kept as given)."""
 
     data_parallel_size: Union[str, int]
     tensor_parallel_size: Union[str, int]
@@ -50,9 +50,6 @@ class StrategyOptions:
     device: Any = None
     process_group_backend: Optional[str] = None
     timeout: Optional[timedelta] = None
-    data_sampler: Any = None
-    checkpoint_io: Any = None
-    parallelize_fn: Optional[Callable[..., Optional[nn.Module]]] = None
     fsdp_kwargs: dict[str, Any] = field(default_factory=dict)
     # Long jobs (sharded format): save in the background, keep the newest K, save on a signal.
     async_save: bool = False
@@ -180,9 +177,6 @@ def validate_strategy_options(
         device=device,
         process_group_backend=backend,
         timeout=timeout,
-        data_sampler=data_sampler,
-        checkpoint_io=checkpoint_io,
-        parallelize_fn=parallelize_fn,
         fsdp_kwargs=kwargs,
         **long_jobs,
     )

@@ -1,11 +1,10 @@
 """How ``FSDP2Strategy`` shards its module: tensor parallel, then ``fsdp()``, then meta materialization.
 
-Plain functions: the strategy's ``tensor_init_context`` and ``parallelize`` delegate here.
+Plain functions: the strategy's ``parallelize`` delegates here.
 """
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any, Callable, Optional
 
 import torch
@@ -21,19 +20,7 @@ from ..ties import tied_parameter_groups
 from ..wrapped import is_fsdp_wrapped
 from .options import tp_style
 
-__all__ = ["current_ties", "default_parallelize", "shard_module", "tensor_init_context", "user_parallelized"]
-
-
-def tensor_init_context(empty_init: Optional[bool] = None) -> contextlib.AbstractContextManager:
-    """Real tensors (NeMo's context does nothing), or ``meta`` with ``empty_init=True`` only.
-
-    ``None`` keeps real tensors on purpose: Lightning passes it around ``configure_model``, where
-    models load pretrained weights, and ``__init__`` may initialise tensors itself (``nn.init.zeros_``);
-    on ``meta`` both would be replaced by ``reset_parameters()``.
-    """
-    if empty_init:
-        return torch.device("meta")
-    return contextlib.nullcontext()
+__all__ = ["current_ties", "default_parallelize", "shard_module", "user_parallelized"]
 
 
 def user_parallelized(module: nn.Module) -> bool:

@@ -16,9 +16,7 @@ from ..loss import MaskedTokenLossReduction
 from ..wrapped import is_replicated
 
 __all__ = [
-    "LossTotals",
     "StepLosses",
-    "create_optimizers",
     "STEP_TYPES",
     "call_through_root",
     "defines",
@@ -158,30 +156,6 @@ def logits_of(output: Any) -> torch.Tensor:
     )
 
 
-class LossTotals:
-    """Running sums of loss-reduction records per step type: memory stays constant however long
-    nobody asks, and one reduction (one all-reduce) gives the mean since the last ``pop``.
-    """
-
-    def __init__(self) -> None:
-        self._totals: dict[str, tuple[Any, str, torch.Tensor]] = {}
-
-    def add(self, step_type: str, reduction: Any, record: Mapping[str, torch.Tensor]) -> None:
-        """Add one step's record (its first entry) to the running sum of ``step_type``."""
-        key = next(iter(record))
-        value = record[key].detach()
-        if step_type in self._totals:
-            value = value + self._totals[step_type][2]
-        self._totals[step_type] = (reduction, key, value)
-
-    def pop(self, step_type: str) -> Optional[tuple[Any, dict[str, torch.Tensor]]]:
-        """``(reduction, {key: summed record})`` of ``step_type`` and forget it; ``None`` if empty."""
-        if step_type not in self._totals:
-            return None
-        reduction, key, total = self._totals.pop(step_type)
-        return reduction, {key: total}
-
-
 def run_step(
     module: nn.Module, step_type: str, batch: Any, batch_idx: Optional[int], reduce: Callable[[str, Any], Any]
 ) -> Any:
@@ -209,13 +183,14 @@ def run_step(
 class StepLosses:
     """The strategy's loss bookkeeping: which reduction a step uses (the module's own, else a
     ``MaskedTokenLossReduction`` over the data-parallel group ``group_fn()`` gives), the loss of a
-    plain module's step, and the global mean since the last ``reduced`` call.
+    plain module's step, and the global mean since the last ``reduced`` call. Records are summed
+    as they come (memory stays constant however long nobody asks): one all-reduce gives the mean.
     """
 
     def __init__(self, group_fn: Callable[[], Any]) -> None:
         self._group_fn = group_fn
         self._defaults: dict[str, Any] = {}
-        self._totals = LossTotals()
+        self._totals: dict[str, tuple[Any, str, torch.Tensor]] = {}  # step type -> (reduction, key, sum)
 
     def reduction(self, module: Optional[nn.Module], step_type: str) -> Any:
         """The module's ``<step_type>_loss_reduction`` / ``loss_reduction``, else the token-weighted default."""
@@ -229,29 +204,19 @@ class StepLosses:
         return self._defaults[step_type]
 
     def step(self, module: nn.Module, step_type: str, batch: Any) -> torch.Tensor:
-        """This rank's loss of ``module`` on ``batch``; its record joins the running total."""
+        """This rank's loss of ``module`` on ``batch``; its record (first entry) joins the running sum."""
         reduction = self.reduction(module, step_type)
         loss, record = reduction.forward(batch, logits_of(forward_batch(module, batch)))
-        self._totals.add(step_type, reduction, record)
+        key = next(iter(record))
+        value = record[key].detach()
+        if step_type in self._totals:
+            value = value + self._totals[step_type][2]
+        self._totals[step_type] = (reduction, key, value)
         return loss
 
     def reduced(self, module: Optional[nn.Module], step_type: str) -> torch.Tensor:
         """Global mean of the ``step_type`` steps since the last call (one all-reduce); forgets them."""
-        popped = self._totals.pop(step_type)
-        if popped is None:
+        if step_type not in self._totals:
             return self.reduction(module, step_type).reduce([])
-        reduction, total = popped
-        return reduction.reduce([total])
-
-
-def create_optimizers(
-    module: nn.Module, fn: Optional[Callable[[nn.Module], Any]]
-) -> Optional[tuple[list[torch.optim.Optimizer], list[Any]]]:
-    """``fn(module)``, else the module's ``configure_optimizers()``, as (optimizers, schedulers);
-    ``None`` when there is neither.
-    """
-    if fn is not None:
-        return parse_optimizers(fn(module))
-    if callable(getattr(module, "configure_optimizers", None)):
-        return parse_optimizers(module.configure_optimizers())
-    return None
+        reduction, key, total = self._totals.pop(step_type)
+        return reduction.reduce([{key: total}])
