@@ -87,8 +87,10 @@ def recover(path: Path, *, locked: bool = False) -> None:
 
     Then ``path`` is missing and ``.<name>.replaced`` holds what was there: the new checkpoint is
     renamed into place if ``.<name>.incomplete`` holds it complete, else the previous one is put back.
-    Done under ``path``'s lock (``locked``: the caller holds it); when another process holds it
-    (a save in progress) or it cannot be taken (a read-only folder), nothing is done.
+    Done under ``path``'s lock (``locked``: the caller holds it). Another holder (a save in
+    progress, or a peer rank recovering the same path) is waited for, up to ``LOCK_WAIT_S``, so
+    every rank of a job that finds the path missing sees it back; when the lock cannot be taken
+    (a read-only folder) or the wait runs out, nothing is done.
     """
     old, tmp = replaced_dir(path), incomplete_dir(path)
     if os.path.lexists(path) or not old.is_dir():
@@ -96,7 +98,7 @@ def recover(path: Path, *, locked: bool = False) -> None:
     if not locked:
         lock = PathLock(path)
         try:
-            if not lock.acquire(timeout_s=0):
+            if not lock.acquire(timeout_s=LOCK_WAIT_S):
                 return
         except OSError:
             return
