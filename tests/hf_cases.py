@@ -445,6 +445,7 @@ def existing_dir_refused_and_failed_save_keeps_it() -> None:
     dist.barrier()
     assert {p.name: p.read_bytes() for p in sorted(ours.iterdir())} == kept, "a failed save changed the directory"
     assert not (ours.parent / ".ours_dir.incomplete").exists()
+    dist.barrier()  # every rank looked before rank 0 stages the next save
     save_pretrained(model, ours, overwrite=True)  # our own output: replaced
     names = sorted(p.name for p in ours.iterdir())
     assert names == ["config.json", "generation_config.json", "model.safetensors"], names  # the 8KB shards: gone

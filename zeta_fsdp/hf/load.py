@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Union
+from typing import Optional, Union
 
 import torch
 import torch.nn as nn
@@ -74,14 +74,6 @@ def _cut(full_or_rows: torch.Tensor, box: list[tuple[int, int]], rows_read: bool
         if (a, b) != (0, out.shape[dim]):
             out = out.narrow(dim, a, b - a)
     return out
-
-
-def _read_piece(entry: TensorEntry, box: list[tuple[int, int]]) -> torch.Tensor:
-    """This rank's piece of a stored tensor: only its rows (dim 0) are read from disk."""
-    if not box:
-        return read_rows(entry)
-    a, b = box[0]
-    return _cut(read_rows(entry, a, b - a), box, rows_read=True)
 
 
 def _target_device(tensors: dict[str, torch.Tensor]) -> torch.device:
@@ -205,26 +197,41 @@ def load_pretrained(model: nn.Module, path: Union[str, os.PathLike], *, strict: 
         if any(t.is_meta for t in tensors.values()):  # checked on every rank: now allocate, then read
             _allocate(model, tensors, aliases)
             tensors = model_tensors(model)
-        with torch.no_grad():
-            for key, source in plan.direct.items():
-                t = tensors[key]
-                box = local_box(t)
-                local = t.to_local() if isinstance(t, DTensor) else t
-                entry = entries[source]
-                whole_rows = all(b == (0, n) for b, n in zip(box[1:], entry.shape[1:]))
-                if local.dtype == entry.dtype and local.device.type == "cpu" and local.is_contiguous() and whole_rows:
-                    # The shard's bytes are one contiguous range of the file: read them in place.
-                    read_rows(entry, *((box[0][0], box[0][1] - box[0][0]) if box else ()), out=local.view(local.shape))
-                else:
-                    local.copy_(_read_piece(entry, box).reshape(local.shape))
-            for key, (_, build) in plan.converted.items():
-                t = tensors[key]
-                full = build(lambda k: read_rows(entries[k]))  # one fused tensor at a time
-                local = t.to_local() if isinstance(t, DTensor) else t
-                local.copy_(_cut(full, local_box(t), rows_read=False))
-                del full
+        fds: dict[Path, int] = {}  # each file opened once, not once per tensor
+
+        def read(entry: TensorEntry, rows: tuple = (), out: Optional[torch.Tensor] = None) -> torch.Tensor:
+            if entry.file not in fds:
+                fds[entry.file] = os.open(entry.file, os.O_RDONLY)
+            return read_rows(entry, *rows, out=out, fd=fds[entry.file])
+
+        try:
+            with torch.no_grad():
+                for key, source in plan.direct.items():
+                    t = tensors[key]
+                    box = local_box(t)
+                    local = t.to_local() if isinstance(t, DTensor) else t
+                    entry = entries[source]
+                    rows = (box[0][0], box[0][1] - box[0][0]) if box else ()  # only this rank's rows are read
+                    if (
+                        local.dtype == entry.dtype
+                        and local.device.type == "cpu"
+                        and local.is_contiguous()
+                        and all(b == (0, n) for b, n in zip(box[1:], entry.shape[1:]))
+                    ):  # the shard's bytes are one contiguous range of the file: read them in place
+                        read(entry, rows, out=local.view(local.shape))
+                    else:
+                        local.copy_(_cut(read(entry, rows), box, rows_read=True).reshape(local.shape))
+                for key, (_, build) in plan.converted.items():
+                    t = tensors[key]
+                    full = build(lambda k: read(entries[k]))  # one fused tensor at a time
+                    local = t.to_local() if isinstance(t, DTensor) else t
+                    local.copy_(_cut(full, local_box(t), rows_read=False))
+                    del full
+        finally:
+            for fd in fds.values():
+                os.close(fd)
 
     on_all_ranks(fill)  # an allocation or I/O error on one rank raises on all (no peer left waiting)
-    left = [k for k, t in model_tensors(model).items() if t.is_meta]
+    left = [k for k, t in tensors.items() if t.is_meta]
     if left:
         raise CheckpointError(f"{_CALLER}: these tensors are still on the meta device: {_short(left)}")
