@@ -311,6 +311,11 @@ def load_meta_materialized_llama_tied() -> None:
 def meta_unmaterialized_ties_share_storage() -> None:
     _, d = reference_dir("llama_tied")
     model = fsdp(build("llama_tied", meta=True), auto_wrap=True, shard_strat="FULL_SHARD", materialize=False)
+    # Nothing to save yet: refused by name on every rank, before anything is written.
+    out = work() / "meta_save"
+    expect_error(ValueError, lambda: save_pretrained(model, out), "meta device", "model.embed_tokens.weight")
+    dist.barrier()
+    assert not out.exists() and not (out.parent / ".meta_save.incomplete").exists()
     load_pretrained(model, d)
     assert model.lm_head.weight is model.model.embed_tokens.weight
     inv = model.model.rotary_emb.inv_freq
