@@ -17,10 +17,10 @@ load (into FULL_SHARD, the same sharding for every row)
   training job pays them (a real first step costs 1-2 s here and would drown the difference).
 
 save (of the loaded FULL_SHARD model)
-* ``floor``: one process writes the model's bytes with one ``writev`` + ``fsync``;
-* ``floor, N ranks``: each rank ``pwrite``s its shards' bytes into one preallocated file + ``fsync``;
+* ``floor``: one process writes the model's bytes with one ``writev`` + ``fdatasync``;
+* ``floor, N ranks``: each rank ``pwrite``s its shards' bytes into one preallocated file + ``fdatasync``;
 * ``save_pretrained`` (ours: every rank writes its rows at their offsets);
-* one-process ``model.save_pretrained`` (transformers, rank 0, plain model) + ``fsync``.
+* one-process ``model.save_pretrained`` (transformers, rank 0, plain model) + ``fdatasync``.
 
 Time = the slowest rank's wall time, median (and min) over rounds. Peak RSS growth per rank = ``VmHWM``
 (reset through ``/proc/self/clear_refs`` just before the call) minus ``VmRSS`` then; page cache
@@ -218,7 +218,7 @@ def rank_main(args: argparse.Namespace) -> None:
         if me == 0:
             fd = os.open(work / "floor_1p.bin", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
             os.writev(fd, views(plain.state_dict().values()))
-            os.fsync(fd)
+            os.fdatasync(fd)
             os.close(fd)
 
     def save_floor_ranks():
@@ -229,7 +229,7 @@ def rank_main(args: argparse.Namespace) -> None:
         dist.barrier()
         fd = os.open(f, os.O_WRONLY)
         os.pwritev(fd, views(shards), start)
-        os.fsync(fd)
+        os.fdatasync(fd)
         os.close(fd)
 
     def save_ours():
@@ -241,7 +241,7 @@ def rank_main(args: argparse.Namespace) -> None:
             plain.save_pretrained(out)
             for f in out.iterdir():
                 fd = os.open(f, os.O_RDONLY)
-                os.fsync(fd)
+                os.fdatasync(fd)
                 os.close(fd)
 
     order = [
@@ -360,10 +360,10 @@ NAMES = {
     "load_transformers": "transformers `from_pretrained(..., distributed_config=DistributedConfig(fsdp_size=N))`",
     "load_transformers_touched": "the same, then every local shard read once (`.sum()`)",
     "load_transformers_written": "the same, then every local shard written once (`mul_(1)`, as a first step)",
-    "save_floor": "floor: one process, one `writev` + `fsync` of the model's bytes",
-    "save_floor_ranks": "floor, N ranks: each `pwrite`s its shards into one file + `fsync`",
+    "save_floor": "floor: one process, one `writev` + `fdatasync` of the model's bytes",
+    "save_floor_ranks": "floor, N ranks: each `pwrite`s its shards into one file + `fdatasync`",
     "save_ours": "`save_pretrained` (each rank writes its rows)",
-    "save_transformers": "one-process `model.save_pretrained` + `fsync` (plain model)",
+    "save_transformers": "one-process `model.save_pretrained` + `fdatasync` (plain model)",
 }
 
 
@@ -432,7 +432,7 @@ def write_results(out: Path, results: dict, args: argparse.Namespace) -> None:
         "mean backing FSDP2's sharded storage with the file mapping (zero-copy), which needs the "
         "stored dtype to be the parameter's, page-aligned offsets and a file nobody truncates "
         "while the model lives.",
-        "* Save timings include `fsync`: they depend on how much other dirty data the disk is "
+        "* Save timings include `fdatasync`: they depend on how much other dirty data the disk is "
         "flushing at that moment (other jobs wrote too), so save ratios move more between runs "
         "than load ratios.",
         "* Times are medians of rounds inside one process: costs paid once per process (importing "

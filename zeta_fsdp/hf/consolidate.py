@@ -204,7 +204,7 @@ def consolidate_to_hf(
                         write_at(fds[name], plans[name].offset[k], out[k], file=tmp / name)
                     del out
             for fd in fds.values():
-                os.fsync(fd)
+                os.fdatasync(fd)  # the size is final since create(): data only
         finally:
             for fd in fds.values():
                 os.close(fd)

@@ -5,7 +5,7 @@ The files are planned before any byte moves: every kept tensor's saved names, dt
 per-expert keys), cut into files of at most ``max_shard_size``. A safetensors header holds every
 tensor's byte range, so rank 0 writes the headers and sizes the files, and then every rank writes
 its own rows of every tensor at their offsets (``os.pwrite``: a dim-0 shard is one contiguous
-byte range) and fsyncs: no gather, no rank holds a whole tensor. Tensors that are saved under
+byte range) and flushes them (``fdatasync``): no gather, no rank holds a whole tensor. Tensors saved under
 other names or shapes (fused MoE experts) or sharded on another dim are gathered one at a time
 and written by the rank owning their file. Everything goes into a hidden directory beside
 ``path``, renamed into place once complete.
@@ -159,7 +159,7 @@ def _write_data(
     folder: Path,
     dtype: Optional[torch.dtype],
 ) -> None:
-    """Every rank writes its rows of every tensor at their offsets (``os.pwrite``), then fsyncs.
+    """Every rank writes its rows of every tensor at their offsets (``os.pwrite``), then flushes them.
 
     A tensor saved under its own name and shape whose rank-local part is a row range is written
     from the local shard, nothing gathered. The rest (fused MoE tensors split on save, shards on
@@ -214,8 +214,11 @@ def _write_data(
             except Exception as e:
                 failed = e
         if failed is None:
-            for fd in fds.values():  # this rank's bytes are on disk before anyone publishes
-                os.fsync(fd)
+            # This rank's bytes are on disk before anyone publishes. fdatasync: the size is final since
+            # create(), so data is all there is to flush; two ranks fsync-ing one file (timestamps too)
+            # took about 2x as long at 423 MB on ext4.
+            for fd in fds.values():
+                os.fdatasync(fd)
     finally:
         for fd in fds.values():
             os.close(fd)
@@ -299,7 +302,7 @@ def save_pretrained(
 
         def write() -> None:
             _write_data(model, tensors, saved, where, plans, tmp, dtype)
-            if rank() == 0:
+            if rank() == world() - 1:  # rank 0 created the files (and writes every plain buffer)
                 write_index(tmp, where, files)
                 if is_hf_model(model):
                     saved_dtype = dtype or next((t.dtype for t in tensors.values() if t.is_floating_point()), None)
