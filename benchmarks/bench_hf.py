@@ -328,6 +328,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="tiny model: a smoke run, figures mean nothing")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"), help="where hf.md/hf.json go")
     parser.add_argument("--work-dir", default=None, help="where the temporary checkpoints go (default: $TMPDIR)")
+    parser.add_argument("--keep-other-sizes", action="store_true", help="keep --out's figures of sizes not run")
     parser.add_argument("--phase", help=argparse.SUPPRESS)
     parser.add_argument("--work", help=argparse.SUPPRESS)
     parser.add_argument("--shape", help=argparse.SUPPRESS)
@@ -338,6 +339,8 @@ def main() -> None:
     me = [sys.executable, str(Path(__file__).resolve())]
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}"]
     results = {}
+    if args.keep_other_sizes and (Path(args.out) / "hf.json").is_file():  # sizes not run now keep their figures
+        results = json.loads((Path(args.out) / "hf.json").read_text())["sizes"]
     for size, shape in sizes.items():
         rounds = args.rounds or (2 if args.quick else 3 if size == "1.6GB" else 5)
         with tempfile.TemporaryDirectory(prefix="bench_hf_", dir=args.work_dir) as tmp:
@@ -347,9 +350,11 @@ def main() -> None:
             cmd = torchrun + me[1:] + ["--phase", "rank", "--work", tmp, "--shape", json.dumps(shape)]
             run(cmd + ["--rounds", str(rounds)])
             per_rank = json.loads((work / "figures.json").read_text())
-        results[size] = {"model_bytes": model_bytes, "rounds": rounds, **summarize(per_rank, model_bytes)}
+        when = f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC"
+        results[size] = {"model_bytes": model_bytes, "rounds": rounds, "recorded": when}
+        results[size].update(summarize(per_rank, model_bytes))
         print(size, json.dumps(results[size]), flush=True)
-    write_results(Path(args.out), results, args)
+    write_results(Path(args.out), {s: results[s] for s in [*SIZES, "quick"] if s in results}, args)
 
 
 NAMES = {
@@ -372,6 +377,7 @@ def write_results(out: Path, results: dict, args: argparse.Namespace) -> None:
     cmd = "OMP_NUM_THREADS=1 python benchmarks/bench_hf.py"
     cmd += f" --nproc {args.nproc}" if args.nproc != 2 else ""
     cmd += f" --sizes {args.sizes}" if args.sizes != ",".join(SIZES) and not args.quick else ""
+    cmd += " --keep-other-sizes" if args.keep_other_sizes else ""
     cmd += " --quick" if args.quick else ""
     lines = [
         "# Hugging Face weights in and out: time and peak RSS per rank against the floor",
@@ -385,7 +391,7 @@ def write_results(out: Path, results: dict, args: argparse.Namespace) -> None:
     for size, r in results.items():
         mb = r["model_bytes"] / 1e6
         lines += [
-            f"## {size} ({mb:.0f} MB, {r['rounds']} rounds)",
+            f"## {size} ({mb:.0f} MB, {r['rounds']} rounds, recorded {r.get('recorded', '?')})",
             "",
             "| variant | time (s), median | min | x floor (median) | peak RSS growth per rank (x model) |",
             "|---|---|---|---|---|",
