@@ -22,7 +22,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from ..state_dict import CheckpointError
-from ..state_dict.checks import on_all_ranks
+from ..state_dict.checks import on_all_ranks, short_list
 from ..ties import retie
 from .files import TensorEntry, read_checkpoint_index, read_rows
 from .naming import KeyPlan, is_hf_model, map_checkpoint_keys, model_tensors, saved_aliases
@@ -30,11 +30,6 @@ from .naming import KeyPlan, is_hf_model, map_checkpoint_keys, model_tensors, sa
 __all__ = ["load_pretrained"]
 
 _CALLER = "load_pretrained()"
-
-
-def _short(names: list[str], limit: int = 8) -> str:
-    more = f", ... and {len(names) - limit} more" if len(names) > limit else ""
-    return "[" + ", ".join(names[:limit]) + more + "]"
 
 
 def local_box(t: torch.Tensor) -> list[tuple[int, int]]:
@@ -104,17 +99,17 @@ def _check(model: nn.Module, path: Path, strict: bool) -> tuple[dict[str, Tensor
         raise CheckpointError(f"{_CALLER}: {path} cannot be converted to {type(model).__name__}'s layout: {e}") from e
     problems = []
     if strict and plan.missing:
-        problems.append(f"missing keys (in the model, not in the checkpoint): {_short(plan.missing)}")
+        problems.append(f"missing keys (in the model, not in the checkpoint): {short_list(plan.missing)}")
     if strict and plan.unexpected:
-        problems.append(f"unexpected keys (in the checkpoint, not in the model): {_short(plan.unexpected)}")
+        problems.append(f"unexpected keys (in the checkpoint, not in the model): {short_list(plan.unexpected)}")
     shapes = [f"{k}: checkpoint {list(s)} vs model {list(wanted[k])}" for k, s in plan.shapes.items() if s != wanted[k]]
     if shapes:
-        problems.append(f"shape mismatches: {_short(shapes)}")
+        problems.append(f"shape mismatches: {short_list(shapes)}")
     on_meta = any(t.is_meta for t in tensors.values())
     if on_meta and not strict and plan.missing:
         problems.append(
             f"the model is on meta and these tensors are not in the checkpoint, so nothing would fill "
-            f"them: {_short(plan.missing)}"
+            f"them: {short_list(plan.missing)}"
         )
     if on_meta and not is_hf_model(model):
         lacking = [
@@ -125,7 +120,7 @@ def _check(model: nn.Module, path: Path, strict: bool) -> tuple[dict[str, Tensor
         if lacking:
             problems.append(
                 "the model is on meta and these modules hold non-persistent buffers (not in any checkpoint) "
-                f"but no reset_parameters() to recompute them: {_short(lacking)}. Define reset_parameters() "
+                f"but no reset_parameters() to recompute them: {short_list(lacking)}. Define reset_parameters() "
                 "on them, or let fsdp() materialize the model (materialize=True) before loading."
             )
     if problems:
@@ -234,4 +229,4 @@ def load_pretrained(model: nn.Module, path: Union[str, os.PathLike], *, strict: 
     on_all_ranks(fill)  # an allocation or I/O error on one rank raises on all (no peer left waiting)
     left = [k for k, t in tensors.items() if t.is_meta]
     if left:
-        raise CheckpointError(f"{_CALLER}: these tensors are still on the meta device: {_short(left)}")
+        raise CheckpointError(f"{_CALLER}: these tensors are still on the meta device: {short_list(left)}")

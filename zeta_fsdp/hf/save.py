@@ -28,7 +28,7 @@ from ..distributed import get_rank as rank
 from ..distributed import get_world_size as world
 from ..files import incomplete_path, publish_dir
 from ..state_dict.checks import on_all_ranks
-from ..wrapped import fsdp_engine
+from ..wrapped import fsdp_engine, unwrapped_class
 from .files import (
     INDEX_NAME,
     SafetensorsLayout,
@@ -39,7 +39,7 @@ from .files import (
     staging_dir,
     write_at,
 )
-from .naming import hf_class, is_hf_model, model_tensors, saved_aliases, saved_layout, saved_tensors
+from .naming import is_hf_model, model_tensors, saved_aliases, saved_layout, saved_tensors
 
 __all__ = ["cast", "check_dtype", "plan_hf_files", "save_pretrained", "write_hf_config", "write_index"]
 
@@ -306,7 +306,7 @@ def save_pretrained(
                 write_index(tmp, where, files)
                 if is_hf_model(model):
                     saved_dtype = dtype or next((t.dtype for t in tensors.values() if t.is_floating_point()), None)
-                    write_hf_config(model, tmp, saved_dtype, hf_class(model).__name__)
+                    write_hf_config(model, tmp, saved_dtype, unwrapped_class(model).__name__)
 
         on_all_ranks(write)
         on_all_ranks(lambda: publish_dir(tmp, path) if rank() == 0 else None)
