@@ -12,9 +12,10 @@ load (into FULL_SHARD, the same sharding for every row)
   ``from_pretrained(dir, distributed_config=DistributedConfig(fsdp_size=N))``; and the same with
   every local shard then read once (it can leave shards as views of a private file mapping,
   read from disk at first touch, so the call alone may not have read them);
-* both, end to end, then every local shard written once in place (``mul_(1)``): what the first
-  optimizer step does to every weight, so a mapping's copy-on-write faults are counted where a
-  training job pays them (a real first step costs 1-2 s here and would drown the difference).
+* both, end to end, then every local shard read once (``sum``) and written once in place
+  (``mul_(1)``): what a first step does to every weight (its forward reads it, its optimizer
+  writes it), so a mapping's page faults and copy-on-write are counted where a training job pays
+  them (a real first step costs 1-2 s here and would drown the difference).
 
 save (of the loaded FULL_SHARD model)
 * ``floor``: one process writes the model's bytes with one ``writev`` + ``fdatasync``;
@@ -152,30 +153,29 @@ def rank_main(args: argparse.Namespace) -> None:
     def locals_of(model):
         return [(t.to_local() if hasattr(t, "to_local") else t) for t in model.state_dict().values()]
 
-    def written(model) -> float:
-        """Every local shard written once in place, as a first optimizer step does; its seconds."""
+    def first_touches(model) -> tuple[float, float]:
+        """Seconds to read every local shard once, then to write each once in place: what a first
+        step does (its forward reads the weights, its optimizer writes them)."""
         t0 = time.perf_counter()
         with torch.no_grad():
             for t in locals_of(model):
+                t.sum()
+            t1 = time.perf_counter()
+            for t in locals_of(model):
                 t.mul_(1)
-        return time.perf_counter() - t0
+        return t1 - t0, time.perf_counter() - t1
 
     def load_ours():
         model = meta_fsdp()
         t0 = time.perf_counter()
         load_pretrained(model, weights)
-        call = time.perf_counter() - t0
-        return model, (call, written(model))
+        return model, (time.perf_counter() - t0, *first_touches(model))
 
     def load_transformers():
         model = transformers.LlamaForCausalLM.from_pretrained(
             weights, distributed_config=DistributedConfig(fsdp_size=world), dtype=torch.float32
         )
-        t0 = time.perf_counter()
-        # It may leave shards as views of a private file mapping, read at first touch: touch them.
-        for t in locals_of(model):
-            t.sum()
-        return model, (time.perf_counter() - t0, written(model))
+        return model, first_touches(model)
 
     figures: dict[str, list] = {name: [] for name in LOAD_ROWS + SAVE_ROWS}
     order = [("load_floor", load_floor), ("load_ours", load_ours), ("load_transformers", load_transformers)]
@@ -184,20 +184,18 @@ def rank_main(args: argparse.Namespace) -> None:
             fig, value = measured(fn)
             rss = fig["peak_growth_bytes"]
             if name == "load_ours":
-                # end to end: meta model + fsdp() + load (+ writes); the call alone is timed inside
-                call, write = value[1]
+                # end to end: meta model + fsdp() + load (+ first read and write); the call is timed inside
+                call, read, write = value[1]
                 figures["load_ours_written"].append(dict(fig))
-                figures["load_ours_e2e"].append({"seconds": fig["seconds"] - write, "peak_growth_bytes": rss})
+                figures["load_ours_e2e"].append({"seconds": fig["seconds"] - read - write, "peak_growth_bytes": rss})
                 fig = {"seconds": call, "peak_growth_bytes": rss}
             if name == "load_transformers":
-                touch, write = value[1]
-                figures["load_transformers_written"].append(
-                    {"seconds": fig["seconds"] - touch, "peak_growth_bytes": rss}
-                )
+                read, write = value[1]
+                figures["load_transformers_written"].append(dict(fig))
                 figures["load_transformers_touched"].append(
                     {"seconds": fig["seconds"] - write, "peak_growth_bytes": rss}
                 )
-                fig = {"seconds": fig["seconds"] - touch - write, "peak_growth_bytes": rss}
+                fig = {"seconds": fig["seconds"] - read - write, "peak_growth_bytes": rss}
             figures[name].append(fig)
             del value
 
@@ -361,10 +359,10 @@ NAMES = {
     "load_floor": "floor: each rank `os.pread`s exactly its bytes",
     "load_ours": "`load_pretrained` (the call)",
     "load_ours_e2e": "`load_pretrained` end to end (meta model + `fsdp()` + load)",
-    "load_ours_written": "the same, then every local shard written once (`mul_(1)`, as a first step)",
+    "load_ours_written": "the same, then every local shard read once and written once (as a first step)",
     "load_transformers": "transformers `from_pretrained(..., distributed_config=DistributedConfig(fsdp_size=N))`",
     "load_transformers_touched": "the same, then every local shard read once (`.sum()`)",
-    "load_transformers_written": "the same, then every local shard written once (`mul_(1)`, as a first step)",
+    "load_transformers_written": "the same, then every local shard read once and written once (as a first step)",
     "save_floor": "floor: one process, one `writev` + `fdatasync` of the model's bytes",
     "save_floor_ranks": "floor, N ranks: each `pwrite`s its shards into one file + `fdatasync`",
     "save_ours": "`save_pretrained` (each rank writes its rows)",
@@ -432,27 +430,39 @@ def write_results(out: Path, results: dict, args: argparse.Namespace) -> None:
         "* The load floor reads into fresh memory: most of its time is the page faults of the new "
         "pages (the kernel zeroes each 4 KiB page), which `load_pretrained` pays alike.",
         "* transformers' FSDP2 loading leaves each rank's shards as views of a private memory map "
-        "of the file (checked: every local shard's `data_ptr` lies in the file's mapping): the bytes "
-        "are not copied, pages are mapped from the page cache at first touch (and count in RSS as "
-        "file pages). That is below the pread floor. Matching it would "
-        "mean backing FSDP2's sharded storage with the file mapping (zero-copy), which needs the "
-        "stored dtype to be the parameter's, page-aligned offsets and a file nobody truncates "
-        "while the model lives.",
-        "* Save timings include `fdatasync`: they depend on how much other dirty data the disk is "
-        "flushing at that moment (other jobs wrote too), so save ratios move more between runs "
-        "than load ratios.",
-        "* Times are medians of rounds inside one process: costs paid once per process (importing "
-        "transformers, building its key-conversion mapping, which `load_pretrained` skips for "
-        "checkpoints under the model's own names) fall in the first round only.",
+        "of the file (checked: every local shard's `data_ptr` lies in the file's mapping): the call "
+        "copies nothing, so it can sit below the pread floor. The copy only moves: the first "
+        "optimizer step writes every weight and each page of the map is then copied on write. The "
+        "rows '... read once and written once' add that first read and write to both loads: "
+        "compare them for what a training job pays end to end. `load_pretrained` does not adopt the map (issue 23; "
+        "docs/huggingface.md says why: copy-on-write costs what the read saved, an unwritten "
+        "(frozen) weight stays file-backed and dies of `SIGBUS` when the file is rewritten in "
+        "place, a bf16 checkpoint into fp32 master weights and FSDP2's padded uneven shards are "
+        "copied anyway).",
+        "* A `load_pretrained` call's fixed cost (106 MB, per rank, CPU time): FSDP2's `to_empty` of "
+        "the meta shards 6-9 ms (25-45 us per tensor in DTensor dispatch, parameter swap and "
+        "re-padding), the key and shape check ~1 ms, two rank syncs ~1 ms (one before any change, "
+        "one so an I/O error raises on every rank), ~3 ms of bookkeeping; the reads cost what the "
+        "floor's do. That is why small models sit further above the floor than big ones.",
+        "* Every save row flushes with `fdatasync` (the file's size is set before its data is "
+        "written, so data is all there is to flush; two ranks `fsync`-ing one file took ~2x as "
+        "long). Save timings depend on how much other dirty data the disk is flushing (other jobs "
+        "wrote too), so save ratios move more between runs than load ratios.",
+        "* Times are medians (and minima: the least disturbed round) of rounds inside one process: "
+        "costs paid once per process (importing transformers, building its key-conversion mapping, "
+        "which `load_pretrained` skips for checkpoints under the model's own names and which "
+        "`save_pretrained` and transformers' own `save_pretrained` both pay once, 0.3-0.6 s here) "
+        "fall in the first round only.",
         "",
         f"Recorded {datetime.now(timezone.utc):%Y-%m-%d} on {platform.machine()}, {os.cpu_count()} CPU cores shared "
         "with other jobs (timings are noisy; ratios were measured side by side in one launch per size), "
         f"torch {__import__('torch').__version__}, transformers {__import__('transformers').__version__}.",
         "",
-        "Reproduce:",
+        "Reproduce (all sizes in one go; a size run alone with `--sizes S --keep-other-sizes` rewrites "
+        "only its own section, hence each section's record time):",
         "",
         "```",
-        cmd,
+        "OMP_NUM_THREADS=1 python benchmarks/bench_hf.py" if args.keep_other_sizes else cmd,
         "```",
         "",
     ]
