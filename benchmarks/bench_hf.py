@@ -434,8 +434,8 @@ def write_results(out: Path, results: dict, args: argparse.Namespace) -> None:
         "copies nothing, so it can sit below the pread floor. The copy only moves: the first "
         "optimizer step writes every weight and each page of the map is then copied on write. The "
         "rows '... read once and written once' add that first read and write to both loads: "
-        "compare them for what a training job pays end to end. `load_pretrained` does not adopt the map (issue 23; "
-        "docs/huggingface.md says why: copy-on-write costs what the read saved, an unwritten "
+        "compare them for what a training job pays end to end. `load_pretrained` does not adopt the map "
+        "(issue 23; docs/huggingface.md says why: end to end the gain mostly goes, an unwritten "
         "(frozen) weight stays file-backed and dies of `SIGBUS` when the file is rewritten in "
         "place, a bf16 checkpoint into fp32 master weights and FSDP2's padded uneven shards are "
         "copied anyway).",

@@ -32,7 +32,7 @@ __all__ = ["load_pretrained"]
 _CALLER = "load_pretrained()"
 
 
-def local_box(t: torch.Tensor) -> list[tuple[int, int]]:
+def local_box(t: torch.Tensor, local: Optional[torch.Tensor] = None) -> list[tuple[int, int]]:
     """``[(start, stop)]`` per dim: the part of the full tensor this rank's local shard of ``t`` holds.
 
     FSDP2 shards with ``torch.chunk`` semantics (``Shard(d)``: ceil-sized pieces, the last ones
@@ -52,7 +52,7 @@ def local_box(t: torch.Tensor) -> list[tuple[int, int]]:
         chunk = -(-(hi - lo) // n)
         start = min(lo + coord[mesh_dim] * chunk, hi)
         box[placement.dim] = (start, min(start + chunk, hi))
-    local = t.to_local().shape
+    local = (t.to_local() if local is None else local).shape  # ``local``: to_local() already taken
     if tuple(b - a for a, b in box) != tuple(local):
         raise CheckpointError(
             f"{_CALLER}: a shard of shape {tuple(local)} does not match the expected piece {box} of "
@@ -203,8 +203,8 @@ def load_pretrained(model: nn.Module, path: Union[str, os.PathLike], *, strict: 
             with torch.no_grad():
                 for key, source in plan.direct.items():
                     t = tensors[key]
-                    box = local_box(t)
                     local = t.to_local() if isinstance(t, DTensor) else t
+                    box = local_box(t, local)
                     entry = entries[source]
                     rows = (box[0][0], box[0][1] - box[0][0]) if box else ()  # only this rank's rows are read
                     if (
@@ -220,7 +220,7 @@ def load_pretrained(model: nn.Module, path: Union[str, os.PathLike], *, strict: 
                     t = tensors[key]
                     full = build(lambda k: read(entries[k]))  # one fused tensor at a time
                     local = t.to_local() if isinstance(t, DTensor) else t
-                    local.copy_(_cut(full, local_box(t), rows_read=False))
+                    local.copy_(_cut(full, local_box(t, local), rows_read=False))
                     del full
         finally:
             for fd in fds.values():
