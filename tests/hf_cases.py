@@ -311,6 +311,11 @@ def load_meta_materialized_llama_tied() -> None:
 def meta_unmaterialized_ties_share_storage() -> None:
     _, d = reference_dir("llama_tied")
     model = fsdp(build("llama_tied", meta=True), auto_wrap=True, shard_strat="FULL_SHARD", materialize=False)
+    # Nothing to save yet: refused by name on every rank, before anything is written.
+    out = work() / "meta_save"
+    expect_error(ValueError, lambda: save_pretrained(model, out), "meta device", "model.embed_tokens.weight")
+    dist.barrier()
+    assert not out.exists() and not (out.parent / ".meta_save.incomplete").exists()
     load_pretrained(model, d)
     assert model.lm_head.weight is model.model.embed_tokens.weight
     inv = model.model.rotary_emb.inv_freq
@@ -445,6 +450,7 @@ def existing_dir_refused_and_failed_save_keeps_it() -> None:
     dist.barrier()
     assert {p.name: p.read_bytes() for p in sorted(ours.iterdir())} == kept, "a failed save changed the directory"
     assert not (ours.parent / ".ours_dir.incomplete").exists()
+    dist.barrier()  # every rank looked before rank 0 stages the next save
     save_pretrained(model, ours, overwrite=True)  # our own output: replaced
     names = sorted(p.name for p in ours.iterdir())
     assert names == ["config.json", "generation_config.json", "model.safetensors"], names  # the 8KB shards: gone

@@ -132,10 +132,12 @@ def test_bench_hf(tmp_path: Path) -> None:
     run_bench("bench_hf.py", tmp_path)
     data = results(tmp_path, "hf")
     quick = data["sizes"]["quick"]
-    rows = ["load_floor", "load_ours", "load_ours_e2e", "load_transformers", "load_transformers_touched"]
+    rows = ["load_floor", "load_ours", "load_ours_e2e", "load_ours_written"]
+    rows += ["load_transformers", "load_transformers_touched", "load_transformers_written"]
     rows += ["save_floor", "save_floor_ranks", "save_ours", "save_transformers"]
     for row in rows:
-        assert positive(quick[row]["seconds"]), (row, quick[row])
+        assert positive(quick[row]["seconds"]) and positive(quick[row]["min_seconds"]), (row, quick[row])
+        assert quick[row]["min_seconds"] <= quick[row]["seconds"], (row, quick[row])
         assert len(quick[row]["rss_x_model"]) == 2, (row, quick[row])
     assert quick["save_ours_bit_identical"] is True  # what save_pretrained wrote == save_pretrained's tensors
 

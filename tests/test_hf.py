@@ -43,10 +43,14 @@ test_two_ranks = dist_test("hf_cases.py", 2, TWO_RANK)
 test_four_ranks_hybrid = dist_test("hf_cases.py", 4, FOUR_RANK)
 
 
-def test_stream_writer_matches_safetensors(tmp_path):
+def test_planned_file_matches_safetensors(tmp_path):
+    """A file planned by ``SafetensorsLayout`` and filled by ``write_at`` in any order is the safetensors
+    library's file: same tensors, read back by ``read_rows`` row range by row range."""
+    import os
+
     from safetensors.torch import load_file
 
-    from zeta_fsdp.hf.files import SafetensorsStreamWriter, read_rows, read_safetensors_header
+    from zeta_fsdp.hf.files import SafetensorsLayout, read_rows, read_safetensors_header, write_at
 
     tensors = {
         "a": torch.arange(12, dtype=torch.float32).reshape(4, 3),
@@ -54,14 +58,20 @@ def test_stream_writer_matches_safetensors(tmp_path):
         "c": torch.tensor([True, False, True]),
     }
     f = tmp_path / "x.safetensors"
-    with SafetensorsStreamWriter(f, {k: (v.dtype, tuple(v.shape)) for k, v in tensors.items()}) as w:
-        for k, v in tensors.items():
-            w.write(k, v)
+    layout = SafetensorsLayout({k: (v.dtype, tuple(v.shape)) for k, v in tensors.items()})
+    layout.create(f)
+    fd = os.open(f, os.O_WRONLY)
+    for k in reversed(tensors):  # any order: every offset is known up front
+        write_at(fd, layout.offset[k], tensors[k])
+    os.close(fd)
     back = load_file(str(f))
     assert all(torch.equal(back[k], v) for k, v in tensors.items())
     header = read_safetensors_header(f)
     assert torch.equal(read_rows(header["a"], 1, 2), tensors["a"][1:3])
     assert torch.equal(read_rows(header["b"]), tensors["b"])
+    fd = os.open(f, os.O_RDONLY)  # an open file, as load_pretrained passes it
+    assert torch.equal(read_rows(header["a"], 3, 1, fd=fd), tensors["a"][3:])
+    os.close(fd)
 
 
 def test_truncated_file_is_refused(tmp_path):
@@ -211,31 +221,17 @@ def test_hub_cache_layout_loads(tmp_path):
 
 def test_full_disk_names_the_file(tmp_path, monkeypatch):
     """A full disk while writing a safetensors file names the file and says what to do."""
-    import builtins
+    import os
 
-    from zeta_fsdp.hf.files import SafetensorsStreamWriter
+    from zeta_fsdp.hf.files import SafetensorsLayout
 
-    real_open = builtins.open
+    def full(fd, data, offset):
+        raise OSError(28, "No space left on device")
 
-    class Full:
-        def __init__(self, f):
-            self.f = f
-
-        def write(self, data):
-            raise OSError(28, "No space left on device")
-
-        def __getattr__(self, name):
-            return getattr(self.f, name)
-
-    def opener(file, mode="r", *args, **kwargs):
-        f = real_open(file, mode, *args, **kwargs)
-        return Full(f) if str(file).endswith(".safetensors") and "w" in mode else f
-
-    monkeypatch.setattr(builtins, "open", opener)
+    monkeypatch.setattr(os, "pwrite", full)
     target = tmp_path / "model.safetensors"
     with pytest.raises(OSError, match="No space left") as info:
-        with SafetensorsStreamWriter(target, {"w": (torch.float32, (2,))}) as w:
-            w.write("w", torch.ones(2))
+        SafetensorsLayout({"w": (torch.float32, (2,))}).create(target)
     assert str(target) in str(info.value) and "save elsewhere" in str(info.value), info.value
 
 

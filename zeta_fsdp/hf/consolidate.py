@@ -26,8 +26,9 @@ import torch.nn as nn
 from ..files import publish_dir
 from ..state_dict import CheckpointError
 from ..state_dict.reader import dcp_load, open_checkpoint
+from ..wrapped import unwrapped_class
 from .files import SafetensorsLayout, end_staging, parse_size, staging_dir, write_at
-from .naming import hf_class, model_tensors, saved_aliases, saved_layout, saved_tensors
+from .naming import model_tensors, saved_aliases, saved_layout, saved_tensors
 from .save import cast, check_dtype, plan_hf_files, write_hf_config, write_index
 
 __all__ = ["consolidate_to_hf", "meta_model_from_config"]
@@ -158,7 +159,7 @@ def consolidate_to_hf(
         ]
         if missing or unexpected or wrong:
             raise CheckpointError(
-                f"{_CALLER}: {src} does not match the {hf_class(model).__name__} of {config}: "
+                f"{_CALLER}: {src} does not match the {unwrapped_class(model).__name__} of {config}: "
                 f"missing {missing[:8]}, unexpected {unexpected[:8]}, shape mismatches {wrong[:8]}"
             )
 
@@ -204,14 +205,14 @@ def consolidate_to_hf(
                         write_at(fds[name], plans[name].offset[k], out[k], file=tmp / name)
                     del out
             for fd in fds.values():
-                os.fsync(fd)
+                os.fdatasync(fd)  # the size is final since create(): data only
         finally:
             for fd in fds.values():
                 os.close(fd)
         write_index(tmp, where, files)
         if model is not None:
             first = next((d for d, _ in layout.values() if d.is_floating_point), None)
-            write_hf_config(model, tmp, dtype or first, hf_class(model).__name__)
+            write_hf_config(model, tmp, dtype or first, unwrapped_class(model).__name__)
         publish_dir(tmp, out_dir)
     finally:
         end_staging(tmp)  # removes what a failed run left; releases the path's lock

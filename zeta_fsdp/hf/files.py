@@ -1,11 +1,11 @@
-"""Hugging Face weight files on disk: safetensors headers, index files, shard plans, a streaming writer.
+"""Hugging Face weight files on disk: safetensors headers, index files, shard plans, writes at offsets.
 
 Pure file handling, no process group and no model: ``load``/``save`` decide what to read or write.
 The safetensors format is small enough to handle directly (8-byte little-endian header length, a
 JSON header ``{name: {"dtype", "shape", "data_offsets"}}``, then the raw bytes). Reading the header
 ourselves lets every rank pread exactly its own rows of a tensor (nothing memory-mapped, so no
 page of another rank's shard counts in this rank's RSS), and writing it ourselves lets a file be
-streamed tensor by tensor without holding the whole file in memory first.
+planned before any tensor exists, then filled by every rank at its own offsets.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import re
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO, Iterator, Optional, Union
+from typing import Iterator, Optional, Union
 
 import torch
 
@@ -28,9 +28,7 @@ from ..state_dict.publish import LOCK_WAIT_S
 __all__ = [
     "INDEX_NAME",
     "SINGLE_NAME",
-    "PlannedFilesWriter",
     "SafetensorsLayout",
-    "SafetensorsStreamWriter",
     "TensorEntry",
     "contained_file",
     "parse_size",
@@ -254,13 +252,19 @@ def read_checkpoint_index(path: Union[str, os.PathLike]) -> dict[str, TensorEntr
 
 
 def read_rows(
-    entry: TensorEntry, start: int = 0, count: Optional[int] = None, *, out: Optional[torch.Tensor] = None
+    entry: TensorEntry,
+    start: int = 0,
+    count: Optional[int] = None,
+    *,
+    out: Optional[torch.Tensor] = None,
+    fd: Optional[int] = None,
 ) -> torch.Tensor:
     """Rows ``start:start+count`` (along dim 0) of a stored tensor, read with one ``pread``.
 
     Rows of a row-major tensor are one contiguous byte range, so a rank reads exactly the bytes
     of its shard; nothing is memory-mapped. ``count=None`` reads to the end. ``out``: a contiguous
     CPU tensor of the stored dtype and the rows' shape to read straight into (no extra copy).
+    ``fd``: ``entry.file`` already open for reading (a load of many tensors opens each file once).
     """
     if not entry.shape:  # 0-dim
         start, count, shape = 0, 1, ()
@@ -274,8 +278,11 @@ def read_rows(
     nbytes = count * entry.row_bytes
     if nbytes:
         buf = memoryview(out.view(-1).view(torch.uint8).numpy())
-        with open(entry.file, "rb", buffering=0) as f:
-            got = os.preadv(f.fileno(), [buf], entry.offset + start * entry.row_bytes)
+        if fd is None:
+            with open(entry.file, "rb", buffering=0) as f:
+                got = os.preadv(f.fileno(), [buf], entry.offset + start * entry.row_bytes)
+        else:
+            got = os.preadv(fd, [buf], entry.offset + start * entry.row_bytes)
         if got != nbytes:
             raise OSError(f"{entry.file}: short read of {entry.key!r} ({got} of {nbytes} bytes).")
     return out
@@ -403,90 +410,6 @@ def write_at(fd: int, offset: int, tensor: torch.Tensor, *, file: object = "") -
     if data.numel():
         with _naming(Path(str(file))):  # a full disk names the file and says what to do
             _pwrite_all(fd, memoryview(data.reshape(-1).view(torch.uint8).numpy()), offset, file)
-
-
-class SafetensorsStreamWriter:
-    """Write one safetensors file whose tensors' names, dtypes and shapes are known up front.
-
-    The header is written first; then ``write(key, tensor)`` appends each tensor's bytes in the
-    announced order, so only one tensor is in memory at a time.
-    """
-
-    def __init__(self, file: Union[str, os.PathLike], layout: dict[str, tuple[torch.dtype, tuple[int, ...]]]) -> None:
-        self.file = Path(file)
-        self._order = list(layout)
-        self._layout = layout
-        self._f: Optional[BinaryIO] = None
-        with _naming(self.file):
-            self._f = open(self.file, "wb")
-            self._f.write(SafetensorsLayout(layout).header)
-        self._next = 0
-
-    def write(self, key: str, tensor: torch.Tensor) -> None:
-        """Append ``tensor`` (must be the next announced key, with its dtype and shape)."""
-        want = self._order[self._next] if self._next < len(self._order) else None
-        dtype, shape = self._layout.get(key, (None, None))
-        if key != want or tensor.dtype != dtype or tuple(tensor.shape) != tuple(shape):
-            raise ValueError(
-                f"{self.file}: expected {want!r} next ({dtype}, {shape}); got {key!r} ({tensor.dtype}, {tuple(tensor.shape)})."
-            )
-        data = tensor.detach().to("cpu").contiguous()
-        if data.numel():
-            with _naming(self.file):
-                self._f.write(memoryview(data.reshape(-1).view(torch.uint8).numpy()))
-        self._next += 1
-
-    def close(self) -> None:
-        """Flush to disk; refuses a file that did not get every announced tensor."""
-        if self._f is None:
-            return
-        f, self._f = self._f, None
-        try:
-            if self._next != len(self._order):
-                raise ValueError(f"{self.file}: only {self._next} of {len(self._order)} tensors were written.")
-            with _naming(self.file):
-                f.flush()
-                os.fsync(f.fileno())
-        finally:
-            f.close()
-
-    def __enter__(self) -> SafetensorsStreamWriter:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if exc[0] is None:
-            self.close()
-        elif self._f is not None:
-            self._f.close()
-            self._f = None
-
-
-class PlannedFilesWriter:
-    """Streams tensors into the planned safetensors files (``plan_shard_files``): each file is opened
-    at its first tensor and closed, complete, at its last; leaving on an error closes what is open.
-    """
-
-    def __init__(self, folder: Path, where: dict[str, str], files: dict[str, dict]) -> None:
-        self.folder, self.where, self.files = Path(folder), where, files
-        self._open: dict[str, SafetensorsStreamWriter] = {}
-        self._left = {name: len(layout) for name, layout in files.items()}
-
-    def write(self, key: str, tensor: torch.Tensor) -> None:
-        name = self.where[key]
-        if name not in self._open:
-            self._open[name] = SafetensorsStreamWriter(self.folder / name, self.files[name])
-        self._open[name].write(key, tensor)
-        self._left[name] -= 1
-        if not self._left[name]:
-            self._open.pop(name).close()
-
-    def __enter__(self) -> PlannedFilesWriter:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for writer in self._open.values():  # only files that did not get every tensor are still open
-            writer.__exit__(RuntimeError, None, None)
-        self._open.clear()
 
 
 _WRITTEN = re.compile(

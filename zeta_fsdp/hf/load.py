@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Union
+from typing import Optional, Union
 
 import torch
 import torch.nn as nn
@@ -22,7 +22,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from ..state_dict import CheckpointError
-from ..state_dict.checks import on_all_ranks
+from ..state_dict.checks import on_all_ranks, short_list
 from ..ties import retie
 from .files import TensorEntry, read_checkpoint_index, read_rows
 from .naming import KeyPlan, is_hf_model, map_checkpoint_keys, model_tensors, saved_aliases
@@ -32,12 +32,7 @@ __all__ = ["load_pretrained"]
 _CALLER = "load_pretrained()"
 
 
-def _short(names: list[str], limit: int = 8) -> str:
-    more = f", ... and {len(names) - limit} more" if len(names) > limit else ""
-    return "[" + ", ".join(names[:limit]) + more + "]"
-
-
-def local_box(t: torch.Tensor) -> list[tuple[int, int]]:
+def local_box(t: torch.Tensor, local: Optional[torch.Tensor] = None) -> list[tuple[int, int]]:
     """``[(start, stop)]`` per dim: the part of the full tensor this rank's local shard of ``t`` holds.
 
     FSDP2 shards with ``torch.chunk`` semantics (``Shard(d)``: ceil-sized pieces, the last ones
@@ -57,7 +52,7 @@ def local_box(t: torch.Tensor) -> list[tuple[int, int]]:
         chunk = -(-(hi - lo) // n)
         start = min(lo + coord[mesh_dim] * chunk, hi)
         box[placement.dim] = (start, min(start + chunk, hi))
-    local = t.to_local().shape
+    local = (t.to_local() if local is None else local).shape  # ``local``: to_local() already taken
     if tuple(b - a for a, b in box) != tuple(local):
         raise CheckpointError(
             f"{_CALLER}: a shard of shape {tuple(local)} does not match the expected piece {box} of "
@@ -74,14 +69,6 @@ def _cut(full_or_rows: torch.Tensor, box: list[tuple[int, int]], rows_read: bool
         if (a, b) != (0, out.shape[dim]):
             out = out.narrow(dim, a, b - a)
     return out
-
-
-def _read_piece(entry: TensorEntry, box: list[tuple[int, int]]) -> torch.Tensor:
-    """This rank's piece of a stored tensor: only its rows (dim 0) are read from disk."""
-    if not box:
-        return read_rows(entry)
-    a, b = box[0]
-    return _cut(read_rows(entry, a, b - a), box, rows_read=True)
 
 
 def _target_device(tensors: dict[str, torch.Tensor]) -> torch.device:
@@ -112,17 +99,17 @@ def _check(model: nn.Module, path: Path, strict: bool) -> tuple[dict[str, Tensor
         raise CheckpointError(f"{_CALLER}: {path} cannot be converted to {type(model).__name__}'s layout: {e}") from e
     problems = []
     if strict and plan.missing:
-        problems.append(f"missing keys (in the model, not in the checkpoint): {_short(plan.missing)}")
+        problems.append(f"missing keys (in the model, not in the checkpoint): {short_list(plan.missing)}")
     if strict and plan.unexpected:
-        problems.append(f"unexpected keys (in the checkpoint, not in the model): {_short(plan.unexpected)}")
+        problems.append(f"unexpected keys (in the checkpoint, not in the model): {short_list(plan.unexpected)}")
     shapes = [f"{k}: checkpoint {list(s)} vs model {list(wanted[k])}" for k, s in plan.shapes.items() if s != wanted[k]]
     if shapes:
-        problems.append(f"shape mismatches: {_short(shapes)}")
+        problems.append(f"shape mismatches: {short_list(shapes)}")
     on_meta = any(t.is_meta for t in tensors.values())
     if on_meta and not strict and plan.missing:
         problems.append(
             f"the model is on meta and these tensors are not in the checkpoint, so nothing would fill "
-            f"them: {_short(plan.missing)}"
+            f"them: {short_list(plan.missing)}"
         )
     if on_meta and not is_hf_model(model):
         lacking = [
@@ -133,7 +120,7 @@ def _check(model: nn.Module, path: Path, strict: bool) -> tuple[dict[str, Tensor
         if lacking:
             problems.append(
                 "the model is on meta and these modules hold non-persistent buffers (not in any checkpoint) "
-                f"but no reset_parameters() to recompute them: {_short(lacking)}. Define reset_parameters() "
+                f"but no reset_parameters() to recompute them: {short_list(lacking)}. Define reset_parameters() "
                 "on them, or let fsdp() materialize the model (materialize=True) before loading."
             )
     if problems:
@@ -205,26 +192,41 @@ def load_pretrained(model: nn.Module, path: Union[str, os.PathLike], *, strict: 
         if any(t.is_meta for t in tensors.values()):  # checked on every rank: now allocate, then read
             _allocate(model, tensors, aliases)
             tensors = model_tensors(model)
-        with torch.no_grad():
-            for key, source in plan.direct.items():
-                t = tensors[key]
-                box = local_box(t)
-                local = t.to_local() if isinstance(t, DTensor) else t
-                entry = entries[source]
-                whole_rows = all(b == (0, n) for b, n in zip(box[1:], entry.shape[1:]))
-                if local.dtype == entry.dtype and local.device.type == "cpu" and local.is_contiguous() and whole_rows:
-                    # The shard's bytes are one contiguous range of the file: read them in place.
-                    read_rows(entry, *((box[0][0], box[0][1] - box[0][0]) if box else ()), out=local.view(local.shape))
-                else:
-                    local.copy_(_read_piece(entry, box).reshape(local.shape))
-            for key, (_, build) in plan.converted.items():
-                t = tensors[key]
-                full = build(lambda k: read_rows(entries[k]))  # one fused tensor at a time
-                local = t.to_local() if isinstance(t, DTensor) else t
-                local.copy_(_cut(full, local_box(t), rows_read=False))
-                del full
+        fds: dict[Path, int] = {}  # each file opened once, not once per tensor
+
+        def read(entry: TensorEntry, rows: tuple = (), out: Optional[torch.Tensor] = None) -> torch.Tensor:
+            if entry.file not in fds:
+                fds[entry.file] = os.open(entry.file, os.O_RDONLY)
+            return read_rows(entry, *rows, out=out, fd=fds[entry.file])
+
+        try:
+            with torch.no_grad():
+                for key, source in plan.direct.items():
+                    t = tensors[key]
+                    local = t.to_local() if isinstance(t, DTensor) else t
+                    box = local_box(t, local)
+                    entry = entries[source]
+                    rows = (box[0][0], box[0][1] - box[0][0]) if box else ()  # only this rank's rows are read
+                    if (
+                        local.dtype == entry.dtype
+                        and local.device.type == "cpu"
+                        and local.is_contiguous()
+                        and all(b == (0, n) for b, n in zip(box[1:], entry.shape[1:]))
+                    ):  # the shard's bytes are one contiguous range of the file: read them in place
+                        read(entry, rows, out=local.view(local.shape))
+                    else:
+                        local.copy_(_cut(read(entry, rows), box, rows_read=True).reshape(local.shape))
+                for key, (_, build) in plan.converted.items():
+                    t = tensors[key]
+                    full = build(lambda k: read(entries[k]))  # one fused tensor at a time
+                    local = t.to_local() if isinstance(t, DTensor) else t
+                    local.copy_(_cut(full, local_box(t, local), rows_read=False))
+                    del full
+        finally:
+            for fd in fds.values():
+                os.close(fd)
 
     on_all_ranks(fill)  # an allocation or I/O error on one rank raises on all (no peer left waiting)
-    left = [k for k, t in model_tensors(model).items() if t.is_meta]
+    left = [k for k, t in tensors.items() if t.is_meta]
     if left:
-        raise CheckpointError(f"{_CALLER}: these tensors are still on the meta device: {_short(left)}")
+        raise CheckpointError(f"{_CALLER}: these tensors are still on the meta device: {short_list(left)}")

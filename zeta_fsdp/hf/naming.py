@@ -22,11 +22,9 @@ import torch
 import torch.nn as nn
 
 from ..ties import tied_aliases
-from ..wrapped import unwrapped_class
 
 __all__ = [
     "KeyPlan",
-    "hf_class",
     "is_hf_model",
     "map_checkpoint_keys",
     "model_tensors",
@@ -43,11 +41,6 @@ def is_hf_model(model: nn.Module) -> bool:
     from transformers import PreTrainedModel
 
     return isinstance(model, PreTrainedModel)
-
-
-def hf_class(model: nn.Module) -> type:
-    """The model's own class: ``fully_shard`` / ``replicate`` swap in a generated subclass."""
-    return unwrapped_class(model)
 
 
 def model_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
