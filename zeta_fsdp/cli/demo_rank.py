@@ -8,6 +8,7 @@ step time, and rank 0 writes every result as JSON for the launcher.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import sys
@@ -17,7 +18,7 @@ from typing import Any, Optional, TextIO
 
 from ..files import atomic_write
 
-__all__ = ["LEARNING_RATE", "PER_RANK_BATCH", "SEQ_LEN", "main", "release_group_holders", "strategies_for"]
+__all__ = ["LEARNING_RATE", "PER_RANK_BATCH", "SEQ_LEN", "main", "strategies_for"]
 
 LEARNING_RATE = 3e-3
 SEQ_LEN = 12  # tokens per sample; the demo GPT has max_seq_len 16
@@ -138,28 +139,6 @@ def _run_strategy(gpt: Any, strategy: str, steps: int, mp: str, progress: _Progr
     }
 
 
-def release_group_holders() -> None:
-    """Destroy, now, the objects a finished strategy left in reference cycles (call on every rank).
-
-    A wrapped model is a reference cycle (module <-> its FSDP / ``replicate`` state), so it
-    outlives the function that built it until the garbage collector runs. Under NO_SHARD it holds
-    DDP's reducer, and the reducer holds the process group: ``destroy_process_group()`` then does
-    not end the group (its gloo worker threads and connections live on, measured), and the group
-    is torn down during interpreter finalization instead, when the cycle is finally collected. A
-    C++ thread that needs the GIL then (a gloo worker releasing a tensor of its last work) is
-    ended by the finalizing interpreter inside a ``noexcept`` frame: ``terminate called without an
-    active exception``, SIGABRT, timing-dependent (seen in 2 runs of 11 on a loaded machine). Collecting the
-    cycles right after each strategy makes ``shutdown()`` the group's last holder: its threads are
-    joined there, in the main thread, while the interpreter is whole.
-
-    Example:
-        >>> release_group_holders()
-    """
-    import gc
-
-    gc.collect()
-
-
 def main(argv: list[str]) -> None:
     """One rank of the demo (started by ``torch.distributed.run``; ``argv`` from the launcher)."""
     parser = argparse.ArgumentParser(prog="zeta_fsdp.cli.demo_rank")
@@ -189,7 +168,9 @@ def main(argv: list[str]) -> None:
             rows = []
             for strategy in strategies:
                 rows.append(_run_strategy(gpt, strategy, args.steps, args.mp, progress, device))
-                release_group_holders()  # this strategy's model and optimizer die now, not at exit
+                # A wrapped model is a reference cycle; under NO_SHARD it holds DDP's reducer and so the
+                # group. Collected now, not in interpreter finalization (SIGABRT in gloo, docs/pitfalls.md).
+                gc.collect()
         finally:
             progress.close()
             if stream is not None:
@@ -204,8 +185,7 @@ def main(argv: list[str]) -> None:
             result["rows"] = rows
             # all or nothing: the launcher treats a present result.json as a finished run
             atomic_write(out / "result.json", lambda tmp: tmp.write_text(json.dumps(result)))
-        release_group_holders()
-        shutdown()
+        shutdown()  # collects what is left in cycles, then waits for every rank before destroying
     except BaseException:
         (out / f"error_rank{rank}.txt").write_text(traceback.format_exc())
         raise
