@@ -26,25 +26,10 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from .options import ShardingSpec
 
-__all__ = [
-    "LAUNCHER_ENV_VARS",
-    "comm_device",
-    "get_rank",
-    "get_world_size",
-    "is_distributed",
-    "without_launcher_env",
-    "choose_device",
-    "default_backend",
-    "ensure_process_group",
-    "expected_world_size",
-    "fake_process_group",
-    "mesh_shape",
-    "build_mesh",
-    "build_dp_tp_mesh",
-    "shard_group_size",
-    "shutdown",
-    "on_all_ranks",
-]
+__all__ = ["LAUNCHER_ENV_VARS", "comm_device", "get_rank", "get_world_size", "is_distributed", "process_group_of"]
+__all__ += ["without_launcher_env", "choose_device", "default_backend", "ensure_process_group", "expected_world_size"]
+__all__ += ["fake_process_group", "mesh_shape", "build_mesh", "build_dp_tp_mesh", "shard_group_size", "shutdown"]
+__all__ += ["on_all_ranks", "validate_mesh"]
 
 # Groups this package started, so shutdown() never tears down one the user made.
 _CREATED_BY_US: dict[str, Any] = {"group": None, "shutdowns": 0}
@@ -61,18 +46,19 @@ def is_distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
-def _as_process_group(group: GroupLike) -> Optional[dist.ProcessGroup]:
+def process_group_of(group: GroupLike) -> Optional[dist.ProcessGroup]:
+    """The process group of a 1-D mesh; a process group (or ``None``: the world) as given."""
     return group.get_group() if isinstance(group, DeviceMesh) else group
 
 
 def get_rank(group: GroupLike = None) -> int:
     """This process's rank in ``group`` (a process group or a 1-D mesh; default: the world); 0 without a group."""
-    return dist.get_rank(_as_process_group(group)) if is_distributed() else 0
+    return dist.get_rank(process_group_of(group)) if is_distributed() else 0
 
 
 def get_world_size(group: GroupLike = None) -> int:
     """Ranks in ``group`` (a process group or a 1-D mesh; default: the world); 1 without a group."""
-    return dist.get_world_size(_as_process_group(group)) if is_distributed() else 1
+    return dist.get_world_size(process_group_of(group)) if is_distributed() else 1
 
 
 def comm_device(group: GroupLike = None) -> torch.device:
@@ -81,7 +67,7 @@ def comm_device(group: GroupLike = None) -> torch.device:
     """
     if not is_distributed():
         return torch.device("cpu")
-    backend = str(dist.get_backend(_as_process_group(group)))
+    backend = str(dist.get_backend(process_group_of(group)))
     if "nccl" in backend and "cpu:" not in backend:
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
@@ -181,10 +167,9 @@ def ensure_process_group(
             )
         return False
     backend = backend or default_backend(device, cpu_offload)
+    kwargs: dict[str, Any] = {"timeout": timedelta(seconds=timeout_s)}
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    kwargs = {"timeout": timedelta(seconds=timeout_s)}
-    if device.type == "cuda":
         kwargs["device_id"] = device
     restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     if (
@@ -349,18 +334,8 @@ def shutdown(*, force: bool = False, timeout_s: float = 300.0) -> None:
 
 
 # Exception types rebuilt by name on every rank by on_all_ranks(); anything else becomes RuntimeError.
-_SHARED_ERRORS = (
-    FileNotFoundError,
-    FileExistsError,
-    IsADirectoryError,
-    NotADirectoryError,
-    PermissionError,
-    OSError,
-    TypeError,
-    ValueError,
-    NotImplementedError,
-    RuntimeError,
-)
+_SHARED_ERRORS = (FileNotFoundError, FileExistsError, IsADirectoryError, NotADirectoryError, PermissionError, OSError)
+_SHARED_ERRORS += (TypeError, ValueError, NotImplementedError, RuntimeError)
 
 
 def on_all_ranks(
