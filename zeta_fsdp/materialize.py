@@ -108,8 +108,7 @@ def _fill_constructor_constants(model: nn.Module, unset: list[str], tensors: dic
             twin = unwrapped_class(model)(config)
     except Exception:  # noqa: BLE001 - a constructor that needs more than its config: nothing to copy
         return
-    built = dict(twin.named_parameters())
-    built.update(twin.named_buffers())
+    built = {**dict(twin.named_parameters()), **dict(twin.named_buffers())}
     for name in unset:
         source = built.get(name)
         if source is None or source.is_meta or source.shape != tensors[name].shape:
@@ -159,11 +158,9 @@ def materialize_meta_model(
     equal across replicas (HYBRID/NO_SHARD replicas must hold identical copies). The caller's RNG
     state is left as it was.
     """
-    tensors = dict(model.named_parameters())
-    tensors.update(model.named_buffers())
-    if not any(t.is_meta for t in tensors.values()):
+    meta_names = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if not meta_names:
         return False
-    meta_names = [n for n, t in tensors.items() if t.is_meta]
     # FSDP2's CPU offload expects the sharded parameters on CPU; buffers stay on the compute device.
     model.to_empty(device="cpu" if offload_to_cpu else device)
     if offload_to_cpu and device.type != "cpu":
@@ -173,8 +170,7 @@ def materialize_meta_model(
                     name, buffer.to(device), persistent=name not in module._non_persistent_buffers_set
                 )
     with torch.no_grad(), torch.random.fork_rng(devices=[]):
-        fresh = dict(model.named_parameters())
-        fresh.update(model.named_buffers())
+        fresh = {**dict(model.named_parameters()), **dict(model.named_buffers())}
         _fill_sentinel({n: fresh[n] for n in meta_names})
         if device.type == "cpu":
             torch.manual_seed(_agreed_seed() + 7919 * shard_index)
@@ -186,11 +182,10 @@ def materialize_meta_model(
         if unset:
             _fill_constructor_constants(model, unset, fresh)
     retie(model, tied_params)
-    left = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
+    now = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+    left = [n for n, t in now.items() if t.is_meta]
     if left:
         raise RuntimeError(f"fsdp(): these tensors are still on the meta device after materialization: {left[:10]}")
-    now = dict(model.named_parameters())
-    now.update(model.named_buffers())
     # Rank-local: init code runs alike on every rank, so a tensor nothing fills is caught on
     # every rank holding a non-empty shard of it, with no extra collective.
     unset = [n for n in meta_names if _still_sentinel(now[n])]
