@@ -51,21 +51,7 @@ from .preemption import PreemptionHandler
 from .preemption import resolve_signals as resolve_signals  # for strategy.py
 from .publish import is_checkpoint
 
-__all__ = [
-    "AsyncCheckpointer",
-    "CheckpointError",
-    "CheckpointManager",
-    "PreemptionHandler",
-    "consolidate_checkpoint",
-    "get_full_state_dict",
-    "get_optimizer_state_dict",
-    "get_sharded_state_dict",
-    "is_checkpoint",
-    "latest_checkpoint",
-    "load_checkpoint",
-    "load_full_state_dict",
-    "load_optimizer_state_dict",
-    "load_sharded_state_dict",
-    "prune_checkpoints",
-    "save_checkpoint",
-]
+__all__ = ["AsyncCheckpointer", "CheckpointError", "CheckpointManager", "PreemptionHandler", "consolidate_checkpoint"]
+__all__ += ["get_full_state_dict", "get_optimizer_state_dict", "get_sharded_state_dict", "is_checkpoint"]
+__all__ += ["latest_checkpoint", "load_checkpoint", "load_full_state_dict", "load_optimizer_state_dict"]
+__all__ += ["load_sharded_state_dict", "prune_checkpoints", "save_checkpoint"]

@@ -78,35 +78,17 @@ class _AlreadyStaged:
         pass
 
 
-class _StartGate:
-    """Holds a background write at its start until every rank has started one (``open``), or stops it (``close``)."""
-
-    def __init__(self) -> None:
-        self._event = threading.Event()
-        self._go = False
-
-    def open(self) -> None:
-        self._go = True
-        self._event.set()
-
-    def close(self) -> None:
-        self._event.set()
-
-    def wait(self) -> None:
-        self._event.wait()
-        if not self._go:
-            raise CheckpointError("the save did not start on every rank; this rank's write was cancelled")
-
-
 class _GatedWriter(FileSystemWriter):
-    """DCP's file writer whose ``reset`` (the first thing the write thread does, before any collective) waits at a gate."""
+    """DCP's file writer whose ``reset`` (the first thing the write thread does, before any collective)
+    waits for ``gate``: ``True`` once every rank started its write, ``False`` to cancel it."""
 
-    def __init__(self, path: Path, gate: _StartGate) -> None:
+    def __init__(self, path: Path, gate: Future) -> None:
         super().__init__(path)
         self._gate = gate
 
     def reset(self, checkpoint_id: Any = None) -> None:
-        self._gate.wait()
+        if not self._gate.result():
+            raise CheckpointError("the save did not start on every rank; this rank's write was cancelled")
         super().reset(checkpoint_id)
 
 
@@ -185,7 +167,7 @@ class AsyncCheckpointer:
         try:
             # every rank staged, or every rank raises; the live tensors are not referenced afterwards
             staged = on_all_ranks(lambda: stage_state(checkpoint_state(model, optimizer, extra), self._buffers))
-            gate = _StartGate()
+            gate: Future = Future()
 
             def start() -> Any:
                 with warnings.catch_warnings():
@@ -206,9 +188,9 @@ class AsyncCheckpointer:
             try:
                 upload = on_all_ranks(start)
             except FAILURES:
-                gate.close()  # a thread that started here stops before its first collective
+                gate.set_result(False)  # a thread that started here stops before its first collective
                 raise
-            gate.open()
+            gate.set_result(True)
         except FAILURES as e:
             end_save(path, lock, published=False)
             raise save_failure(path, f"staging {path}", e) from e

@@ -8,13 +8,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    set_optimizer_state_dict,
-)
-from torch.distributed.checkpoint.state_dict import (
-    get_optimizer_state_dict as _dcp_get_optimizer_state_dict,
-)
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict as _dcp_get_optimizer_state_dict
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from ..distributed import comm_device
@@ -32,8 +27,6 @@ from .checks import (
     world_size,
 )
 from .model import gather_full
-
-# --- optimizer state
 
 
 def _optimizer_params(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[tuple[nn.Parameter, list[str], dict]]:
@@ -298,14 +291,8 @@ def load_optimizer_state_dict(
     if full:
         # What each entry is (a shape-only meta tensor, or the option's value): every rank needs it
         # to validate and to allocate what the broadcast fills.
-        described = [
-            {
-                k: torch.empty_like(v, device="meta")
-                if k.startswith(STATE_PREFIX) and isinstance(v, torch.Tensor)
-                else v
-                for k, v in flat.items()
-            }
-        ]
+        tensors = [k for k, v in flat.items() if k.startswith(STATE_PREFIX) and isinstance(v, torch.Tensor)]
+        described = [{**flat, **{k: torch.empty_like(flat[k], device="meta") for k in tensors}}]
         if broadcast_from_rank0 and world_size() > 1:
             dist.broadcast_object_list(described, src=0)
         entries = described[0]
@@ -334,11 +321,7 @@ def _distribute_full(
     out: dict[str, Any] = {}
     for key, entry in entries.items():
         like = scratch.get(key)
-        if (
-            not key.startswith(STATE_PREFIX)
-            or not isinstance(entry, torch.Tensor)
-            or not isinstance(like, torch.Tensor)
-        ):
+        if not (key.startswith(STATE_PREFIX) and isinstance(entry, torch.Tensor) and isinstance(like, torch.Tensor)):
             out[key] = entry
             continue
         device = like.device if isinstance(like, DTensor) else comm_device()
