@@ -284,9 +284,7 @@ def build_mesh(spec: ShardingSpec, device: torch.device, *, replicate_size: Opti
 
 
 def build_dp_tp_mesh(device: torch.device, dp: int, tp: int, *, names: tuple[str, str] = ("dp", "tp")) -> DeviceMesh:
-    """A 2-D ``(dp, tp)`` mesh over the default group: data parallel x tensor parallel.
-
-    ``names`` are the dimension names (Lightning's adapter: ``("data_parallel", "tensor_parallel")``).
+    """A 2-D ``(dp, tp)`` mesh over the default group (dimension names: ``names``).
 
     Tensor-parallel ranks are adjacent (the last dimension), so they share a node when ``tp``
     divides the ranks per node: TP's per-layer collectives stay on the fast links.

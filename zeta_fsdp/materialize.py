@@ -133,30 +133,18 @@ def materialize_meta_model(
 ) -> bool:
     """Allocate a sharded ``meta`` model on ``device`` and initialise it. Returns ``True`` if it did.
 
-    Each rank allocates only its shards (``to_empty``), then initialises, in this order:
+    Each rank allocates only its shards (``to_empty``), then runs, in order: every module's own
+    initialiser, children first (``run_own_initialisers``); the root's ``init_weights()`` if it has
+    one (a model-wide scheme, buffers such as a causal mask, a Hugging Face model's weight init);
+    for a Hugging Face model, the config-valued parameters its weight init skips (CLIP's
+    ``logit_scale``: ``_fill_constructor_constants``); then ties are restored. Every tensor is
+    first filled with a marker (``_SENTINEL``): one still holding it was initialised by nobody, and
+    the call raises ``RuntimeError`` naming it (boolean buffers cannot be checked this way).
 
-    1. every module's own initialiser, children first (``run_own_initialisers``:
-       ``reset_parameters()``, torch.nn's ``_reset_parameters()``),
-    2. then the root's ``init_weights()``, if it defines one, on top (a model-wide scheme such
-       as ``normal(0, 0.02)``, buffers such as a causal mask or RoPE tables; a Hugging Face
-       model's own weight init),
-    3. a Hugging Face model's parameters set from config values in its constructor and left
-       out of its weight init (CLIP's ``logit_scale``) get those values
-       (``_fill_constructor_constants``),
-    4. then ties are restored.
-
-    Every floating-point tensor is filled with NaN (integer ones with their dtype's minimum)
-    right after ``to_empty``; any parameter or buffer that still holds that marker after steps
-    1-2 was initialised by nobody, and the call raises ``RuntimeError`` naming it (on each rank
-    holding a non-empty shard of it). Boolean buffers cannot be checked this way. Nothing may
-    stay on ``meta``.
-
-    ``shard_index`` is this rank's coordinate on the shard dimension of the mesh. On CUDA, DTensor
-    random ops keep shards of one parameter distinct by themselves; on CPU they draw from each
-    rank's own generator, so every shard would get the same numbers (a weight made of one block
-    repeated). We therefore seed the init with ``shard_index`` on CPU: distinct across shards,
-    equal across replicas (HYBRID/NO_SHARD replicas must hold identical copies). The caller's RNG
-    state is left as it was.
+    ``shard_index``: this rank's coordinate on the mesh's shard dimension. On CPU, DTensor random
+    ops draw from each rank's own generator, so every shard would get the same numbers (a weight
+    of one repeated block); there the init is seeded with ``shard_index``: distinct across shards,
+    equal across replicas (HYBRID/NO_SHARD). The caller's RNG state is left as it was.
     """
     meta_names = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     if not meta_names:
