@@ -171,12 +171,8 @@ def ensure_process_group(
     if device.type == "cuda":
         torch.cuda.set_device(device)
         kwargs["device_id"] = device
-    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    if (
-        _running_under_torchrun()
-        and restart not in ("", "0")
-        and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-    ):
+    torchrun, restart = _running_under_torchrun(), os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    if torchrun and restart not in ("", "0") and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
         # A torchrun restart (--max-restarts) reuses the agent's store, which still holds the first
         # attempt's gloo addresses (torch 2.13): new ranks would dial dead peers. Keys per attempt.
         store = dist.TCPStore(
@@ -185,7 +181,7 @@ def ensure_process_group(
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         prefixed = dist.PrefixStore(f"zeta_fsdp/attempt_{restart}", store)
         dist.init_process_group(backend=backend, store=prefixed, rank=rank, world_size=world, **kwargs)
-    elif _running_under_torchrun():
+    elif torchrun:
         dist.init_process_group(backend=backend, init_method="env://", **kwargs)
     else:
         dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1, **kwargs)
@@ -362,24 +358,19 @@ def on_all_ranks(
             result = fn()
         except catch as e:  # re-raised below, on every rank
             error = e
-    report = None if error is None else (type(error).__name__, describe(error))
-    if world > 1:
-        # Usually every rank succeeded: one all-reduce of a flag says so. The reports (pickled, two
-        # all-gathers) travel only when some rank failed.
-        failures = torch.tensor([0 if report is None else 1], device=comm_device())
-        dist.all_reduce(failures)
-        if not int(failures.item()):
-            return result
-        reports: list = [None] * world
-        dist.all_gather_object(reports, report)
-    else:
-        reports = [report]
-    failed = [(r, item) for r, item in enumerate(reports) if item is not None]
-    if not failed:
-        return result
     if world == 1:
-        raise error
-    where, (name, message) = failed[0]
+        if error is not None:
+            raise error  # alone: the original, as it is
+        return result
+    # Usually every rank succeeded: one all-reduce of a flag says so. The reports (pickled, two
+    # all-gathers) travel only when some rank failed.
+    failures = torch.tensor([0 if error is None else 1], device=comm_device())
+    dist.all_reduce(failures)
+    if not int(failures.item()):
+        return result
+    reports: list = [None] * world
+    dist.all_gather_object(reports, None if error is None else (type(error).__name__, describe(error)))
+    where, (name, message) = next((r, item) for r, item in enumerate(reports) if item is not None)
     known = {cls.__name__: cls for cls in (*_SHARED_ERRORS, *errors)}
     raised = known.get(name, default)(f"{message} (reported by rank {where})")
     raise raised from (error if where == me else None)

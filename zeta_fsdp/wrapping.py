@@ -252,6 +252,14 @@ def _chain(container: nn.Module, flattened: set[int]) -> list[nn.Module]:
     return items
 
 
+def _repeated_blocks(items: list[nn.Module]) -> Counter:
+    """The block classes (more than one weight layer) among ``items`` that occur twice or more."""
+    kinds = Counter(type(m) for m in items if not isinstance(m, _CONTAINERS))
+    return Counter(
+        {c: n for c, n in kinds.items() if n > 1 and not _is_layer_like(next(m for m in items if type(m) is c))}
+    )
+
+
 def _repeated_children(model: nn.Module) -> Counter:
     """Classes of modules that are repeated in a row: how many instances each layout holds.
 
@@ -274,16 +282,10 @@ def _repeated_children(model: nn.Module) -> Counter:
         if isinstance(module, _CONTAINERS):
             items = _chain(module, flattened) if isinstance(module, nn.Sequential) else list(module.children())
             items = [m for m in items if not isinstance(m, _CONTAINERS)]
-            kinds = Counter(type(m) for m in items)
             if isinstance(module, nn.Sequential) and len(items) < 2:
                 continue
-            if len(kinds) == 1:
-                cls, n = kinds.popitem()
-                counts[cls] += n
-            else:
-                for cls, n in kinds.items():
-                    if n > 1 and not _is_layer_like(next(m for m in items if type(m) is cls)):
-                        counts[cls] += n
+            kinds = Counter(type(m) for m in items)
+            counts += kinds if len(kinds) == 1 else _repeated_blocks(items)
             continue
         groups: dict[tuple[str, type], list[nn.Module]] = {}
         for name, child in module.named_children():
@@ -293,11 +295,7 @@ def _repeated_children(model: nn.Module) -> Counter:
         for (_, cls), members in groups.items():
             if issubclass(cls, nn.Sequential) and len(members) > 1:
                 # ResNet's layer1 .. layer4: stages as named Sequentials, one chain of blocks together
-                chain = [m for seq in members for m in _chain(seq, set()) if not isinstance(m, _CONTAINERS)]
-                kinds = Counter(type(m) for m in chain)
-                for kind, n in kinds.items():
-                    if n > 1 and not _is_layer_like(next(m for m in chain if type(m) is kind)):
-                        counts[kind] += n
+                counts += _repeated_blocks([m for seq in members for m in _chain(seq, set())])
             elif len(members) > 1 and not issubclass(cls, _CONTAINERS) and not _is_layer_like(members[0]):
                 counts[cls] += len(members)
     return counts
