@@ -169,16 +169,6 @@ class ResumableLoader:
             return torch.arange(len(self.dataset))
         return torch.randperm(len(self.dataset), generator=torch.Generator().manual_seed(self.seed + epoch))
 
-    def global_batch_indices(self, epoch: int, index: int) -> list[int]:
-        """The sample indices of global batch ``index`` of ``epoch`` (what all ranks together see).
-
-        Example:
-            loader.global_batch_indices(0, 0)
-            # -> [3, 81, 47, 12, ...]
-        """
-        start = index * self.global_batch_size
-        return self.order(epoch)[start : start + self.global_batch_size].tolist()
-
     def __iter__(self) -> Iterator[Any]:
         if self.consumed >= len(self) * self.global_batch_size:  # saved at the end of an epoch
             self.epoch, self.consumed = self.epoch + 1, 0

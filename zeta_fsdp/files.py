@@ -136,11 +136,9 @@ def publish_dir(
     """Rename the finished directory ``tmp`` to ``path``; what was at ``path`` goes only once ``tmp`` is in place.
 
     Where the system can, the two are swapped in one atomic step (``exchange_paths``): ``path``
-    never stops existing, and ``discard`` then deletes the previous entry at ``tmp``'s name.
-    Elsewhere the previous directory waits in ``replaced_path(path)`` between two renames and is
-    put back if the second fails; ``discard`` deletes it (and a stale one left by an interrupted
-    clean-up) afterwards. A symbolic link at ``path`` is replaced itself, never what it points
-    to (the default ``discard`` unlinks it). Returns ``path``.
+    never stops existing. Elsewhere the previous directory waits in ``replaced_path(path)``
+    between two renames and is put back if the second fails. ``discard`` deletes the previous
+    entry afterwards. A symbolic link at ``path`` is replaced itself, never what it points to.
     """
     tmp, path = Path(tmp), Path(path)
     old = replaced_path(path)

@@ -68,7 +68,6 @@ class _GlobalMeanReduction:
             tensor = buffer.to(tensor.device)
         return tensor
 
-    # -- what subclasses define --------------------------------------------------------------
     def _sum_and_count(self, batch: Any, forward_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         raise NotImplementedError
 
@@ -94,7 +93,6 @@ class _GlobalMeanReduction:
         # torch.where, not a product: an inf/NaN loss at a masked position must not leak in.
         return torch.where(weights != 0, losses * weights, torch.zeros_like(losses)), weights
 
-    # -- NeMo's interface --------------------------------------------------------------------
     def forward(self, batch: Any, forward_out: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """``(loss_for_backward, record)`` for one micro-batch on this rank.
 

@@ -34,17 +34,18 @@ def strategies_for(nproc: int) -> list[str]:
 
 
 class _Progress:
-    """A progress bar on ``stream``: tqdm when installed, else a plain ``\\r`` bar; silent without a stream."""
+    """A progress bar on the terminal ``tty``: tqdm when installed, else a plain ``\\r`` bar; silent without one."""
 
-    def __init__(self, total: int, stream: Optional[TextIO]):
-        self.total, self.done, self.stream, self.bar = total, 0, stream, None
-        if stream is None:
+    def __init__(self, total: int, tty: str):
+        self.total, self.done, self.bar = total, 0, None
+        self.stream: Optional[TextIO] = open(tty, "w") if tty else None  # noqa: SIM115 - closed by close()
+        if self.stream is None:
             return
         try:
             from tqdm import tqdm
         except ImportError:
             return
-        self.bar = tqdm(total=total, file=stream, unit="step", leave=False, dynamic_ncols=True)
+        self.bar = tqdm(total=total, file=self.stream, unit="step", leave=False, dynamic_ncols=True)
 
     def update(self, label: str) -> None:
         self.done += 1
@@ -62,7 +63,8 @@ class _Progress:
             self.bar.close()
         elif self.stream is not None:
             self.stream.write("\r" + " " * 60 + "\r")
-            self.stream.flush()
+        if self.stream is not None:
+            self.stream.close()
 
 
 def _counting_batch(vocab_size: int, rows: int, seed: int) -> Any:
@@ -162,8 +164,7 @@ def main(argv: list[str]) -> None:
 
         world = int(os.environ.get("WORLD_SIZE", "1"))
         strategies = strategies_for(world)
-        stream = open(args.tty, "w") if args.tty and rank == 0 else None  # noqa: SIM115 - closed below
-        progress = _Progress(args.steps * len(strategies), stream)
+        progress = _Progress(args.steps * len(strategies), args.tty if rank == 0 else "")
         try:
             rows = []
             for strategy in strategies:
@@ -173,16 +174,13 @@ def main(argv: list[str]) -> None:
                 gc.collect()
         finally:
             progress.close()
-            if stream is not None:
-                stream.close()
         if rank == 0:
             reference = gpt.small()
             numel = sum(p.numel() for p in reference.parameters())
             tied = ", tied embedding/head" if reference.cfg.tie_weights else ""
             model = f"GPT ({numel:,} parameters, {reference.cfg.n_layers} blocks{tied})"
-            result = {"model": model, "nproc": world, "steps": args.steps, "mp": args.mp}
+            result = dict(model=model, nproc=world, steps=args.steps, mp=args.mp, rows=rows)
             result.update(device=device.type, backend=default_backend(device))
-            result["rows"] = rows
             # all or nothing: the launcher treats a present result.json as a finished run
             atomic_write(out / "result.json", lambda tmp: tmp.write_text(json.dumps(result)))
         shutdown()  # collects what is left in cycles, then waits for every rank before destroying

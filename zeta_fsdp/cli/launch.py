@@ -1,10 +1,7 @@
 """Launching local ranks: ``torch.distributed.run`` in a session of its own, stopped as a whole.
 
-The launcher of the demo starts ``nproc`` ranks with ``python -m torch.distributed.run`` and
-waits. Ctrl-C (SIGINT) or SIGTERM stops every rank: the ranks live in their own session, so we
-forward the stop to ``torch.distributed.run`` and then make sure no rank process is left
-(Linux ``/proc``). If the launcher itself is killed (SIGKILL, no clean-up), the kernel sends
-SIGTERM to ``torch.distributed.run`` (``PR_SET_PDEATHSIG``), which then stops its ranks.
+Ctrl-C or SIGTERM is forwarded to ``torch.distributed.run``, then no rank process may be left
+(Linux ``/proc``); if the launcher is killed outright, ``PR_SET_PDEATHSIG`` stops the ranks.
 """
 
 from __future__ import annotations

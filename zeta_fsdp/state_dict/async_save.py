@@ -1,11 +1,4 @@
-"""Checkpoints written in the background: ``AsyncCheckpointer``.
-
-A save copies this rank's shards off the live parameters and optimizer state ("staging"), then
-DCP's ``async_save`` writes the copy from a background thread over a gloo group of its own (so its
-collectives never interleave with training's), and rank 0 publishes the directory atomically once
-every rank's files are written. Same checkpoint, same guarantees as ``save_checkpoint``; training
-waits only for the copy.
-"""
+"""Checkpoints written in the background: ``AsyncCheckpointer`` (stage a CPU copy, DCP writes it, rank 0 publishes)."""
 
 from __future__ import annotations
 
@@ -129,9 +122,7 @@ class AsyncCheckpointer:
         Example:
             checkpointer.in_flight  # -> PosixPath('ckpt/step_200') while that save is written
         """
-        if self._pending is None or self._pending[2].done():
-            return None
-        return self._pending[0]
+        return None if self._pending is None or self._pending[2].done() else self._pending[0]
 
     def _process_group(self) -> Optional[dist.ProcessGroup]:
         if self._group is None and dist_on() and world_size() > 1:

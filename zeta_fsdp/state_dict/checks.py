@@ -46,8 +46,7 @@ class CheckpointError(ValueError):
     """
 
 
-# --- ranks: one home, ``zeta_fsdp.distributed``; these names are what the package's modules use
-
+# The rank helpers' one home is ``zeta_fsdp.distributed``; these are the names this package uses.
 dist_on = is_distributed
 current_rank = get_rank
 world_size = get_world_size
@@ -76,9 +75,6 @@ def on_all_ranks(fn: Callable[[], Any]) -> Any:
         default=CheckpointError,
         describe=lambda e: error_reason(e) if isinstance(e, CheckpointException) else str(e),
     )
-
-
-# --- names and shapes
 
 
 def clean_fqn(name: str) -> str:

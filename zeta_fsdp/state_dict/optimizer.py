@@ -44,21 +44,13 @@ def _optimizer_params(model: nn.Module, optimizer: torch.optim.Optimizer) -> lis
     return out
 
 
-def _param_group_entries(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    out = {}
-    for _, names, group in _optimizer_params(model, optimizer):
-        for option, value in group.items():
-            if option != "params":
-                out[f"param_groups.{names[0]}.{option}"] = value
-    return out
-
-
 def flat_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """Sharded optimizer state, flattened and keyed by parameter FQN."""
     if not optimizer.state:
         # Never stepped. torch's get_optimizer_state_dict would first run a zero-lr step to create
         # state, which changes Adam's step count (and so every later update): record the options only.
-        return _param_group_entries(model, optimizer)
+        params = _optimizer_params(model, optimizer)
+        return {f"{GROUPS_PREFIX}{names[0]}.{k}": v for _, names, g in params for k, v in g.items() if k != "params"}
     options = StateDictOptions(flatten_optimizer_state_dict=True)
     return {clean_fqn(k): v for k, v in _dcp_get_optimizer_state_dict(model, optimizer, options=options).items()}
 

@@ -114,9 +114,9 @@ class _VerifyingReader(FileSystemReader):
         fut.set_result(None)
         return fut
 
-    def _runs(self, items: list[Any]) -> list[tuple[int, int, list[Any]]]:
-        """Group records (sorted by offset) into runs read at once: gaps under ``_GAP`` are read through."""
-        runs: list[list[Any]] = []  # [begin, end, items]
+    def _runs(self, items: list[Any]) -> list[list[Any]]:
+        """Group records (sorted by offset) into ``[begin, end, items]`` runs read at once: gaps under ``_GAP`` are read through."""
+        runs: list[list[Any]] = []
         for item in items:
             info = self.storage_data[item.storage_index]
             begin, end = int(info.offset), int(info.offset) + int(info.length)
@@ -125,7 +125,7 @@ class _VerifyingReader(FileSystemReader):
                 runs[-1][2].append(item)
             else:
                 runs.append([begin, end, [item]])
-        return [(begin, end, run) for begin, end, run in runs]
+        return runs
 
     def _read_record(self, item: Any, record: memoryview, where: str, planner: LoadPlanner) -> None:
         files = entries(record, where)
