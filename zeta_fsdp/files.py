@@ -37,12 +37,10 @@ def replaced_path(path: Union[str, Path]) -> Path:
 class PathLock:
     """An exclusive lock on ``path`` between processes: ``flock`` on ``.<name>.lock`` beside it.
 
-    Every writer of ``path`` (a save, the recovery of an interrupted overwrite) holds it from the
-    moment it looks at ``path`` until what it wrote is in place, so two jobs writing one path
-    take turns instead of interleaving. The lock file is removed on release; a waiter that
-    locked a file removed meanwhile sees that (its inode is no longer at that name) and
-    locks the new one. The kernel releases the lock when the process dies (a crash never leaves
-    ``path`` locked). One process may hold it once (a second ``acquire`` waits like another process).
+    Every writer of ``path`` holds it from the moment it looks at ``path`` until what it wrote is
+    in place, so two jobs writing one path take turns. The lock file is removed on release (a
+    waiter that locked a removed file sees its inode gone and locks the new one); the kernel
+    releases the lock when the process dies. A second ``acquire`` in one process waits too.
     """
 
     def __init__(self, path: Union[str, Path]) -> None:

@@ -36,13 +36,9 @@ _LARGE_SHARE = 0.25
 class WrapUnit:
     """One future ``fully_shard`` call: the modules it covers and the parameters it will own.
 
-    Attributes:
-        kind: ``"block"``, ``"embedding"``, ``"head"``, ``"embedding+head"`` (tied) or ``"root"``.
-        module_names: FQNs of the modules passed to ``fully_shard`` (``""`` is the root).
-        modules: the module objects, in the same order.
-        param_names: FQNs of the parameters this unit owns (first name of a tied parameter).
-        numel: elements owned; nbytes: bytes owned at the parameters' current dtypes.
-        dtypes: dtypes of the owned parameters.
+    ``kind``: ``"block"``, ``"embedding"``, ``"head"``, ``"embedding+head"`` (tied) or ``"root"``;
+    ``module_names`` (``""`` is the root) and ``modules`` go to ``fully_shard``; ``param_names``: what
+    it owns (a tied parameter under its first name); ``nbytes`` at the parameters' current dtypes.
 
     Example:
         >>> from zeta_fsdp.models.gpt import small
@@ -482,16 +478,11 @@ def _resolve_ties(
 
 def _fill_params(units: list[WrapUnit], model: nn.Module, ignored: set[int]) -> tuple[list[str], list[str]]:
     """Give each parameter to its unit; returns (ignored names, 0-dim names: ignored as well)."""
-    seen: set[int] = set()
     ignored_names, scalar_names = [], []
-    for name, param in model.named_parameters(remove_duplicate=False):
-        pid = id(param)
-        if pid in seen:
-            continue
-        seen.add(pid)
-        if pid in ignored or param.dim() == 0:
+    for name, param in model.named_parameters():  # a tied parameter once, under its first name
+        if id(param) in ignored or param.dim() == 0:
             ignored_names.append(name)
-            if param.dim() == 0 and pid not in ignored:
+            if param.dim() == 0 and id(param) not in ignored:
                 scalar_names.append(name)
             continue
         unit = units[_claiming_unit(name.rpartition(".")[0], units)]
