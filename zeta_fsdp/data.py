@@ -14,10 +14,9 @@ import warnings
 from typing import Any, Iterator, Mapping, Optional
 
 import torch
-import torch.distributed as dist
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, RandomSampler, Sampler
 
-from .distributed import expected_world_size
+from .distributed import expected_world_size, get_rank, is_distributed
 
 __all__ = ["ResumableLoader", "shard_dataloader"]
 
@@ -122,11 +121,10 @@ class ResumableLoader:
         world_size: Optional[int] = None,
         **loader_kwargs: Any,
     ) -> None:
-        on = dist.is_available() and dist.is_initialized()
         # Built before the process group exists (under torchrun, before fsdp() starts it): the
         # launcher's RANK / WORLD_SIZE say which rank this is, as fsdp() will read them.
         default_world = expected_world_size()
-        default_rank = dist.get_rank() if on else (int(os.environ["RANK"]) if default_world > 1 else 0)
+        default_rank = get_rank() if is_distributed() else (int(os.environ["RANK"]) if default_world > 1 else 0)
         self.world_size = int(world_size if world_size is not None else default_world)
         self.rank = int(rank if rank is not None else default_rank)
         if isinstance(global_batch_size, bool) or not isinstance(global_batch_size, int) or global_batch_size < 1:

@@ -65,9 +65,7 @@ def comm_device(group: GroupLike = None) -> torch.device:
     """Where a tensor must live for a collective of ``group``: the current CUDA device under NCCL
     (which takes no CPU tensors), else the CPU (also without a process group).
     """
-    if not is_distributed():
-        return torch.device("cpu")
-    backend = str(dist.get_backend(process_group_of(group)))
+    backend = str(dist.get_backend(process_group_of(group))) if is_distributed() else ""
     if "nccl" in backend and "cpu:" not in backend:
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
@@ -103,9 +101,7 @@ def expected_world_size() -> int:
     """World size the job has or will have, without starting anything."""
     if is_distributed():
         return dist.get_world_size()
-    if _running_under_torchrun():
-        return int(os.environ["WORLD_SIZE"])
-    return 1
+    return int(os.environ["WORLD_SIZE"]) if _running_under_torchrun() else 1
 
 
 def _local_world_size() -> int:
@@ -118,13 +114,12 @@ def choose_device(model: Optional[nn.Module] = None, device: Union[str, torch.de
     An explicit ``device`` wins. Otherwise CUDA (``cuda:LOCAL_RANK``) when available, else the
     device the model's parameters are on (``meta`` counts as "not chosen yet": CPU).
     """
+    local_cuda = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
     if device is not None:
         device = torch.device(device)
-        if device.type == "cuda" and device.index is None:
-            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-        return device
+        return local_cuda if device.type == "cuda" and device.index is None else device
     if torch.cuda.is_available():
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        return local_cuda
     if model is not None:
         for tensor in list(model.parameters()) + list(model.buffers()):
             if tensor.device.type not in ("meta", "cpu"):

@@ -205,15 +205,9 @@ class AsyncCheckpointer:
             return None
         path, lock, done = self._pending
         self._pending = None
-        error = done.exception()
-
-        def check() -> None:
-            if error is not None:
-                raise error
-
         published = False
         try:
-            on_all_ranks(check)
+            on_all_ranks(done.result)  # raises this rank's write error, if any, on every rank
             published = True
         except FAILURES as e:
             raise save_failure(path, f"writing {path}", e) from e

@@ -63,17 +63,15 @@ def discard_checkpoint_dir(path: Path) -> None:
     ``CheckpointError`` naming the path and why, and is left as it is.
     """
     path = Path(path)
-    if path.is_symlink():
-        path.unlink()
-        return
-    if not os.path.lexists(path):
-        return
-    problem = removal_problem(path)
+    problem = removal_problem(path)  # None for a link or nothing at all
     if problem is not None:
         raise CheckpointError(
             f"{path} is not a checkpoint written by this library ({problem}); refusing to delete it. "
             "Remove it yourself if it is yours to delete."
         )
+    if path.is_symlink() or not os.path.lexists(path):
+        path.unlink(missing_ok=True)
+        return
     with contextlib.suppress(OSError):
         (path / METADATA_FILE).unlink()
     shutil.rmtree(path, ignore_errors=True)
