@@ -63,9 +63,7 @@ def run_own_initialisers(model: nn.Module) -> None:
     re-drawing every matrix xavier-uniform over its children's init, as its constructor does).
     """
     for module in _children_first(model):
-        init = getattr(module, "reset_parameters", None)
-        if not callable(init):
-            init = getattr(module, "_reset_parameters", None)
+        init = getattr(module, "reset_parameters", None) or getattr(module, "_reset_parameters", None)
         if callable(init):
             init()
 
