@@ -165,7 +165,9 @@ def async_save_failing_to_start_on_one_rank_raises_on_every_rank():
         dcp.async_save = real
     assert checkpointer.in_flight is None
     assert_identical("previous checkpoint after a failed start", loaded(path)["state"], before["state"])
+    dist.barrier()  # rank 0 removes what it prepared after raising, as rank 1 raises: look once it is done
     assert not (root() / ".start_fails.incomplete").exists() and not (root() / ".start_fails.lock").exists()
+    dist.barrier()  # every rank has looked before rank 0 prepares the next save
     checkpointer.save(path, model, opt, extra={"step": 2}, overwrite=True)  # the checkpointer works on
     checkpointer.wait()
     assert loaded(path)["extra"] == {"step": 2}

@@ -92,25 +92,24 @@ def test_loss_collective_buffers_on_the_communication_device(monkeypatch):
     CPU tensor, which NCCL refuses: the buffer must be on the group's communication device."""
     import torch.distributed as dist
 
-    from zeta_fsdp.loss import MaskedTokenLossReduction
+    from zeta_fsdp import loss
 
-    reduction = MaskedTokenLossReduction()
-    assert reduction._comm_device() == torch.device("cpu")  # no process group
+    assert loss.comm_device() == torch.device("cpu")  # no process group
     backend = {"name": "nccl"}
     monkeypatch.setattr(dist, "is_initialized", lambda: True)
     monkeypatch.setattr(dist, "get_backend", lambda group=None: backend["name"])
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
-    assert reduction._comm_device() == torch.device("cuda", 3)
+    assert loss.comm_device() == torch.device("cuda", 3)
     backend["name"] = "cpu:gloo,cuda:nccl"
-    assert reduction._comm_device() == torch.device("cpu")
+    assert loss.comm_device() == torch.device("cpu")
     backend["name"] = "gloo"
-    assert reduction._comm_device() == torch.device("cpu")
+    assert loss.comm_device() == torch.device("cpu")
     # the buffer of reduce([]) is allocated on that device: "meta" stands in for cuda here
     seen = []
-    monkeypatch.setattr(reduction, "_dp_size", lambda: 2)
-    monkeypatch.setattr(reduction, "_comm_device", lambda: torch.device("meta"))
+    monkeypatch.setattr(loss, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(loss, "comm_device", lambda group=None: torch.device("meta"))
     monkeypatch.setattr(dist, "all_reduce", lambda tensor, *args, **kwargs: seen.append(tensor.device))
-    reduction.reduce([])
+    loss.MaskedTokenLossReduction().reduce([])
     assert seen == [torch.device("meta")], seen
 
 

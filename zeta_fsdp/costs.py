@@ -90,15 +90,8 @@ def accumulation_table(costs: dict[str, AccumulationCost], micro_batches: int) -
     """``accumulation_costs`` as a fixed-width table (used by ``MemoryReport`` and the planner)."""
     header = (f"gradient accumulation, {micro_batches} micro-batches", "grads held between", "reduce-scatters")
     rows = [header + ("all-reduces",)]
-    for cost in costs.values():
-        rows.append(
-            (
-                _CHOICE_LABELS[cost.choice],
-                format_bytes(cost.grad_bytes),
-                str(cost.reduce_scatters),
-                str(cost.all_reduces),
-            )
-        )
+    for c in costs.values():
+        rows.append((_CHOICE_LABELS[c.choice], format_bytes(c.grad_bytes), str(c.reduce_scatters), str(c.all_reduces)))
     return render_table(rows, align="lrrr")
 
 

@@ -14,10 +14,9 @@ import warnings
 from typing import Any, Iterator, Mapping, Optional
 
 import torch
-import torch.distributed as dist
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, RandomSampler, Sampler
 
-from .distributed import expected_world_size
+from .distributed import expected_world_size, get_rank, is_distributed
 
 __all__ = ["ResumableLoader", "shard_dataloader"]
 
@@ -79,16 +78,8 @@ def shard_dataloader(
             drop_last=dataloader.drop_last,
         )
         sampler.set_epoch(epoch)
-    options = {
-        "batch_size": dataloader.batch_size,
-        "num_workers": dataloader.num_workers,
-        "collate_fn": dataloader.collate_fn,
-        "pin_memory": dataloader.pin_memory,
-        "drop_last": dataloader.drop_last,
-        "timeout": dataloader.timeout,
-        "worker_init_fn": dataloader.worker_init_fn,
-        "persistent_workers": dataloader.persistent_workers,
-    }
+    kept = ("batch_size", "num_workers", "collate_fn", "pin_memory", "drop_last", "timeout", "worker_init_fn")
+    options = {name: getattr(dataloader, name) for name in (*kept, "persistent_workers")}
     if dataloader.num_workers > 0:
         options["prefetch_factor"] = dataloader.prefetch_factor
     return DataLoader(dataloader.dataset, sampler=sampler, **options), sampler
@@ -130,11 +121,10 @@ class ResumableLoader:
         world_size: Optional[int] = None,
         **loader_kwargs: Any,
     ) -> None:
-        on = dist.is_available() and dist.is_initialized()
         # Built before the process group exists (under torchrun, before fsdp() starts it): the
         # launcher's RANK / WORLD_SIZE say which rank this is, as fsdp() will read them.
         default_world = expected_world_size()
-        default_rank = dist.get_rank() if on else (int(os.environ["RANK"]) if default_world > 1 else 0)
+        default_rank = get_rank() if is_distributed() else (int(os.environ["RANK"]) if default_world > 1 else 0)
         self.world_size = int(world_size if world_size is not None else default_world)
         self.rank = int(rank if rank is not None else default_rank)
         if isinstance(global_batch_size, bool) or not isinstance(global_batch_size, int) or global_batch_size < 1:
@@ -177,28 +167,14 @@ class ResumableLoader:
             return torch.arange(len(self.dataset))
         return torch.randperm(len(self.dataset), generator=torch.Generator().manual_seed(self.seed + epoch))
 
-    def global_batch_indices(self, epoch: int, index: int) -> list[int]:
-        """The sample indices of global batch ``index`` of ``epoch`` (what all ranks together see).
-
-        Example:
-            loader.global_batch_indices(0, 0)
-            # -> [3, 81, 47, 12, ...]
-        """
-        start = index * self.global_batch_size
-        return self.order(epoch)[start : start + self.global_batch_size].tolist()
-
     def __iter__(self) -> Iterator[Any]:
         if self.consumed >= len(self) * self.global_batch_size:  # saved at the end of an epoch
             self.epoch, self.consumed = self.epoch + 1, 0
-        per = self.global_batch_size // self.world_size
-        order = self.order(self.epoch)
-        first = self.consumed // self.global_batch_size
-        batches = [
-            order[
-                b * self.global_batch_size + self.rank * per : b * self.global_batch_size + (self.rank + 1) * per
-            ].tolist()
-            for b in range(first, len(self))
-        ]
+        size = self.global_batch_size
+        per = size // self.world_size
+        order, mine = self.order(self.epoch), self.rank * per
+        starts = range(self.consumed // size * size, len(self) * size, size)
+        batches = [order[start + mine : start + mine + per].tolist() for start in starts]
         for batch in DataLoader(self.dataset, batch_sampler=batches, **self.loader_kwargs):
             # Counted before the caller trains on it: a checkpoint taken after that step resumes after it.
             self.consumed += self.global_batch_size
@@ -227,14 +203,11 @@ class ResumableLoader:
         Example:
             loader.load_state_dict(saved["data"])
         """
-        for key, mine in (
-            ("global_batch_size", self.global_batch_size),
-            ("dataset_len", len(self.dataset)),
-            ("shuffle", self.shuffle),
-        ):
-            if key in state and state[key] != mine:
+        mine = self.state_dict()
+        for key in ("global_batch_size", "dataset_len", "shuffle"):
+            if key in state and state[key] != mine[key]:
                 raise ValueError(
-                    f"ResumableLoader.load_state_dict(): saved {key}={state[key]!r}, this loader has {mine!r}; "
+                    f"ResumableLoader.load_state_dict(): saved {key}={state[key]!r}, this loader has {mine[key]!r}; "
                     "an exact resume needs the same global batch size, dataset and shuffling."
                 )
         self.epoch, self.consumed, self.seed = int(state["epoch"]), int(state["consumed"]), int(state["seed"])

@@ -26,25 +26,10 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from .options import ShardingSpec
 
-__all__ = [
-    "LAUNCHER_ENV_VARS",
-    "comm_device",
-    "get_rank",
-    "get_world_size",
-    "is_distributed",
-    "without_launcher_env",
-    "choose_device",
-    "default_backend",
-    "ensure_process_group",
-    "expected_world_size",
-    "fake_process_group",
-    "mesh_shape",
-    "build_mesh",
-    "build_dp_tp_mesh",
-    "shard_group_size",
-    "shutdown",
-    "on_all_ranks",
-]
+__all__ = ["LAUNCHER_ENV_VARS", "comm_device", "get_rank", "get_world_size", "is_distributed", "process_group_of"]
+__all__ += ["without_launcher_env", "choose_device", "default_backend", "ensure_process_group", "expected_world_size"]
+__all__ += ["fake_process_group", "mesh_shape", "build_mesh", "build_dp_tp_mesh", "shard_group_size", "shutdown"]
+__all__ += ["on_all_ranks", "validate_mesh"]
 
 # Groups this package started, so shutdown() never tears down one the user made.
 _CREATED_BY_US: dict[str, Any] = {"group": None, "shutdowns": 0}
@@ -61,27 +46,26 @@ def is_distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
-def _as_process_group(group: GroupLike) -> Optional[dist.ProcessGroup]:
+def process_group_of(group: GroupLike) -> Optional[dist.ProcessGroup]:
+    """The process group of a 1-D mesh; a process group (or ``None``: the world) as given."""
     return group.get_group() if isinstance(group, DeviceMesh) else group
 
 
 def get_rank(group: GroupLike = None) -> int:
     """This process's rank in ``group`` (a process group or a 1-D mesh; default: the world); 0 without a group."""
-    return dist.get_rank(_as_process_group(group)) if is_distributed() else 0
+    return dist.get_rank(process_group_of(group)) if is_distributed() else 0
 
 
 def get_world_size(group: GroupLike = None) -> int:
     """Ranks in ``group`` (a process group or a 1-D mesh; default: the world); 1 without a group."""
-    return dist.get_world_size(_as_process_group(group)) if is_distributed() else 1
+    return dist.get_world_size(process_group_of(group)) if is_distributed() else 1
 
 
 def comm_device(group: GroupLike = None) -> torch.device:
     """Where a tensor must live for a collective of ``group``: the current CUDA device under NCCL
     (which takes no CPU tensors), else the CPU (also without a process group).
     """
-    if not is_distributed():
-        return torch.device("cpu")
-    backend = str(dist.get_backend(_as_process_group(group)))
+    backend = str(dist.get_backend(process_group_of(group))) if is_distributed() else ""
     if "nccl" in backend and "cpu:" not in backend:
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
@@ -117,9 +101,7 @@ def expected_world_size() -> int:
     """World size the job has or will have, without starting anything."""
     if is_distributed():
         return dist.get_world_size()
-    if _running_under_torchrun():
-        return int(os.environ["WORLD_SIZE"])
-    return 1
+    return int(os.environ["WORLD_SIZE"]) if _running_under_torchrun() else 1
 
 
 def _local_world_size() -> int:
@@ -132,13 +114,12 @@ def choose_device(model: Optional[nn.Module] = None, device: Union[str, torch.de
     An explicit ``device`` wins. Otherwise CUDA (``cuda:LOCAL_RANK``) when available, else the
     device the model's parameters are on (``meta`` counts as "not chosen yet": CPU).
     """
+    local_cuda = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
     if device is not None:
         device = torch.device(device)
-        if device.type == "cuda" and device.index is None:
-            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-        return device
+        return local_cuda if device.type == "cuda" and device.index is None else device
     if torch.cuda.is_available():
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        return local_cuda
     if model is not None:
         for tensor in list(model.parameters()) + list(model.buffers()):
             if tensor.device.type not in ("meta", "cpu"):
@@ -181,17 +162,12 @@ def ensure_process_group(
             )
         return False
     backend = backend or default_backend(device, cpu_offload)
+    kwargs: dict[str, Any] = {"timeout": timedelta(seconds=timeout_s)}
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    kwargs = {"timeout": timedelta(seconds=timeout_s)}
-    if device.type == "cuda":
         kwargs["device_id"] = device
-    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    if (
-        _running_under_torchrun()
-        and restart not in ("", "0")
-        and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-    ):
+    torchrun, restart = _running_under_torchrun(), os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    if torchrun and restart not in ("", "0") and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
         # A torchrun restart (--max-restarts) reuses the agent's store, which still holds the first
         # attempt's gloo addresses (torch 2.13): new ranks would dial dead peers. Keys per attempt.
         store = dist.TCPStore(
@@ -200,7 +176,7 @@ def ensure_process_group(
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         prefixed = dist.PrefixStore(f"zeta_fsdp/attempt_{restart}", store)
         dist.init_process_group(backend=backend, store=prefixed, rank=rank, world_size=world, **kwargs)
-    elif _running_under_torchrun():
+    elif torchrun:
         dist.init_process_group(backend=backend, init_method="env://", **kwargs)
     else:
         dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1, **kwargs)
@@ -299,9 +275,7 @@ def build_mesh(spec: ShardingSpec, device: torch.device, *, replicate_size: Opti
 
 
 def build_dp_tp_mesh(device: torch.device, dp: int, tp: int, *, names: tuple[str, str] = ("dp", "tp")) -> DeviceMesh:
-    """A 2-D ``(dp, tp)`` mesh over the default group: data parallel x tensor parallel.
-
-    ``names`` are the dimension names (Lightning's adapter: ``("data_parallel", "tensor_parallel")``).
+    """A 2-D ``(dp, tp)`` mesh over the default group (dimension names: ``names``).
 
     Tensor-parallel ranks are adjacent (the last dimension), so they share a node when ``tp``
     divides the ranks per node: TP's per-layer collectives stay on the fast links.
@@ -349,18 +323,8 @@ def shutdown(*, force: bool = False, timeout_s: float = 300.0) -> None:
 
 
 # Exception types rebuilt by name on every rank by on_all_ranks(); anything else becomes RuntimeError.
-_SHARED_ERRORS = (
-    FileNotFoundError,
-    FileExistsError,
-    IsADirectoryError,
-    NotADirectoryError,
-    PermissionError,
-    OSError,
-    TypeError,
-    ValueError,
-    NotImplementedError,
-    RuntimeError,
-)
+_SHARED_ERRORS = (FileNotFoundError, FileExistsError, IsADirectoryError, NotADirectoryError, PermissionError, OSError)
+_SHARED_ERRORS += (TypeError, ValueError, NotImplementedError, RuntimeError)
 
 
 def on_all_ranks(
@@ -389,24 +353,19 @@ def on_all_ranks(
             result = fn()
         except catch as e:  # re-raised below, on every rank
             error = e
-    report = None if error is None else (type(error).__name__, describe(error))
-    if world > 1:
-        # Usually every rank succeeded: one all-reduce of a flag says so. The reports (pickled, two
-        # all-gathers) travel only when some rank failed.
-        failures = torch.tensor([0 if report is None else 1], device=comm_device())
-        dist.all_reduce(failures)
-        if not int(failures.item()):
-            return result
-        reports: list = [None] * world
-        dist.all_gather_object(reports, report)
-    else:
-        reports = [report]
-    failed = [(r, item) for r, item in enumerate(reports) if item is not None]
-    if not failed:
-        return result
     if world == 1:
-        raise error
-    where, (name, message) = failed[0]
+        if error is not None:
+            raise error  # alone: the original, as it is
+        return result
+    # Usually every rank succeeded: one all-reduce of a flag says so. The reports (pickled, two
+    # all-gathers) travel only when some rank failed.
+    failures = torch.tensor([0 if error is None else 1], device=comm_device())
+    dist.all_reduce(failures)
+    if not int(failures.item()):
+        return result
+    reports: list = [None] * world
+    dist.all_gather_object(reports, None if error is None else (type(error).__name__, describe(error)))
+    where, (name, message) = next((r, item) for r, item in enumerate(reports) if item is not None)
     known = {cls.__name__: cls for cls in (*_SHARED_ERRORS, *errors)}
     raised = known.get(name, default)(f"{message} (reported by rank {where})")
     raise raised from (error if where == me else None)

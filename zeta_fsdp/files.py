@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import os
@@ -11,16 +12,8 @@ import warnings
 from pathlib import Path
 from typing import Callable, Optional, Union
 
-__all__ = [
-    "PathLock",
-    "atomic_write",
-    "exchange_paths",
-    "incomplete_path",
-    "lock_path",
-    "publish_dir",
-    "remove_tree",
-    "replaced_path",
-]
+__all__ = ["PathLock", "atomic_write", "exchange_paths", "incomplete_path", "publish_dir", "remove_tree"]
+__all__ += ["replaced_path"]
 
 
 def _hidden_sibling(path: Union[str, Path], suffix: str) -> Path:
@@ -41,31 +34,19 @@ def replaced_path(path: Union[str, Path]) -> Path:
     return _hidden_sibling(path, "replaced")
 
 
-def lock_path(path: Union[str, Path]) -> Path:
-    """The lock file of ``path``: ``.<name>.lock`` beside it (``PathLock``)."""
-    return _hidden_sibling(path, "lock")
-
-
 class PathLock:
-    """An exclusive lock on ``path`` between processes: ``flock`` on ``lock_path(path)``.
+    """An exclusive lock on ``path`` between processes: ``flock`` on ``.<name>.lock`` beside it.
 
-    Every writer of ``path`` (a save, the recovery of an interrupted overwrite) holds it from the
-    moment it looks at ``path`` until what it wrote is in place, so two jobs writing one path
-    take turns instead of interleaving. The lock file is removed on release; a waiter that
-    locked a file removed meanwhile sees that (its inode is no longer at ``lock_path``) and
-    locks the new one. The kernel releases the lock when the process dies (a crash never leaves
-    ``path`` locked). One process may hold it once (a second ``acquire`` waits like another process).
+    Every writer of ``path`` holds it from the moment it looks at ``path`` until what it wrote is
+    in place, so two jobs writing one path take turns. The lock file is removed on release (a
+    waiter that locked a removed file sees its inode gone and locks the new one); the kernel
+    releases the lock when the process dies. A second ``acquire`` in one process waits too.
     """
 
     def __init__(self, path: Union[str, Path]) -> None:
         self.path = Path(path)
-        self.file = lock_path(self.path)
+        self.file = _hidden_sibling(self.path, "lock")
         self._fd: Optional[int] = None
-
-    @property
-    def held(self) -> bool:
-        """``True`` while this object holds the lock."""
-        return self._fd is not None
 
     def acquire(self, timeout_s: float) -> bool:
         """Take the lock, waiting up to ``timeout_s`` seconds; ``False`` if another holder kept it.
@@ -88,12 +69,11 @@ class PathLock:
             except BaseException:
                 os.close(fd)
                 raise
-            mine = os.fstat(fd)
             try:
-                there = os.stat(self.file)
+                same = os.path.samestat(os.fstat(fd), os.stat(self.file))
             except FileNotFoundError:
-                there = None
-            if there is None or (there.st_dev, there.st_ino) != (mine.st_dev, mine.st_ino):
+                same = False
+            if not same:
                 os.close(fd)  # the holder before us removed this file: lock the one there now
                 continue
             self._fd = fd
@@ -104,10 +84,8 @@ class PathLock:
         fd, self._fd = self._fd, None
         if fd is None:
             return
-        try:
+        with contextlib.suppress(OSError):
             os.unlink(self.file)  # still locked: a waiter re-checks the inode after locking
-        except OSError:
-            pass
         os.close(fd)
 
     def __enter__(self) -> PathLock:
@@ -156,11 +134,9 @@ def publish_dir(
     """Rename the finished directory ``tmp`` to ``path``; what was at ``path`` goes only once ``tmp`` is in place.
 
     Where the system can, the two are swapped in one atomic step (``exchange_paths``): ``path``
-    never stops existing, and ``discard`` then deletes the previous entry at ``tmp``'s name.
-    Elsewhere the previous directory waits in ``replaced_path(path)`` between two renames and is
-    put back if the second fails; ``discard`` deletes it (and a stale one left by an interrupted
-    clean-up) afterwards. A symbolic link at ``path`` is replaced itself, never what it points
-    to (the default ``discard`` unlinks it). Returns ``path``.
+    never stops existing. Elsewhere the previous directory waits in ``replaced_path(path)``
+    between two renames and is put back if the second fails. ``discard`` deletes the previous
+    entry afterwards. A symbolic link at ``path`` is replaced itself, never what it points to.
     """
     tmp, path = Path(tmp), Path(path)
     old = replaced_path(path)

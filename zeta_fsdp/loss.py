@@ -27,9 +27,8 @@ from typing import Any, Mapping, Optional, Sequence, Union
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.device_mesh import DeviceMesh
 
-from .distributed import GroupLike, comm_device, get_world_size
+from .distributed import GroupLike, comm_device, get_world_size, process_group_of
 
 __all__ = ["MaskedTokenLossReduction", "PerSampleLossReduction"]
 
@@ -61,30 +60,14 @@ class _GlobalMeanReduction:
         self.ignore_index = ignore_index
         self.group = group
 
-    # -- the data-parallel group -------------------------------------------------------------
-    def _process_group(self) -> Optional[dist.ProcessGroup]:
-        if isinstance(self.group, DeviceMesh):
-            return self.group.get_group()
-        return self.group
-
-    def _dp_size(self) -> int:
-        return get_world_size(self.group)
-
-    def _comm_device(self) -> torch.device:
-        return comm_device(self.group)
-
     def _all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Sum ``tensor`` over the group, in place when it already lives on the communication
-        device; the result is on ``tensor``'s device either way."""
-        if self._dp_size() > 1:
-            device = self._comm_device()
-            buffer = tensor.to(device)
-            dist.all_reduce(buffer, group=self._process_group())
-            if buffer is not tensor:
-                tensor = buffer.to(tensor.device)
+        """Sum ``tensor`` over the group; the result is on ``tensor``'s device."""
+        if get_world_size(self.group) > 1:
+            buffer = tensor.to(comm_device(self.group))  # in place when it already lives there
+            dist.all_reduce(buffer, group=process_group_of(self.group))
+            tensor = buffer.to(tensor.device)
         return tensor
 
-    # -- what subclasses define --------------------------------------------------------------
     def _sum_and_count(self, batch: Any, forward_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         raise NotImplementedError
 
@@ -110,7 +93,6 @@ class _GlobalMeanReduction:
         # torch.where, not a product: an inf/NaN loss at a masked position must not leak in.
         return torch.where(weights != 0, losses * weights, torch.zeros_like(losses)), weights
 
-    # -- NeMo's interface --------------------------------------------------------------------
     def forward(self, batch: Any, forward_out: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """``(loss_for_backward, record)`` for one micro-batch on this rank.
 
@@ -132,7 +114,7 @@ class _GlobalMeanReduction:
         if self.validation_step:
             return loss_sum / count.clamp(min=1), record
         global_count = self._all_reduce(count.detach().double().clone())
-        scale = self._dp_size() / global_count.clamp(min=1)
+        scale = get_world_size(self.group) / global_count.clamp(min=1)
         return loss_sum * scale.to(loss_sum.dtype), record
 
     __call__ = forward
@@ -156,7 +138,7 @@ class _GlobalMeanReduction:
             total = torch.stack([r[RECORD_KEY] for r in records]).sum(dim=0)
         else:
             # nothing recorded on this rank: its zeros still join the collective, on its device
-            total = torch.zeros(2, dtype=torch.float64, device=self._comm_device())
+            total = torch.zeros(2, dtype=torch.float64, device=comm_device(self.group))
         total = self._all_reduce(total.clone())
         return (total[0] / total[1].clamp(min=1)).float()
 

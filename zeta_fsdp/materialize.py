@@ -63,9 +63,7 @@ def run_own_initialisers(model: nn.Module) -> None:
     re-drawing every matrix xavier-uniform over its children's init, as its constructor does).
     """
     for module in _children_first(model):
-        init = getattr(module, "reset_parameters", None)
-        if not callable(init):
-            init = getattr(module, "_reset_parameters", None)
+        init = getattr(module, "reset_parameters", None) or getattr(module, "_reset_parameters", None)
         if callable(init):
             init()
 
@@ -108,8 +106,7 @@ def _fill_constructor_constants(model: nn.Module, unset: list[str], tensors: dic
             twin = unwrapped_class(model)(config)
     except Exception:  # noqa: BLE001 - a constructor that needs more than its config: nothing to copy
         return
-    built = dict(twin.named_parameters())
-    built.update(twin.named_buffers())
+    built = {**dict(twin.named_parameters()), **dict(twin.named_buffers())}
     for name in unset:
         source = built.get(name)
         if source is None or source.is_meta or source.shape != tensors[name].shape:
@@ -134,36 +131,22 @@ def materialize_meta_model(
 ) -> bool:
     """Allocate a sharded ``meta`` model on ``device`` and initialise it. Returns ``True`` if it did.
 
-    Each rank allocates only its shards (``to_empty``), then initialises, in this order:
+    Each rank allocates only its shards (``to_empty``), then runs, in order: every module's own
+    initialiser, children first (``run_own_initialisers``); the root's ``init_weights()`` if it has
+    one (a model-wide scheme, buffers such as a causal mask, a Hugging Face model's weight init);
+    for a Hugging Face model, the config-valued parameters its weight init skips (CLIP's
+    ``logit_scale``: ``_fill_constructor_constants``); then ties are restored. Every tensor is
+    first filled with a marker (``_SENTINEL``): one still holding it was initialised by nobody, and
+    the call raises ``RuntimeError`` naming it (boolean buffers cannot be checked this way).
 
-    1. every module's own initialiser, children first (``run_own_initialisers``:
-       ``reset_parameters()``, torch.nn's ``_reset_parameters()``),
-    2. then the root's ``init_weights()``, if it defines one, on top (a model-wide scheme such
-       as ``normal(0, 0.02)``, buffers such as a causal mask or RoPE tables; a Hugging Face
-       model's own weight init),
-    3. a Hugging Face model's parameters set from config values in its constructor and left
-       out of its weight init (CLIP's ``logit_scale``) get those values
-       (``_fill_constructor_constants``),
-    4. then ties are restored.
-
-    Every floating-point tensor is filled with NaN (integer ones with their dtype's minimum)
-    right after ``to_empty``; any parameter or buffer that still holds that marker after steps
-    1-2 was initialised by nobody, and the call raises ``RuntimeError`` naming it (on each rank
-    holding a non-empty shard of it). Boolean buffers cannot be checked this way. Nothing may
-    stay on ``meta``.
-
-    ``shard_index`` is this rank's coordinate on the shard dimension of the mesh. On CUDA, DTensor
-    random ops keep shards of one parameter distinct by themselves; on CPU they draw from each
-    rank's own generator, so every shard would get the same numbers (a weight made of one block
-    repeated). We therefore seed the init with ``shard_index`` on CPU: distinct across shards,
-    equal across replicas (HYBRID/NO_SHARD replicas must hold identical copies). The caller's RNG
-    state is left as it was.
+    ``shard_index``: this rank's coordinate on the mesh's shard dimension. On CPU, DTensor random
+    ops draw from each rank's own generator, so every shard would get the same numbers (a weight
+    of one repeated block); there the init is seeded with ``shard_index``: distinct across shards,
+    equal across replicas (HYBRID/NO_SHARD). The caller's RNG state is left as it was.
     """
-    tensors = dict(model.named_parameters())
-    tensors.update(model.named_buffers())
-    if not any(t.is_meta for t in tensors.values()):
+    meta_names = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if not meta_names:
         return False
-    meta_names = [n for n, t in tensors.items() if t.is_meta]
     # FSDP2's CPU offload expects the sharded parameters on CPU; buffers stay on the compute device.
     model.to_empty(device="cpu" if offload_to_cpu else device)
     if offload_to_cpu and device.type != "cpu":
@@ -173,8 +156,7 @@ def materialize_meta_model(
                     name, buffer.to(device), persistent=name not in module._non_persistent_buffers_set
                 )
     with torch.no_grad(), torch.random.fork_rng(devices=[]):
-        fresh = dict(model.named_parameters())
-        fresh.update(model.named_buffers())
+        fresh = {**dict(model.named_parameters()), **dict(model.named_buffers())}
         _fill_sentinel({n: fresh[n] for n in meta_names})
         if device.type == "cpu":
             torch.manual_seed(_agreed_seed() + 7919 * shard_index)
@@ -186,11 +168,10 @@ def materialize_meta_model(
         if unset:
             _fill_constructor_constants(model, unset, fresh)
     retie(model, tied_params)
-    left = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
+    now = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+    left = [n for n, t in now.items() if t.is_meta]
     if left:
         raise RuntimeError(f"fsdp(): these tensors are still on the meta device after materialization: {left[:10]}")
-    now = dict(model.named_parameters())
-    now.update(model.named_buffers())
     # Rank-local: init code runs alike on every rank, so a tensor nothing fills is caught on
     # every rank holding a non-empty shard of it, with no extra collective.
     unset = [n for n in meta_names if _still_sentinel(now[n])]

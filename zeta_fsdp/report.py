@@ -16,11 +16,11 @@ _UNITS = ("B", "KiB", "MiB", "GiB", "TiB")
 def format_bytes(nbytes: float) -> str:
     """Bytes with a binary unit, two decimals above 1 KiB: ``1536 -> '1.50 KiB'``."""
     value = float(nbytes)
-    for unit in _UNITS:
-        if abs(value) < 1024 or unit == _UNITS[-1]:
+    for unit in _UNITS[:-1]:
+        if abs(value) < 1024:
             return f"{int(value)} B" if unit == "B" else f"{value:.2f} {unit}"
         value /= 1024
-    raise AssertionError("unreachable")
+    return f"{value:.2f} {_UNITS[-1]}"
 
 
 def render_table(

@@ -16,14 +16,8 @@ import torch
 if TYPE_CHECKING:  # imported where used: an old torch must reach check_torch_version() first
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-__all__ = [
-    "MIN_TORCH",
-    "REDUCE_DTYPE_NONE_KEEPS_PARAM_DTYPE",
-    "UnsupportedTorchError",
-    "check_torch_version",
-    "param_mp_policy",
-    "torch_release",
-]
+__all__ = ["MIN_TORCH", "REDUCE_DTYPE_NONE_KEEPS_PARAM_DTYPE", "UnsupportedTorchError", "check_torch_version"]
+__all__ += ["param_mp_policy", "torch_release"]
 
 # The oldest release the whole suite passes on (docs/install.md has the table and how it was made).
 # setup.py's install_requires says the same (tests/test_torch_compat.py and the built wheel's

@@ -36,13 +36,9 @@ _LARGE_SHARE = 0.25
 class WrapUnit:
     """One future ``fully_shard`` call: the modules it covers and the parameters it will own.
 
-    Attributes:
-        kind: ``"block"``, ``"embedding"``, ``"head"``, ``"embedding+head"`` (tied) or ``"root"``.
-        module_names: FQNs of the modules passed to ``fully_shard`` (``""`` is the root).
-        modules: the module objects, in the same order.
-        param_names: FQNs of the parameters this unit owns (first name of a tied parameter).
-        numel: elements owned; nbytes: bytes owned at the parameters' current dtypes.
-        dtypes: dtypes of the owned parameters.
+    ``kind``: ``"block"``, ``"embedding"``, ``"head"``, ``"embedding+head"`` (tied) or ``"root"``;
+    ``module_names`` (``""`` is the root) and ``modules`` go to ``fully_shard``; ``param_names``: what
+    it owns (a tied parameter under its first name); ``nbytes`` at the parameters' current dtypes.
 
     Example:
         >>> from zeta_fsdp.models.gpt import small
@@ -180,28 +176,12 @@ class WrapPlan:
         """A fixed-width table: one row per unit with its kind, parameter count, bytes and share of
         the parameters, then the largest unit; when a unit holds more than a quarter of the
         parameters, what to pass as ``TransformerBlock`` to split it (when there is something)."""
+        share = [f"{100 * self.share(u):.1f}%" for u in self.units] + ["100.0%" if self.numel else "-"]
+        counts = [(u.name, u.kind, len(u.param_names), u.numel, u.nbytes) for u in self.units]
+        counts.append(("total", "", sum(len(u.param_names) for u in self.units), self.numel, self.nbytes))
         rows = [("unit", "kind", "params", "numel", "MiB", "share")]
-        for u in self.units:
-            rows.append(
-                (
-                    u.name,
-                    u.kind,
-                    str(len(u.param_names)),
-                    f"{u.numel:,}",
-                    f"{u.nbytes / 2**20:.2f}",
-                    f"{100 * self.share(u):.1f}%",
-                )
-            )
-        rows.append(
-            (
-                "total",
-                "",
-                str(sum(len(u.param_names) for u in self.units)),
-                f"{self.numel:,}",
-                f"{self.nbytes / 2**20:.2f}",
-                "100.0%" if self.numel else "-",
-            )
-        )
+        for (name, kind, params, numel, nbytes), pct in zip(counts, share):
+            rows.append((name, kind, str(params), f"{numel:,}", f"{nbytes / 2**20:.2f}", pct))
         lines = render_table(rows, align="llrrrr", rules=(0, -2), max_width=60).splitlines()
         lines += [f"note: {n}" for n in self.notes]
         return "\n".join(lines)
@@ -268,6 +248,14 @@ def _chain(container: nn.Module, flattened: set[int]) -> list[nn.Module]:
     return items
 
 
+def _repeated_blocks(items: list[nn.Module]) -> Counter:
+    """The block classes (more than one weight layer) among ``items`` that occur twice or more."""
+    kinds = Counter(type(m) for m in items if not isinstance(m, _CONTAINERS))
+    return Counter(
+        {c: n for c, n in kinds.items() if n > 1 and not _is_layer_like(next(m for m in items if type(m) is c))}
+    )
+
+
 def _repeated_children(model: nn.Module) -> Counter:
     """Classes of modules that are repeated in a row: how many instances each layout holds.
 
@@ -290,16 +278,10 @@ def _repeated_children(model: nn.Module) -> Counter:
         if isinstance(module, _CONTAINERS):
             items = _chain(module, flattened) if isinstance(module, nn.Sequential) else list(module.children())
             items = [m for m in items if not isinstance(m, _CONTAINERS)]
-            kinds = Counter(type(m) for m in items)
             if isinstance(module, nn.Sequential) and len(items) < 2:
                 continue
-            if len(kinds) == 1:
-                cls, n = kinds.popitem()
-                counts[cls] += n
-            else:
-                for cls, n in kinds.items():
-                    if n > 1 and not _is_layer_like(next(m for m in items if type(m) is cls)):
-                        counts[cls] += n
+            kinds = Counter(type(m) for m in items)
+            counts += kinds if len(kinds) == 1 else _repeated_blocks(items)
             continue
         groups: dict[tuple[str, type], list[nn.Module]] = {}
         for name, child in module.named_children():
@@ -309,11 +291,7 @@ def _repeated_children(model: nn.Module) -> Counter:
         for (_, cls), members in groups.items():
             if issubclass(cls, nn.Sequential) and len(members) > 1:
                 # ResNet's layer1 .. layer4: stages as named Sequentials, one chain of blocks together
-                chain = [m for seq in members for m in _chain(seq, set()) if not isinstance(m, _CONTAINERS)]
-                kinds = Counter(type(m) for m in chain)
-                for kind, n in kinds.items():
-                    if n > 1 and not _is_layer_like(next(m for m in chain if type(m) is kind)):
-                        counts[kind] += n
+                counts += _repeated_blocks([m for seq in members for m in _chain(seq, set())])
             elif len(members) > 1 and not issubclass(cls, _CONTAINERS) and not _is_layer_like(members[0]):
                 counts[cls] += len(members)
     return counts
@@ -410,16 +388,15 @@ def _split_suggestion(model: nn.Module, unit: WrapUnit) -> list[type]:
     return [c for c, _ in numel.most_common() if count[c] > 1]
 
 
-def _post_order(module: nn.Module, prefix: str = "") -> Iterable[tuple[str, nn.Module]]:
-    for name, child in module.named_children():
-        yield from _post_order(child, f"{prefix}.{name}" if prefix else name)
-    yield prefix, module
-
-
-def _find_blocks(model: nn.Module, classes: tuple[type, ...]) -> list[tuple[str, nn.Module]]:
-    if not classes:
-        return []
-    return [(n, m) for n, m in _post_order(model) if m is not model and isinstance(m, classes)]
+def _find_blocks(model: nn.Module, classes: tuple[type, ...], prefix: str = "") -> list[tuple[str, nn.Module]]:
+    """``(name, module)`` of every instance of ``classes`` below ``model``, children before parents."""
+    found = []
+    for name, child in model.named_children():
+        path = f"{prefix}.{name}" if prefix else name
+        found += _find_blocks(child, classes, path)
+        if classes and isinstance(child, classes):
+            found.append((path, child))
+    return found
 
 
 def _is_under(name: str, prefixes: Iterable[str]) -> bool:
@@ -454,10 +431,6 @@ def _embedding_and_head_modules(
     return embeddings, tail
 
 
-def _owner_module_name(param_name: str) -> str:
-    return param_name.rpartition(".")[0]
-
-
 def _claiming_unit(module_name: str, units: list[WrapUnit]) -> int:
     """Index of the first (innermost) unit whose subtree holds ``module_name``."""
     for i, unit in enumerate(units):
@@ -477,12 +450,8 @@ def _resolve_ties(
     back into the root (which would hold the largest tensor unsharded through the step).
     """
     while True:
-        conflict = None
-        for names in tied:
-            claims = sorted({_claiming_unit(_owner_module_name(n), units) for n in names})
-            if len(claims) > 1:
-                conflict = claims
-                break
+        claims = (sorted({_claiming_unit(n.rpartition(".")[0], units) for n in names}) for names in tied)
+        conflict = next((c for c in claims if len(c) > 1), None)
         if conflict is None:
             return units
         kinds = {units[i].kind for i in conflict}
@@ -509,19 +478,14 @@ def _resolve_ties(
 
 def _fill_params(units: list[WrapUnit], model: nn.Module, ignored: set[int]) -> tuple[list[str], list[str]]:
     """Give each parameter to its unit; returns (ignored names, 0-dim names: ignored as well)."""
-    seen: set[int] = set()
     ignored_names, scalar_names = [], []
-    for name, param in model.named_parameters(remove_duplicate=False):
-        pid = id(param)
-        if pid in seen:
-            continue
-        seen.add(pid)
-        if pid in ignored or param.dim() == 0:
+    for name, param in model.named_parameters():  # a tied parameter once, under its first name
+        if id(param) in ignored or param.dim() == 0:
             ignored_names.append(name)
-            if param.dim() == 0 and pid not in ignored:
+            if param.dim() == 0 and id(param) not in ignored:
                 scalar_names.append(name)
             continue
-        unit = units[_claiming_unit(_owner_module_name(name), units)]
+        unit = units[_claiming_unit(name.rpartition(".")[0], units)]
         unit.param_names.append(name)
         unit.numel += param.numel()
         unit.nbytes += param.numel() * param.element_size()
@@ -568,13 +532,10 @@ def build_wrap_plan(
     elif auto_wrap:
         classes, stages = _detect(model)
         if stages:
+            held, holders = ", ".join(c.__name__ for c in classes), ", ".join(c.__name__ for c in stages)
             notes.append(
-                "blocks: "
-                + ", ".join(c.__name__ for c in classes)
-                + "; the stages holding them ("
-                + ", ".join(c.__name__ for c in stages)
-                + ") are not units: what a stage holds besides its blocks (a downsampling layer) "
-                "is sharded with the unit around it"
+                f"blocks: {held}; the stages holding them ({holders}) are not units: what a stage holds besides "
+                "its blocks (a downsampling layer) is sharded with the unit around it"
             )
         if not classes:
             warnings.warn(
@@ -587,18 +548,13 @@ def build_wrap_plan(
                 stacklevel=3,
             )
 
-    units: list[WrapUnit] = []
     blocks = _find_blocks(model, classes)
-    for name, module in blocks:
-        units.append(WrapUnit("block", [name], [module]))
+    units = [WrapUnit("block", [name], [module]) for name, module in blocks]
     block_counts = Counter(type(m) for _, m in blocks)
     singletons = {n for n, m in blocks if block_counts[type(m)] == 1}
-    if blocks:
-        embeddings, head = _embedding_and_head_modules(model, blocks)
-        if embeddings:
-            units.append(WrapUnit("embedding", [n for n, _ in embeddings], [m for _, m in embeddings]))
-        if head:
-            units.append(WrapUnit("head", [n for n, _ in head], [m for _, m in head]))
+    for kind, group in zip(("embedding", "head"), _embedding_and_head_modules(model, blocks) if blocks else ()):
+        if group:
+            units.append(WrapUnit(kind, [n for n, _ in group], [m for _, m in group]))
     units.append(WrapUnit("root", [""], [model]))
 
     tied = tied_parameter_groups(model)
@@ -608,12 +564,7 @@ def build_wrap_plan(
     # A unit with no parameters would only add hooks and an empty all-gather.
     units = [u for u in units if u.numel > 0 or u.kind == "root"]
     plan = WrapPlan(
-        units=units,
-        block_classes=classes,
-        tied_params=tied,
-        ignored_param_names=ignored_names,
-        scalar_param_names=scalar_names,
-        notes=notes,
+        units, classes, tied, ignored_param_names=ignored_names, scalar_param_names=scalar_names, notes=notes
     )
     largest = plan.largest
     if largest is not None and len(units) > 1:

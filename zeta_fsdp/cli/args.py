@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import ast
 import sys
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 __all__ = ["OneLineParser", "UsageError", "choice", "int_in", "parse_overrides"]
 
@@ -25,16 +25,17 @@ class OneLineParser(argparse.ArgumentParser):
         raise SystemExit(2)
 
 
-def int_in(low: int, high: int, what: str) -> Callable[[str], int]:
-    """An argparse ``type``: an int from ``low`` to ``high``, else a one-line error naming ``what``."""
+def int_in(low: int, high: Optional[int], what: str) -> Callable[[str], int]:
+    """An argparse ``type``: an int from ``low`` to ``high`` (``None``: no bound), else a one-line error naming ``what``."""
+    accepted = f"an int >= {low}" if high is None else f"an int from {low} to {high}"
 
     def parse(text: str) -> int:
         try:
             value = int(text)
         except ValueError:
             value = None
-        if value is None or not low <= value <= high:
-            raise argparse.ArgumentTypeError(f"{what} must be an int from {low} to {high}, got {text!r}")
+        if value is None or value < low or (high is not None and value > high):
+            raise argparse.ArgumentTypeError(f"{what} must be {accepted}, got {text!r}")
         return value
 
     return parse

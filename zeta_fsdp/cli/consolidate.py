@@ -30,12 +30,11 @@ def run(args: argparse.Namespace) -> int:
             return _to_hf(args)
         out = consolidate_checkpoint(args.dcp_dir, args.out, overwrite=args.overwrite)
     except FileExistsError as e:
-        if getattr(args, "overwrite", False):  # refused even with --overwrite: say why
+        if args.overwrite:  # refused even with --overwrite: say why
             raise UsageError(one_line(e)) from e
         raise UsageError(f"{args.out} already exists; pass --overwrite to replace it.") from e
-    except (FileNotFoundError, CheckpointError, ImportError, ValueError) as e:  # a corrupted checkpoint: one line
-        raise UsageError(one_line(e)) from e
-    except OSError as e:  # reading DIR or writing OUT failed (permissions, full disk); the error names the file
+    # A corrupted checkpoint, a missing extra, or reading DIR / writing OUT failed (the error names the file).
+    except (CheckpointError, ImportError, ValueError, OSError) as e:
         raise UsageError(one_line(e)) from e
     print(f"wrote {out} ({out.stat().st_size / 2**20:.1f} MiB)")
     return 0
@@ -54,13 +53,7 @@ def _to_hf(args: argparse.Namespace) -> int:
     from ..hf import consolidate_to_hf
 
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}.get(args.dtype)
-    out = consolidate_to_hf(
-        args.dcp_dir,
-        args.out,
-        config=args.config,
-        dtype=dtype,
-        max_shard_size=args.max_shard_size,
-        overwrite=args.overwrite,
-    )
+    options = dict(config=args.config, dtype=dtype, max_shard_size=args.max_shard_size, overwrite=args.overwrite)
+    out = consolidate_to_hf(args.dcp_dir, args.out, **options)
     print(f"wrote {out} ({sum(f.stat().st_size for f in out.iterdir()) / 2**20:.1f} MiB)")
     return 0

@@ -14,6 +14,7 @@ import json
 import shutil
 import sys
 import tempfile
+from collections import Counter
 from pathlib import Path
 from typing import Any, Optional, TextIO
 
@@ -22,19 +23,8 @@ from ..report import render_table
 from .args import UsageError, choice, int_in
 from .launch import LaunchTimeoutError, launch_and_wait, progress_tty
 
-__all__ = [
-    "HELP",
-    "MAX_NPROC",
-    "MAX_STEPS",
-    "DemoError",
-    "add_arguments",
-    "demo_device",
-    "format_table",
-    "losses_equal",
-    "run",
-    "run_demo",
-    "write_plot",
-]
+__all__ = ["HELP", "MAX_NPROC", "MAX_STEPS", "DemoError", "add_arguments", "demo_device", "format_table"]
+__all__ += ["losses_equal", "run", "run_demo", "write_plot"]
 
 HELP = (
     "train a small GPT under every sharding strategy on local ranks and compare "
@@ -54,11 +44,6 @@ _STRATEGY_NOTES = {
     "NO_SHARD": "DDP-like",
     "HYBRID_SHARD": "ZeRO-3 in 2 replicas",
 }
-
-
-# --------------------------------------------------------------------------------------------
-# The subcommand
-# --------------------------------------------------------------------------------------------
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -87,11 +72,6 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-# --------------------------------------------------------------------------------------------
-# Launcher side
-# --------------------------------------------------------------------------------------------
-
-
 class DemoError(RuntimeError):
     """A rank failed or the launcher could not run: the message is one line (plus the log path)."""
 
@@ -108,10 +88,9 @@ def demo_device(nproc: int) -> tuple[str, str]:
 
 
 def _validate(nproc: int, steps: int, mp: str, plot: Optional[str]) -> None:
-    if isinstance(nproc, bool) or not isinstance(nproc, int) or not 1 <= nproc <= MAX_NPROC:
-        raise ValueError(f"nproc={nproc!r} is not accepted. Accepted: an int from 1 to {MAX_NPROC}.")
-    if isinstance(steps, bool) or not isinstance(steps, int) or not 1 <= steps <= MAX_STEPS:
-        raise ValueError(f"steps={steps!r} is not accepted. Accepted: an int from 1 to {MAX_STEPS}.")
+    for name, value, high in (("nproc", nproc, MAX_NPROC), ("steps", steps, MAX_STEPS)):
+        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= high:
+            raise ValueError(f"{name}={value!r} is not accepted. Accepted: an int from 1 to {high}.")
     if MIXED_PRECISION_ALIASES.get(str(mp).lower()) not in LOSS_TOLERANCE:
         raise ValueError(f"mp={mp!r} is not accepted. Accepted: {', '.join(map(repr, MIXED_PRECISION_ALIASES))}.")
     if plot is not None:
@@ -151,9 +130,10 @@ def run_demo(
     if log is not None:
         log.write(f"launching {nproc} rank(s) on {device.upper()} ({backend}): {steps} steps per strategy ...\n")
         log.flush()
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+    worker = ["--module", RANK_MODULE, "--out", str(workdir), "--steps", str(steps), "--mp", mp, "--device", device]
     try:
-        command = _rank_command(nproc, steps, mp, workdir, tty, device)
-        returncode = _launch_and_wait(command, workdir, timeout_s)
+        returncode = _launch_and_wait(launcher + worker + (["--tty", tty] if tty else []), workdir, timeout_s)
     except BaseException:
         shutil.rmtree(workdir, ignore_errors=True)
         raise
@@ -165,13 +145,6 @@ def run_demo(
     if plot is not None:
         write_plot(result, plot)
     return result
-
-
-def _rank_command(nproc: int, steps: int, mp: str, workdir: Path, tty: str, device: str = "cpu") -> list[str]:
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
-    worker = ["--module", RANK_MODULE, "--out", str(workdir), "--steps", str(steps), "--mp", mp]
-    worker += ["--device", device]
-    return launcher + worker + (["--tty", tty] if tty else [])
 
 
 def _launch_and_wait(cmd: list[str], workdir: Path, timeout_s: float) -> int:
@@ -192,10 +165,6 @@ def _failure_summary(workdir: Path, returncode: int) -> str:
     return f"the ranks exited with code {returncode} (full log: {log_path})"
 
 
-# --------------------------------------------------------------------------------------------
-# Output
-# --------------------------------------------------------------------------------------------
-
 _COLUMNS = (
     ("params", ("Sharded Param",)),
     ("grads", ("Sharded Grad", "Unsharded Grad", "Reduce Scatter")),
@@ -209,23 +178,17 @@ def _kib(nbytes: int) -> str:
     return f"{nbytes / 1024:.1f}"
 
 
+# CommDebugMode names the c10d ops (gloo) or the functional collectives (compiled code).
+_SHORT_OPS = {"_allgather_base_": "AG", "all_gather_into_tensor": "AG", "allreduce_": "AR", "all_reduce": "AR"}
+_SHORT_OPS.update({"_reduce_scatter_base_": "RS", "reduce_scatter_tensor": "RS"})
+
+
 def _collectives(counts: dict[str, int]) -> str:
-    # CommDebugMode names the c10d ops (gloo) or the functional collectives (compiled code).
-    short = {
-        "_allgather_base_": "AG",
-        "all_gather_into_tensor": "AG",
-        "_reduce_scatter_base_": "RS",
-        "reduce_scatter_tensor": "RS",
-        "allreduce_": "AR",
-        "all_reduce": "AR",
-    }
-    if not counts:
-        return "0"
-    merged: dict[str, int] = {}
+    merged: Counter = Counter()
     for op, n in counts.items():
-        merged[short.get(op, op)] = merged.get(short.get(op, op), 0) + n
-    parts = [f"{n} {op}" for op, n in sorted(merged.items())]
-    return f"{sum(counts.values())} ({', '.join(parts)})"
+        merged[_SHORT_OPS.get(op, op)] += n
+    parts = ", ".join(f"{n} {op}" for op, n in sorted(merged.items()))
+    return f"{sum(counts.values())} ({parts})" if counts else "0"
 
 
 def losses_equal(result: dict[str, Any]) -> tuple[bool, float]:
@@ -238,37 +201,22 @@ def losses_equal(result: dict[str, Any]) -> tuple[bool, float]:
 def format_table(result: dict[str, Any]) -> str:
     """The demo's printed report: one row per strategy, then the loss-equality verdict."""
     n = result["steps"]
-    header = (
-        "strategy",
-        f"loss 1st -> {n}",
-        *(name for name, _ in _COLUMNS),
-        "peak",
-        "step ms",
-        "collectives/step",
-    )
+    header = ("strategy", f"loss 1st -> {n}", *(name for name, _ in _COLUMNS), "peak", "step ms", "collectives/step")
     device, backend = result.get("device", "cpu"), result.get("backend", "gloo")
     rows = [header]
     for row in result["rows"]:
         mem = row["memory"]
         cells = [_kib(sum(mem.get(c, 0) for c in cats)) for _, cats in _COLUMNS]
-        rows.append(
-            (
-                row["strategy"],
-                f"{row['loss_first']:.4f} -> {row['loss_final']:.4f}",
-                *cells,
-                _kib(mem.get("Total", 0)),
-                f"{row['step_seconds'] * 1000:.1f}",
-                _collectives(row["collectives"]),
-            )
-        )
+        cells += [_kib(mem.get("Total", 0)), f"{row['step_seconds'] * 1000:.1f}", _collectives(row["collectives"])]
+        rows.append((row["strategy"], f"{row['loss_first']:.4f} -> {row['loss_final']:.4f}", *cells))
     lines = [
         f"zeta_fsdp demo: {result['model']} on {result['nproc']} {device.upper()} rank(s) ({backend}), "
         f"mp={result['mp']}, {n} AdamW steps from one seed on the same data",
         "per-rank memory in KiB at the step's peak (FSDPMemTracker, worst rank); "
         "gathered = unsharded params + all-gather buffers",
         "",
+        render_table(rows, align="ll" + "r" * (len(header) - 3) + "l"),
     ]
-    lines.append(render_table(rows, align="ll" + "r" * (len(header) - 3) + "l"))
     names = [row["strategy"] for row in result["rows"]]
     lines.append("(" + ", ".join(f"{s} = {_STRATEGY_NOTES[s]}" for s in names if s in _STRATEGY_NOTES) + ")")
     equal, spread = losses_equal(result)

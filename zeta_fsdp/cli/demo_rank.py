@@ -8,6 +8,7 @@ step time, and rank 0 writes every result as JSON for the launcher.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import sys
@@ -17,7 +18,7 @@ from typing import Any, Optional, TextIO
 
 from ..files import atomic_write
 
-__all__ = ["LEARNING_RATE", "PER_RANK_BATCH", "SEQ_LEN", "main", "release_group_holders", "strategies_for"]
+__all__ = ["LEARNING_RATE", "PER_RANK_BATCH", "SEQ_LEN", "main", "strategies_for"]
 
 LEARNING_RATE = 3e-3
 SEQ_LEN = 12  # tokens per sample; the demo GPT has max_seq_len 16
@@ -33,17 +34,18 @@ def strategies_for(nproc: int) -> list[str]:
 
 
 class _Progress:
-    """A progress bar on ``stream``: tqdm when installed, else a plain ``\\r`` bar; silent without a stream."""
+    """A progress bar on the terminal ``tty``: tqdm when installed, else a plain ``\\r`` bar; silent without one."""
 
-    def __init__(self, total: int, stream: Optional[TextIO]):
-        self.total, self.done, self.stream, self.bar = total, 0, stream, None
-        if stream is None:
+    def __init__(self, total: int, tty: str):
+        self.total, self.done, self.bar = total, 0, None
+        self.stream: Optional[TextIO] = open(tty, "w") if tty else None  # noqa: SIM115 - closed by close()
+        if self.stream is None:
             return
         try:
             from tqdm import tqdm
         except ImportError:
             return
-        self.bar = tqdm(total=total, file=stream, unit="step", leave=False, dynamic_ncols=True)
+        self.bar = tqdm(total=total, file=self.stream, unit="step", leave=False, dynamic_ncols=True)
 
     def update(self, label: str) -> None:
         self.done += 1
@@ -61,7 +63,8 @@ class _Progress:
             self.bar.close()
         elif self.stream is not None:
             self.stream.write("\r" + " " * 60 + "\r")
-            self.stream.flush()
+        if self.stream is not None:
+            self.stream.close()
 
 
 def _counting_batch(vocab_size: int, rows: int, seed: int) -> Any:
@@ -138,28 +141,6 @@ def _run_strategy(gpt: Any, strategy: str, steps: int, mp: str, progress: _Progr
     }
 
 
-def release_group_holders() -> None:
-    """Destroy, now, the objects a finished strategy left in reference cycles (call on every rank).
-
-    A wrapped model is a reference cycle (module <-> its FSDP / ``replicate`` state), so it
-    outlives the function that built it until the garbage collector runs. Under NO_SHARD it holds
-    DDP's reducer, and the reducer holds the process group: ``destroy_process_group()`` then does
-    not end the group (its gloo worker threads and connections live on, measured), and the group
-    is torn down during interpreter finalization instead, when the cycle is finally collected. A
-    C++ thread that needs the GIL then (a gloo worker releasing a tensor of its last work) is
-    ended by the finalizing interpreter inside a ``noexcept`` frame: ``terminate called without an
-    active exception``, SIGABRT, timing-dependent (seen in 2 runs of 11 on a loaded machine). Collecting the
-    cycles right after each strategy makes ``shutdown()`` the group's last holder: its threads are
-    joined there, in the main thread, while the interpreter is whole.
-
-    Example:
-        >>> release_group_holders()
-    """
-    import gc
-
-    gc.collect()
-
-
 def main(argv: list[str]) -> None:
     """One rank of the demo (started by ``torch.distributed.run``; ``argv`` from the launcher)."""
     parser = argparse.ArgumentParser(prog="zeta_fsdp.cli.demo_rank")
@@ -183,29 +164,26 @@ def main(argv: list[str]) -> None:
 
         world = int(os.environ.get("WORLD_SIZE", "1"))
         strategies = strategies_for(world)
-        stream = open(args.tty, "w") if args.tty and rank == 0 else None  # noqa: SIM115 - closed below
-        progress = _Progress(args.steps * len(strategies), stream)
+        progress = _Progress(args.steps * len(strategies), args.tty if rank == 0 else "")
         try:
             rows = []
             for strategy in strategies:
                 rows.append(_run_strategy(gpt, strategy, args.steps, args.mp, progress, device))
-                release_group_holders()  # this strategy's model and optimizer die now, not at exit
+                # A wrapped model is a reference cycle; under NO_SHARD it holds DDP's reducer and so the
+                # group. Collected now, not in interpreter finalization (SIGABRT in gloo, docs/pitfalls.md).
+                gc.collect()
         finally:
             progress.close()
-            if stream is not None:
-                stream.close()
         if rank == 0:
             reference = gpt.small()
             numel = sum(p.numel() for p in reference.parameters())
             tied = ", tied embedding/head" if reference.cfg.tie_weights else ""
             model = f"GPT ({numel:,} parameters, {reference.cfg.n_layers} blocks{tied})"
-            result = {"model": model, "nproc": world, "steps": args.steps, "mp": args.mp}
+            result = dict(model=model, nproc=world, steps=args.steps, mp=args.mp, rows=rows)
             result.update(device=device.type, backend=default_backend(device))
-            result["rows"] = rows
             # all or nothing: the launcher treats a present result.json as a finished run
             atomic_write(out / "result.json", lambda tmp: tmp.write_text(json.dumps(result)))
-        release_group_holders()
-        shutdown()
+        shutdown()  # collects what is left in cycles, then waits for every rank before destroying
     except BaseException:
         (out / f"error_rank{rank}.txt").write_text(traceback.format_exc())
         raise

@@ -1,10 +1,7 @@
 """Launching local ranks: ``torch.distributed.run`` in a session of its own, stopped as a whole.
 
-The launcher of the demo starts ``nproc`` ranks with ``python -m torch.distributed.run`` and
-waits. Ctrl-C (SIGINT) or SIGTERM stops every rank: the ranks live in their own session, so we
-forward the stop to ``torch.distributed.run`` and then make sure no rank process is left
-(Linux ``/proc``). If the launcher itself is killed (SIGKILL, no clean-up), the kernel sends
-SIGTERM to ``torch.distributed.run`` (``PR_SET_PDEATHSIG``), which then stops its ranks.
+Ctrl-C or SIGTERM is forwarded to ``torch.distributed.run``, then no rank process may be left
+(Linux ``/proc``); if the launcher is killed outright, ``PR_SET_PDEATHSIG`` stops the ranks.
 """
 
 from __future__ import annotations
@@ -36,26 +33,16 @@ def rank_env() -> dict[str, str]:
     return env
 
 
-def _children_map() -> dict[int, list[int]]:
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-        except OSError:
-            continue
-        # "pid (comm) state ppid ...": comm may hold spaces and parentheses, so split after it.
-        ppid = int(stat.rpartition(")")[2].split()[1])
-        children.setdefault(ppid, []).append(int(entry))
-    return children
-
-
 def _descendants(pid: int) -> list[int]:
     """Every process below ``pid`` (Linux ``/proc``; empty elsewhere)."""
-    if not os.path.isdir("/proc"):
-        return []
-    children = _children_map()
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else ():
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text() if entry.isdigit() else None
+        except OSError:
+            continue
+        if stat:  # "pid (comm) state ppid ...": comm may hold spaces and parentheses, so split after it
+            children.setdefault(int(stat.rpartition(")")[2].split()[1]), []).append(int(entry))
     found, todo = [], [pid]
     while todo:
         for child in children.get(todo.pop(), []):
@@ -115,12 +102,10 @@ def _sigterm_as_interrupt() -> Iterator[None]:
 def _die_with_launcher() -> None:
     """Child-side (Linux): if the launcher itself is killed (SIGKILL, no clean-up), the kernel
     sends SIGTERM to ``torch.distributed.run``, which then stops its ranks."""
-    try:
-        import ctypes
+    import ctypes
 
+    with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM))  # 1 = PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
 
 
 def progress_tty() -> str:

@@ -23,8 +23,8 @@ COMMANDS = {"demo": demo, "plan": plan, "consolidate": consolidate}
 
 def _build_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(prog="python -m zeta_fsdp", description="zeta_fsdp command line")
-    sub = parser.add_subparsers(dest="command", parser_class=OneLineParser, metavar="{" + ",".join(COMMANDS) + "}")
-    sub.required = True
+    metavar = "{" + ",".join(COMMANDS) + "}"
+    sub = parser.add_subparsers(dest="command", parser_class=OneLineParser, metavar=metavar, required=True)
     for name, command in COMMANDS.items():
         command.add_arguments(sub.add_parser(name, help=command.HELP, description=command.HELP))
     return parser

@@ -7,6 +7,7 @@ folder, as ``python -m`` would find it.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 
@@ -20,47 +21,30 @@ _MAX_WORLD_SIZE = 1 << 20
 _OPTIMIZERS = ("adamw", "adam", "none")
 
 
-def _non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"--rank must be an int >= 0, got {text!r}")
-    return value
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The subcommand's arguments."""
     parser.add_argument("model", metavar="MODEL", help=MODEL_SPEC_HELP + "; built on the meta device")
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="factory arguments / config fields")
-    world = int_in(1, _MAX_WORLD_SIZE, "--world-size")
-    parser.add_argument("--world-size", type=world, default=8, help="ranks (default 8)")
-    parser.add_argument(
-        "--shard-strat",
-        type=choice("--shard-strat", SHARDING_ALIASES, lambda t: t.strip().upper().replace("-", "_")),
-        default="FULL_SHARD",
-        help="FULL_SHARD (default), SHARD_GRAD, NO_SHARD, HYBRID_SHARD, HYBRID_SHARD_ZERO2",
-    )
-    parser.add_argument(
-        "--mp",
-        type=choice("--mp", MIXED_PRECISION_ALIASES, lambda t: t.strip().lower()),
-        default="fp32",
-        help="fp32 (default), bf16, fp16",
-    )
+    size = functools.partial(int_in, 1, _MAX_WORLD_SIZE)
+    parser.add_argument("--world-size", type=size("--world-size"), default=8, help="ranks (default 8)")
+    strat = choice("--shard-strat", SHARDING_ALIASES, lambda t: t.strip().upper().replace("-", "_"))
+    strategies = "FULL_SHARD (default), SHARD_GRAD, NO_SHARD, HYBRID_SHARD, HYBRID_SHARD_ZERO2"
+    parser.add_argument("--shard-strat", type=strat, default="FULL_SHARD", help=strategies)
+    mp = choice("--mp", MIXED_PRECISION_ALIASES, lambda t: t.strip().lower())
+    parser.add_argument("--mp", type=mp, default="fp32", help="fp32 (default), bf16, fp16")
     parser.add_argument("--no-auto-wrap", action="store_true", help="the whole model as one FSDP unit")
     parser.add_argument("--block", metavar="CLASS", help="transformer block class name (default: detected)")
-    parser.add_argument("--rank", type=_non_negative_int, default=0, help="rank to report (default 0, the largest)")
-    parser.add_argument("--replicate-size", type=int_in(1, _MAX_WORLD_SIZE, "--replicate-size"), help="HYBRID replicas")
     parser.add_argument(
-        "--gpus-per-node",
-        type=int_in(1, _MAX_WORLD_SIZE, "--gpus-per-node"),
-        help="HYBRID: one replica per node (default 8)",
+        "--rank", type=int_in(0, None, "--rank"), default=0, help="rank to report (default 0, the largest)"
+    )
+    parser.add_argument("--replicate-size", type=size("--replicate-size"), help="HYBRID replicas")
+    parser.add_argument(
+        "--gpus-per-node", type=size("--gpus-per-node"), help="HYBRID: one replica per node (default 8)"
     )
     parser.add_argument("--optimizer", choices=list(_OPTIMIZERS), default="adamw")
     parser.add_argument(
         "--micro-batches",
-        type=int_in(1, _MAX_WORLD_SIZE, "--micro-batches"),
+        type=size("--micro-batches"),
         metavar="K",
         help="also compare the no_sync choices for accumulating K micro-batches (gradient bytes, collectives)",
     )

@@ -19,19 +19,10 @@ is written to a hidden temporary directory and renamed into place; a load valida
 (keys, shapes, files) and reads it completely into scratch tensors before the live model or
 optimizer changes.
 
-Layout of the package (one concern per module; the public names are re-exported here):
-
-* ``checks``: names and shapes, ``CheckpointError``, agreement across ranks (one rank fails -> all raise),
-* ``model``: model state dicts (sharded / full),
-* ``optimizer``: optimizer state keyed by parameter FQN (flattening, validation, loading),
-* ``reader``: the hardened DCP reader (safe metadata unpickling, file checks, CRC-32 per record),
-* ``publish``: atomic publish of a checkpoint directory and recovery of an interrupted overwrite,
-* ``checkpoint``: ``save_checkpoint`` / ``load_checkpoint`` as a sequence of named steps,
-* ``full``: the full format (one ``torch.save`` file, rank 0; ``FSDP2Strategy``'s default), removing either format,
-* ``consolidate``: offline consolidation into one file of weights,
-* ``async_save``: ``AsyncCheckpointer`` (stage, write in the background, publish),
-* ``preemption``: ``PreemptionHandler`` (a signal -> stop at the next step boundary),
-* ``manager``: ``CheckpointManager`` (every N steps, keep last K, resume latest).
+Modules, one concern each (the public names are re-exported here): ``checks`` (names, shapes,
+``CheckpointError``, agreement across ranks), ``model``, ``optimizer``, ``reader`` (the hardened DCP
+reader), ``publish`` (atomic publish, recovery of an interrupted overwrite), ``checkpoint``, ``full``
+(the one-file full format, ``FSDP2Strategy``'s default), ``consolidate``, ``async_save``, ``preemption``, ``manager``.
 
 Example:
     save_checkpoint("ckpt/step_100", model, optimizer, extra={"step": 100})
@@ -52,21 +43,7 @@ from .preemption import PreemptionHandler
 from .preemption import resolve_signals as resolve_signals  # for strategy.py
 from .publish import is_checkpoint
 
-__all__ = [
-    "AsyncCheckpointer",
-    "CheckpointError",
-    "CheckpointManager",
-    "PreemptionHandler",
-    "consolidate_checkpoint",
-    "get_full_state_dict",
-    "get_optimizer_state_dict",
-    "get_sharded_state_dict",
-    "is_checkpoint",
-    "latest_checkpoint",
-    "load_checkpoint",
-    "load_full_state_dict",
-    "load_optimizer_state_dict",
-    "load_sharded_state_dict",
-    "prune_checkpoints",
-    "save_checkpoint",
-]
+__all__ = ["AsyncCheckpointer", "CheckpointError", "CheckpointManager", "PreemptionHandler", "consolidate_checkpoint"]
+__all__ += ["get_full_state_dict", "get_optimizer_state_dict", "get_sharded_state_dict", "is_checkpoint"]
+__all__ += ["latest_checkpoint", "load_checkpoint", "load_full_state_dict", "load_optimizer_state_dict"]
+__all__ += ["load_sharded_state_dict", "prune_checkpoints", "save_checkpoint"]

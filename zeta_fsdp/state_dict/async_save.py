@@ -1,11 +1,4 @@
-"""Checkpoints written in the background: ``AsyncCheckpointer``.
-
-A save copies this rank's shards off the live parameters and optimizer state ("staging"), then
-DCP's ``async_save`` writes the copy from a background thread over a gloo group of its own (so its
-collectives never interleave with training's), and rank 0 publishes the directory atomically once
-every rank's files are written. Same checkpoint, same guarantees as ``save_checkpoint``; training
-waits only for the copy.
-"""
+"""Checkpoints written in the background: ``AsyncCheckpointer`` (stage a CPU copy, DCP writes it, rank 0 publishes)."""
 
 from __future__ import annotations
 
@@ -78,35 +71,17 @@ class _AlreadyStaged:
         pass
 
 
-class _StartGate:
-    """Holds a background write at its start until every rank has started one (``open``), or stops it (``close``)."""
-
-    def __init__(self) -> None:
-        self._event = threading.Event()
-        self._go = False
-
-    def open(self) -> None:
-        self._go = True
-        self._event.set()
-
-    def close(self) -> None:
-        self._event.set()
-
-    def wait(self) -> None:
-        self._event.wait()
-        if not self._go:
-            raise CheckpointError("the save did not start on every rank; this rank's write was cancelled")
-
-
 class _GatedWriter(FileSystemWriter):
-    """DCP's file writer whose ``reset`` (the first thing the write thread does, before any collective) waits at a gate."""
+    """DCP's file writer whose ``reset`` (the first thing the write thread does, before any collective)
+    waits for ``gate``: ``True`` once every rank started its write, ``False`` to cancel it."""
 
-    def __init__(self, path: Path, gate: _StartGate) -> None:
+    def __init__(self, path: Path, gate: Future) -> None:
         super().__init__(path)
         self._gate = gate
 
     def reset(self, checkpoint_id: Any = None) -> None:
-        self._gate.wait()
+        if not self._gate.result():
+            raise CheckpointError("the save did not start on every rank; this rank's write was cancelled")
         super().reset(checkpoint_id)
 
 
@@ -147,9 +122,7 @@ class AsyncCheckpointer:
         Example:
             checkpointer.in_flight  # -> PosixPath('ckpt/step_200') while that save is written
         """
-        if self._pending is None or self._pending[2].done():
-            return None
-        return self._pending[0]
+        return None if self._pending is None or self._pending[2].done() else self._pending[0]
 
     def _process_group(self) -> Optional[dist.ProcessGroup]:
         if self._group is None and dist_on() and world_size() > 1:
@@ -185,7 +158,7 @@ class AsyncCheckpointer:
         try:
             # every rank staged, or every rank raises; the live tensors are not referenced afterwards
             staged = on_all_ranks(lambda: stage_state(checkpoint_state(model, optimizer, extra), self._buffers))
-            gate = _StartGate()
+            gate: Future = Future()
 
             def start() -> Any:
                 with warnings.catch_warnings():
@@ -206,9 +179,9 @@ class AsyncCheckpointer:
             try:
                 upload = on_all_ranks(start)
             except FAILURES:
-                gate.close()  # a thread that started here stops before its first collective
+                gate.set_result(False)  # a thread that started here stops before its first collective
                 raise
-            gate.open()
+            gate.set_result(True)
         except FAILURES as e:
             end_save(path, lock, published=False)
             raise save_failure(path, f"staging {path}", e) from e
@@ -232,15 +205,9 @@ class AsyncCheckpointer:
             return None
         path, lock, done = self._pending
         self._pending = None
-        error = done.exception()
-
-        def check() -> None:
-            if error is not None:
-                raise error
-
         published = False
         try:
-            on_all_ranks(check)
+            on_all_ranks(done.result)  # raises this rank's write error, if any, on every rank
             published = True
         except FAILURES as e:
             raise save_failure(path, f"writing {path}", e) from e

@@ -47,8 +47,7 @@ class CheckpointError(ValueError):
     """
 
 
-# --- ranks: one home, ``zeta_fsdp.distributed``; these names are what the package's modules use
-
+# The rank helpers' one home is ``zeta_fsdp.distributed``; these are the names this package uses.
 dist_on = is_distributed
 current_rank = get_rank
 world_size = get_world_size
@@ -91,9 +90,6 @@ def from_rank0(fn: Callable[[], Any]) -> Any:
         dist.broadcast_object_list(box, src=0)
         result = box[0]
     return result
-
-
-# --- names and shapes
 
 
 def clean_fqn(name: str) -> str:

@@ -12,8 +12,6 @@ from ..files import atomic_write
 from .checks import FAILURES, LAYOUT_KEY, MODEL_PREFIX, CheckpointError, PathLike, error_reason, short_list
 from .reader import dcp_load, open_checkpoint
 
-# --- consolidation
-
 
 def consolidate_checkpoint(dcp_dir: PathLike, out_file: PathLike, *, overwrite: bool = False) -> Path:
     """Turn a checkpoint into one file of the model's weights: offline, one process, no process group.

@@ -7,6 +7,7 @@ The same script works on first launch and on every relaunch.
 
 from __future__ import annotations
 
+import contextlib
 import re
 import warnings
 from pathlib import Path
@@ -147,8 +148,6 @@ class CheckpointManager:
         self.extra: Any = None  # the user's ``extra`` of the checkpoint resume() loaded
         self._saved_step: Optional[int] = None
 
-    # --- finding and resuming
-
     def latest(self) -> Optional[Path]:
         """The latest complete checkpoint under ``root`` (rank 0's view, the same on every rank), or ``None``.
 
@@ -182,8 +181,6 @@ class CheckpointManager:
         self.extra = saved.get("extra")
         self._saved_step = int(saved["step"])
         return int(saved["step"])
-
-    # --- saving
 
     def after_step(self, step: int, extra: Any = None) -> bool:
         """Call at every step boundary; saves when due or preempted. ``True``: a preemption signal came, stop now.
@@ -246,7 +243,6 @@ class CheckpointManager:
 
     def _prune(self) -> None:
         """Rank 0 deletes complete checkpoints older than the newest ``keep_last`` (the in-flight one is hidden)."""
-
         if self.keep_last is not None:
             keep = self.keep_last
             on_all_ranks(lambda: prune_checkpoints(self.root, keep) if current_rank() == 0 else None)
@@ -264,9 +260,5 @@ class CheckpointManager:
                     continue
             except OSError:
                 continue
-            try:
+            with lock, contextlib.suppress(OSError):
                 remove_tree(child)
-            except OSError:
-                pass
-            finally:
-                lock.release()

@@ -25,29 +25,12 @@ from .checks import METADATA_FILE, CheckpointError
 
 __all__ = ["checkpoint_problem", "is_full_checkpoint", "load_metadata", "shard_file_name_ok"]
 
-_METADATA_GLOBALS = {
-    ("torch", "Size"),
-    ("torch.serialization", "_get_layout"),
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-    ("pathlib", "Path"),
-    ("pathlib", "PosixPath"),
-    ("pathlib", "WindowsPath"),
-    ("pathlib", "PurePosixPath"),
-    ("pathlib", "PureWindowsPath"),
-    ("collections", "OrderedDict"),
-    ("builtins", "set"),
-    ("builtins", "frozenset"),
-}
-_METADATA_CLASSES = {
-    "BytesStorageMetadata",
-    "ChunkStorageMetadata",
-    "Metadata",
-    "MetadataIndex",
-    "StorageMeta",
-    "TensorProperties",
-    "TensorStorageMetadata",
-    "_MEM_FORMAT_ENCODING",
-}
+_METADATA_GLOBALS = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("collections", "OrderedDict")}
+_METADATA_GLOBALS |= {("torch.distributed.checkpoint.filesystem", "_StorageInfo")}
+_METADATA_GLOBALS |= {("builtins", "set"), ("builtins", "frozenset")}
+_METADATA_GLOBALS |= {("pathlib", n) for n in ("Path", "PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath")}
+_METADATA_CLASSES = {"BytesStorageMetadata", "ChunkStorageMetadata", "Metadata", "MetadataIndex", "StorageMeta"}
+_METADATA_CLASSES |= {"TensorProperties", "TensorStorageMetadata", "_MEM_FORMAT_ENCODING"}
 # The files DCP's FileSystemWriter writes: one ``__<rank>_<n>.distcp`` per rank and writer thread.
 _SHARD_FILE = re.compile(r"^__\d+_\d+\.distcp$")
 
@@ -68,14 +51,8 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 def shard_file_name_ok(name: Any) -> bool:
     """``True`` for a file name a checkpoint may point to: one plain name inside its directory."""
-    return (
-        isinstance(name, str)
-        and name not in ("", ".", "..")
-        and "/" not in name
-        and "\\" not in name
-        and "\0" not in name
-        and not os.path.isabs(name)
-    )
+    plain = isinstance(name, str) and not any(c in name for c in "/\\\0")
+    return plain and name not in ("", ".", "..") and not os.path.isabs(name)
 
 
 def load_metadata(file: Path, caller: str) -> Metadata:

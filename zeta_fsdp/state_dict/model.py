@@ -6,11 +6,7 @@ from typing import Any, Mapping, Optional
 
 import torch
 import torch.nn as nn
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    set_model_state_dict,
-)
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 from torch.distributed.tensor import DTensor
 
 from ..ties import tied_aliases
@@ -24,8 +20,6 @@ from .checks import (
     on_all_ranks,
     shape_of,
 )
-
-# --- state dicts
 
 
 def get_sharded_state_dict(model: nn.Module) -> dict[str, Any]:
@@ -116,12 +110,8 @@ def get_full_state_dict(model: nn.Module, *, cpu_offload: bool = True, rank0_onl
         if dist.get_rank() == 0:
             torch.save(sd, "model.pt")
     """
-    return gather_full(
-        get_sharded_state_dict(model),
-        tied_aliases(named_parameters(model)),
-        cpu_offload=cpu_offload,
-        rank0_only=rank0_only,
-    )
+    aliases = tied_aliases(named_parameters(model))
+    return gather_full(get_sharded_state_dict(model), aliases, cpu_offload=cpu_offload, rank0_only=rank0_only)
 
 
 def load_full_state_dict(

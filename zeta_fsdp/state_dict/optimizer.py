@@ -8,13 +8,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    set_optimizer_state_dict,
-)
-from torch.distributed.checkpoint.state_dict import (
-    get_optimizer_state_dict as _dcp_get_optimizer_state_dict,
-)
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict as _dcp_get_optimizer_state_dict
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from ..distributed import comm_device
@@ -33,8 +28,6 @@ from .checks import (
 )
 from .model import gather_full
 
-# --- optimizer state
-
 
 def _optimizer_params(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[tuple[nn.Parameter, list[str], dict]]:
     """``(param, its names, its param group)`` for every parameter the optimizer updates."""
@@ -51,21 +44,13 @@ def _optimizer_params(model: nn.Module, optimizer: torch.optim.Optimizer) -> lis
     return out
 
 
-def _param_group_entries(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    out = {}
-    for _, names, group in _optimizer_params(model, optimizer):
-        for option, value in group.items():
-            if option != "params":
-                out[f"param_groups.{names[0]}.{option}"] = value
-    return out
-
-
 def flat_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """Sharded optimizer state, flattened and keyed by parameter FQN."""
     if not optimizer.state:
         # Never stepped. torch's get_optimizer_state_dict would first run a zero-lr step to create
         # state, which changes Adam's step count (and so every later update): record the options only.
-        return _param_group_entries(model, optimizer)
+        params = _optimizer_params(model, optimizer)
+        return {f"{GROUPS_PREFIX}{names[0]}.{k}": v for _, names, g in params for k, v in g.items() if k != "params"}
     options = StateDictOptions(flatten_optimizer_state_dict=True)
     return {clean_fqn(k): v for k, v in _dcp_get_optimizer_state_dict(model, optimizer, options=options).items()}
 
@@ -298,14 +283,8 @@ def load_optimizer_state_dict(
     if full:
         # What each entry is (a shape-only meta tensor, or the option's value): every rank needs it
         # to validate and to allocate what the broadcast fills.
-        described = [
-            {
-                k: torch.empty_like(v, device="meta")
-                if k.startswith(STATE_PREFIX) and isinstance(v, torch.Tensor)
-                else v
-                for k, v in flat.items()
-            }
-        ]
+        tensors = [k for k, v in flat.items() if k.startswith(STATE_PREFIX) and isinstance(v, torch.Tensor)]
+        described = [{**flat, **{k: torch.empty_like(flat[k], device="meta") for k in tensors}}]
         if broadcast_from_rank0 and world_size() > 1:
             dist.broadcast_object_list(described, src=0)
         entries = described[0]
@@ -334,11 +313,7 @@ def _distribute_full(
     out: dict[str, Any] = {}
     for key, entry in entries.items():
         like = scratch.get(key)
-        if (
-            not key.startswith(STATE_PREFIX)
-            or not isinstance(entry, torch.Tensor)
-            or not isinstance(like, torch.Tensor)
-        ):
+        if not (key.startswith(STATE_PREFIX) and isinstance(entry, torch.Tensor) and isinstance(like, torch.Tensor)):
             out[key] = entry
             continue
         device = like.device if isinstance(like, DTensor) else comm_device()

@@ -54,10 +54,8 @@ class PreemptionHandler:
     def __init__(self, signals: Iterable[SignalLike] = (signal.SIGTERM,)) -> None:
         self.signals = resolve_signals(signals)
         self.received: Optional[signal.Signals] = None
-        self._previous: dict[signal.Signals, Any] = {}
         self._group = dist.new_group(backend="gloo") if dist_on() and world_size() > 1 else None
-        for sig in self.signals:
-            self._previous[sig] = signal.signal(sig, self._record)
+        self._previous = {sig: signal.signal(sig, self._record) for sig in self.signals}
 
     def _record(self, signum: int, frame: Any) -> None:
         self.received = signal.Signals(signum)

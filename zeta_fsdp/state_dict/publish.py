@@ -3,6 +3,7 @@ an overwrite interrupted between its two renames."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import warnings
@@ -40,10 +41,8 @@ def is_checkpoint(path: PathLike) -> bool:
     return True
 
 
-# Where save_checkpoint writes before renaming into place, and where overwrite=True keeps the
-# previous checkpoint until the new one is in place (zeta_fsdp.files: one naming for every write).
+# Where save_checkpoint writes before renaming into place (zeta_fsdp.files: one naming for every write).
 incomplete_dir = incomplete_path
-replaced_dir = replaced_path
 
 
 def removal_problem(path: Path) -> Optional[str]:
@@ -64,21 +63,17 @@ def discard_checkpoint_dir(path: Path) -> None:
     ``CheckpointError`` naming the path and why, and is left as it is.
     """
     path = Path(path)
-    if path.is_symlink():
-        path.unlink()
-        return
-    if not os.path.lexists(path):
-        return
-    problem = removal_problem(path)
+    problem = removal_problem(path)  # None for a link or nothing at all
     if problem is not None:
         raise CheckpointError(
             f"{path} is not a checkpoint written by this library ({problem}); refusing to delete it. "
             "Remove it yourself if it is yours to delete."
         )
-    try:
+    if path.is_symlink() or not os.path.lexists(path):
+        path.unlink(missing_ok=True)
+        return
+    with contextlib.suppress(OSError):
         (path / METADATA_FILE).unlink()
-    except OSError:
-        pass
     shutil.rmtree(path, ignore_errors=True)
 
 
@@ -92,7 +87,7 @@ def recover(path: Path, *, locked: bool = False) -> None:
     every rank of a job that finds the path missing sees it back; when the lock cannot be taken
     (a read-only folder) or the wait runs out, nothing is done.
     """
-    old, tmp = replaced_dir(path), incomplete_dir(path)
+    old, tmp = replaced_path(path), incomplete_dir(path)
     if os.path.lexists(path) or not old.is_dir():
         return
     if not locked:
@@ -127,7 +122,7 @@ def recover(path: Path, *, locked: bool = False) -> None:
 
 def leftovers(path: Path) -> str:
     """What an interrupted save or overwrite of ``path`` left next to it, for error messages."""
-    old, tmp = replaced_dir(path), incomplete_dir(path)
+    old, tmp = replaced_path(path), incomplete_dir(path)
     hint = ""
     if old.exists():
         hint += f" An overwrite of it was interrupted: the previous checkpoint is in {old}."
@@ -138,16 +133,12 @@ def leftovers(path: Path) -> str:
 
 
 def fsync_dir(path: Path) -> None:
-    try:
+    with contextlib.suppress(OSError):
         fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def publish_checkpoint(path: Path) -> None:

@@ -66,12 +66,10 @@ def open_checkpoint(path: Path, caller: str) -> Metadata:
 class _VerifyingReader(FileSystemReader):
     """DCP's file reader, reading each file once and checking every record's CRC-32 before any tensor is copied.
 
-    Each record in a ``.distcp`` file is a ``torch.save`` zip archive whose entries carry CRC-32s;
-    ``torch.load`` does not check them, so a flipped bit would load silently as a wrong value.
-    Each file a rank needs is mapped once (``_MAP_FILES``; else read once per run of nearby
-    records), the CRC-32s computed over those bytes in place (``records.entries``), and tensors
-    decoded as views of them (``records.tensor_record``). ``read_data`` copies nothing into the state dict:
-    it queues ``(target, source)`` pairs; ``commit`` copies them once every record is checked.
+    ``torch.load`` never checks the CRC-32s of a record's zip entries: a flipped bit would load as a
+    wrong value. Each file a rank needs is mapped once (``_MAP_FILES``; else read once per run of
+    nearby records), checked in place (``records.entries``) and decoded as views (``records.tensor_record``).
+    ``read_data`` only queues ``(target, source)`` pairs; ``commit`` copies them once all are checked.
     """
 
     def __init__(self, path: Path, metadata: Optional[Metadata] = None) -> None:
@@ -114,9 +112,9 @@ class _VerifyingReader(FileSystemReader):
         fut.set_result(None)
         return fut
 
-    def _runs(self, items: list[Any]) -> list[tuple[int, int, list[Any]]]:
-        """Group records (sorted by offset) into runs read at once: gaps under ``_GAP`` are read through."""
-        runs: list[list[Any]] = []  # [begin, end, items]
+    def _runs(self, items: list[Any]) -> list[list[Any]]:
+        """Group records (sorted by offset) into ``[begin, end, items]`` runs read at once: gaps under ``_GAP`` are read through."""
+        runs: list[list[Any]] = []
         for item in items:
             info = self.storage_data[item.storage_index]
             begin, end = int(info.offset), int(info.offset) + int(info.length)
@@ -125,7 +123,7 @@ class _VerifyingReader(FileSystemReader):
                 runs[-1][2].append(item)
             else:
                 runs.append([begin, end, [item]])
-        return [(begin, end, run) for begin, end, run in runs]
+        return runs
 
     def _read_record(self, item: Any, record: memoryview, where: str, planner: LoadPlanner) -> None:
         files = entries(record, where)

@@ -131,13 +131,8 @@ def tensor_record(files: dict[str, memoryview], where: str) -> Optional[torch.Te
         parsed = _TensorPickle(io.BytesIO(bytes(files[pkl[0]]))).load()
     except (pickle.UnpicklingError, EOFError, ValueError, TypeError, IndexError, AttributeError):
         return None  # not the one shape of record this fast path knows: torch.load decides
-    if not (
-        isinstance(parsed, tuple)
-        and len(parsed) == 5
-        and parsed[0] == "tensor"
-        and isinstance(parsed[1], _Storage)
-        and all(type(x) is int for x in (parsed[2], *parsed[3], *parsed[4]))
-    ):
+    plain = isinstance(parsed, tuple) and len(parsed) == 5 and parsed[0] == "tensor" and isinstance(parsed[1], _Storage)
+    if not (plain and all(type(x) is int for x in (parsed[2], *parsed[3], *parsed[4]))):
         return None
     _, (dtype, key, numel), offset, size, stride = parsed
     data = files.get(f"{prefix}data/{key}")
