@@ -1,6 +1,7 @@
 """The side effects of ``fsdp()`` on a planned model: per-block transforms (activation
-checkpointing, ``torch.compile``), the master-dtype cast, ``fully_shard`` bottom-up or DDP's engine
-(``replicate``), explicit prefetching, and whole-on-every-rank 0-dim parameters.
+checkpointing, ``torch.compile``), the master-dtype cast, ``fully_shard`` bottom-up, explicit
+prefetching, whole-on-every-rank 0-dim parameters, and autocast around a forward (the engines
+apply them: ``engines``).
 
 Each step is a plain function of a ``WrapPlan`` (``wrapping``) and what ``distributed`` built; the
 façade (``fsdp.py``) validates first and calls them in order.
@@ -14,7 +15,6 @@ from typing import Any, Iterable, Optional, Union
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed._composable.replicate import replicate
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.utils.checkpoint import checkpoint
@@ -28,7 +28,6 @@ __all__ = [
     "autocast_forward",
     "average_replicated_grads",
     "cast_to_master",
-    "replicate_model",
     "set_prefetch_chains",
     "shard_units",
     "tail_units",
@@ -124,30 +123,6 @@ def autocast_forward(model: nn.Module, device_type: str, dtype: torch.dtype) -> 
 
     model.register_forward_pre_hook(enter)
     model.register_forward_hook(leave, always_call=True)
-
-
-def replicate_model(model: nn.Module, device: torch.device, autocast: Optional[torch.dtype] = None) -> None:
-    """Put ``model`` on DDP's engine (composable ``replicate``): NO_SHARD at DDP speed.
-
-    ``autocast``: a low-precision dtype (``mp="bf16"``) to run the forward in, with
-    ``torch.autocast``: parameters, gradients and their all-reduce stay fp32 (DDP + autocast).
-
-    Parameters stay plain tensors under their own names; gradients are all-reduced (averaged) in
-    25 MiB buckets overlapping backward. ``gradient_as_bucket_view`` makes each ``.grad`` a view
-    into its bucket, so gradients cost no second copy. ``find_unused_parameters`` keeps models with
-    parameters a forward does not use (a pooler, a branch) working as they do under FSDP2; its
-    graph walk costs little (``benchmarks/results/no_shard.md``). DDP itself is built lazily at
-    the first forward, so a ``meta`` model can be materialized (or loaded) after this call; DDP
-    then checks every rank holds the same shapes and broadcasts rank 0's parameters. Buffers are
-    not broadcast (DDP is built over the parameters only): like FSDP2, and unlike
-    ``DistributedDataParallel(broadcast_buffers=True)``, a BatchNorm's running statistics stay
-    each rank's own.
-    """
-    if not any(t.is_meta for t in model.parameters()):
-        model.to(device)
-    replicate(model, device_id=device, gradient_as_bucket_view=True, find_unused_parameters=True)
-    if autocast is not None:
-        autocast_forward(model, device.type, autocast)
 
 
 def tail_units(plan: WrapPlan, count: int) -> list[WrapUnit]:

@@ -1,0 +1,320 @@
+"""DDP's engine (composable ``replicate``): NO_SHARD in fp32 or bf16 at DDP's speed.
+
+The same functions as ``engines.fully_shard``; ``engines.engine_of`` picks. Parameters stay plain
+tensors under their own names; gradients are all-reduced (averaged) in buckets during backward,
+and every ``.grad`` is a view into its bucket (``gradient_as_bucket_view``: no second copy).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from typing import Any, Callable, Iterator, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed._composable.replicate import DDP as ReplicatedModule  # noqa: N811 - torch names the class DDP
+from torch.distributed._composable.replicate import replicate
+from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.nn.parallel import DistributedDataParallel
+from torch.nn.parallel.distributed import _find_tensors
+
+from ..costs import AccumulationCost, accumulation_costs
+from ..options import autocast_dtype
+from ..sharding import autocast_forward
+
+__all__ = [
+    "REPLICAS_EQUAL",
+    "accumulation_bytes",
+    "all_reduces",
+    "check",
+    "gradient_bucket_bytes",
+    "managed",
+    "memtracker_categories",
+    "mesh_for",
+    "no_sync",
+    "peak_memory",
+    "plan_accumulation",
+    "plan_costs",
+    "wrap",
+]
+
+# DDP broadcasts rank 0's parameters when it is built, then every rank applies the same averaged
+# gradient: any rank's copy of a parameter is every rank's.
+REPLICAS_EQUAL = True
+
+
+def managed(model: nn.Module) -> list[nn.Module]:
+    """The modules in ``model`` (itself included) that ``replicate`` manages, also when reached
+    through a wrapper (``torch.compile``'s ``OptimizedModule``, a container)."""
+    return [m for m in model.modules() if isinstance(m, ReplicatedModule)]
+
+
+def check(plan: Any, model: nn.Module, master: Optional[torch.dtype]) -> None:
+    """Nothing to refuse before wrapping: DDP buckets per dtype and has no units."""
+
+
+def mesh_for(spec: Any, device: torch.device, mesh: Any, replicate_size: Optional[int]) -> None:
+    """DDP runs over the default group: no mesh."""
+
+
+def wrap(
+    model: nn.Module, plan: Any, device: torch.device, mp_policy: MixedPrecisionPolicy, mesh: Any, **_: Any
+) -> int:
+    """Put ``model`` on DDP's engine; ``mp="bf16"`` runs its forward under ``torch.autocast``
+    (parameters, gradients and their all-reduce stay fp32: DDP + autocast). Returns 0 (no shard).
+
+    DDP is built lazily at the first forward, so a ``meta`` model can be materialized (or loaded)
+    after this call; DDP then checks every rank holds the same shapes and broadcasts rank 0's
+    parameters. Buffers are not broadcast (DDP is built over the parameters only): like FSDP2,
+    and unlike ``DistributedDataParallel(broadcast_buffers=True)``, a BatchNorm's running
+    statistics stay each rank's own. Whether DDP searches for unused parameters is read from
+    the first training forward (``_probe_unused``).
+    """
+    if not any(t.is_meta for t in model.parameters()):
+        model.to(device)
+    replicate(model, device_id=device, gradient_as_bucket_view=True)
+    _probe_unused(model)
+    dtype = autocast_dtype(mp_policy)
+    if dtype is not None:
+        autocast_forward(model, device.type, dtype)
+    return 0
+
+
+def _reached(output: Any) -> set[int]:
+    """Ids of the tensors the autograd graph of ``output`` accumulates gradients into: the search
+    DDP runs with ``find_unused_parameters=True``, from the same output tensors."""
+    ids: set[int] = set()
+    seen: set[Any] = set()
+    stack = [t.grad_fn for t in _find_tensors(output) if t.grad_fn is not None]
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        variable = getattr(node, "variable", None)  # an AccumulateGrad node: the leaf it fills
+        if variable is not None:
+            ids.add(id(variable))
+        stack.extend(n for n, _ in node.next_functions if n is not None)
+    return ids
+
+
+def _probe_unused(model: nn.Module) -> None:
+    """Ask DDP to search for unused parameters only if the model has some.
+
+    The search (``find_unused_parameters=True``) is what lets a model train whose forward skips
+    parameters (an unused head, a branch not taken): without it DDP waits for their gradients
+    and fails at the next step. But on a model that uses every parameter it is a graph walk per
+    step for nothing, and DDP prints a warning on every rank (a C++ ``TORCH_WARN_ONCE`` from its
+    reducer: no Python filter reaches it). So the first forward that builds a graph runs with
+    the search off, walks its graph once here, before DDP's own post-forward hook, and all ranks
+    agree (one all-reduce) whether any rank left a parameter out; if one did, DDP is rebuilt with
+    the search on before this step's backward. The used set is read once: a model that uses
+    every parameter in its first step and skips some later makes DDP raise then (pass a ``mesh``
+    to run NO_SHARD on FSDP2, which needs no search).
+    """
+
+    def probe(module: nn.Module, args: Any, output: Any) -> None:
+        if not torch.is_grad_enabled():
+            return  # no graph to read: the next forward probes
+        handle.remove()
+        state = replicate.state(module)
+        reached = _reached(output)
+        params = [p for p in state._param_list if p.requires_grad]
+        flag = torch.tensor([float(any(id(p) not in reached for p in params))], device=params[0].device)
+        old = state._ddp
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=old.process_group)
+        if not flag.item():
+            return
+        # Built over the same parameters and group; they are already equal on every rank (the
+        # first build broadcast them), so nothing is checked or broadcast again.
+        new = DistributedDataParallel(
+            state._param_list,
+            device_ids=old.device_ids,
+            process_group=old.process_group,
+            gradient_as_bucket_view=True,
+            find_unused_parameters=True,
+            init_sync=False,
+        )
+        for hook, hook_state in old._comm_hooks:  # a hook the user registered through the model
+            new.register_comm_hook(hook_state, hook)
+        new.require_backward_grad_sync = old.require_backward_grad_sync
+        state._ddp, state._ddp_weakref = new, weakref.ref(new)
+        new._pre_forward()  # this step's start, as replicate's pre-forward hook did on the old one
+
+    handle = model.register_forward_hook(probe, prepend=True)
+
+
+@contextlib.contextmanager
+def no_sync(model: nn.Module, reduce: bool) -> Iterator[None]:
+    """``training.no_sync``: DDP's one collective is the all-reduce, so either choice defers it.
+
+    DDP decides at each forward whether the backward that follows all-reduces, so the forward
+    must run inside the block (as with ``DistributedDataParallel.no_sync``). Each module's setting
+    is restored on exit, so nested blocks stay off until the outermost exits.
+    """
+    modules = managed(model)
+    was_off = [bool(getattr(replicate.state(m), "_no_sync", False)) for m in modules]
+    for module in modules:
+        module.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        for module, off in zip(modules, was_off):
+            module.set_requires_gradient_sync(not off)
+
+
+def _ddp(module: nn.Module) -> Optional[DistributedDataParallel]:
+    return getattr(replicate.state(module), "_ddp", None)  # built at the first forward
+
+
+# DDP's defaults (``torch.distributed._DEFAULT_FIRST_BUCKET_BYTES``, ``bucket_cap_mb=25``).
+_FIRST_BUCKET_BYTES = 1024 * 1024
+_BUCKET_BYTES = 25 * 1024 * 1024
+
+
+def all_reduces(grads: list[tuple[torch.dtype, int]], finds_unused: bool = False) -> int:
+    """All-reduces per synced backward for gradients of these ``(dtype, bytes)``, in parameter order.
+
+    One per bucket, as DDP assigns them (``_compute_bucket_assignment_by_size``: one open bucket
+    per dtype, closed once it holds 1 MiB (the first) or 25 MiB (the rest)). Without the
+    unused-parameter search DDP rebuilds its buckets after the first step in the order gradients
+    become ready (about the reverse of parameter order: counted so); with it, it keeps parameter
+    order and adds one all-reduce for the map of used parameters.
+    """
+    limits: dict[torch.dtype, int] = {}
+    open_bytes: dict[torch.dtype, int] = {}
+    closed = 0
+    for dtype, nbytes in grads if finds_unused else grads[::-1]:
+        open_bytes[dtype] = open_bytes.get(dtype, 0) + nbytes
+        if open_bytes[dtype] >= limits.get(dtype, _FIRST_BUCKET_BYTES):
+            closed += 1
+            open_bytes[dtype] = 0
+            limits[dtype] = _BUCKET_BYTES
+    return closed + sum(1 for b in open_bytes.values() if b) + int(finds_unused)
+
+
+def accumulation_bytes(model: nn.Module, micro_batches: int) -> dict[str, AccumulationCost]:
+    """Gradients are whole and accumulate in place in DDP's buckets whatever the choice; the
+    collectives are all-reduces (``all_reduces``)."""
+    grads = [p for p in model.parameters() if p.requires_grad]
+    whole = sum(p.numel() * p.element_size() for p in grads)
+    finds_unused = any(getattr(_ddp(m), "find_unused_parameters", False) for m in managed(model))
+    count = all_reduces([(p.dtype, p.numel() * p.element_size()) for p in grads], finds_unused)
+    return accumulation_costs(
+        micro_batches, sharded=whole, unsharded=whole, partial=whole, reduce_scatter_units=0, all_reduce_units=count
+    )
+
+
+def gradient_bucket_bytes(model: nn.Module) -> int:
+    """Bytes of DDP's gradient buckets (0 before the first forward, where DDP is built). Every
+    ``.grad`` is a view into them."""
+    total = 0
+    for module in managed(model):
+        ddp = _ddp(module)
+        if ddp is not None:  # DDP's own record of the buckets it allocated (a comma-separated string)
+            sizes = str(ddp._get_ddp_logging_data().get("bucket_sizes", ""))
+            total += sum(int(n) for n in sizes.split(",") if n.strip())
+    return total
+
+
+# MemTracker's categories under FSDPMemTracker's names: on DDP's engine every rank's "shard" is the
+# whole tensor, so one table reads the same for both engines.
+_MEMTRACKER_NAMES = {
+    "Parameter": "Sharded Param",
+    "Gradient": "Sharded Grad",
+    "Optstate": "OptState",
+    "Other": "Inputs",  # what track_external(inputs) records
+}
+
+
+def memtracker_categories(snapshot: dict) -> dict[str, int]:
+    """One device's ``MemTracker`` snapshot under ``FSDPMemTracker``'s category names."""
+    names = {getattr(k, "value", str(k)): int(v) for k, v in snapshot.items()}
+    return {_MEMTRACKER_NAMES.get(k, k): v for k, v in names.items()}
+
+
+def peak_memory(
+    model: nn.Module, optimizer: Optional[torch.optim.Optimizer], step: Callable[[], Any], inputs: tuple
+) -> dict[str, int]:
+    """``measure.peak_memory_by_category`` with ``MemTracker`` (no FSDP units).
+
+    DDP allocates its gradient buckets once, at its first forward, and every ``.grad`` is a view
+    into them. When the step starts with gradients set, the tracker counts the buckets through
+    them; when it starts with none (``zero_grad(set_to_none=True)`` at the end of the step
+    before), it sees none, so the resident buckets are added to ``"Sharded Grad"`` and ``"Total"``.
+    """
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    grads_set = any(p.grad is not None for p in model.parameters())
+    tracker = MemTracker()
+    tracker.track_external(*(t for t in (model, optimizer) if t is not None), *inputs)
+    with tracker:
+        step()
+    result = memtracker_categories(next(iter(tracker.get_tracker_snapshot("peak").values()), {}))
+    if not grads_set:
+        buckets = gradient_bucket_bytes(model)
+        result["Sharded Grad"] = result.get("Sharded Grad", 0) + buckets
+        result["Total"] = result.get("Total", 0) + buckets
+    return result
+
+
+def _autocast_copies(model: nn.Module, policy: MixedPrecisionPolicy) -> int:
+    """Bytes of the weight copies ``torch.autocast`` makes under ``mp="bf16"``: it casts the
+    parameters of the ops it runs in low precision (a Linear or conv module's weight and bias)
+    once per forward, caches the copies of trainable leaves, and autograd keeps them for
+    backward. Other parameters (embeddings, norms) are used in fp32."""
+    dtype = autocast_dtype(policy)
+    if dtype is None:
+        return 0
+    kinds = (nn.Linear, nn.modules.conv._ConvNd)
+    seen: dict[int, int] = {}
+    for module in model.modules():
+        if isinstance(module, kinds):
+            for p in module.parameters(recurse=False):
+                if p.requires_grad and p.is_floating_point():
+                    seen[id(p)] = p.numel() * dtype.itemsize
+    return sum(seen.values())
+
+
+def plan_costs(
+    model: nn.Module,
+    units: list,
+    *,
+    mp_policy: MixedPrecisionPolicy,
+    reshard_after_forward: bool,
+    shard_size: int,
+    grads: list,
+    why: str,
+) -> tuple[int, int, list[str]]:
+    """The planner's engine terms: ``(all-gather peak, all-reduces per synced backward, notes)``.
+
+    Nothing is gathered: DDP computes with the parameters themselves; under autocast the
+    low-precision weight copies stand in the all-gather's place. A planned model has not run, so
+    it is counted as one that uses every parameter (no unused-parameter search).
+    """
+    copies = _autocast_copies(model, mp_policy)
+    notes = [
+        f"engine: replicate ({why}): plain tensor parameters used in place, gradients are views "
+        "of DDP's all-reduce buckets (no second copy)"
+    ]
+    if copies:
+        notes.append(
+            f"autocast: {copies:,} bytes of low-precision copies of Linear/conv weights, cached for "
+            "the forward and kept by autograd until backward (in 'all-gather peak')"
+        )
+    return copies, all_reduces(grads), notes
+
+
+def plan_accumulation(plan: Any, micro_batches: int) -> dict[str, AccumulationCost]:
+    """``MemoryPlan.accumulation``: whole gradients in DDP's buckets; DDP only all-reduces."""
+    whole = plan.grad_bytes
+    return accumulation_costs(
+        micro_batches,
+        sharded=whole,
+        unsharded=whole,
+        partial=whole,
+        reduce_scatter_units=0,
+        all_reduce_units=plan.ddp_all_reduce_count,
+    )
