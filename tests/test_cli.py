@@ -146,9 +146,6 @@ def test_demo_output_is_clean_without_a_tty(demo):
     proc, _, _ = demo
     assert "\r" not in proc.stdout + proc.stderr, "progress-bar control characters in a non-TTY log"
     assert "Traceback" not in proc.stderr
-    # NO_SHARD runs on DDP's engine; the GPT uses every parameter, so DDP is not asked to search for
-    # unused ones and its reducer's warning about that search (printed from C++) never appears
-    assert "find_unused_parameters" not in proc.stderr, proc.stderr[-3000:]
 
 
 @pytest.mark.skipif(not _has_matplotlib(), reason="matplotlib is not installed")

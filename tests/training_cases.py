@@ -323,7 +323,7 @@ def no_shard_bf16_is_ddp_with_autocast():
     guarantees: no_sync communicates nothing, clip_grad_norm_ matches, state-dict keys and values
     are the model's own, a checkpoint round-trips."""
     from zeta_fsdp import load_checkpoint, save_checkpoint
-    from zeta_fsdp.sharding import autocast_forward
+    from zeta_fsdp.engines.replicate import autocast_forward
 
     model, ref = sharded_gpt(shard_strat="NO_SHARD", mp="bf16")
     assert fsdp_engine(model) == "replicate" and not isinstance(model, FSDPModule)

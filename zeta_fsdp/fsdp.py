@@ -157,7 +157,7 @@ def fsdp(
 
     0-dim parameters (CLIP's ``logit_scale``), which ``fully_shard`` cannot shard, are kept whole
     on every rank in ``master_dtype`` and their gradient is averaged across ranks
-    (``sharding.average_replicated_grads``): they train exactly like sharded ones.
+    (``engines.fully_shard.wrap``): they train exactly like sharded ones.
 
     Raises:
         ValueError: for any bad argument, before a process group starts or the model changes.

@@ -44,38 +44,20 @@ MP_PRESETS: dict[str, tuple[Optional[torch.dtype], Optional[torch.dtype], Option
 }
 
 MIXED_PRECISION_ALIASES: dict[str, str] = {
-    "fp32": "fp32",
-    "float32": "fp32",
-    "float": "fp32",
-    "32": "fp32",
-    "full": "fp32",
-    "bf16": "bf16",
-    "bfloat16": "bf16",
-    "bf16-mixed": "bf16",
-    "fp16": "fp16",
-    "float16": "fp16",
-    "half": "fp16",
-    "16": "fp16",
-    "16-mixed": "fp16",
+    **dict.fromkeys(("fp32", "float32", "float", "32", "full"), "fp32"),
+    **dict.fromkeys(("bf16", "bfloat16", "bf16-mixed"), "bf16"),
+    **dict.fromkeys(("fp16", "float16", "half", "16", "16-mixed"), "fp16"),
 }
 
 
 # ``master_dtype`` names -> the dtype sharded floating-point parameters are stored (and updated) in.
 # ``None`` keeps every parameter's own dtype: pure low-precision training, on purpose.
 MASTER_DTYPE_ALIASES: dict[str, Optional[torch.dtype]] = {
-    "fp32": torch.float32,
-    "float32": torch.float32,
-    "float": torch.float32,
-    "fp64": torch.float64,
-    "float64": torch.float64,
-    "bf16": torch.bfloat16,
-    "bfloat16": torch.bfloat16,
-    "fp16": torch.float16,
-    "float16": torch.float16,
-    "half": torch.float16,
-    "param": None,
-    "keep": None,
-    "none": None,
+    **dict.fromkeys(("fp32", "float32", "float"), torch.float32),
+    **dict.fromkeys(("fp64", "float64"), torch.float64),
+    **dict.fromkeys(("bf16", "bfloat16"), torch.bfloat16),
+    **dict.fromkeys(("fp16", "float16", "half"), torch.float16),
+    **dict.fromkeys(("param", "keep", "none"), None),
 }
 
 
@@ -109,17 +91,11 @@ _SHARDING_TABLE: dict[str, ShardingSpec] = {
 }
 
 SHARDING_ALIASES: dict[str, str] = {
-    "FULL_SHARD": "FULL_SHARD",
-    "ZERO3": "FULL_SHARD",
-    "SHARD_GRAD": "SHARD_GRAD",
-    "SHARD_GRAD_OP": "SHARD_GRAD",
-    "ZERO2": "SHARD_GRAD",
-    "NO_SHARD": "NO_SHARD",
-    "DDP": "NO_SHARD",
-    "HYBRID_SHARD": "HYBRID_SHARD",
-    "HSDP": "HYBRID_SHARD",
-    "HYBRID_SHARD_ZERO2": "HYBRID_SHARD_ZERO2",
-    "_HYBRID_SHARD_ZERO2": "HYBRID_SHARD_ZERO2",
+    **dict.fromkeys(("FULL_SHARD", "ZERO3"), "FULL_SHARD"),
+    **dict.fromkeys(("SHARD_GRAD", "SHARD_GRAD_OP", "ZERO2"), "SHARD_GRAD"),
+    **dict.fromkeys(("NO_SHARD", "DDP"), "NO_SHARD"),
+    **dict.fromkeys(("HYBRID_SHARD", "HSDP"), "HYBRID_SHARD"),
+    **dict.fromkeys(("HYBRID_SHARD_ZERO2", "_HYBRID_SHARD_ZERO2"), "HYBRID_SHARD_ZERO2"),
 }
 
 
@@ -177,9 +153,6 @@ def resolve_sharding(shard_strat: Union[str, enum.Enum, None], *, caller: str = 
             f"{accepted}, or a torch.distributed.fsdp.ShardingStrategy member."
         )
     return _SHARDING_TABLE[SHARDING_ALIASES[key]]
-
-
-ENGINES = ("fully_shard", "replicate")
 
 
 def autocast_dtype(mp_policy: MixedPrecisionPolicy) -> Optional[torch.dtype]:

@@ -2,9 +2,9 @@
 
 ``fsdp()`` shards with FSDP2 (``fully_shard``) or, for NO_SHARD in fp32 or bf16, replicates with
 DDP's engine (composable ``replicate``); ``options.choose_engine`` picks. Whatever depends on which
-one runs (wrapping, sync control, gradient bytes, peaks, the planner's cost terms) is a function
-of the same name in ``engines.fully_shard`` and ``engines.replicate``: consumers ask
-``engine_of(model)`` (a live model) or ``engine_named(name)`` (the planner) and never branch.
+one runs is a function of the same name in ``engines.fully_shard`` and ``engines.replicate``
+(``SEAM``); consumers ask ``engine_of(model)`` (a live model) or ``engine_named(name)`` (``fsdp()``,
+the planner) and never branch on the engine.
 """
 
 from __future__ import annotations
@@ -17,7 +17,12 @@ from torch.distributed.fsdp import FSDPModule
 
 from . import fully_shard, replicate
 
-__all__ = ["engine_named", "engine_of", "hooks_on"]
+__all__ = ["SEAM", "engine_named", "engine_of", "hooks_on"]
+
+# What each engine module defines: the façade's steps, what training and measuring ask of a live
+# model, the planner's engine terms (pure: sizes only), and whether replicas hold equal parameters.
+SEAM = ("check", "mesh_for", "wrap", "managed", "no_sync", "accumulation_bytes", "peak_memory")
+SEAM += ("plan_costs", "plan_accumulation", "REPLICAS_EQUAL")
 
 
 def engine_of(model: nn.Module) -> ModuleType:

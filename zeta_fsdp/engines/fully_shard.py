@@ -7,34 +7,20 @@ manages lands here too, and each function leaves it as it is.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional, Union
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from ..costs import AccumulationCost, accumulation_costs, gradient_wait_dtype
 from ..distributed import build_mesh
 from ..options import ShardingSpec, stored_dtype
-from ..sharding import average_replicated_grads, set_prefetch_chains, shard_units, tail_units
 from ..torch_compat import param_mp_policy
 from ..wrapped import fsdp_param_groups, fsdp_state
 from ..wrapping import WrapPlan
-
-__all__ = [
-    "REPLICAS_EQUAL",
-    "accumulation_bytes",
-    "check",
-    "managed",
-    "mesh_for",
-    "no_sync",
-    "peak_memory",
-    "plan_accumulation",
-    "plan_costs",
-    "restore_fsdp_hooks",
-    "wrap",
-]
 
 # Each rank holds its own shard: a parameter's rows come from the rank that owns them.
 REPLICAS_EQUAL = False
@@ -95,26 +81,68 @@ def wrap(
     mp_policy: MixedPrecisionPolicy,
     mesh: DeviceMesh,
     *,
-    reshard: Any,
+    reshard: Union[bool, int],
     cpu_offload: bool,
     ignored: set[nn.Parameter],
     keep_tail: int,
     prefetch: Optional[int],
 ) -> int:
-    """``fully_shard`` every unit bottom-up; 0-dim parameters (which it cannot shard) stay whole on
-    every rank, their gradients averaged (``sharding.average_replicated_grads``). Returns this
-    rank's index in its shard group (``materialize`` fills its shard)."""
+    """``fully_shard`` every unit bottom-up, one policy for all; returns this rank's index in its
+    shard group (``materialize`` fills that shard).
+
+    Mixed precision is not inherited in FSDP2: a unit sharded without the policy would compute in
+    fp32 beside bf16 neighbours, so every call gets it. The root keeps its parameters after
+    forward (``None``: backward starts with it), and so do the ``keep_tail`` units forward runs
+    last (the head, then blocks backwards; never an embedding): backward would all-gather them
+    again at once (torchtitan keeps ``[norm, output]`` unsharded for this reason). ``prefetch``:
+    explicit chains on each unit's first module (a unit's modules share one state), in forward
+    and backward order; a prefetched all-gather replaces the unit's own, counts are unchanged.
+    0-dim parameters, which ``fully_shard`` cannot shard, stay whole (``_average_whole_grads``).
+    """
     scalars = [model.get_parameter(n) for n in plan.scalar_param_names]
     # Pinned host memory needs an accelerator; on a CPU-only run offloading is a no-op anyway.
     offload = CPUOffloadPolicy(pin_memory=device.type != "cpu") if cpu_offload else OffloadPolicy()
-    shard_units(plan, mesh, mp_policy, reshard, offload, ignored | set(scalars), tail_units(plan, keep_tail))
-    if prefetch is not None:
-        set_prefetch_chains(plan, prefetch)
+    kept = {id(u) for u in [u for u in plan.backward_order if u.kind != "embedding"][:keep_tail]}
+    for unit in plan.units:
+        fully_shard(
+            unit.target,
+            mesh=mesh,
+            reshard_after_forward=None if unit.kind == "root" else False if id(unit) in kept else reshard,
+            mp_policy=mp_policy,
+            offload_policy=offload,
+            ignored_params=(ignored | set(scalars)) or None,
+        )
+    for order, setter in ((plan.forward_order, "forward"), (plan.backward_order, "backward")):
+        for i, unit in enumerate(order if prefetch else ()):
+            targets = [u.modules[0] for u in order[i + 1 : i + 1 + prefetch]]
+            if targets:
+                getattr(unit.modules[0], f"set_modules_to_{setter}_prefetch")(targets)
     for scalar in scalars:  # FSDP does not move them
         if not scalar.is_meta and scalar.device != device:
             scalar.data = scalar.data.to(device)
-    average_replicated_grads(scalars, mesh)
+    _average_whole_grads(scalars, mesh)
     return mesh.get_local_rank(mesh.ndim - 1) if mesh.size(mesh.ndim - 1) > 1 else 0
+
+
+def _average_whole_grads(params: list[nn.Parameter], mesh: DeviceMesh) -> None:
+    """Average the gradients of parameters kept whole on every rank over ``mesh``, as FSDP does.
+
+    A hook after each backward accumulates into ``.grad``: summed over every mesh dimension and
+    divided by the mesh size (the mean FSDP's reduce-scatter takes). Under ``no_sync`` the mean is
+    taken each micro-batch: the already-averaged part is equal on every rank, so the result is
+    the same mean.
+    """
+    groups = [mesh.get_group(d) for d in range(mesh.ndim) if mesh.size(d) > 1]
+
+    def hook(param: torch.Tensor) -> None:
+        if param.grad is not None and groups:
+            for group in groups:
+                dist.all_reduce(param.grad, group=group)
+            param.grad.div_(mesh.size())
+
+    for p in params:
+        if p.requires_grad:
+            p.register_post_accumulate_grad_hook(hook)
 
 
 def _sync_setting(module: FSDPModule) -> tuple[bool, bool]:

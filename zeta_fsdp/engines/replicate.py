@@ -22,23 +22,6 @@ from torch.nn.parallel.distributed import _find_tensors
 
 from ..costs import AccumulationCost, accumulation_costs
 from ..options import autocast_dtype
-from ..sharding import autocast_forward
-
-__all__ = [
-    "REPLICAS_EQUAL",
-    "accumulation_bytes",
-    "all_reduces",
-    "check",
-    "gradient_bucket_bytes",
-    "managed",
-    "memtracker_categories",
-    "mesh_for",
-    "no_sync",
-    "peak_memory",
-    "plan_accumulation",
-    "plan_costs",
-    "wrap",
-]
 
 # DDP broadcasts rank 0's parameters when it is built, then every rank applies the same averaged
 # gradient: any rank's copy of a parameter is every rank's.
@@ -65,12 +48,10 @@ def wrap(
     """Put ``model`` on DDP's engine; ``mp="bf16"`` runs its forward under ``torch.autocast``
     (parameters, gradients and their all-reduce stay fp32: DDP + autocast). Returns 0 (no shard).
 
-    DDP is built lazily at the first forward, so a ``meta`` model can be materialized (or loaded)
-    after this call; DDP then checks every rank holds the same shapes and broadcasts rank 0's
-    parameters. Buffers are not broadcast (DDP is built over the parameters only): like FSDP2,
-    and unlike ``DistributedDataParallel(broadcast_buffers=True)``, a BatchNorm's running
-    statistics stay each rank's own. Whether DDP searches for unused parameters is read from
-    the first training forward (``_probe_unused``).
+    DDP is built at the first forward, so a ``meta`` model can be materialized (or loaded) after
+    this call; DDP then checks every rank holds the same shapes and broadcasts rank 0's
+    parameters. Buffers are not broadcast (DDP is built over the parameters only): like FSDP2, a
+    BatchNorm's running statistics stay each rank's own. ``_probe_unused`` sets up the rest.
     """
     if not any(t.is_meta for t in model.parameters()):
         model.to(device)
@@ -82,9 +63,31 @@ def wrap(
     return 0
 
 
+def autocast_forward(model: nn.Module, device_type: str, dtype: torch.dtype) -> None:
+    """Run every forward of ``model`` under ``torch.autocast(device_type, dtype)``, as if the
+    caller had written ``with torch.autocast(...): model(x)``.
+
+    Entered by a forward pre-hook and left by a forward hook that runs even when the forward
+    raises (``always_call``); a stack keeps nested or re-entrant forwards paired. Activation
+    checkpointing recomputes under the same autocast state (``torch.utils.checkpoint`` records it).
+    """
+    entered: list = []
+
+    def enter(module: nn.Module, args: Any) -> None:
+        context = torch.autocast(device_type, dtype=dtype)
+        context.__enter__()
+        entered.append(context)
+
+    def leave(module: nn.Module, args: Any, output: Any) -> None:
+        if entered:
+            entered.pop().__exit__(None, None, None)
+
+    model.register_forward_pre_hook(enter)
+    model.register_forward_hook(leave, always_call=True)
+
+
 def _reached(output: Any) -> set[int]:
-    """Ids of the tensors the autograd graph of ``output`` accumulates gradients into: the search
-    DDP runs with ``find_unused_parameters=True``, from the same output tensors."""
+    """Ids of the leaves the autograd graph of ``output`` accumulates into (DDP's search, same outputs)."""
     ids: set[int] = set()
     seen: set[Any] = set()
     stack = [t.grad_fn for t in _find_tensors(output) if t.grad_fn is not None]
@@ -101,20 +104,19 @@ def _reached(output: Any) -> set[int]:
 
 
 def _probe_unused(model: nn.Module) -> None:
-    """Ask DDP to search for unused parameters only if the model has some.
+    """Ask DDP to search for unused parameters (``find_unused_parameters``) only if there are some.
 
-    The search (``find_unused_parameters=True``) is what lets a model train whose forward skips
-    parameters (an unused head, a branch not taken): without it DDP waits for their gradients
-    and fails at the next step. But on a model that uses every parameter it is a graph walk per
-    step for nothing, and DDP prints a warning on every rank (a C++ ``TORCH_WARN_ONCE`` from its
-    reducer: no Python filter reaches it). So the first forward that builds a graph runs with
-    the search off, walks its graph once here, before DDP's own post-forward hook, and all ranks
-    agree (one all-reduce) whether any rank left a parameter out; if one did, DDP is rebuilt with
-    the search on before this step's backward. The used set is read once: a model that uses
-    every parameter in its first step and skips some later makes DDP raise then (pass a ``mesh``
-    to run NO_SHARD on FSDP2, which needs no search).
+    Without the search, a forward that skips parameters (an unused head, a branch not taken)
+    makes DDP wait for their gradients and fail at the next step; with it on a model that uses
+    them all, DDP walks the graph every step for nothing and its reducer prints a warning on every
+    rank (C++ ``TORCH_WARN_ONCE``: no Python filter reaches it). So the first forward that builds
+    a graph runs without, its graph is walked once here (before DDP's post-forward hook), and the
+    ranks agree (one all-reduce) whether any left a parameter out; if one did, DDP is rebuilt with
+    the search before this step's backward. Read once: a model using every parameter in its first
+    step and skipping some later makes DDP raise then (a ``mesh`` puts NO_SHARD on FSDP2).
     """
 
+    @torch.compiler.disable  # collectives and DDP's rebuild: never traced into a compiled graph
     def probe(module: nn.Module, args: Any, output: Any) -> None:
         if not torch.is_grad_enabled():
             return  # no graph to read: the next forward probes
@@ -201,9 +203,20 @@ def accumulation_bytes(model: nn.Module, micro_batches: int) -> dict[str, Accumu
     grads = [p for p in model.parameters() if p.requires_grad]
     whole = sum(p.numel() * p.element_size() for p in grads)
     finds_unused = any(getattr(_ddp(m), "find_unused_parameters", False) for m in managed(model))
-    count = all_reduces([(p.dtype, p.numel() * p.element_size()) for p in grads], finds_unused)
+    return _whole_grads(
+        micro_batches, whole, all_reduces([(p.dtype, p.numel() * p.element_size()) for p in grads], finds_unused)
+    )
+
+
+def _whole_grads(micro_batches: int, whole: int, all_reduce_count: int) -> dict[str, AccumulationCost]:
+    """Every choice keeps the same whole gradients (accumulated in place in DDP's buckets)."""
     return accumulation_costs(
-        micro_batches, sharded=whole, unsharded=whole, partial=whole, reduce_scatter_units=0, all_reduce_units=count
+        micro_batches,
+        sharded=whole,
+        unsharded=whole,
+        partial=whole,
+        reduce_scatter_units=0,
+        all_reduce_units=all_reduce_count,
     )
 
 
@@ -309,12 +322,4 @@ def plan_costs(
 
 def plan_accumulation(plan: Any, micro_batches: int) -> dict[str, AccumulationCost]:
     """``MemoryPlan.accumulation``: whole gradients in DDP's buckets; DDP only all-reduces."""
-    whole = plan.grad_bytes
-    return accumulation_costs(
-        micro_batches,
-        sharded=whole,
-        unsharded=whole,
-        partial=whole,
-        reduce_scatter_units=0,
-        all_reduce_units=plan.ddp_all_reduce_count,
-    )
+    return _whole_grads(micro_batches, plan.grad_bytes, plan.ddp_all_reduce_count)

@@ -415,9 +415,7 @@ def plan(
     )
 
     units = [_estimate_unit(u, params, policy, shard_size, shard_rank, n_state, master) for u in wrap.units]
-    grads = [
-        (_stored_dtype(p, master), p.numel() * _stored_size(p, master)) for p in params.values() if p.requires_grad
-    ]
+    grads = [(stored_dtype(p, master), p.numel() * _stored_size(p, master)) for p in params.values() if p.requires_grad]
     peak, all_reduces, notes = engine_named(engine).plan_costs(
         model,
         units,
@@ -429,7 +427,7 @@ def plan(
     )
     # Ignored parameters stay whole (and unsharded) on every rank, as do their gradients.
     ignored_bytes = sum(params[n].numel() * _stored_size(params[n], master) for n in wrap.ignored_param_names)
-    stored = sorted({_dtype_name(_stored_dtype(p, master)) for p in params.values() if p.is_floating_point()})
+    stored = sorted({_dtype_name(stored_dtype(p, master)) for p in params.values() if p.is_floating_point()})
     stored_label = stored[0] if len(stored) == 1 else ("mixed: " + ", ".join(stored) if stored else "none")
     result = MemoryPlan(
         model_name=type(model).__name__,
@@ -485,13 +483,8 @@ def plan(
     return result
 
 
-def _stored_dtype(param: torch.Tensor, master: Optional[torch.dtype]) -> torch.dtype:
-    """The dtype ``fsdp(master_dtype=master)`` stores ``param`` in (``options.stored_dtype``)."""
-    return stored_dtype(param, master)
-
-
 def _stored_size(param: torch.Tensor, master: Optional[torch.dtype]) -> int:
-    return _stored_dtype(param, master).itemsize
+    return stored_dtype(param, master).itemsize
 
 
 def _estimate_unit(
@@ -510,14 +503,14 @@ def _estimate_unit(
         size = _stored_size(param, master)
         # FSDP2 casts only floating-point parameters to the compute dtype.
         compute = (
-            policy.param_dtype if policy.param_dtype and param.is_floating_point() else _stored_dtype(param, master)
+            policy.param_dtype if policy.param_dtype and param.is_floating_point() else stored_dtype(param, master)
         )
         unsharded += gathered * compute.itemsize
         padded_bytes += padded * size
         local_bytes += local * size
         if param.requires_grad:  # frozen parameters get neither gradients nor optimizer state
             grad += padded * size
-            wait = gradient_wait_dtype(policy, _stored_dtype(param, master)).itemsize
+            wait = gradient_wait_dtype(policy, stored_dtype(param, master)).itemsize
             unsharded_grad += param.numel() * wait
             partial_grad += padded * wait
             opt += n_state * local * size + _STEP_BYTES if n_state else 0
