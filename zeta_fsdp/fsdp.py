@@ -162,13 +162,10 @@ def fsdp(
     Raises:
         ValueError: for any bad argument, before a process group starts or the model changes.
 
-    Engines: every sharding strategy runs on FSDP2 (``fully_shard``: DTensor parameters). NO_SHARD
-    with ``mp="fp32"`` runs on DDP's engine instead (composable ``replicate``: plain tensor
-    parameters, bucketed all-reduce, DDP's speed), and so does ``mp="bf16"``, with the forward under
-    ``torch.autocast(bfloat16)`` (fp32 parameters and gradients, all-reduced in fp32: DDP +
-    autocast); ``mp="fp16"`` or a custom policy, ``cpu_offload``, ignored
-    parameters, a ``mesh`` or a model with nothing to train keep NO_SHARD on FSDP2
-    (``options.choose_engine``; ``fsdp_engine(model)`` says which ran). State dicts, checkpoints, ``no_sync`` and ``clip_grad_norm_`` work on both.
+    Engines: sharding strategies run on FSDP2 (``fully_shard``: DTensor parameters). NO_SHARD with
+    ``mp="fp32"`` or ``"bf16"`` (forward under ``torch.autocast``) runs on DDP's engine (composable
+    ``replicate``: plain tensors, DDP's speed) unless it needs FSDP2 (``options.choose_engine``;
+    ``fsdp_engine(model)`` says which ran). State dicts, checkpoints, ``no_sync``, clipping work on both.
 
     Example:
         model = fsdp(model, auto_wrap=True, mp="bf16", shard_strat="FULL_SHARD", TransformerBlock=Block)
@@ -230,16 +227,7 @@ def fsdp(
     if cast_to_master(model, master):
         plan.recount(model)
     shard_index = engine.wrap(
-        model,
-        plan,
-        compute_device,
-        mp_policy,
-        mesh,
-        reshard=reshard,
-        cpu_offload=cpu_offload,
-        ignored=ignored,
-        keep_tail=keep_tail,
-        prefetch=prefetch,
+        model, plan, compute_device, mp_policy, mesh, reshard, cpu_offload, ignored, keep_tail, prefetch
     )
     if materialize:
         materialize_meta_model(

@@ -2,21 +2,9 @@
 
 Shared by the demo, the planner's accuracy checks, the benchmarks and users' notebooks.
 
-Memory comes from PyTorch's ``FSDPMemTracker`` (exact on CPU: it counts tensor storages by
-category), collectives from ``CommDebugMode``, time from ``time.perf_counter``. Nothing here
-asserts anything: callers decide what the numbers mean.
-
-Example:
-    >>> model = torch.nn.Linear(4, 4)
-    >>> collectives_per_step(lambda: model(torch.ones(2, 4)).sum().backward())  # no process group: none
-    {}
-    >>> median_step_seconds(lambda: None, steps=3) < 1.0
-    True
-
-    With a sharded model (see ``examples/notebook.py``)::
-
-        peak = peak_memory_by_category(model, optimizer, lambda: train_step(batch), inputs=(batch,))
-        peak["Sharded Param"], peak["OptState"], peak["Total"]
+Memory comes from PyTorch's memory trackers (exact on CPU: they count tensor storages by
+category; each engine's own, ``engines``), collectives from ``CommDebugMode``, time from
+``time.perf_counter``. Nothing here asserts anything: callers decide what the numbers mean.
 """
 
 from __future__ import annotations
@@ -52,10 +40,7 @@ def peak_memory_by_category(
     """Per-rank peak bytes by FSDP category (``"Sharded Param"``, ``"OptState"``, ...) over one ``step()``.
 
     FSDP2 models are measured with ``FSDPMemTracker``; NO_SHARD on DDP's engine with ``MemTracker``
-    under the same category names (a whole tensor is each rank's "shard", its gradient buckets
-    counted while resident).
-
-    ``warmup`` steps run first, untracked, so lazily created optimizer state exists and the
+    under the same names (a whole tensor is each rank's "shard"). ``warmup`` steps run first, untracked, so lazily created optimizer state exists and the
     tracked step is a steady-state one. Adds ``"Total"`` (peak of the sum, not sum of peaks).
 
     Example:

@@ -179,20 +179,13 @@ def choose_engine(
     """Which engine runs ``spec``: ``("replicate", why)`` or ``("fully_shard", why)``.
 
     NO_SHARD keeps a whole copy of every parameter on every rank: that is DDP. PyTorch's DDP
-    engine (composable ``torch.distributed._composable.replicate``: bucketed all-reduce, plain
-    tensor parameters, state-dict keys unchanged) steps at DDP speed, while FSDP2 on a
-    ``(world, 1)`` mesh pays for DTensor parameters in every optimizer op and for copies in and
-    out of its unsharded buffers (1.4-1.5x DDP's step time, ``benchmarks/results/no_shard.md``).
-    So NO_SHARD runs on ``replicate`` unless it needs something only FSDP2 has:
-
-    * an ``mp`` other than ``"fp32"`` and ``"bf16"`` (``"bf16"`` runs on ``replicate`` with
-      ``torch.autocast(bfloat16)`` around the forward, ``autocast_dtype``; ``"fp16"`` and a custom
-      ``MixedPrecisionPolicy`` keep FSDP2's casting),
-    * ``cpu_offload``, ``ignored_params`` / ``ignored_modules``,
-    * a ``mesh`` passed by the caller (the way to ask for FSDP2's DTensor parameters),
-    * no parameter that requires a gradient (a frozen model for inference: DDP refuses those).
-
-    Every other strategy shards, so it runs on ``fully_shard``.
+    engine (composable ``replicate``: bucketed all-reduce, plain tensor parameters, keys
+    unchanged) steps at DDP speed, while FSDP2 on a ``(world, 1)`` mesh pays for DTensor
+    parameters in every optimizer op and for copies through its buffers (1.4-1.5x DDP's step
+    time, ``benchmarks/results/no_shard.md``). So NO_SHARD runs on ``replicate`` unless it needs
+    what only FSDP2 has: casting beyond ``"bf16"``'s autocast (``autocast_dtype``), offloading,
+    ignored parameters, the caller's ``mesh`` (the way to ask for DTensor parameters), or nothing
+    to train (DDP refuses that). Every other strategy shards: ``fully_shard``.
 
     Example:
         >>> choose_engine(resolve_sharding("NO_SHARD"), resolve_mixed_precision("fp32"))[0]

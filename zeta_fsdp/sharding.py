@@ -1,9 +1,5 @@
-"""What ``fsdp()`` does to a planned model on either engine, before it is wrapped: per-block
-transforms (activation checkpointing, ``torch.compile``) and the master-dtype cast (the
-engines' own steps: ``engines``).
-
-Each step is a plain function of a ``WrapPlan`` (``wrapping``) and what ``distributed`` built; the
-façade (``fsdp.py``) validates first and calls them in order.
+"""What ``fsdp()`` does to a planned model on either engine before wrapping it (``engines``):
+per-block transforms (activation checkpointing, ``torch.compile``) and the master-dtype cast.
 """
 
 from __future__ import annotations

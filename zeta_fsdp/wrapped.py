@@ -29,9 +29,7 @@ _ENGINE_ATTR = "_zeta_fsdp_engine"
 
 
 def record_wrap(model: nn.Module, engine: str, plan: WrapPlan) -> None:
-    """Remember on ``model`` which engine ``fsdp()`` put it on and the plan it applied
-    (``fsdp_engine``, ``get_wrap_plan`` read them).
-    """
+    """Remember on ``model`` the engine ``fsdp()`` chose and its plan (``fsdp_engine``, ``get_wrap_plan``)."""
     model.__dict__[_ENGINE_ATTR] = engine
     model.__dict__[_PLAN_ATTR] = plan
 

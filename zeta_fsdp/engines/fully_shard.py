@@ -1,7 +1,6 @@
 """FSDP2 (``fully_shard``, DTensor parameters): every strategy but NO_SHARD in fp32/bf16.
 
-The same functions as ``engines.replicate``; ``engines.engine_of`` picks. A model neither engine
-manages lands here too, and each function leaves it as it is.
+``engines.SEAM``, as in ``engines.replicate``. A model neither engine manages lands here too.
 """
 
 from __future__ import annotations
@@ -80,24 +79,19 @@ def wrap(
     device: torch.device,
     mp_policy: MixedPrecisionPolicy,
     mesh: DeviceMesh,
-    *,
     reshard: Union[bool, int],
     cpu_offload: bool,
     ignored: set[nn.Parameter],
     keep_tail: int,
     prefetch: Optional[int],
 ) -> int:
-    """``fully_shard`` every unit bottom-up, one policy for all; returns this rank's index in its
-    shard group (``materialize`` fills that shard).
+    """``fully_shard`` every unit bottom-up; returns this rank's index in its shard group.
 
-    Mixed precision is not inherited in FSDP2: a unit sharded without the policy would compute in
-    fp32 beside bf16 neighbours, so every call gets it. The root keeps its parameters after
-    forward (``None``: backward starts with it), and so do the ``keep_tail`` units forward runs
-    last (the head, then blocks backwards; never an embedding): backward would all-gather them
-    again at once (torchtitan keeps ``[norm, output]`` unsharded for this reason). ``prefetch``:
-    explicit chains on each unit's first module (a unit's modules share one state), in forward
-    and backward order; a prefetched all-gather replaces the unit's own, counts are unchanged.
-    0-dim parameters, which ``fully_shard`` cannot shard, stay whole (``_average_whole_grads``).
+    One policy for every unit (FSDP2 does not inherit it). The root keeps its parameters after
+    forward (backward starts with it), and so do the ``keep_tail`` units forward runs last (the
+    head, then blocks backwards): backward would all-gather them again at once. ``prefetch``
+    chains sit on each unit's first module (a unit's modules share one state). 0-dim parameters,
+    which ``fully_shard`` cannot shard, stay whole (``_average_whole_grads``).
     """
     scalars = [model.get_parameter(n) for n in plan.scalar_param_names]
     # Pinned host memory needs an accelerator; on a CPU-only run offloading is a no-op anyway.
@@ -125,13 +119,8 @@ def wrap(
 
 
 def _average_whole_grads(params: list[nn.Parameter], mesh: DeviceMesh) -> None:
-    """Average the gradients of parameters kept whole on every rank over ``mesh``, as FSDP does.
-
-    A hook after each backward accumulates into ``.grad``: summed over every mesh dimension and
-    divided by the mesh size (the mean FSDP's reduce-scatter takes). Under ``no_sync`` the mean is
-    taken each micro-batch: the already-averaged part is equal on every rank, so the result is
-    the same mean.
-    """
+    """Average whole parameters' gradients over ``mesh`` after each backward, as FSDP does. Under
+    ``no_sync`` too: the already-averaged part is equal on every rank, so the mean is the same."""
     groups = [mesh.get_group(d) for d in range(mesh.ndim) if mesh.size(d) > 1]
 
     def hook(param: torch.Tensor) -> None:
@@ -168,9 +157,7 @@ def _set_sync(module: FSDPModule, reduce: bool, all_reduce: bool) -> None:
 
 @contextlib.contextmanager
 def no_sync(model: nn.Module, reduce: bool) -> Iterator[None]:
-    """``training.no_sync``: every unit's gradient sync off (``reduce``: keep each micro-batch's
-    reduce-scatter, defer only HSDP's all-reduce), each unit's own setting restored on exit. A
-    model without units uses its own ``no_sync`` (a DDP model) or is left alone."""
+    """``training.no_sync`` on FSDP2 units (none: a DDP model's own ``no_sync``, else nothing)."""
     modules = managed(model)
     if not modules:
         ddp_no_sync = getattr(model, "no_sync", None)
@@ -182,10 +169,8 @@ def no_sync(model: nn.Module, reduce: bool) -> Iterator[None]:
     saved = [(module, _sync_setting(module)) for module in modules]
     try:
         for module in modules:
-            # set_requires_gradient_sync(False) also turns off HSDP's replica all-reduce (torch >= 2.4);
-            # set_requires_all_reduce makes sure of it on any version that has it. With
-            # reduce=True, FSDP2 adds each micro-batch's reduce-scattered gradient into a sharded
-            # buffer and all-reduces that sum at the next backward that has all-reduce on.
+            # reduce=True: FSDP2 adds each reduce-scattered gradient into a sharded buffer and
+            # all-reduces that sum at the next backward with all-reduce on.
             _set_sync(module, reduce, False)
         yield
     finally:
@@ -296,27 +281,23 @@ _RESIDENT_KINDS = ("root", "embedding+head")
 def plan_costs(
     model: nn.Module,
     units: list,
-    *,
     mp_policy: MixedPrecisionPolicy,
-    reshard_after_forward: bool,
+    reshard: bool,
     shard_size: int,
     grads: list,
     why: str,
 ) -> tuple[int, int, list[str]]:
     """The planner's engine terms: ``(all-gather peak, all-reduces per synced backward, notes)``.
 
-    The peak: most bytes of all-gathered parameters plus all-gather buffers alive at once. FSDP2
-    all-gathers a unit into one flat buffer, copies it out into the unsharded parameters, then
-    frees the buffer (at the next unit's copy-out): at a copy-out both exist. With one rank per
-    shard group nothing is gathered, the copy is direct (no buffer). Units not resharded before
-    backward stay: the root (it runs first in backward), every unit under ZeRO-2, a unit spanning
-    the forward (tied embedding + head) from its first module to its last. All-reduces are per
-    unit: ``plan_accumulation`` counts them.
+    The peak: gathered parameters plus flat all-gather buffers alive at once. A unit's buffer
+    lives until the next unit's copy-out (none with one rank per shard group); units not
+    resharded before backward stay (``_RESIDENT_KINDS``, every unit under ZeRO-2). All-reduces
+    are per unit (``plan_accumulation``).
     """
     if not units:
         return 0, 0, []
     flat = [u.unsharded_bytes if shard_size > 1 else 0 for u in units]
-    if not reshard_after_forward:
+    if not reshard:
         return sum(u.unsharded_bytes for u in units) + max(flat), 0, []
     resident = sum(u.unsharded_bytes for u in units if u.kind in _RESIDENT_KINDS)
     moments = [0] + [b if u.kind in _RESIDENT_KINDS else u.unsharded_bytes + b for u, b in zip(units, flat)]

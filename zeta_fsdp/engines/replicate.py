@@ -1,8 +1,7 @@
 """DDP's engine (composable ``replicate``): NO_SHARD in fp32 or bf16 at DDP's speed.
 
-The same functions as ``engines.fully_shard``; ``engines.engine_of`` picks. Parameters stay plain
-tensors under their own names; gradients are all-reduced (averaged) in buckets during backward,
-and every ``.grad`` is a view into its bucket (``gradient_as_bucket_view``: no second copy).
+``engines.SEAM``, as in ``engines.fully_shard``. Parameters stay plain tensors; gradients are
+all-reduced in buckets, each ``.grad`` a view into its bucket (``gradient_as_bucket_view``).
 """
 
 from __future__ import annotations
@@ -35,23 +34,20 @@ def managed(model: nn.Module) -> list[nn.Module]:
 
 
 def check(plan: Any, model: nn.Module, master: Optional[torch.dtype]) -> None:
-    """Nothing to refuse before wrapping: DDP buckets per dtype and has no units."""
+    """Nothing to refuse: DDP buckets per dtype and has no units."""
 
 
-def mesh_for(spec: Any, device: torch.device, mesh: Any, replicate_size: Optional[int]) -> None:
+def mesh_for(*_: Any) -> None:
     """DDP runs over the default group: no mesh."""
 
 
-def wrap(
-    model: nn.Module, plan: Any, device: torch.device, mp_policy: MixedPrecisionPolicy, mesh: Any, **_: Any
-) -> int:
+def wrap(model: nn.Module, plan: Any, device: torch.device, mp_policy: MixedPrecisionPolicy, *_: Any) -> int:
     """Put ``model`` on DDP's engine; ``mp="bf16"`` runs its forward under ``torch.autocast``
     (parameters, gradients and their all-reduce stay fp32: DDP + autocast). Returns 0 (no shard).
 
-    DDP is built at the first forward, so a ``meta`` model can be materialized (or loaded) after
-    this call; DDP then checks every rank holds the same shapes and broadcasts rank 0's
-    parameters. Buffers are not broadcast (DDP is built over the parameters only): like FSDP2, a
-    BatchNorm's running statistics stay each rank's own. ``_probe_unused`` sets up the rest.
+    DDP is built at the first forward (a ``meta`` model can be materialized or loaded first), then
+    checks every rank's shapes and broadcasts rank 0's parameters; buffers are not broadcast
+    (like FSDP2, a BatchNorm's running statistics stay each rank's own).
     """
     if not any(t.is_meta for t in model.parameters()):
         model.to(device)
@@ -179,11 +175,10 @@ _BUCKET_BYTES = 25 * 1024 * 1024
 def all_reduces(grads: list[tuple[torch.dtype, int]], finds_unused: bool = False) -> int:
     """All-reduces per synced backward for gradients of these ``(dtype, bytes)``, in parameter order.
 
-    One per bucket, as DDP assigns them (``_compute_bucket_assignment_by_size``: one open bucket
-    per dtype, closed once it holds 1 MiB (the first) or 25 MiB (the rest)). Without the
-    unused-parameter search DDP rebuilds its buckets after the first step in the order gradients
-    become ready (about the reverse of parameter order: counted so); with it, it keeps parameter
-    order and adds one all-reduce for the map of used parameters.
+    One per bucket (``_compute_bucket_assignment_by_size``: one open bucket per dtype, closed at
+    1 MiB for the first, 25 MiB after). With the unused-parameter search DDP keeps parameter order
+    and adds one for the map of used parameters; without, it rebuilds its buckets after the first
+    step in gradient-ready order (about the reverse: counted so).
     """
     limits: dict[torch.dtype, int] = {}
     open_bytes: dict[torch.dtype, int] = {}
@@ -251,13 +246,9 @@ def memtracker_categories(snapshot: dict) -> dict[str, int]:
 def peak_memory(
     model: nn.Module, optimizer: Optional[torch.optim.Optimizer], step: Callable[[], Any], inputs: tuple
 ) -> dict[str, int]:
-    """``measure.peak_memory_by_category`` with ``MemTracker`` (no FSDP units).
-
-    DDP allocates its gradient buckets once, at its first forward, and every ``.grad`` is a view
-    into them. When the step starts with gradients set, the tracker counts the buckets through
-    them; when it starts with none (``zero_grad(set_to_none=True)`` at the end of the step
-    before), it sees none, so the resident buckets are added to ``"Sharded Grad"`` and ``"Total"``.
-    """
+    """``measure.peak_memory_by_category`` with ``MemTracker``. DDP's buckets stay allocated from
+    its first forward; a step starting with no ``.grad`` (views into them) shows the tracker none,
+    so they are added to ``"Sharded Grad"`` and ``"Total"``."""
     from torch.distributed._tools.mem_tracker import MemTracker
 
     grads_set = any(p.grad is not None for p in model.parameters())
@@ -274,10 +265,8 @@ def peak_memory(
 
 
 def _autocast_copies(model: nn.Module, policy: MixedPrecisionPolicy) -> int:
-    """Bytes of the weight copies ``torch.autocast`` makes under ``mp="bf16"``: it casts the
-    parameters of the ops it runs in low precision (a Linear or conv module's weight and bias)
-    once per forward, caches the copies of trainable leaves, and autograd keeps them for
-    backward. Other parameters (embeddings, norms) are used in fp32."""
+    """Bytes of the copies ``torch.autocast`` makes under ``mp="bf16"``: Linear/conv weights and
+    biases, cast once per forward and kept by autograd for backward (embeddings, norms stay fp32)."""
     dtype = autocast_dtype(policy)
     if dtype is None:
         return 0
@@ -294,9 +283,8 @@ def _autocast_copies(model: nn.Module, policy: MixedPrecisionPolicy) -> int:
 def plan_costs(
     model: nn.Module,
     units: list,
-    *,
     mp_policy: MixedPrecisionPolicy,
-    reshard_after_forward: bool,
+    reshard: bool,
     shard_size: int,
     grads: list,
     why: str,

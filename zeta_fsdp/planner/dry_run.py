@@ -119,17 +119,8 @@ def dry_run(
         >>> result.mesh_shape, result.param_bytes == plan(model, 1024, "HYBRID_SHARD").param_bytes
         ((128, 8), True)
     """
-    job = dry_run_job(
-        world_size,
-        shard_strat,
-        mp,
-        auto_wrap,
-        TransformerBlock,
-        rank,
-        replicate_size,
-        local_world_size,
-        ignored_param_names=ignored_param_names,
-    )
+    job = dry_run_job(world_size, shard_strat, mp, auto_wrap, TransformerBlock, rank, replicate_size, local_world_size)
+    job["ignored_param_names"] = list(ignored_param_names)
     return dry_run_batch(model, [job], timeout_s=timeout_s)[0]
 
 

@@ -11,13 +11,13 @@ from ``wrapping.build_wrap_plan`` (the same code ``fsdp()`` runs), the mesh from
 * AdamW state is ``zeros_like`` of the logical local shard (2 tensors) plus a 4-byte ``step``;
 * the all-gather buffers are ``shard_size * padded rows`` in the ``mp`` compute dtype.
 
-Per-rank figures are for one rank (``rank=0`` by default: rank 0 always holds a full chunk, so
-it is the largest shard). ``dry_run()`` checks the parameter bytes against the real ``fsdp()`` on a
-meta copy under PyTorch's fake process group, in a subprocess (the caller never gets a fake group).
+Per-rank figures are for one rank (``rank=0`` by default: the largest shard). What depends on
+the engine is the engine's (``engines``); ``dry_run()`` checks the bytes against the real ``fsdp()``.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import asdict, dataclass, field
 from typing import Any, Iterable, Optional, Union
@@ -28,13 +28,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from ..costs import AccumulationCost, accumulation_costs, accumulation_table, gradient_wait_dtype
 from ..engines import engine_named
-from ..options import (
-    choose_engine,
-    resolve_master_dtype,
-    resolve_mixed_precision,
-    resolve_sharding,
-    stored_dtype,
-)
+from ..options import choose_engine, resolve_master_dtype, resolve_mixed_precision, resolve_sharding, stored_dtype
 from ..report import format_bytes, render_table
 from ..wrapping import BlockSpec, build_wrap_plan
 from .common import dtype_name as _dtype_name
@@ -274,16 +268,8 @@ class MemoryPlan:
         rows = [header]
         for first, last, count in _fold_units(self.units):
             name = first.name if count == 1 else f"{first.name} .. {last.name} (x{count})"
-            rows.append(
-                (
-                    name,
-                    first.kind,
-                    str(first.num_params),
-                    f"{first.numel:,}",
-                    format_bytes(first.unsharded_bytes),
-                    format_bytes(first.param_bytes),
-                )
-            )
+            sizes = (f"{first.numel:,}", format_bytes(first.unsharded_bytes), format_bytes(first.param_bytes))
+            rows.append((name, first.kind, str(first.num_params), *sizes))
         lines += render_table(rows, align="llrrrr").splitlines()
         lines += [
             "",
@@ -313,22 +299,11 @@ class MemoryPlan:
 
 
 def _fold_units(units: list[UnitEstimate]) -> Iterable[tuple[UnitEstimate, UnitEstimate, int]]:
-    """Group runs of identical consecutive units (the blocks of a transformer) into one row."""
-    run: list[UnitEstimate] = []
-    for unit in units:
-        if run and _same_shape(run[0], unit):
-            run.append(unit)
-            continue
-        if run:
-            yield run[0], run[-1], len(run)
-        run = [unit]
-    if run:
-        yield run[0], run[-1], len(run)
-
-
-def _same_shape(a: UnitEstimate, b: UnitEstimate) -> bool:
+    """Runs of identical consecutive units (the blocks of a transformer), one row each."""
     keys = ("kind", "num_params", "numel", "unsharded_bytes", "param_bytes", "grad_bytes", "optimizer_bytes")
-    return all(getattr(a, k) == getattr(b, k) for k in keys)
+    for _, run in itertools.groupby(units, key=lambda u: tuple(getattr(u, k) for k in keys)):
+        run = list(run)
+        yield run[0], run[-1], len(run)
 
 
 def _mp_label(policy: MixedPrecisionPolicy) -> str:
@@ -416,15 +391,8 @@ def plan(
 
     units = [_estimate_unit(u, params, policy, shard_size, shard_rank, n_state, master) for u in wrap.units]
     grads = [(stored_dtype(p, master), p.numel() * _stored_size(p, master)) for p in params.values() if p.requires_grad]
-    peak, all_reduces, notes = engine_named(engine).plan_costs(
-        model,
-        units,
-        mp_policy=policy,
-        reshard_after_forward=spec.reshard_after_forward,
-        shard_size=shard_size,
-        grads=grads,
-        why=why,
-    )
+    terms = (model, units, policy, spec.reshard_after_forward, shard_size, grads, why)
+    peak, all_reduces, notes = engine_named(engine).plan_costs(*terms)
     # Ignored parameters stay whole (and unsharded) on every rank, as do their gradients.
     ignored_bytes = sum(params[n].numel() * _stored_size(params[n], master) for n in wrap.ignored_param_names)
     stored = sorted({_dtype_name(stored_dtype(p, master)) for p in params.values() if p.is_floating_point()})

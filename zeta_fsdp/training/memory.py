@@ -99,22 +99,17 @@ def memory_report(
 ) -> MemoryReport:
     """Bytes this rank holds for parameters, gradients and optimizer state, vs the unsharded sizes.
 
-    Returns a ``MemoryReport`` (a dict) with ``rank``, ``world_size`` and, for each of
-    ``params``, ``grads``, ``optimizer_state`` and ``total`` (and ``frozen``: the part of ``params``
-    with ``requires_grad=False``, which has no gradients or optimizer state; ``trainable_dtypes``:
-    the master-weight dtypes, of the trainable ones): ``local_bytes`` (this rank's
-    shards), ``full_bytes`` (the same tensors unsharded), ``tensors`` (how many) and ``dtypes``
-    (sorted names: ``params``' are the master-weight dtypes, ``optimizer_state``'s what AdamW keeps
-    its moments in; 0-dim step counters left out). These are
-    logical sizes of the tensors (FSDP's padding and temporary all-gather buffers are not
-    counted: measure peaks with ``FSDPMemTracker``). Tied parameters count once; gradients that
-    are ``None`` count zero. ``report.table()`` (or ``print(report)``) gives a readable view.
+    A ``MemoryReport`` (a dict): ``rank``, ``world_size`` and, for each of ``params``, ``grads``,
+    ``optimizer_state``, ``total`` and ``frozen`` (parameters with ``requires_grad=False``: no
+    gradient, no optimizer state), ``local_bytes`` (this rank's shards), ``full_bytes`` (unsharded),
+    ``tensors`` and ``dtypes`` (sorted; 0-dim step counters left out); ``trainable_dtypes``: the
+    master-weight dtypes. Logical sizes: FSDP's padding and all-gather buffers are not counted
+    (peaks: ``measure.peak_memory_by_category``); tied parameters count once.
 
-    ``micro_batches=K`` adds ``micro_batches`` and ``accumulation``: for each way of accumulating K
-    micro-batches (``"sync"`` every micro-batch, ``no_sync(defer="all")``,
-    ``no_sync(defer="all_reduce")``) an ``AccumulationCost``: the gradient bytes this rank holds
-    between micro-batches (FSDP2's padded storage) and the gradient collectives per K
-    micro-batches. The table shows them too.
+    ``micro_batches=K`` adds ``micro_batches`` and ``accumulation``: an ``AccumulationCost`` for
+    each way of accumulating K micro-batches (``"sync"``, ``no_sync(defer="all")``,
+    ``no_sync(defer="all_reduce")``): gradient bytes held between micro-batches and gradient
+    collectives per K. ``report.table()`` (or ``print(report)``) shows it all.
 
     Example:
         report = memory_report(model, optimizer)
