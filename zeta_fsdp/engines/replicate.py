@@ -135,7 +135,7 @@ def _probe_unused(model: nn.Module) -> None:
             find_unused_parameters=True,
             init_sync=False,
         )
-        for hook, hook_state in old._comm_hooks:  # a hook the user registered through the model
+        for hook, hook_state in getattr(old, "_comm_hooks", ()):  # a hook the user registered via the model
             new.register_comm_hook(hook_state, hook)
         new.require_backward_grad_sync = old.require_backward_grad_sync
         state._ddp, state._ddp_weakref = new, weakref.ref(new)
