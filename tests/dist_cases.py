@@ -127,6 +127,21 @@ def _small_with_unused_parameter() -> GPT:
     return model
 
 
+class _WithAuxOutput(GPT):
+    """Two outputs, the loss reads one: the aux head is in the forward's graph but gets no gradient
+    (a Hugging Face model's ``pooler_output`` beside ``last_hidden_state``)."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__(cfg)
+        self.aux = nn.Linear(cfg.dim, 2)
+
+    def forward(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x = self.tok_emb(idx) + self.pos_emb(torch.arange(idx.shape[1], device=idx.device))
+        for block in self.blocks:
+            x = block(x, self.causal_mask)
+        return self.head(self.norm(x)), self.aux(x)
+
+
 class _SkipsABlock(GPT):
     """A branch not taken: the forward leaves block 1 out (a layer drop, an expert no token chose)."""
 
@@ -160,6 +175,23 @@ def no_shard_replicate_engine_details():
     for (name, got), want in zip(skips.named_parameters(), skips_ref.parameters()):
         assert (got.grad is None) == (want.grad is None) and (got.grad is None) == name.startswith("blocks.1."), name
         assert got.grad is None or torch.equal(got.grad, want.grad), name
+    # an output the loss ignores: every parameter is in the graph, yet the aux head gets no gradient
+    torch.manual_seed(0)
+    aux = _WithAuxOutput(GPTConfig())
+    aux_ref = copy.deepcopy(aux)
+    fsdp(aux)
+    opt, ref_opt = torch.optim.AdamW(aux.parameters(), lr=1e-2), torch.optim.AdamW(aux_ref.parameters(), lr=1e-2)
+    for step in range(3):  # the second forward is where DDP would fail without the search
+        x, y = global_batch(step)
+        ref_loss = reference_backward(aux_ref, lambda out, t: lm_loss(out[0], t), x, y, replicas=world())
+        loss = lm_loss(aux(local_slice(x))[0], local_slice(y))
+        loss.backward()
+        assert aux.aux.weight.grad is None and aux.head.weight.grad is not None
+        opt.step(), ref_opt.step(), opt.zero_grad(), ref_opt.zero_grad()
+        assert_close(f"aux-output loss step {step}", mean_over_ranks(loss), ref_loss, 0.0)
+    assert finds_unused(aux)
+    for (name, got), want in zip(aux.named_parameters(), aux_ref.parameters()):
+        assert_close(name, got, want, 0.0)
     with torch.device("meta"):
         model = small()
     fsdp(model, auto_wrap=True, TransformerBlock=Block)

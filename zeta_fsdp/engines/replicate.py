@@ -82,11 +82,23 @@ def autocast_forward(model: nn.Module, device_type: str, dtype: torch.dtype) -> 
     model.register_forward_hook(leave, always_call=True)
 
 
-def _reached(output: Any) -> set[int]:
-    """Ids of the leaves the autograd graph of ``output`` accumulates into (DDP's search, same outputs)."""
+def _needs_search(output: Any, params: list[nn.Parameter]) -> bool:
+    """Could a backward from this output leave a trainable parameter without a gradient?
+
+    Yes unless every output tensor's graph reaches every parameter: one may be unused (a head, a
+    branch not taken) or reached only from an output the loss may ignore (a pooler's: DDP's own
+    search, over all outputs together, calls it used and warns, yet needs the search for it).
+    """
+    want = {id(p) for p in params}
+    tensors = [t for t in _find_tensors(output) if t.requires_grad]
+    return not tensors or any(not want <= _reached(t) for t in tensors)
+
+
+def _reached(tensor: torch.Tensor) -> set[int]:
+    """Ids of the leaves the autograd graph of ``tensor`` accumulates into."""
     ids: set[int] = set()
     seen: set[Any] = set()
-    stack = [t.grad_fn for t in _find_tensors(output) if t.grad_fn is not None]
+    stack = [tensor.grad_fn] if tensor.grad_fn is not None else []
     while stack:
         node = stack.pop()
         if node in seen:
@@ -102,14 +114,14 @@ def _reached(output: Any) -> set[int]:
 def _probe_unused(model: nn.Module) -> None:
     """Ask DDP to search for unused parameters (``find_unused_parameters``) only if there are some.
 
-    Without the search, a forward that skips parameters (an unused head, a branch not taken)
-    makes DDP wait for their gradients and fail at the next step; with it on a model that uses
-    them all, DDP walks the graph every step for nothing and its reducer prints a warning on every
-    rank (C++ ``TORCH_WARN_ONCE``: no Python filter reaches it). So the first forward that builds
-    a graph runs without, its graph is walked once here (before DDP's post-forward hook), and the
-    ranks agree (one all-reduce) whether any left a parameter out; if one did, DDP is rebuilt with
-    the search before this step's backward. Read once: a model using every parameter in its first
-    step and skipping some later makes DDP raise then (a ``mesh`` puts NO_SHARD on FSDP2).
+    Without the search, a backward that leaves parameters without a gradient makes DDP wait for
+    them and fail at the next step; with it on a model whose parameters all get one, DDP walks the
+    graph every step for nothing and its reducer prints a warning on every rank (C++
+    ``TORCH_WARN_ONCE``: no Python filter reaches it). So the first forward that builds a graph
+    runs without, its graph is read once here (before DDP's post-forward hook, ``_needs_search``),
+    and the ranks agree (one all-reduce); if any rank needs the search, DDP is rebuilt with it
+    before this step's backward. Read once: a model using every parameter in its first step and
+    skipping some later makes DDP raise then (a ``mesh`` puts NO_SHARD on FSDP2).
     """
 
     @torch.compiler.disable  # collectives and DDP's rebuild: never traced into a compiled graph
@@ -118,9 +130,8 @@ def _probe_unused(model: nn.Module) -> None:
             return  # no graph to read: the next forward probes
         handle.remove()
         state = replicate.state(module)
-        reached = _reached(output)
         params = [p for p in state._param_list if p.requires_grad]
-        flag = torch.tensor([float(any(id(p) not in reached for p in params))], device=params[0].device)
+        flag = torch.tensor([float(_needs_search(output, params))], device=params[0].device)
         old = state._ddp
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=old.process_group)
         if not flag.item():
