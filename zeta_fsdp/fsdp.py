@@ -132,28 +132,19 @@ def fsdp(
         compile: ``torch.compile`` each block (``True`` or a dict of compile options).
         ignored_params / ignored_modules: parameters FSDP leaves alone (not sharded).
         replicate_size: number of replicas for HYBRID (default: number of nodes).
-        materialize: allocate and initialise a ``meta``-built model after sharding (default):
-            every module's ``reset_parameters()``, then the root's ``init_weights()`` on top; a
-            tensor neither refilled raises. ``False`` leaves it on ``meta`` (dry runs, or
-            loading weights next).
-        master_dtype: the dtype sharded floating-point parameters (and so the optimizer state)
-            are stored in. Default ``"fp32"``: a bf16/fp16-loaded model (``from_pretrained``)
-            is sharded in fp32 and computes per ``mp`` (``mp="fp32"`` then computes in fp32 too).
-            ``None`` keeps each parameter's dtype: pure low-precision training, opt-in.
-            Frozen parameters (``requires_grad=False``: a LoRA base, a frozen tower; freeze
-            before calling ``fsdp()``) always keep their own dtype: masters are for what an
-            optimizer steps. A unit may mix a frozen bf16 base with fp32 adapters (FSDP2 needs
-            one dtype among a unit's trainable parameters only); see docs/finetuning.md.
-        keep_tail_unsharded: ``True`` (or ``1``): the output head unit (tied ``embedding+head``
-            too) is not resharded after forward, since backward all-gathers it again at once:
-            one all-gather less per step, for its unsharded parameters held through the loss
-            (a higher peak when the peak is at the loss). An int ``n``: also the last ``n - 1``
-            blocks. Default ``False``: every unit follows ``shard_strat``, as hand-written.
-        prefetch: ``None`` (default): FSDP2's implicit prefetching. An int ``n``: explicit
-            chains, each unit all-gathers the next ``n`` in forward and the previous ``n`` in
-            backward (more overlap on GPUs, up to ``n`` extra unsharded units held; no gain on
-            CPU/gloo). Assumes blocks run in the order they are registered.
-            Neither has an effect on DDP's engine (NO_SHARD in fp32 or bf16): nothing is gathered there.
+        materialize: allocate and initialise a ``meta``-built model after sharding (default:
+            each module's ``reset_parameters()``, then the root's ``init_weights()``; a tensor
+            neither refills raises). ``False`` leaves it on ``meta`` (dry runs, loading next).
+        master_dtype: what trainable floating-point parameters (and so the optimizer state) are
+            stored in. Default ``"fp32"``, whatever the model was loaded in; ``None`` keeps each
+            parameter's dtype (pure low-precision training). Frozen parameters (a LoRA base;
+            freeze before ``fsdp()``) keep their own dtype (docs/finetuning.md).
+        keep_tail_unsharded: ``True`` (or ``1``): the output head unit is not resharded after
+            forward (backward all-gathers it again at once): one all-gather less per step, its
+            parameters held through the loss. An int ``n``: also the last ``n - 1`` blocks.
+        prefetch: ``None`` (default): FSDP2's implicit prefetching. An int ``n``: each unit
+            all-gathers the next ``n`` in forward and the previous ``n`` in backward (blocks
+            assumed to run in registration order). Neither option acts on DDP's engine.
 
     0-dim parameters (CLIP's ``logit_scale``), which ``fully_shard`` cannot shard, are kept whole
     on every rank in ``master_dtype`` and their gradient is averaged across ranks

@@ -230,11 +230,10 @@ def validate_reshard_after_forward(
             "False, or a positive int that divides the shard group size."
         )
     if value < 1 or (shard_group_size is not None and shard_group_size % value != 0):
-        group = f" ({shard_group_size})" if shard_group_size is not None else ""
-        divisors = ""
-        if shard_group_size is not None:
-            divs = [d for d in range(1, shard_group_size + 1) if shard_group_size % d == 0]
-            divisors = f" Accepted ints here: {divs}."
+        n = shard_group_size
+        group, divisors = (
+            (f" ({n})", f" Accepted ints here: {[d for d in range(1, n + 1) if n % d == 0]}.") if n else ("", "")
+        )
         raise ValueError(
             f"fsdp(): reshard_after_forward={value!r} must be a positive int that divides the "
             f"shard group size{group}, or None/True/False.{divisors}"

@@ -222,13 +222,11 @@ _HOOK_DICTS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward
 
 @contextlib.contextmanager
 def restore_fsdp_hooks(model: nn.Module) -> Iterator[None]:
-    """Put every module's forward hooks (and FSDP's hook handles) back as they were.
+    """Put every module's forward hooks, FSDP's hook handles and patched methods back as they were.
 
-    ``FSDPMemTracker`` (torch 2.13) swaps FSDP's forward hooks for its own and, on exit,
-    re-registers them per module, which breaks units made of several modules
-    (``fully_shard([norm, head])``): the group's shared hook is lost and tracker hooks are left
-    behind, and the group's backward methods stay patched. Restoring the exact hook tables and
-    methods keeps the model trainable after a measurement.
+    ``FSDPMemTracker`` (torch 2.13) re-registers FSDP's hooks per module on exit, which breaks a
+    unit of several modules (``fully_shard([norm, head])``: its shared hook lost, tracker hooks
+    and patched backward methods left behind): the model would not train after a measurement.
     """
     saved = [(m, {name: dict(getattr(m, name)) for name in _HOOK_DICTS}) for m in model.modules()]
     states = []

@@ -344,18 +344,14 @@ def plan(
 ) -> MemoryPlan:
     """Plan ``fsdp(model, auto_wrap, mp, shard_strat, TransformerBlock)`` at ``world_size`` ranks.
 
-    No process group, no allocation: ``model`` may live on ``meta``. The units are exactly those
-    ``fsdp()`` would create (``build_wrap_plan``). Per-rank bytes are for ``rank`` (default 0, the
-    largest shard). HYBRID meshes use ``replicate_size`` replicas, else one per node of
-    ``local_world_size`` ranks (default ``min(world_size, 8)``). ``optimizer`` is ``"adamw"``,
-    ``"adam"`` or ``"none"``. ``dry_run=True`` also runs the real ``fsdp()`` on a meta copy under
-    a fake process group in a subprocess and attaches the result (``MemoryPlan.dry_run``).
-    ``master_dtype`` is ``fsdp()``'s: floating-point parameters, gradients and optimizer state are
-    counted in it (default fp32, whatever dtype the meta model was built in). ``micro_batches=K``
-    adds to the report what accumulating K micro-batches costs with each ``no_sync`` choice
-    (``MemoryPlan.accumulation``).
-
-    Raises ``ValueError`` for a bad argument (the message lists the accepted values).
+    No process group, no allocation: ``model`` may live on ``meta``; the units are those ``fsdp()``
+    would create. Bytes are for ``rank`` (default 0, the largest shard). HYBRID meshes use
+    ``replicate_size`` replicas, else one per node of ``local_world_size`` ranks (default
+    ``min(world_size, 8)``). ``optimizer``: ``"adamw"``, ``"adam"`` or ``"none"``. ``dry_run=True``
+    attaches the real ``fsdp()`` on a meta copy under a fake process group (``MemoryPlan.dry_run``).
+    ``master_dtype`` is ``fsdp()``'s (trainable parameters, gradients and optimizer state are
+    counted in it). ``micro_batches=K`` adds what each ``no_sync`` choice costs for K micro-batches.
+    A bad argument raises ``ValueError`` listing the accepted values.
 
     Example:
         >>> from zeta_fsdp.models.gpt import small
