@@ -12,6 +12,7 @@ import copy
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed._composable.replicate import replicate
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from worker import (
@@ -26,7 +27,7 @@ from worker import (
     world,
 )
 
-from zeta_fsdp import fsdp
+from zeta_fsdp import fsdp, no_sync
 from zeta_fsdp.distributed import build_mesh
 from zeta_fsdp.models.gpt import GPT, Block, GPTConfig, lm_loss, small
 from zeta_fsdp.options import choose_engine, resolve_mixed_precision, resolve_sharding
@@ -36,7 +37,7 @@ CASES = Cases()
 case = CASES.case
 
 
-def train_parity(steps: int = 4, atol: float = 0.0, before_training=None, model_fn=small, **fsdp_kwargs) -> None:
+def train_parity(steps: int = 4, atol: float = 0.0, before_training=None, model_fn=small, **fsdp_kwargs) -> nn.Module:
     """Loss every step and every parameter after training equal the single-process reference.
 
     The reference computes FSDP's gradient bit for bit (``reference_backward``), so fp32 parity
@@ -82,6 +83,12 @@ def train_parity(steps: int = 4, atol: float = 0.0, before_training=None, model_
     # the tie survives training: one parameter object, updated once
     if ref.head.weight is ref.tok_emb.weight:
         assert model.head.weight is model.tok_emb.weight
+    return model
+
+
+def finds_unused(model: nn.Module) -> bool:
+    """Whether DDP's engine searches for unused parameters (``find_unused_parameters``) on ``model``."""
+    return replicate.state(model)._ddp.find_unused_parameters
 
 
 @case
@@ -102,7 +109,9 @@ def parity_shard_grad():
 
 @case
 def parity_no_shard():
-    train_parity(auto_wrap=True, shard_strat="NO_SHARD", TransformerBlock=Block)
+    model = train_parity(auto_wrap=True, shard_strat="NO_SHARD", TransformerBlock=Block)
+    # every parameter is used: no search (a graph walk per step, and DDP's warning on every rank)
+    assert not finds_unused(model)
 
 
 @case
@@ -118,12 +127,71 @@ def _small_with_unused_parameter() -> GPT:
     return model
 
 
+class _WithAuxOutput(GPT):
+    """Two outputs, the loss reads one: the aux head is in the forward's graph but gets no gradient
+    (a Hugging Face model's ``pooler_output`` beside ``last_hidden_state``)."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__(cfg)
+        self.aux = nn.Linear(cfg.dim, 2)
+
+    def forward(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x = self.tok_emb(idx) + self.pos_emb(torch.arange(idx.shape[1], device=idx.device))
+        for block in self.blocks:
+            x = block(x, self.causal_mask)
+        return self.head(self.norm(x)), self.aux(x)
+
+
+class _SkipsABlock(GPT):
+    """A branch not taken: the forward leaves block 1 out (a layer drop, an expert no token chose)."""
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.tok_emb(idx) + self.pos_emb(torch.arange(idx.shape[1], device=idx.device))
+        for i, block in enumerate(self.blocks):
+            x = x if i == 1 else block(x, self.causal_mask)
+        return self.head(self.norm(x))
+
+
 @case
 def no_shard_replicate_engine_details():
     """NO_SHARD on DDP's engine: an unused parameter keeps no gradient and is not updated (as on
     one process), meta init gives identical replicas, wrapping twice is refused, the state-dict
-    keys are the model's own; a frozen model (which DDP refuses) runs on FSDP2 instead."""
-    train_parity(steps=3, model_fn=_small_with_unused_parameter)
+    keys are the model's own; a frozen model (which DDP refuses) runs on FSDP2 instead. The first
+    training forward shows the unused parameters (an unused head, a branch not taken, under
+    no_sync too), so DDP searches for them every step."""
+    assert finds_unused(train_parity(steps=3, model_fn=_small_with_unused_parameter))
+    assert finds_unused(train_parity(steps=3, model_fn=lambda: _SkipsABlock(GPTConfig()), auto_wrap=True))
+    torch.manual_seed(0)
+    skips = _SkipsABlock(GPTConfig())
+    skips_ref = copy.deepcopy(skips)
+    fsdp(skips)
+    x, y = global_batch(0)
+    half = x.shape[0] // 2
+    with no_sync(skips):  # the first forward runs inside no_sync: accumulated locally, synced next
+        (lm_loss(skips(local_slice(x[:half])), local_slice(y[:half])) / 2).backward()
+    (lm_loss(skips(local_slice(x[half:])), local_slice(y[half:])) / 2).backward()
+    reference_backward(skips_ref, lambda out, t: lm_loss(out, t) / 2, x, y, replicas=world(), micro_batches=2)
+    assert finds_unused(skips)
+    for (name, got), want in zip(skips.named_parameters(), skips_ref.parameters()):
+        assert (got.grad is None) == (want.grad is None) and (got.grad is None) == name.startswith("blocks.1."), name
+        assert got.grad is None or torch.equal(got.grad, want.grad), name
+    # an output the loss ignores: every parameter is in the graph, yet the aux head gets no gradient
+    torch.manual_seed(0)
+    aux = _WithAuxOutput(GPTConfig())
+    aux_ref = copy.deepcopy(aux)
+    fsdp(aux)
+    opt, ref_opt = torch.optim.AdamW(aux.parameters(), lr=1e-2), torch.optim.AdamW(aux_ref.parameters(), lr=1e-2)
+    for step in range(3):  # the second forward is where DDP would fail without the search
+        x, y = global_batch(step)
+        ref_loss = reference_backward(aux_ref, lambda out, t: lm_loss(out[0], t), x, y, replicas=world())
+        loss = lm_loss(aux(local_slice(x))[0], local_slice(y))
+        loss.backward()
+        assert aux.aux.weight.grad is None and aux.head.weight.grad is not None
+        opt.step(), ref_opt.step(), opt.zero_grad(), ref_opt.zero_grad()
+        assert_close(f"aux-output loss step {step}", mean_over_ranks(loss), ref_loss, 0.0)
+    assert finds_unused(aux)
+    for (name, got), want in zip(aux.named_parameters(), aux_ref.parameters()):
+        assert_close(name, got, want, 0.0)
     with torch.device("meta"):
         model = small()
     fsdp(model, auto_wrap=True, TransformerBlock=Block)

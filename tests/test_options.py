@@ -12,6 +12,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, ShardingStrategy
 
 from zeta_fsdp import fsdp
 from zeta_fsdp.distributed import mesh_shape
+from zeta_fsdp.engines import SEAM, engine_named
 from zeta_fsdp.models.gpt import Block, small
 from zeta_fsdp.options import (
     choose_engine,
@@ -101,6 +102,10 @@ def test_mesh_shapes(strat, world, local, replicate, shape):
 def test_engine_choice(strat, mp, kwargs, engine, why):
     got, reason = choose_engine(resolve_sharding(strat), resolve_mixed_precision(mp), **kwargs)
     assert got == engine and why in reason, (got, reason)
+    # the engine it names implements the whole seam consumers call (zeta_fsdp.engines)
+    module = engine_named(got)
+    missing = [name for name in SEAM if not hasattr(module, name)]
+    assert not missing and module.__name__ == f"zeta_fsdp.engines.{got}", (module.__name__, missing)
 
 
 def test_reshard_after_forward_values():

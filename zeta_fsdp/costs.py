@@ -15,7 +15,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from . import torch_compat
 from .report import format_bytes, render_table
 
-__all__ = ["AccumulationCost", "accumulation_costs", "accumulation_table", "ddp_all_reduces", "gradient_wait_dtype"]
+__all__ = ["AccumulationCost", "accumulation_costs", "accumulation_table", "gradient_wait_dtype"]
 
 
 @dataclass(frozen=True)
@@ -93,27 +93,3 @@ def accumulation_table(costs: dict[str, AccumulationCost], micro_batches: int) -
     for c in costs.values():
         rows.append((_CHOICE_LABELS[c.choice], format_bytes(c.grad_bytes), str(c.reduce_scatters), str(c.all_reduces)))
     return render_table(rows, align="lrrr")
-
-
-# DDP's defaults (``torch.distributed._DEFAULT_FIRST_BUCKET_BYTES``, ``bucket_cap_mb=25``).
-_DDP_FIRST_BUCKET_BYTES = 1024 * 1024
-_DDP_BUCKET_BYTES = 25 * 1024 * 1024
-
-
-def ddp_all_reduces(grads: list[tuple[torch.dtype, int]]) -> int:
-    """All-reduces per synced backward of NO_SHARD on DDP's engine, for gradients of these
-    ``(dtype, bytes)`` in parameter order: one per gradient bucket, as DDP's constructor assigns
-    them (``_compute_bucket_assignment_by_size``: parameters in order, one open bucket per dtype,
-    a bucket closed once it holds 1 MiB (the first) or 25 MiB (the rest)), plus one for the map of
-    used parameters (``find_unused_parameters=True``, which ``fsdp()`` sets).
-    """
-    limits: dict[torch.dtype, int] = {}
-    open_bytes: dict[torch.dtype, int] = {}
-    closed = 0
-    for dtype, nbytes in grads:
-        open_bytes[dtype] = open_bytes.get(dtype, 0) + nbytes
-        if open_bytes[dtype] >= limits.get(dtype, _DDP_FIRST_BUCKET_BYTES):
-            closed += 1
-            open_bytes[dtype] = 0
-            limits[dtype] = _DDP_BUCKET_BYTES
-    return closed + sum(1 for b in open_bytes.values() if b) + 1

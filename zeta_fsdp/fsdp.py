@@ -5,7 +5,7 @@ Steps, in order (validation here; each later step a plain function of its own mo
     -> plan the units (pure, ``wrapping.build_wrap_plan``)
     -> process group + device + mesh (``distributed``)
     -> activation checkpointing, torch.compile (each block, optional)      ``sharding``
-    -> ``fully_shard`` bottom-up, the SAME MixedPrecisionPolicy on every unit, or DDP's engine
+    -> ``fully_shard`` bottom-up (one MixedPrecisionPolicy for all) or DDP's engine  ``engines``
     -> materialize a meta-device model (``to_empty``, init, re-tie)         ``materialize``
 What was done is recorded on the model and read back by ``wrapped``.
 """
@@ -18,33 +18,23 @@ from typing import Any, Iterable, Optional, Union
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from torch.distributed.fsdp import MixedPrecisionPolicy
 
-from .distributed import build_mesh, choose_device, ensure_process_group, shard_group_size, validate_mesh
+from .distributed import choose_device, ensure_process_group, shard_group_size, validate_mesh
+from .engines import engine_named
 from .materialize import materialize_meta_model
 from .options import (
-    autocast_dtype,
     choose_engine,
     resolve_master_dtype,
     resolve_mixed_precision,
     resolve_sharding,
-    stored_dtype,
     validate_keep_tail_unsharded,
     validate_prefetch,
     validate_reshard_after_forward,
 )
-from .sharding import (
-    apply_activation_checkpointing,
-    apply_compile,
-    average_replicated_grads,
-    cast_to_master,
-    replicate_model,
-    set_prefetch_chains,
-    shard_units,
-    tail_units,
-)
+from .sharding import apply_activation_checkpointing, apply_compile, cast_to_master
 from .wrapped import fsdp_engine, get_wrap_plan, is_fsdp_wrapped, record_wrap
-from .wrapping import BlockSpec, WrapPlan, build_wrap_plan
+from .wrapping import BlockSpec, build_wrap_plan
 
 # fsdp_engine, get_wrap_plan, is_fsdp_wrapped: public names that have always been importable from here.
 __all__ = ["fsdp", "fsdp_engine", "get_wrap_plan", "is_fsdp_wrapped"]
@@ -100,52 +90,6 @@ def _ignored_parameters(
     return ignored
 
 
-def _check_uniform_dtypes(plan: WrapPlan, model: nn.Module, master: Optional[torch.dtype]) -> None:
-    """FSDP2 needs one dtype among a unit's TRAINABLE parameters (``FSDPParamGroup._init_mp_dtypes``:
-    one reduce-scatter per unit, in one dtype); frozen ones may differ (a bf16 LoRA base beside
-    fp32 adapters: they are all-gathered, never reduced).
-
-    Checked on the dtypes the parameters WILL have (``options.stored_dtype``: trainable floating
-    ones cast to ``master``), before anything is cast: a bad model is refused with the model untouched.
-    """
-    params = dict(model.named_parameters())
-    for unit in plan.units:
-        by_dtype: dict[torch.dtype, list[str]] = {}
-        for name in unit.param_names:
-            if params[name].requires_grad:
-                by_dtype.setdefault(stored_dtype(params[name], master), []).append(name)
-        if len(by_dtype) > 1:
-            detail = "; ".join(
-                f"{str(d).replace('torch.', '')}: {', '.join(n[:3])}{' ...' if len(n) > 3 else ''}"
-                for d, n in by_dtype.items()
-            )
-            raise ValueError(
-                f"fsdp(): FSDP unit {unit.name} mixes trainable parameter dtypes ({detail}). FSDP2 needs "
-                "one dtype among a unit's trainable parameters (frozen ones may differ): keep "
-                "master_dtype='fp32' (the default: trainable floating parameters are sharded in fp32), "
-                "cast the model to one dtype first, freeze the odd ones (requires_grad=False), or pass "
-                "them in ignored_params."
-            )
-
-
-def _check_units_shardable(plan: WrapPlan) -> None:
-    """Everything ``fully_shard`` would reject in a unit, checked before the first call.
-
-    ``fully_shard`` validates each call on its own, so a unit it refuses after earlier units were
-    sharded would leave a half-wrapped model that a retry calls "already wrapped". 0-dim
-    parameters are handled (kept whole, see ``fsdp``); mixed dtypes are checked by
-    ``_check_uniform_dtypes``; what is left is a container without ``forward``.
-    """
-    for unit in plan.units:
-        for name, module in zip(unit.module_names, unit.modules):
-            if isinstance(module, (nn.ModuleList, nn.ModuleDict)) and type(module).forward is nn.Module.forward:
-                raise ValueError(
-                    f"fsdp(): {name or '<root>'} is a {type(module).__name__}, which has no forward(); "
-                    "fully_shard cannot shard it as a unit. Pass the model that calls it (or, for "
-                    "TransformerBlock, the class of the layers it holds)."
-                )
-
-
 def fsdp(
     model: nn.Module,
     auto_wrap: bool = False,
@@ -188,43 +132,31 @@ def fsdp(
         compile: ``torch.compile`` each block (``True`` or a dict of compile options).
         ignored_params / ignored_modules: parameters FSDP leaves alone (not sharded).
         replicate_size: number of replicas for HYBRID (default: number of nodes).
-        materialize: allocate and initialise a ``meta``-built model after sharding (default):
-            every module's ``reset_parameters()``, then the root's ``init_weights()`` on top; a
-            tensor neither refilled raises. ``False`` leaves it on ``meta`` (dry runs, or
-            loading weights next).
-        master_dtype: the dtype sharded floating-point parameters (and so the optimizer state)
-            are stored in. Default ``"fp32"``: a bf16/fp16-loaded model (``from_pretrained``)
-            is sharded in fp32 and computes per ``mp`` (``mp="fp32"`` then computes in fp32 too).
-            ``None`` keeps each parameter's dtype: pure low-precision training, opt-in.
-            Frozen parameters (``requires_grad=False``: a LoRA base, a frozen tower; freeze
-            before calling ``fsdp()``) always keep their own dtype: masters are for what an
-            optimizer steps. A unit may mix a frozen bf16 base with fp32 adapters (FSDP2 needs
-            one dtype among a unit's trainable parameters only); see docs/finetuning.md.
-        keep_tail_unsharded: ``True`` (or ``1``): the output head unit (tied ``embedding+head``
-            too) is not resharded after forward, since backward all-gathers it again at once:
-            one all-gather less per step, for its unsharded parameters held through the loss
-            (a higher peak when the peak is at the loss). An int ``n``: also the last ``n - 1``
-            blocks. Default ``False``: every unit follows ``shard_strat``, as hand-written.
-        prefetch: ``None`` (default): FSDP2's implicit prefetching. An int ``n``: explicit
-            chains, each unit all-gathers the next ``n`` in forward and the previous ``n`` in
-            backward (more overlap on GPUs, up to ``n`` extra unsharded units held; no gain on
-            CPU/gloo). Assumes blocks run in the order they are registered.
-            Neither has an effect on DDP's engine (NO_SHARD in fp32 or bf16): nothing is gathered there.
+        materialize: allocate and initialise a ``meta``-built model after sharding (default:
+            each module's ``reset_parameters()``, then the root's ``init_weights()``; a tensor
+            neither refills raises). ``False`` leaves it on ``meta`` (dry runs, loading next).
+        master_dtype: what trainable floating-point parameters (and so the optimizer state) are
+            stored in. Default ``"fp32"``, whatever the model was loaded in; ``None`` keeps each
+            parameter's dtype (pure low-precision training). Frozen parameters (a LoRA base;
+            freeze before ``fsdp()``) keep their own dtype (docs/finetuning.md).
+        keep_tail_unsharded: ``True`` (or ``1``): the output head unit is not resharded after
+            forward (backward all-gathers it again at once): one all-gather less per step, its
+            parameters held through the loss. An int ``n``: also the last ``n - 1`` blocks.
+        prefetch: ``None`` (default): FSDP2's implicit prefetching. An int ``n``: each unit
+            all-gathers the next ``n`` in forward and the previous ``n`` in backward (blocks
+            assumed to run in registration order). Neither option acts on DDP's engine.
 
     0-dim parameters (CLIP's ``logit_scale``), which ``fully_shard`` cannot shard, are kept whole
     on every rank in ``master_dtype`` and their gradient is averaged across ranks
-    (``sharding.average_replicated_grads``): they train exactly like sharded ones.
+    (``engines.fully_shard.wrap``): they train exactly like sharded ones.
 
     Raises:
         ValueError: for any bad argument, before a process group starts or the model changes.
 
-    Engines: every sharding strategy runs on FSDP2 (``fully_shard``: DTensor parameters). NO_SHARD
-    with ``mp="fp32"`` runs on DDP's engine instead (composable ``replicate``: plain tensor
-    parameters, bucketed all-reduce, DDP's speed), and so does ``mp="bf16"``, with the forward under
-    ``torch.autocast(bfloat16)`` (fp32 parameters and gradients, all-reduced in fp32: DDP +
-    autocast); ``mp="fp16"`` or a custom policy, ``cpu_offload``, ignored
-    parameters, a ``mesh`` or a model with nothing to train keep NO_SHARD on FSDP2
-    (``options.choose_engine``; ``fsdp_engine(model)`` says which ran). State dicts, checkpoints, ``no_sync`` and ``clip_grad_norm_`` work on both.
+    Engines: sharding strategies run on FSDP2 (``fully_shard``: DTensor parameters). NO_SHARD with
+    ``mp="fp32"`` or ``"bf16"`` (forward under ``torch.autocast``) runs on DDP's engine (composable
+    ``replicate``: plain tensors, DDP's speed) unless it needs FSDP2 (``options.choose_engine``;
+    ``fsdp_engine(model)`` says which ran). State dicts, checkpoints, ``no_sync``, clipping work on both.
 
     Example:
         model = fsdp(model, auto_wrap=True, mp="bf16", shard_strat="FULL_SHARD", TransformerBlock=Block)
@@ -262,7 +194,7 @@ def fsdp(
     prefetch = validate_prefetch(prefetch)
     ignored = _ignored_parameters(model, ignored_params, ignored_modules)
     plan = build_wrap_plan(model, auto_wrap=auto_wrap, transformer_block=TransformerBlock, ignored_params=ignored)
-    engine, _ = choose_engine(
+    name, _ = choose_engine(
         spec,
         mp_policy,
         mesh_given=mesh is not None,
@@ -270,16 +202,13 @@ def fsdp(
         has_ignored=bool(ignored),
         has_trainable=any(p.requires_grad for p in model.parameters()),
     )
-    if engine == "fully_shard":  # DDP buckets per dtype and has no unit to refuse
-        _check_uniform_dtypes(plan, model, master)
-        _check_units_shardable(plan)
+    engine = engine_named(name)
+    engine.check(plan, model, master)
     compute_device = _check_device(model, device)
-    scalars = [model.get_parameter(n) for n in plan.scalar_param_names]
 
     # 2. Environment: a process group (ours only if none exists) and the mesh.
     ensure_process_group(compute_device, cpu_offload=cpu_offload)
-    if mesh is None and engine == "fully_shard":
-        mesh = build_mesh(spec, compute_device, replicate_size=replicate_size)
+    mesh = engine.mesh_for(spec, compute_device, mesh, replicate_size)
 
     # 3. Per-block transforms, then sharding bottom-up (or replication), then meta materialization.
     if activation_checkpointing:
@@ -288,24 +217,12 @@ def fsdp(
         apply_compile(plan, compile)
     if cast_to_master(model, master):
         plan.recount(model)
-    if engine == "replicate":
-        replicate_model(model, compute_device, autocast_dtype(mp_policy))
-        shard_index = 0
-    else:
-        # Pinned host memory needs an accelerator; on a CPU-only run offloading is a no-op anyway.
-        offload = CPUOffloadPolicy(pin_memory=compute_device.type != "cpu") if cpu_offload else OffloadPolicy()
-        shard_units(plan, mesh, mp_policy, reshard, offload, ignored | set(scalars), tail_units(plan, keep_tail))
-        if prefetch is not None:
-            set_prefetch_chains(plan, prefetch)
-        # 0-dim parameters stay whole on every rank (FSDP does not move them): put them on the device.
-        for scalar in scalars:
-            if not scalar.is_meta and scalar.device != compute_device:
-                scalar.data = scalar.data.to(compute_device)
-        average_replicated_grads(scalars, mesh)
-        shard_index = mesh.get_local_rank(mesh.ndim - 1) if mesh.size(mesh.ndim - 1) > 1 else 0
+    shard_index = engine.wrap(
+        model, plan, compute_device, mp_policy, mesh, reshard, cpu_offload, ignored, keep_tail, prefetch
+    )
     if materialize:
         materialize_meta_model(
             model, compute_device, plan.tied_params, shard_index=shard_index, offload_to_cpu=cpu_offload
         )
-    record_wrap(model, engine, plan)  # so fsdp_engine() and get_wrap_plan() can say what was done
+    record_wrap(model, name, plan)  # so fsdp_engine() and get_wrap_plan() can say what was done
     return model

@@ -44,38 +44,20 @@ MP_PRESETS: dict[str, tuple[Optional[torch.dtype], Optional[torch.dtype], Option
 }
 
 MIXED_PRECISION_ALIASES: dict[str, str] = {
-    "fp32": "fp32",
-    "float32": "fp32",
-    "float": "fp32",
-    "32": "fp32",
-    "full": "fp32",
-    "bf16": "bf16",
-    "bfloat16": "bf16",
-    "bf16-mixed": "bf16",
-    "fp16": "fp16",
-    "float16": "fp16",
-    "half": "fp16",
-    "16": "fp16",
-    "16-mixed": "fp16",
+    **dict.fromkeys(("fp32", "float32", "float", "32", "full"), "fp32"),
+    **dict.fromkeys(("bf16", "bfloat16", "bf16-mixed"), "bf16"),
+    **dict.fromkeys(("fp16", "float16", "half", "16", "16-mixed"), "fp16"),
 }
 
 
 # ``master_dtype`` names -> the dtype sharded floating-point parameters are stored (and updated) in.
 # ``None`` keeps every parameter's own dtype: pure low-precision training, on purpose.
 MASTER_DTYPE_ALIASES: dict[str, Optional[torch.dtype]] = {
-    "fp32": torch.float32,
-    "float32": torch.float32,
-    "float": torch.float32,
-    "fp64": torch.float64,
-    "float64": torch.float64,
-    "bf16": torch.bfloat16,
-    "bfloat16": torch.bfloat16,
-    "fp16": torch.float16,
-    "float16": torch.float16,
-    "half": torch.float16,
-    "param": None,
-    "keep": None,
-    "none": None,
+    **dict.fromkeys(("fp32", "float32", "float"), torch.float32),
+    **dict.fromkeys(("fp64", "float64"), torch.float64),
+    **dict.fromkeys(("bf16", "bfloat16"), torch.bfloat16),
+    **dict.fromkeys(("fp16", "float16", "half"), torch.float16),
+    **dict.fromkeys(("param", "keep", "none"), None),
 }
 
 
@@ -109,17 +91,11 @@ _SHARDING_TABLE: dict[str, ShardingSpec] = {
 }
 
 SHARDING_ALIASES: dict[str, str] = {
-    "FULL_SHARD": "FULL_SHARD",
-    "ZERO3": "FULL_SHARD",
-    "SHARD_GRAD": "SHARD_GRAD",
-    "SHARD_GRAD_OP": "SHARD_GRAD",
-    "ZERO2": "SHARD_GRAD",
-    "NO_SHARD": "NO_SHARD",
-    "DDP": "NO_SHARD",
-    "HYBRID_SHARD": "HYBRID_SHARD",
-    "HSDP": "HYBRID_SHARD",
-    "HYBRID_SHARD_ZERO2": "HYBRID_SHARD_ZERO2",
-    "_HYBRID_SHARD_ZERO2": "HYBRID_SHARD_ZERO2",
+    **dict.fromkeys(("FULL_SHARD", "ZERO3"), "FULL_SHARD"),
+    **dict.fromkeys(("SHARD_GRAD", "SHARD_GRAD_OP", "ZERO2"), "SHARD_GRAD"),
+    **dict.fromkeys(("NO_SHARD", "DDP"), "NO_SHARD"),
+    **dict.fromkeys(("HYBRID_SHARD", "HSDP"), "HYBRID_SHARD"),
+    **dict.fromkeys(("HYBRID_SHARD_ZERO2", "_HYBRID_SHARD_ZERO2"), "HYBRID_SHARD_ZERO2"),
 }
 
 
@@ -179,9 +155,6 @@ def resolve_sharding(shard_strat: Union[str, enum.Enum, None], *, caller: str = 
     return _SHARDING_TABLE[SHARDING_ALIASES[key]]
 
 
-ENGINES = ("fully_shard", "replicate")
-
-
 def autocast_dtype(mp_policy: MixedPrecisionPolicy) -> Optional[torch.dtype]:
     """``torch.bfloat16`` when ``mp_policy`` is the ``mp="bf16"`` preset, else ``None``.
 
@@ -206,20 +179,13 @@ def choose_engine(
     """Which engine runs ``spec``: ``("replicate", why)`` or ``("fully_shard", why)``.
 
     NO_SHARD keeps a whole copy of every parameter on every rank: that is DDP. PyTorch's DDP
-    engine (composable ``torch.distributed._composable.replicate``: bucketed all-reduce, plain
-    tensor parameters, state-dict keys unchanged) steps at DDP speed, while FSDP2 on a
-    ``(world, 1)`` mesh pays for DTensor parameters in every optimizer op and for copies in and
-    out of its unsharded buffers (1.4-1.5x DDP's step time, ``benchmarks/results/no_shard.md``).
-    So NO_SHARD runs on ``replicate`` unless it needs something only FSDP2 has:
-
-    * an ``mp`` other than ``"fp32"`` and ``"bf16"`` (``"bf16"`` runs on ``replicate`` with
-      ``torch.autocast(bfloat16)`` around the forward, ``autocast_dtype``; ``"fp16"`` and a custom
-      ``MixedPrecisionPolicy`` keep FSDP2's casting),
-    * ``cpu_offload``, ``ignored_params`` / ``ignored_modules``,
-    * a ``mesh`` passed by the caller (the way to ask for FSDP2's DTensor parameters),
-    * no parameter that requires a gradient (a frozen model for inference: DDP refuses those).
-
-    Every other strategy shards, so it runs on ``fully_shard``.
+    engine (composable ``replicate``: bucketed all-reduce, plain tensor parameters, keys
+    unchanged) steps at DDP speed, while FSDP2 on a ``(world, 1)`` mesh pays for DTensor
+    parameters in every optimizer op and for copies through its buffers (1.4-1.5x DDP's step
+    time, ``benchmarks/results/no_shard.md``). So NO_SHARD runs on ``replicate`` unless it needs
+    what only FSDP2 has: casting beyond ``"bf16"``'s autocast (``autocast_dtype``), offloading,
+    ignored parameters, the caller's ``mesh`` (the way to ask for DTensor parameters), or nothing
+    to train (DDP refuses that). Every other strategy shards: ``fully_shard``.
 
     Example:
         >>> choose_engine(resolve_sharding("NO_SHARD"), resolve_mixed_precision("fp32"))[0]
@@ -264,11 +230,10 @@ def validate_reshard_after_forward(
             "False, or a positive int that divides the shard group size."
         )
     if value < 1 or (shard_group_size is not None and shard_group_size % value != 0):
-        group = f" ({shard_group_size})" if shard_group_size is not None else ""
-        divisors = ""
-        if shard_group_size is not None:
-            divs = [d for d in range(1, shard_group_size + 1) if shard_group_size % d == 0]
-            divisors = f" Accepted ints here: {divs}."
+        n = shard_group_size
+        group, divisors = (
+            (f" ({n})", f" Accepted ints here: {[d for d in range(1, n + 1) if n % d == 0]}.") if n else ("", "")
+        )
         raise ValueError(
             f"fsdp(): reshard_after_forward={value!r} must be a positive int that divides the "
             f"shard group size{group}, or None/True/False.{divisors}"

@@ -1,8 +1,7 @@
-"""What ``fsdp()`` did to a model, read back: the engine, the plan, FSDP2's and DDP's state.
+"""What ``fsdp()`` did to a model, read back: the engine's name, the plan, FSDP2's private state.
 
-The one place the package reads FSDP2's private per-module state or asks which engine a model
-runs on; modules that only need to know (memory, accumulation, measuring, naming) import this,
-not the façade.
+The one place the package reads FSDP2's private per-module state; what differs between the
+engines is asked of ``engines``. Modules that only need to know import this, not the façade.
 """
 
 from __future__ import annotations
@@ -21,9 +20,7 @@ __all__ = [
     "fsdp_state",
     "get_wrap_plan",
     "is_fsdp_wrapped",
-    "is_replicated",
     "record_wrap",
-    "replicated_modules",
     "unwrapped_class",
 ]
 
@@ -32,18 +29,9 @@ _ENGINE_ATTR = "_zeta_fsdp_engine"
 
 
 def record_wrap(model: nn.Module, engine: str, plan: WrapPlan) -> None:
-    """Remember on ``model`` which engine ``fsdp()`` put it on and the plan it applied
-    (``fsdp_engine``, ``get_wrap_plan`` read them).
-    """
+    """Remember on ``model`` the engine ``fsdp()`` chose and its plan (``fsdp_engine``, ``get_wrap_plan``)."""
     model.__dict__[_ENGINE_ATTR] = engine
     model.__dict__[_PLAN_ATTR] = plan
-
-
-def is_replicated(module: nn.Module) -> bool:
-    """``True`` if ``module`` itself was passed to composable ``replicate`` (DDP's engine), as
-    ``fsdp(shard_strat="NO_SHARD")`` does for an fp32 model.
-    """
-    return isinstance(module, ReplicatedModule)
 
 
 def is_fsdp_wrapped(model: nn.Module) -> bool:
@@ -55,14 +43,6 @@ def is_fsdp_wrapped(model: nn.Module) -> bool:
         False
     """
     return any(isinstance(m, (FSDPModule, ReplicatedModule)) for m in model.modules())
-
-
-def replicated_modules(model: nn.Module) -> list[nn.Module]:
-    """The modules in ``model`` (itself included) that ``replicate`` manages: the model ``fsdp()``
-    put on DDP's engine, also when it is reached through a wrapper (``torch.compile``'s
-    ``OptimizedModule``, a container).
-    """
-    return [m for m in model.modules() if isinstance(m, ReplicatedModule)]
 
 
 def fsdp_engine(model: nn.Module) -> Optional[str]:

@@ -26,9 +26,10 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from ..distributed import get_rank as rank
 from ..distributed import get_world_size as world
+from ..engines import engine_of
 from ..files import incomplete_path, publish_dir
 from ..state_dict.checks import on_all_ranks
-from ..wrapped import fsdp_engine, unwrapped_class
+from ..wrapped import unwrapped_class
 from .files import (
     INDEX_NAME,
     SafetensorsLayout,
@@ -176,9 +177,7 @@ def _write_data(
         return fds[name]
 
     owner = {name: i % world() for i, name in enumerate(plans)}
-    # DDP's engine keeps parameters equal on every rank (it broadcasts them at build, then every
-    # rank applies the same averaged gradient): their rows can come from any rank.
-    params_equal = fsdp_engine(model) == "replicate"
+    params_equal = engine_of(model).REPLICAS_EQUAL  # then any rank's rows are everyone's: split the writing
     try:
         for key, entries in saved.items():
             t = tensors[key]

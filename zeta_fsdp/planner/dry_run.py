@@ -119,17 +119,8 @@ def dry_run(
         >>> result.mesh_shape, result.param_bytes == plan(model, 1024, "HYBRID_SHARD").param_bytes
         ((128, 8), True)
     """
-    job = dry_run_job(
-        world_size,
-        shard_strat,
-        mp,
-        auto_wrap,
-        TransformerBlock,
-        rank,
-        replicate_size,
-        local_world_size,
-        ignored_param_names=ignored_param_names,
-    )
+    job = dry_run_job(world_size, shard_strat, mp, auto_wrap, TransformerBlock, rank, replicate_size, local_world_size)
+    job["ignored_param_names"] = list(ignored_param_names)
     return dry_run_batch(model, [job], timeout_s=timeout_s)[0]
 
 
@@ -207,10 +198,8 @@ def run_child(workdir: str) -> None:
 def _dry_run_one(fsdp: Any, model: nn.Module, job: dict[str, Any], load_seconds: float) -> dict[str, Any]:
     from torch.distributed.tensor import DTensor
 
-    dtypes = {
-        "none": None,
-        **{_dtype_name(d): d for d in (torch.float32, torch.bfloat16, torch.float16, torch.float64)},
-    }
+    dtypes = {"none": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    dtypes["float64"] = torch.float64
     policy = MixedPrecisionPolicy(param_dtype=dtypes[job["param_dtype"]], reduce_dtype=dtypes[job["reduce_dtype"]])
     block = job["transformer_block"]
     start = time.perf_counter()

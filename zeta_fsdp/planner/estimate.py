@@ -11,13 +11,13 @@ from ``wrapping.build_wrap_plan`` (the same code ``fsdp()`` runs), the mesh from
 * AdamW state is ``zeros_like`` of the logical local shard (2 tensors) plus a 4-byte ``step``;
 * the all-gather buffers are ``shard_size * padded rows`` in the ``mp`` compute dtype.
 
-Per-rank figures are for one rank (``rank=0`` by default: rank 0 always holds a full chunk, so
-it is the largest shard). ``dry_run()`` checks the parameter bytes against the real ``fsdp()`` on a
-meta copy under PyTorch's fake process group, in a subprocess (the caller never gets a fake group).
+Per-rank figures are for one rank (``rank=0`` by default: the largest shard). What depends on
+the engine is the engine's (``engines``); ``dry_run()`` checks the bytes against the real ``fsdp()``.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import asdict, dataclass, field
 from typing import Any, Iterable, Optional, Union
@@ -26,15 +26,9 @@ import torch
 import torch.nn as nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
-from ..costs import AccumulationCost, accumulation_costs, accumulation_table, ddp_all_reduces, gradient_wait_dtype
-from ..options import (
-    autocast_dtype,
-    choose_engine,
-    resolve_master_dtype,
-    resolve_mixed_precision,
-    resolve_sharding,
-    stored_dtype,
-)
+from ..costs import AccumulationCost, accumulation_costs, accumulation_table, gradient_wait_dtype
+from ..engines import engine_named
+from ..options import choose_engine, resolve_master_dtype, resolve_mixed_precision, resolve_sharding, stored_dtype
 from ..report import format_bytes, render_table
 from ..wrapping import BlockSpec, build_wrap_plan
 from .common import dtype_name as _dtype_name
@@ -47,9 +41,6 @@ __all__ = ["OPTIMIZERS", "MemoryPlan", "UnitEstimate", "plan"]
 OPTIMIZERS: dict[str, int] = {"adamw": 2, "adam": 2, "none": 0}
 # Adam's ``step`` is a 0-d float32 tensor per parameter (torch's default scalar dtype).
 _STEP_BYTES = 4
-# Units whose modules run at both ends of the forward (a tied embedding + head) stay unsharded
-# from their first module's forward to their last one: across every block in between.
-_SPANNING_KINDS = ("embedding+head",)
 
 
 @dataclass(frozen=True)
@@ -148,7 +139,7 @@ class MemoryPlan:
     engine: str = "fully_shard"
     # plan(micro_batches=K): the report compares the ways of accumulating K micro-batches.
     micro_batches: Optional[int] = None
-    # DDP's engine: all-reduces per synced backward (``training.ddp_all_reduces``).
+    # DDP's engine: all-reduces per synced backward (``engines.replicate.all_reduces``).
     ddp_all_reduce_count: int = 0
 
     @property
@@ -212,26 +203,7 @@ class MemoryPlan:
             (139800, 69960, 12)
         """
         k = micro_batches if micro_batches is not None else (self.micro_batches or 4)
-        if self.engine == "replicate":  # whole gradients in DDP's buckets; DDP only all-reduces
-            return accumulation_costs(
-                k,
-                sharded=self.grad_bytes,
-                unsharded=self.grad_bytes,
-                partial=self.grad_bytes,
-                reduce_scatter_units=0,
-                all_reduce_units=self.ddp_all_reduce_count,
-            )
-        whole = self.ignored_bytes  # ignored parameters keep whole gradients in every choice
-        trainable = [u for u in self.units if u.grad_bytes]
-        replicas = self.world_size // self.shard_size
-        return accumulation_costs(
-            k,
-            sharded=self.grad_bytes,
-            unsharded=sum(u.unsharded_grad_bytes for u in self.units) + whole,
-            partial=sum(u.partial_grad_bytes for u in self.units) + whole,
-            reduce_scatter_units=len(trainable) if self.shard_size > 1 else 0,
-            all_reduce_units=len(trainable) if replicas > 1 else 0,
-        )
+        return engine_named(self.engine).plan_accumulation(self, k)
 
     @property
     def dry_run_matches(self) -> Optional[bool]:
@@ -296,16 +268,8 @@ class MemoryPlan:
         rows = [header]
         for first, last, count in _fold_units(self.units):
             name = first.name if count == 1 else f"{first.name} .. {last.name} (x{count})"
-            rows.append(
-                (
-                    name,
-                    first.kind,
-                    str(first.num_params),
-                    f"{first.numel:,}",
-                    format_bytes(first.unsharded_bytes),
-                    format_bytes(first.param_bytes),
-                )
-            )
+            sizes = (f"{first.numel:,}", format_bytes(first.unsharded_bytes), format_bytes(first.param_bytes))
+            rows.append((name, first.kind, str(first.num_params), *sizes))
         lines += render_table(rows, align="llrrrr").splitlines()
         lines += [
             "",
@@ -326,12 +290,8 @@ class MemoryPlan:
             lines += [
                 "",
                 f"dry run: real fsdp() on a meta copy, fake process group of {d.world_size} ranks (rank {d.rank}, "
-                + (
-                    f"engine=replicate): wrap {d.wrap_seconds:.2f} s"
-                    if self.engine == "replicate"
-                    else f"mesh {'x'.join(str(s) for s in d.mesh_shape)}): wrap {d.wrap_seconds:.2f} s, "
-                    f"{d.num_units} FSDP units"
-                ),
+                f"engine={self.engine}, mesh {'x'.join(str(s) for s in d.mesh_shape)}): wrap {d.wrap_seconds:.2f} s, "
+                f"{d.num_units} FSDP units",
                 f"  sharded parameter bytes on rank {d.rank}: {d.param_bytes:,} (logical {d.local_param_bytes:,}) "
                 f"-> {verdict} ({self.param_bytes:,} / {self.local_param_bytes:,})",
             ]
@@ -339,22 +299,11 @@ class MemoryPlan:
 
 
 def _fold_units(units: list[UnitEstimate]) -> Iterable[tuple[UnitEstimate, UnitEstimate, int]]:
-    """Group runs of identical consecutive units (the blocks of a transformer) into one row."""
-    run: list[UnitEstimate] = []
-    for unit in units:
-        if run and _same_shape(run[0], unit):
-            run.append(unit)
-            continue
-        if run:
-            yield run[0], run[-1], len(run)
-        run = [unit]
-    if run:
-        yield run[0], run[-1], len(run)
-
-
-def _same_shape(a: UnitEstimate, b: UnitEstimate) -> bool:
+    """Runs of identical consecutive units (the blocks of a transformer), one row each."""
     keys = ("kind", "num_params", "numel", "unsharded_bytes", "param_bytes", "grad_bytes", "optimizer_bytes")
-    return all(getattr(a, k) == getattr(b, k) for k in keys)
+    for _, run in itertools.groupby(units, key=lambda u: tuple(getattr(u, k) for k in keys)):
+        run = list(run)
+        yield run[0], run[-1], len(run)
 
 
 def _mp_label(policy: MixedPrecisionPolicy) -> str:
@@ -376,27 +325,6 @@ def _shard_geometry(param: torch.Tensor, shard_size: int, shard_rank: int) -> tu
     return chunk * row, rows * row, shard_size * chunk * row
 
 
-def _autocast_copies(model: nn.Module, policy: MixedPrecisionPolicy) -> int:
-    """Bytes of the weight copies ``torch.autocast`` makes on DDP's engine under ``mp="bf16"``.
-
-    Autocast casts the parameters of the ops it runs in low precision (``linear``, ``conv*``,
-    ``matmul``: a Linear or conv module's weight and bias) once per forward, caches the copies
-    of trainable leaves, and autograd keeps them for backward. Other parameters (embeddings,
-    norms) are used in fp32.
-    """
-    dtype = autocast_dtype(policy)
-    if dtype is None:
-        return 0
-    kinds = (nn.Linear, nn.modules.conv._ConvNd)
-    seen: dict[int, int] = {}
-    for module in model.modules():
-        if isinstance(module, kinds):
-            for p in module.parameters(recurse=False):
-                if p.requires_grad and p.is_floating_point():
-                    seen[id(p)] = p.numel() * dtype.itemsize
-    return sum(seen.values())
-
-
 def plan(
     model: nn.Module,
     world_size: Optional[int] = None,
@@ -416,18 +344,14 @@ def plan(
 ) -> MemoryPlan:
     """Plan ``fsdp(model, auto_wrap, mp, shard_strat, TransformerBlock)`` at ``world_size`` ranks.
 
-    No process group, no allocation: ``model`` may live on ``meta``. The units are exactly those
-    ``fsdp()`` would create (``build_wrap_plan``). Per-rank bytes are for ``rank`` (default 0, the
-    largest shard). HYBRID meshes use ``replicate_size`` replicas, else one per node of
-    ``local_world_size`` ranks (default ``min(world_size, 8)``). ``optimizer`` is ``"adamw"``,
-    ``"adam"`` or ``"none"``. ``dry_run=True`` also runs the real ``fsdp()`` on a meta copy under
-    a fake process group in a subprocess and attaches the result (``MemoryPlan.dry_run``).
-    ``master_dtype`` is ``fsdp()``'s: floating-point parameters, gradients and optimizer state are
-    counted in it (default fp32, whatever dtype the meta model was built in). ``micro_batches=K``
-    adds to the report what accumulating K micro-batches costs with each ``no_sync`` choice
-    (``MemoryPlan.accumulation``).
-
-    Raises ``ValueError`` for a bad argument (the message lists the accepted values).
+    No process group, no allocation: ``model`` may live on ``meta``; the units are those ``fsdp()``
+    would create. Bytes are for ``rank`` (default 0, the largest shard). HYBRID meshes use
+    ``replicate_size`` replicas, else one per node of ``local_world_size`` ranks (default
+    ``min(world_size, 8)``). ``optimizer``: ``"adamw"``, ``"adam"`` or ``"none"``. ``dry_run=True``
+    attaches the real ``fsdp()`` on a meta copy under a fake process group (``MemoryPlan.dry_run``).
+    ``master_dtype`` is ``fsdp()``'s (trainable parameters, gradients and optimizer state are
+    counted in it). ``micro_batches=K`` adds what each ``no_sync`` choice costs for K micro-batches.
+    A bad argument raises ``ValueError`` listing the accepted values.
 
     Example:
         >>> from zeta_fsdp.models.gpt import small
@@ -462,9 +386,12 @@ def plan(
     )
 
     units = [_estimate_unit(u, params, policy, shard_size, shard_rank, n_state, master) for u in wrap.units]
+    grads = [(stored_dtype(p, master), p.numel() * _stored_size(p, master)) for p in params.values() if p.requires_grad]
+    terms = (model, units, policy, spec.reshard_after_forward, shard_size, grads, why)
+    peak, all_reduces, notes = engine_named(engine).plan_costs(*terms)
     # Ignored parameters stay whole (and unsharded) on every rank, as do their gradients.
     ignored_bytes = sum(params[n].numel() * _stored_size(params[n], master) for n in wrap.ignored_param_names)
-    stored = sorted({_dtype_name(_stored_dtype(p, master)) for p in params.values() if p.is_floating_point()})
+    stored = sorted({_dtype_name(stored_dtype(p, master)) for p in params.values() if p.is_floating_point()})
     stored_label = stored[0] if len(stored) == 1 else ("mixed: " + ", ".join(stored) if stored else "none")
     result = MemoryPlan(
         model_name=type(model).__name__,
@@ -484,35 +411,14 @@ def plan(
             for n in wrap.ignored_param_names
             if n_state and params[n].requires_grad
         ),
-        # DDP's engine computes with the parameters themselves: nothing is gathered; under
-        # autocast (mp="bf16") the low-precision copies of weights autocast makes are the copies.
-        allgather_peak_bytes=_autocast_copies(model, policy)
-        if engine == "replicate"
-        else _allgather_peak(units, spec.reshard_after_forward, shard_size),
+        allgather_peak_bytes=peak,
         master_dtype=stored_label,
         optimizer_state_dtype=stored_label,  # torch optimizers keep state in the parameter's dtype
         engine=engine,
         micro_batches=micro_batches,
-        ddp_all_reduce_count=ddp_all_reduces(
-            [
-                (_stored_dtype(p, master), p.numel() * _stored_size(p, master))
-                for p in params.values()
-                if p.requires_grad
-            ]
-        )
-        if engine == "replicate"
-        else 0,
+        ddp_all_reduce_count=all_reduces,
+        notes=notes,
     )
-    if engine == "replicate":
-        result.notes.append(
-            f"engine: replicate ({why}): plain tensor parameters used in place, gradients are views "
-            "of DDP's all-reduce buckets (no second copy)"
-        )
-        if result.allgather_peak_bytes:
-            result.notes.append(
-                f"autocast: {result.allgather_peak_bytes:,} bytes of low-precision copies of Linear/conv "
-                "weights, cached for the forward and kept by autograd until backward (in 'all-gather peak')"
-            )
     frozen = [p for p in params.values() if not p.requires_grad]
     if frozen:
         result.notes.append(
@@ -541,13 +447,8 @@ def plan(
     return result
 
 
-def _stored_dtype(param: torch.Tensor, master: Optional[torch.dtype]) -> torch.dtype:
-    """The dtype ``fsdp(master_dtype=master)`` stores ``param`` in (``options.stored_dtype``)."""
-    return stored_dtype(param, master)
-
-
 def _stored_size(param: torch.Tensor, master: Optional[torch.dtype]) -> int:
-    return _stored_dtype(param, master).itemsize
+    return stored_dtype(param, master).itemsize
 
 
 def _estimate_unit(
@@ -566,14 +467,14 @@ def _estimate_unit(
         size = _stored_size(param, master)
         # FSDP2 casts only floating-point parameters to the compute dtype.
         compute = (
-            policy.param_dtype if policy.param_dtype and param.is_floating_point() else _stored_dtype(param, master)
+            policy.param_dtype if policy.param_dtype and param.is_floating_point() else stored_dtype(param, master)
         )
         unsharded += gathered * compute.itemsize
         padded_bytes += padded * size
         local_bytes += local * size
         if param.requires_grad:  # frozen parameters get neither gradients nor optimizer state
             grad += padded * size
-            wait = gradient_wait_dtype(policy, _stored_dtype(param, master)).itemsize
+            wait = gradient_wait_dtype(policy, stored_dtype(param, master)).itemsize
             unsharded_grad += param.numel() * wait
             partial_grad += padded * wait
             opt += n_state * local * size + _STEP_BYTES if n_state else 0
@@ -590,26 +491,3 @@ def _estimate_unit(
         unsharded_grad_bytes=unsharded_grad,
         partial_grad_bytes=partial_grad,
     )
-
-
-def _allgather_peak(units: list[UnitEstimate], reshard_after_forward: bool, shard_size: int) -> int:
-    """Most bytes of all-gathered parameters plus all-gather buffers alive at once on a rank.
-
-    FSDP2 all-gathers a unit into one flat buffer, copies it out into the unsharded parameters,
-    then frees the buffer (in forward, at the next unit's copy-out): so at a unit's copy-out both
-    exist. With one rank per shard group nothing is gathered, the copy is direct (no buffer).
-    Units that are never resharded before backward stay: the root always (it runs first in
-    backward), every unit under ZeRO-2 (``reshard_after_forward=False``), and a unit spanning the
-    forward (a tied embedding + head) from its first module to its last.
-    """
-    if not units:
-        return 0
-    flat = [u.unsharded_bytes if shard_size > 1 else 0 for u in units]
-    if not reshard_after_forward:
-        return sum(u.unsharded_bytes for u in units) + max(flat)
-    resident = sum(u.unsharded_bytes for u in units if u.kind == "root" or u.kind in _SPANNING_KINDS)
-    moments = [0]
-    for unit, buffer in zip(units, flat):
-        stays = unit.kind == "root" or unit.kind in _SPANNING_KINDS
-        moments.append(buffer if stays else unit.unsharded_bytes + buffer)
-    return resident + max(moments)

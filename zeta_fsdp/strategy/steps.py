@@ -10,10 +10,9 @@ from typing import Any, Callable, Mapping, Optional
 
 import torch
 import torch.nn as nn
-from torch.distributed.fsdp import FSDPModule
 
+from ..engines import hooks_on
 from ..loss import MaskedTokenLossReduction
-from ..wrapped import is_replicated
 
 __all__ = [
     "StepLosses",
@@ -45,7 +44,7 @@ def call_through_root(module: nn.Module, method: str, *args: Any) -> Any:
     root's parameters sharded. So, like Lightning's forward redirection, ``forward`` is swapped
     for the step for exactly one call; the step's own ``self(...)`` calls reach the real forward.
     """
-    if not isinstance(module, FSDPModule) and not is_replicated(module):  # DDP's hooks sit on the root too
+    if not hooks_on(module):
         return getattr(module, method)(*args)
     had_own = "forward" in vars(module)
     original = module.forward

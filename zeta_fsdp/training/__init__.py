@@ -1,13 +1,7 @@
-"""Helpers a training loop needs around ``fsdp()``: gradient accumulation, clipping, memory.
-
-* ``no_sync(model)``: accumulate gradients over micro-batches without any gradient collective;
-  the first backward after the block reduces everything accumulated. ``defer="all_reduce"``
-  keeps the reduce-scatter (sharded gradients) and defers only HYBRID_SHARD's replica all-reduce;
-  ``memory_report(micro_batches=K)`` says what each choice costs (``zeta_fsdp.costs``).
-* ``clip_grad_norm_(model, max_norm)``: the global gradient norm of a sharded model (DTensor
-  gradients, on one or several meshes), returned as a plain float, and clipping in place.
-* ``memory_report(model, optimizer)``: bytes this rank holds for parameters, gradients and
-  optimizer state, next to what the unsharded tensors would take.
+"""Helpers a training loop needs around ``fsdp()``: gradient accumulation over micro-batches
+(``no_sync``; what each choice costs: ``memory_report(micro_batches=K)``), the global gradient
+norm of a sharded model and clipping (``clip_grad_norm_``), and the bytes each rank holds for
+parameters, gradients and optimizer state (``memory_report``).
 
 Example:
     for i, batch in enumerate(micro_batches):

@@ -11,37 +11,10 @@ import contextlib
 from typing import Iterator
 
 import torch.nn as nn
-from torch.distributed._composable.replicate import replicate
-from torch.distributed.fsdp import FSDPModule
 
-from ..wrapped import fsdp_param_groups, replicated_modules
+from ..engines import engine_of
 
 __all__ = ["no_sync", "resolve_defer"]
-
-
-def _fsdp_modules(model: nn.Module) -> list[FSDPModule]:
-    return [m for m in model.modules() if isinstance(m, FSDPModule)]
-
-
-def _sync_setting(module: FSDPModule) -> tuple[bool, bool]:
-    """``(requires_gradient_sync, requires_all_reduce)`` of one unit; ``(True, True)`` (FSDP's
-    default) when its state cannot be read."""
-    groups = fsdp_param_groups(module)
-    if not groups:
-        return True, True
-    return (
-        all(getattr(g, "reduce_grads", True) for g in groups),
-        all(getattr(g, "all_reduce_grads", True) for g in groups),
-    )
-
-
-def _set_sync(module: FSDPModule, reduce: bool, all_reduce: bool) -> None:
-    """Public FSDP2 API only: gradient sync (reduce-scatter, and HSDP's all-reduce) then the
-    all-reduce on its own, where this torch has ``set_requires_all_reduce``."""
-    module.set_requires_gradient_sync(reduce, recurse=False)
-    set_all_reduce = getattr(module, "set_requires_all_reduce", None)
-    if callable(set_all_reduce):
-        set_all_reduce(all_reduce, recurse=False)
 
 
 # no_sync(defer=...) values: what the block defers until the first backward after it.
@@ -82,8 +55,8 @@ def no_sync(model: nn.Module, *, defer: str = "all") -> Iterator[nn.Module]:
     cannot be read, on a torch without the private state this reads, is restored to sync). A
     model without FSDP units is left alone (a DDP model uses its own ``no_sync``).
 
-    NO_SHARD in fp32 runs on DDP's engine (``fsdp_engine(model) == "replicate"``): there, as with
-    DDP, the forward decides, so run each micro-batch's forward and backward inside the block.
+    NO_SHARD on DDP's engine (``fsdp_engine(model)``): there, as with DDP, the forward decides,
+    so run each micro-batch's forward and backward inside the block.
 
     Example:
         with no_sync(model):
@@ -94,47 +67,5 @@ def no_sync(model: nn.Module, *, defer: str = "all") -> Iterator[nn.Module]:
         (loss_fn(model(batch1)) / 2).backward()  # reduce-scatter + the one all-reduce
     """
     reduce = resolve_defer(defer) == "all_reduce"  # validated before any unit changes
-    replicated = replicated_modules(model)
-    if replicated:
-        # DDP's engine has one collective, the all-reduce: deferring it is deferring everything
-        with contextlib.ExitStack() as stack:
-            for module in replicated:
-                stack.enter_context(_replicated_no_sync(module))
-            yield model
-        return
-    modules = _fsdp_modules(model)
-    if not modules:
-        ddp_no_sync = getattr(model, "no_sync", None)
-        with ddp_no_sync() if callable(ddp_no_sync) else contextlib.nullcontext():
-            yield model
-        return
-    # Save each unit's exact setting so nesting, or a user who already disabled sync on some
-    # units, is restored as it was rather than forced back to True.
-    saved = [(module, _sync_setting(module)) for module in modules]
-    try:
-        for module in modules:
-            # set_requires_gradient_sync(False) also turns off HSDP's replica all-reduce (torch >= 2.4);
-            # set_requires_all_reduce makes sure of it on any version that has it. With
-            # reduce=True, FSDP2 adds each micro-batch's reduce-scattered gradient into a sharded
-            # buffer and all-reduces that sum at the next backward that has all-reduce on.
-            _set_sync(module, reduce, False)
+    with engine_of(model).no_sync(model, reduce):
         yield model
-    finally:
-        for module, (reduce_grads, all_reduce) in saved:
-            _set_sync(module, reduce_grads, all_reduce)
-
-
-@contextlib.contextmanager
-def _replicated_no_sync(model: nn.Module) -> Iterator[None]:
-    """``no_sync`` for NO_SHARD on DDP's engine (composable ``replicate``).
-
-    DDP decides at each forward whether the backward that follows all-reduces, so the forward
-    must run inside the block (as with ``DistributedDataParallel.no_sync``). The previous setting
-    is restored on exit, so nested blocks stay off until the outermost exits.
-    """
-    was_off = bool(getattr(replicate.state(model), "_no_sync", False))
-    model.set_requires_gradient_sync(False)
-    try:
-        yield
-    finally:
-        model.set_requires_gradient_sync(not was_off)

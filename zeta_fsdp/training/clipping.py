@@ -20,10 +20,6 @@ def _parameters(model_or_params: Union[nn.Module, torch.Tensor, Iterable[torch.T
     return list(model_or_params)
 
 
-def _plain(norm: torch.Tensor) -> torch.Tensor:
-    return norm.full_tensor() if isinstance(norm, DTensor) else norm
-
-
 def _by_layout(grads: list[torch.Tensor]) -> list[list[torch.Tensor]]:
     """Group gradients by (mesh, placements): DTensor ops may not mix meshes or layouts."""
     groups: dict[object, list[torch.Tensor]] = {}
@@ -41,7 +37,8 @@ def _total_norm(groups: list[list[torch.Tensor]], norm_type: float) -> torch.Ten
     (``full_tensor()`` of a partial norm), and the group norms combine locally. Plain tensors
     (e.g. ignored parameters) are taken as they are on this rank: no collective.
     """
-    norms = [_plain(torch.nn.utils.get_total_norm(group, norm_type)) for group in groups]
+    norms = [torch.nn.utils.get_total_norm(group, norm_type) for group in groups]
+    norms = [n.full_tensor() if isinstance(n, DTensor) else n for n in norms]
     device = norms[0].device
     stacked = torch.stack([n.to(device=device, dtype=torch.float32) for n in norms])
     return torch.linalg.vector_norm(stacked, norm_type)

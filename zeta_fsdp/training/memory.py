@@ -6,14 +6,12 @@ from typing import Iterable, Iterator, Optional
 
 import torch
 import torch.nn as nn
-from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from ..costs import AccumulationCost, accumulation_costs, accumulation_table, ddp_all_reduces, gradient_wait_dtype
+from ..costs import accumulation_table
 from ..distributed import get_rank, get_world_size
+from ..engines import engine_of
 from ..report import format_bytes, render_table
-from ..torch_compat import param_mp_policy
-from ..wrapped import fsdp_param_groups, replicated_modules
 
 __all__ = ["MemoryReport", "memory_report"]
 
@@ -96,78 +94,22 @@ def _optimizer_tensors(optimizer: Optional[torch.optim.Optimizer]) -> Iterator[t
                 yield value
 
 
-def _accumulation_bytes(model: nn.Module, micro_batches: int) -> dict[str, AccumulationCost]:
-    """``accumulation_costs`` from the wrapped model's FSDP2 parameter groups (their mesh, padded
-    shard sizes and dtypes, as FSDP2 allocates them); parameters no unit manages (ignored ones,
-    0-dim ones ``fsdp()`` keeps whole) keep whole gradients in every choice."""
-    if replicated_modules(model):
-        # DDP's engine: gradients are whole and accumulate in place in its buckets whatever the
-        # choice; its collectives are all-reduces (ddp_all_reduces).
-        grads = [p for p in model.parameters() if p.requires_grad]
-        whole = sum(p.numel() * p.element_size() for p in grads)
-        all_reduces = ddp_all_reduces([(p.dtype, p.numel() * p.element_size()) for p in grads])
-        return accumulation_costs(
-            micro_batches,
-            sharded=whole,
-            unsharded=whole,
-            partial=whole,
-            reduce_scatter_units=0,
-            all_reduce_units=all_reduces,
-        )
-    sharded = unsharded = partial = rs_units = ar_units = 0
-    managed: set[int] = set()
-    groups: dict[int, object] = {}
-    for module in (m for m in model.modules() if isinstance(m, FSDPModule)):
-        groups.update((id(g), g) for g in fsdp_param_groups(module) or ())
-    for group in groups.values():
-        shard_size = getattr(group.mesh_info, "shard_mesh_size", 1)
-        trainable = [fp for fp in group.fsdp_params if fp.sharded_param.requires_grad]
-        rs_units += bool(trainable) and shard_size > 1
-        ar_units += bool(trainable) and getattr(group.mesh_info, "replicate_mesh_size", 1) > 1
-        for fp in group.fsdp_params:
-            managed.add(id(fp.sharded_param))
-            if not fp.sharded_param.requires_grad:
-                continue
-            # The sharded .grad is cast back to the parameter's dtype; the rest waits in
-            # gradient_wait_dtype. (Read from the policy: FSDP2 sets its own dtype fields lazily.)
-            dtype = fp.sharded_param.dtype
-            wait_dtype = gradient_wait_dtype(param_mp_policy(group, fp), dtype)
-            padded = fp.padded_sharded_param_size.numel()
-            unsharded += fp.sharded_param.numel() * wait_dtype.itemsize  # a DTensor: the global numel
-            partial += padded * wait_dtype.itemsize
-            sharded += padded * dtype.itemsize
-    whole = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad and id(p) not in managed)
-    return accumulation_costs(
-        micro_batches,
-        sharded=sharded + whole,
-        unsharded=unsharded + whole,
-        partial=partial + whole,
-        reduce_scatter_units=rs_units,
-        all_reduce_units=ar_units,
-    )
-
-
 def memory_report(
     model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None, *, micro_batches: Optional[int] = None
 ) -> MemoryReport:
     """Bytes this rank holds for parameters, gradients and optimizer state, vs the unsharded sizes.
 
-    Returns a ``MemoryReport`` (a dict) with ``rank``, ``world_size`` and, for each of
-    ``params``, ``grads``, ``optimizer_state`` and ``total`` (and ``frozen``: the part of ``params``
-    with ``requires_grad=False``, which has no gradients or optimizer state; ``trainable_dtypes``:
-    the master-weight dtypes, of the trainable ones): ``local_bytes`` (this rank's
-    shards), ``full_bytes`` (the same tensors unsharded), ``tensors`` (how many) and ``dtypes``
-    (sorted names: ``params``' are the master-weight dtypes, ``optimizer_state``'s what AdamW keeps
-    its moments in; 0-dim step counters left out). These are
-    logical sizes of the tensors (FSDP's padding and temporary all-gather buffers are not
-    counted: measure peaks with ``FSDPMemTracker``). Tied parameters count once; gradients that
-    are ``None`` count zero. ``report.table()`` (or ``print(report)``) gives a readable view.
+    A ``MemoryReport`` (a dict): ``rank``, ``world_size`` and, for each of ``params``, ``grads``,
+    ``optimizer_state``, ``total`` and ``frozen`` (parameters with ``requires_grad=False``: no
+    gradient, no optimizer state), ``local_bytes`` (this rank's shards), ``full_bytes`` (unsharded),
+    ``tensors`` and ``dtypes`` (sorted; 0-dim step counters left out); ``trainable_dtypes``: the
+    master-weight dtypes. Logical sizes: FSDP's padding and all-gather buffers are not counted
+    (peaks: ``measure.peak_memory_by_category``); tied parameters count once.
 
-    ``micro_batches=K`` adds ``micro_batches`` and ``accumulation``: for each way of accumulating K
-    micro-batches (``"sync"`` every micro-batch, ``no_sync(defer="all")``,
-    ``no_sync(defer="all_reduce")``) an ``AccumulationCost``: the gradient bytes this rank holds
-    between micro-batches (FSDP2's padded storage) and the gradient collectives per K
-    micro-batches. The table shows them too.
+    ``micro_batches=K`` adds ``micro_batches`` and ``accumulation``: an ``AccumulationCost`` for
+    each way of accumulating K micro-batches (``"sync"``, ``no_sync(defer="all")``,
+    ``no_sync(defer="all_reduce")``): gradient bytes held between micro-batches and gradient
+    collectives per K. ``report.table()`` (or ``print(report)``) shows it all.
 
     Example:
         report = memory_report(model, optimizer)
@@ -192,5 +134,5 @@ def memory_report(
     }
     if micro_batches is not None:
         report["micro_batches"] = micro_batches
-        report["accumulation"] = _accumulation_bytes(model, micro_batches)
+        report["accumulation"] = engine_of(model).accumulation_bytes(model, micro_batches)
     return report

@@ -1,0 +1,318 @@
+"""FSDP2 (``fully_shard``, DTensor parameters): every strategy but NO_SHARD in fp32/bf16.
+
+``engines.SEAM``, as in ``engines.replicate``. A model neither engine manages lands here too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Iterator, Optional, Union
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+from ..costs import AccumulationCost, accumulation_costs, gradient_wait_dtype
+from ..distributed import build_mesh
+from ..options import ShardingSpec, stored_dtype
+from ..torch_compat import param_mp_policy
+from ..wrapped import fsdp_param_groups, fsdp_state
+from ..wrapping import WrapPlan
+
+# Each rank holds its own shard: a parameter's rows come from the rank that owns them.
+REPLICAS_EQUAL = False
+
+
+def managed(model: nn.Module) -> list[nn.Module]:
+    """The FSDP units in ``model``, itself included."""
+    return [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+
+def check(plan: WrapPlan, model: nn.Module, master: Optional[torch.dtype]) -> None:
+    """What ``fully_shard`` would reject in a unit, checked before anything changes.
+
+    ``fully_shard`` validates each call on its own, so a unit refused after earlier ones were
+    sharded would leave a half-wrapped model. FSDP2 needs one dtype among a unit's TRAINABLE
+    parameters (one reduce-scatter per unit; frozen ones may differ: a bf16 LoRA base beside fp32
+    adapters), checked on the dtypes they WILL have (``options.stored_dtype``); a container
+    without ``forward`` cannot be a unit. 0-dim parameters are kept whole (``wrap``).
+    """
+    params = dict(model.named_parameters())
+    for unit in plan.units:
+        by_dtype: dict[torch.dtype, list[str]] = {}
+        for name in unit.param_names:
+            if params[name].requires_grad:
+                by_dtype.setdefault(stored_dtype(params[name], master), []).append(name)
+        if len(by_dtype) > 1:
+            detail = "; ".join(
+                f"{str(d).replace('torch.', '')}: {', '.join(n[:3])}{' ...' if len(n) > 3 else ''}"
+                for d, n in by_dtype.items()
+            )
+            raise ValueError(
+                f"fsdp(): FSDP unit {unit.name} mixes trainable parameter dtypes ({detail}). FSDP2 needs "
+                "one dtype among a unit's trainable parameters (frozen ones may differ): keep "
+                "master_dtype='fp32' (the default: trainable floating parameters are sharded in fp32), "
+                "cast the model to one dtype first, freeze the odd ones (requires_grad=False), or pass "
+                "them in ignored_params."
+            )
+        for name, module in zip(unit.module_names, unit.modules):
+            if isinstance(module, (nn.ModuleList, nn.ModuleDict)) and type(module).forward is nn.Module.forward:
+                raise ValueError(
+                    f"fsdp(): {name or '<root>'} is a {type(module).__name__}, which has no forward(); "
+                    "fully_shard cannot shard it as a unit. Pass the model that calls it (or, for "
+                    "TransformerBlock, the class of the layers it holds)."
+                )
+
+
+def mesh_for(
+    spec: ShardingSpec, device: torch.device, mesh: Optional[DeviceMesh], replicate_size: Optional[int]
+) -> Optional[DeviceMesh]:
+    """The caller's mesh, else the one ``spec`` needs over the default group."""
+    return mesh if mesh is not None else build_mesh(spec, device, replicate_size=replicate_size)
+
+
+def wrap(
+    model: nn.Module,
+    plan: WrapPlan,
+    device: torch.device,
+    mp_policy: MixedPrecisionPolicy,
+    mesh: DeviceMesh,
+    reshard: Union[bool, int],
+    cpu_offload: bool,
+    ignored: set[nn.Parameter],
+    keep_tail: int,
+    prefetch: Optional[int],
+) -> int:
+    """``fully_shard`` every unit bottom-up; returns this rank's index in its shard group.
+
+    One policy for every unit (FSDP2 does not inherit it). The root keeps its parameters after
+    forward (backward starts with it), and so do the ``keep_tail`` units forward runs last (the
+    head, then blocks backwards): backward would all-gather them again at once. ``prefetch``
+    chains sit on each unit's first module (a unit's modules share one state). 0-dim parameters,
+    which ``fully_shard`` cannot shard, stay whole (``_average_whole_grads``).
+    """
+    scalars = [model.get_parameter(n) for n in plan.scalar_param_names]
+    # Pinned host memory needs an accelerator; on a CPU-only run offloading is a no-op anyway.
+    offload = CPUOffloadPolicy(pin_memory=device.type != "cpu") if cpu_offload else OffloadPolicy()
+    kept = {id(u) for u in [u for u in plan.backward_order if u.kind != "embedding"][:keep_tail]}
+    for unit in plan.units:
+        fully_shard(
+            unit.target,
+            mesh=mesh,
+            reshard_after_forward=None if unit.kind == "root" else False if id(unit) in kept else reshard,
+            mp_policy=mp_policy,
+            offload_policy=offload,
+            ignored_params=(ignored | set(scalars)) or None,
+        )
+    for order, setter in ((plan.forward_order, "forward"), (plan.backward_order, "backward")):
+        for i, unit in enumerate(order if prefetch else ()):
+            targets = [u.modules[0] for u in order[i + 1 : i + 1 + prefetch]]
+            if targets:
+                getattr(unit.modules[0], f"set_modules_to_{setter}_prefetch")(targets)
+    for scalar in scalars:  # FSDP does not move them
+        if not scalar.is_meta and scalar.device != device:
+            scalar.data = scalar.data.to(device)
+    _average_whole_grads(scalars, mesh)
+    return mesh.get_local_rank(mesh.ndim - 1) if mesh.size(mesh.ndim - 1) > 1 else 0
+
+
+def _average_whole_grads(params: list[nn.Parameter], mesh: DeviceMesh) -> None:
+    """Average whole parameters' gradients over ``mesh`` after each backward, as FSDP does. Under
+    ``no_sync`` too: the already-averaged part is equal on every rank, so the mean is the same."""
+    groups = [mesh.get_group(d) for d in range(mesh.ndim) if mesh.size(d) > 1]
+
+    def hook(param: torch.Tensor) -> None:
+        if param.grad is not None and groups:
+            for group in groups:
+                dist.all_reduce(param.grad, group=group)
+            param.grad.div_(mesh.size())
+
+    for p in params:
+        if p.requires_grad:
+            p.register_post_accumulate_grad_hook(hook)
+
+
+def _sync_setting(module: FSDPModule) -> tuple[bool, bool]:
+    """``(requires_gradient_sync, requires_all_reduce)`` of one unit; ``(True, True)`` (FSDP's
+    default) when its state cannot be read."""
+    groups = fsdp_param_groups(module)
+    if not groups:
+        return True, True
+    return (
+        all(getattr(g, "reduce_grads", True) for g in groups),
+        all(getattr(g, "all_reduce_grads", True) for g in groups),
+    )
+
+
+def _set_sync(module: FSDPModule, reduce: bool, all_reduce: bool) -> None:
+    """Public FSDP2 API only: gradient sync (reduce-scatter, and HSDP's all-reduce) then the
+    all-reduce on its own, where this torch has ``set_requires_all_reduce``."""
+    module.set_requires_gradient_sync(reduce, recurse=False)
+    set_all_reduce = getattr(module, "set_requires_all_reduce", None)
+    if callable(set_all_reduce):
+        set_all_reduce(all_reduce, recurse=False)
+
+
+@contextlib.contextmanager
+def no_sync(model: nn.Module, reduce: bool) -> Iterator[None]:
+    """``training.no_sync`` on FSDP2 units (none: a DDP model's own ``no_sync``, else nothing)."""
+    modules = managed(model)
+    if not modules:
+        ddp_no_sync = getattr(model, "no_sync", None)
+        with ddp_no_sync() if callable(ddp_no_sync) else contextlib.nullcontext():
+            yield
+        return
+    # Save each unit's exact setting so nesting, or a user who already disabled sync on some
+    # units, is restored as it was rather than forced back to True.
+    saved = [(module, _sync_setting(module)) for module in modules]
+    try:
+        for module in modules:
+            # reduce=True: FSDP2 adds each reduce-scattered gradient into a sharded buffer and
+            # all-reduces that sum at the next backward with all-reduce on.
+            _set_sync(module, reduce, False)
+        yield
+    finally:
+        for module, (reduce_grads, all_reduce) in saved:
+            _set_sync(module, reduce_grads, all_reduce)
+
+
+def accumulation_bytes(model: nn.Module, micro_batches: int) -> dict[str, AccumulationCost]:
+    """``costs.accumulation_costs`` from the units' parameter groups (their mesh, padded shard sizes
+    and dtypes, as FSDP2 allocates them); parameters no unit manages (ignored ones, 0-dim ones)
+    keep whole gradients in every choice."""
+    sharded = unsharded = partial = rs_units = ar_units = 0
+    managed_ids: set[int] = set()
+    groups: dict[int, Any] = {}
+    for module in managed(model):
+        groups.update((id(g), g) for g in fsdp_param_groups(module) or ())
+    for group in groups.values():
+        shard_size = getattr(group.mesh_info, "shard_mesh_size", 1)
+        trainable = [fp for fp in group.fsdp_params if fp.sharded_param.requires_grad]
+        rs_units += bool(trainable) and shard_size > 1
+        ar_units += bool(trainable) and getattr(group.mesh_info, "replicate_mesh_size", 1) > 1
+        for fp in group.fsdp_params:
+            managed_ids.add(id(fp.sharded_param))
+            if not fp.sharded_param.requires_grad:
+                continue
+            # The sharded .grad is cast back to the parameter's dtype; the rest waits in
+            # gradient_wait_dtype. (Read from the policy: FSDP2 sets its own dtype fields lazily.)
+            dtype = fp.sharded_param.dtype
+            wait_dtype = gradient_wait_dtype(param_mp_policy(group, fp), dtype)
+            padded = fp.padded_sharded_param_size.numel()
+            unsharded += fp.sharded_param.numel() * wait_dtype.itemsize  # a DTensor: the global numel
+            partial += padded * wait_dtype.itemsize
+            sharded += padded * dtype.itemsize
+    whole = sum(
+        p.numel() * p.element_size() for p in model.parameters() if p.requires_grad and id(p) not in managed_ids
+    )
+    return accumulation_costs(
+        micro_batches,
+        sharded=sharded + whole,
+        unsharded=unsharded + whole,
+        partial=partial + whole,
+        reduce_scatter_units=rs_units,
+        all_reduce_units=ar_units,
+    )
+
+
+_HOOK_DICTS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks", "_forward_hooks_with_kwargs")
+
+
+@contextlib.contextmanager
+def restore_fsdp_hooks(model: nn.Module) -> Iterator[None]:
+    """Put every module's forward hooks, FSDP's hook handles and patched methods back as they were.
+
+    ``FSDPMemTracker`` (torch 2.13) re-registers FSDP's hooks per module on exit, which breaks a
+    unit of several modules (``fully_shard([norm, head])``: its shared hook lost, tracker hooks
+    and patched backward methods left behind): the model would not train after a measurement.
+    """
+    saved = [(m, {name: dict(getattr(m, name)) for name in _HOOK_DICTS}) for m in model.modules()]
+    states = []
+    groups: dict[int, Any] = {}
+    for module in model.modules():
+        state = fsdp_state(module)
+        if state is not None:
+            states.append((state, state._pre_forward_hook_handle, state._post_forward_hook_handle))
+            groups.update((id(group), group) for group in fsdp_param_groups(module) or ())
+    patched = ("pre_backward", "post_backward")
+    group_attrs = [(g, {a: vars(g)[a] for a in patched if a in vars(g)}) for g in groups.values()]
+    try:
+        yield
+    finally:
+        for module, tables in saved:
+            for name, table in tables.items():
+                hooks = getattr(module, name)
+                hooks.clear()
+                hooks.update(table)
+        for state, pre_handle, post_handle in states:
+            state._pre_forward_hook_handle, state._post_forward_hook_handle = pre_handle, post_handle
+        for group, attrs in group_attrs:  # drop instance-level patches, keep the class methods
+            for attr in patched:
+                vars(group).pop(attr, None)
+            vars(group).update(attrs)
+
+
+def peak_memory(
+    model: nn.Module, optimizer: Optional[torch.optim.Optimizer], step: Callable[[], Any], inputs: tuple
+) -> dict[str, int]:
+    """``measure.peak_memory_by_category`` with ``FSDPMemTracker``."""
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+
+    with restore_fsdp_hooks(model):
+        tracker = FSDPMemTracker(model, optimizer)
+        if inputs:
+            tracker.track_inputs(inputs)
+        with tracker:
+            step()
+    peak = tracker.get_tracker_snapshot("peak")
+    per_device = next(iter(peak.values())) if peak else {}
+    return {getattr(k, "value", str(k)): int(v) for k, v in per_device.items()}
+
+
+# Units gathered from forward until backward even under ZeRO-3: the root, and a unit whose modules
+# run at both ends of the forward (a tied embedding + head), across every block in between.
+_RESIDENT_KINDS = ("root", "embedding+head")
+
+
+def plan_costs(
+    model: nn.Module,
+    units: list,
+    mp_policy: MixedPrecisionPolicy,
+    reshard: bool,
+    shard_size: int,
+    grads: list,
+    why: str,
+) -> tuple[int, int, list[str]]:
+    """The planner's engine terms: ``(all-gather peak, all-reduces per synced backward, notes)``.
+
+    The peak: gathered parameters plus flat all-gather buffers alive at once. A unit's buffer
+    lives until the next unit's copy-out (none with one rank per shard group); units not
+    resharded before backward stay (``_RESIDENT_KINDS``, every unit under ZeRO-2). All-reduces
+    are per unit (``plan_accumulation``).
+    """
+    if not units:
+        return 0, 0, []
+    flat = [u.unsharded_bytes if shard_size > 1 else 0 for u in units]
+    if not reshard:
+        return sum(u.unsharded_bytes for u in units) + max(flat), 0, []
+    resident = sum(u.unsharded_bytes for u in units if u.kind in _RESIDENT_KINDS)
+    moments = [0] + [b if u.kind in _RESIDENT_KINDS else u.unsharded_bytes + b for u, b in zip(units, flat)]
+    return resident + max(moments), 0, []
+
+
+def plan_accumulation(plan: Any, micro_batches: int) -> dict[str, AccumulationCost]:
+    """``MemoryPlan.accumulation``: per-unit reduce-scatters (shard group > 1) and all-reduces
+    (replicas); ignored parameters keep whole gradients in every choice."""
+    whole = plan.ignored_bytes
+    trainable = [u for u in plan.units if u.grad_bytes]
+    replicas = plan.world_size // plan.shard_size
+    return accumulation_costs(
+        micro_batches,
+        sharded=plan.grad_bytes,
+        unsharded=sum(u.unsharded_grad_bytes for u in plan.units) + whole,
+        partial=sum(u.partial_grad_bytes for u in plan.units) + whole,
+        reduce_scatter_units=len(trainable) if plan.shard_size > 1 else 0,
+        all_reduce_units=len(trainable) if replicas > 1 else 0,
+    )

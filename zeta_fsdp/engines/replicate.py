@@ -1,0 +1,324 @@
+"""DDP's engine (composable ``replicate``): NO_SHARD in fp32 or bf16 at DDP's speed.
+
+``engines.SEAM``, as in ``engines.fully_shard``. Parameters stay plain tensors; gradients are
+all-reduced in buckets, each ``.grad`` a view into its bucket (``gradient_as_bucket_view``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from typing import Any, Callable, Iterator, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed._composable.replicate import DDP as ReplicatedModule  # noqa: N811 - torch names the class DDP
+from torch.distributed._composable.replicate import replicate
+from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.nn.parallel import DistributedDataParallel
+from torch.nn.parallel.distributed import _find_tensors
+
+from ..costs import AccumulationCost, accumulation_costs
+from ..options import autocast_dtype
+
+# DDP broadcasts rank 0's parameters when it is built, then every rank applies the same averaged
+# gradient: any rank's copy of a parameter is every rank's.
+REPLICAS_EQUAL = True
+
+
+def managed(model: nn.Module) -> list[nn.Module]:
+    """The modules in ``model`` (itself included) that ``replicate`` manages, also when reached
+    through a wrapper (``torch.compile``'s ``OptimizedModule``, a container)."""
+    return [m for m in model.modules() if isinstance(m, ReplicatedModule)]
+
+
+def check(plan: Any, model: nn.Module, master: Optional[torch.dtype]) -> None:
+    """Nothing to refuse: DDP buckets per dtype and has no units."""
+
+
+def mesh_for(*_: Any) -> None:
+    """DDP runs over the default group: no mesh."""
+
+
+def wrap(model: nn.Module, plan: Any, device: torch.device, mp_policy: MixedPrecisionPolicy, *_: Any) -> int:
+    """Put ``model`` on DDP's engine; ``mp="bf16"`` runs its forward under ``torch.autocast``
+    (parameters, gradients and their all-reduce stay fp32: DDP + autocast). Returns 0 (no shard).
+
+    DDP is built at the first forward (a ``meta`` model can be materialized or loaded first), then
+    checks every rank's shapes and broadcasts rank 0's parameters; buffers are not broadcast
+    (like FSDP2, a BatchNorm's running statistics stay each rank's own).
+    """
+    if not any(t.is_meta for t in model.parameters()):
+        model.to(device)
+    replicate(model, device_id=device, gradient_as_bucket_view=True)
+    _probe_unused(model)
+    dtype = autocast_dtype(mp_policy)
+    if dtype is not None:
+        autocast_forward(model, device.type, dtype)
+    return 0
+
+
+def autocast_forward(model: nn.Module, device_type: str, dtype: torch.dtype) -> None:
+    """Run every forward of ``model`` under ``torch.autocast(device_type, dtype)``, as if the
+    caller had written ``with torch.autocast(...): model(x)``.
+
+    Entered by a forward pre-hook and left by a forward hook that runs even when the forward
+    raises (``always_call``); a stack keeps nested or re-entrant forwards paired. Activation
+    checkpointing recomputes under the same autocast state (``torch.utils.checkpoint`` records it).
+    """
+    entered: list = []
+
+    def enter(module: nn.Module, args: Any) -> None:
+        context = torch.autocast(device_type, dtype=dtype)
+        context.__enter__()
+        entered.append(context)
+
+    def leave(module: nn.Module, args: Any, output: Any) -> None:
+        if entered:
+            entered.pop().__exit__(None, None, None)
+
+    model.register_forward_pre_hook(enter)
+    model.register_forward_hook(leave, always_call=True)
+
+
+def _needs_search(output: Any, params: list[nn.Parameter]) -> bool:
+    """Could a backward from this output leave a trainable parameter without a gradient?
+
+    Yes unless every output tensor's graph reaches every parameter: one may be unused (a head, a
+    branch not taken) or reached only from an output the loss may ignore (a pooler's: DDP's own
+    search, over all outputs together, calls it used and warns, yet needs the search for it).
+    """
+    want = {id(p) for p in params}
+    tensors = [t for t in _find_tensors(output) if t.requires_grad]
+    return not tensors or any(not want <= _reached(t) for t in tensors)
+
+
+def _reached(tensor: torch.Tensor) -> set[int]:
+    """Ids of the leaves the autograd graph of ``tensor`` accumulates into."""
+    ids: set[int] = set()
+    seen: set[Any] = set()
+    stack = [tensor.grad_fn] if tensor.grad_fn is not None else []
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        variable = getattr(node, "variable", None)  # an AccumulateGrad node: the leaf it fills
+        if variable is not None:
+            ids.add(id(variable))
+        stack.extend(n for n, _ in node.next_functions if n is not None)
+    return ids
+
+
+def _probe_unused(model: nn.Module) -> None:
+    """Ask DDP to search for unused parameters (``find_unused_parameters``) only if there are some.
+
+    Without the search, a backward that leaves parameters without a gradient makes DDP wait for
+    them and fail at the next step; with it on a model whose parameters all get one, DDP walks the
+    graph every step for nothing and its reducer prints a warning on every rank (C++
+    ``TORCH_WARN_ONCE``: no Python filter reaches it). So the first forward that builds a graph
+    runs without, its graph is read once here (before DDP's post-forward hook, ``_needs_search``),
+    and the ranks agree (one all-reduce); if any rank needs the search, DDP is rebuilt with it
+    before this step's backward. Read once: a model using every parameter in its first step and
+    skipping some later makes DDP raise then (a ``mesh`` puts NO_SHARD on FSDP2).
+    """
+
+    @torch.compiler.disable  # collectives and DDP's rebuild: never traced into a compiled graph
+    def probe(module: nn.Module, args: Any, output: Any) -> None:
+        if not torch.is_grad_enabled():
+            return  # no graph to read: the next forward probes
+        handle.remove()
+        state = replicate.state(module)
+        params = [p for p in state._param_list if p.requires_grad]
+        flag = torch.tensor([float(_needs_search(output, params))], device=params[0].device)
+        old = state._ddp
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=old.process_group)
+        if not flag.item():
+            return
+        # Built over the same parameters and group; they are already equal on every rank (the
+        # first build broadcast them), so nothing is checked or broadcast again.
+        new = DistributedDataParallel(
+            state._param_list,
+            device_ids=old.device_ids,
+            process_group=old.process_group,
+            gradient_as_bucket_view=True,
+            find_unused_parameters=True,
+            init_sync=False,
+        )
+        for hook, hook_state in getattr(old, "_comm_hooks", ()):  # a hook the user registered via the model
+            new.register_comm_hook(hook_state, hook)
+        new.require_backward_grad_sync = old.require_backward_grad_sync
+        state._ddp, state._ddp_weakref = new, weakref.ref(new)
+        new._pre_forward()  # this step's start, as replicate's pre-forward hook did on the old one
+
+    handle = model.register_forward_hook(probe, prepend=True)
+
+
+@contextlib.contextmanager
+def no_sync(model: nn.Module, reduce: bool) -> Iterator[None]:
+    """``training.no_sync``: DDP's one collective is the all-reduce, so either choice defers it.
+
+    DDP decides at each forward whether the backward that follows all-reduces, so the forward
+    must run inside the block (as with ``DistributedDataParallel.no_sync``). Each module's setting
+    is restored on exit, so nested blocks stay off until the outermost exits.
+    """
+    modules = managed(model)
+    was_off = [bool(getattr(replicate.state(m), "_no_sync", False)) for m in modules]
+    for module in modules:
+        module.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        for module, off in zip(modules, was_off):
+            module.set_requires_gradient_sync(not off)
+
+
+def _ddp(module: nn.Module) -> Optional[DistributedDataParallel]:
+    return getattr(replicate.state(module), "_ddp", None)  # built at the first forward
+
+
+# DDP's defaults (``torch.distributed._DEFAULT_FIRST_BUCKET_BYTES``, ``bucket_cap_mb=25``).
+_FIRST_BUCKET_BYTES = 1024 * 1024
+_BUCKET_BYTES = 25 * 1024 * 1024
+
+
+def all_reduces(grads: list[tuple[torch.dtype, int]], finds_unused: bool = False) -> int:
+    """All-reduces per synced backward for gradients of these ``(dtype, bytes)``, in parameter order.
+
+    One per bucket (``_compute_bucket_assignment_by_size``: one open bucket per dtype, closed at
+    1 MiB for the first, 25 MiB after). With the unused-parameter search DDP keeps parameter order
+    and adds one for the map of used parameters; without, it rebuilds its buckets after the first
+    step in gradient-ready order (about the reverse: counted so).
+    """
+    limits: dict[torch.dtype, int] = {}
+    open_bytes: dict[torch.dtype, int] = {}
+    closed = 0
+    for dtype, nbytes in grads if finds_unused else grads[::-1]:
+        open_bytes[dtype] = open_bytes.get(dtype, 0) + nbytes
+        if open_bytes[dtype] >= limits.get(dtype, _FIRST_BUCKET_BYTES):
+            closed += 1
+            open_bytes[dtype] = 0
+            limits[dtype] = _BUCKET_BYTES
+    return closed + sum(1 for b in open_bytes.values() if b) + int(finds_unused)
+
+
+def accumulation_bytes(model: nn.Module, micro_batches: int) -> dict[str, AccumulationCost]:
+    """Gradients are whole and accumulate in place in DDP's buckets whatever the choice; the
+    collectives are all-reduces (``all_reduces``)."""
+    grads = [p for p in model.parameters() if p.requires_grad]
+    whole = sum(p.numel() * p.element_size() for p in grads)
+    finds_unused = any(getattr(_ddp(m), "find_unused_parameters", False) for m in managed(model))
+    return _whole_grads(
+        micro_batches, whole, all_reduces([(p.dtype, p.numel() * p.element_size()) for p in grads], finds_unused)
+    )
+
+
+def _whole_grads(micro_batches: int, whole: int, all_reduce_count: int) -> dict[str, AccumulationCost]:
+    """Every choice keeps the same whole gradients (accumulated in place in DDP's buckets)."""
+    return accumulation_costs(
+        micro_batches,
+        sharded=whole,
+        unsharded=whole,
+        partial=whole,
+        reduce_scatter_units=0,
+        all_reduce_units=all_reduce_count,
+    )
+
+
+def gradient_bucket_bytes(model: nn.Module) -> int:
+    """Bytes of DDP's gradient buckets (0 before the first forward, where DDP is built). Every
+    ``.grad`` is a view into them."""
+    total = 0
+    for module in managed(model):
+        ddp = _ddp(module)
+        if ddp is not None:  # DDP's own record of the buckets it allocated (a comma-separated string)
+            sizes = str(ddp._get_ddp_logging_data().get("bucket_sizes", ""))
+            total += sum(int(n) for n in sizes.split(",") if n.strip())
+    return total
+
+
+# MemTracker's categories under FSDPMemTracker's names: on DDP's engine every rank's "shard" is the
+# whole tensor, so one table reads the same for both engines.
+_MEMTRACKER_NAMES = {
+    "Parameter": "Sharded Param",
+    "Gradient": "Sharded Grad",
+    "Optstate": "OptState",
+    "Other": "Inputs",  # what track_external(inputs) records
+}
+
+
+def memtracker_categories(snapshot: dict) -> dict[str, int]:
+    """One device's ``MemTracker`` snapshot under ``FSDPMemTracker``'s category names."""
+    names = {getattr(k, "value", str(k)): int(v) for k, v in snapshot.items()}
+    return {_MEMTRACKER_NAMES.get(k, k): v for k, v in names.items()}
+
+
+def peak_memory(
+    model: nn.Module, optimizer: Optional[torch.optim.Optimizer], step: Callable[[], Any], inputs: tuple
+) -> dict[str, int]:
+    """``measure.peak_memory_by_category`` with ``MemTracker``. DDP's buckets stay allocated from
+    its first forward; a step starting with no ``.grad`` (views into them) shows the tracker none,
+    so they are added to ``"Sharded Grad"`` and ``"Total"``."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    grads_set = any(p.grad is not None for p in model.parameters())
+    tracker = MemTracker()
+    tracker.track_external(*(t for t in (model, optimizer) if t is not None), *inputs)
+    with tracker:
+        step()
+    result = memtracker_categories(next(iter(tracker.get_tracker_snapshot("peak").values()), {}))
+    if not grads_set:
+        buckets = gradient_bucket_bytes(model)
+        result["Sharded Grad"] = result.get("Sharded Grad", 0) + buckets
+        result["Total"] = result.get("Total", 0) + buckets
+    return result
+
+
+def _autocast_copies(model: nn.Module, policy: MixedPrecisionPolicy) -> int:
+    """Bytes of the copies ``torch.autocast`` makes under ``mp="bf16"``: Linear/conv weights and
+    biases, cast once per forward and kept by autograd for backward (embeddings, norms stay fp32)."""
+    dtype = autocast_dtype(policy)
+    if dtype is None:
+        return 0
+    kinds = (nn.Linear, nn.modules.conv._ConvNd)
+    seen: dict[int, int] = {}
+    for module in model.modules():
+        if isinstance(module, kinds):
+            for p in module.parameters(recurse=False):
+                if p.requires_grad and p.is_floating_point():
+                    seen[id(p)] = p.numel() * dtype.itemsize
+    return sum(seen.values())
+
+
+def plan_costs(
+    model: nn.Module,
+    units: list,
+    mp_policy: MixedPrecisionPolicy,
+    reshard: bool,
+    shard_size: int,
+    grads: list,
+    why: str,
+) -> tuple[int, int, list[str]]:
+    """The planner's engine terms: ``(all-gather peak, all-reduces per synced backward, notes)``.
+
+    Nothing is gathered: DDP computes with the parameters themselves; under autocast the
+    low-precision weight copies stand in the all-gather's place. A planned model has not run, so
+    it is counted as one that uses every parameter (no unused-parameter search).
+    """
+    copies = _autocast_copies(model, mp_policy)
+    notes = [
+        f"engine: replicate ({why}): plain tensor parameters used in place, gradients are views "
+        "of DDP's all-reduce buckets (no second copy)"
+    ]
+    if copies:
+        notes.append(
+            f"autocast: {copies:,} bytes of low-precision copies of Linear/conv weights, cached for "
+            "the forward and kept by autograd until backward (in 'all-gather peak')"
+        )
+    return copies, all_reduces(grads), notes
+
+
+def plan_accumulation(plan: Any, micro_batches: int) -> dict[str, AccumulationCost]:
+    """``MemoryPlan.accumulation``: whole gradients in DDP's buckets; DDP only all-reduces."""
+    return _whole_grads(micro_batches, plan.grad_bytes, plan.ddp_all_reduce_count)
