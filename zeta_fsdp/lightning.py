@@ -295,12 +295,8 @@ class FSDP2Strategy(ParallelStrategy):
         self.set_world_ranks()
         env = self.cluster_environment
         # the rendezvous Lightning's launcher (or torchrun, SLURM) chose, in the variables torch reads
-        os.environ.update(
-            MASTER_ADDR=env.main_address,
-            MASTER_PORT=str(env.main_port),
-            RANK=str(self.global_rank),
-            WORLD_SIZE=str(self.world_size),
-        )
+        os.environ.update(MASTER_ADDR=env.main_address, MASTER_PORT=str(env.main_port))
+        os.environ.update(RANK=str(self.global_rank), WORLD_SIZE=str(self.world_size))
         self.core.options.device = self.core.options.device or self.root_device
         self.core.setup_environment()
         self._mesh = self.lightning_module._device_mesh = self.core.device_mesh
