@@ -36,9 +36,8 @@ class DryRunResult:
 
     Attributes:
         world_size, rank, mesh_shape: the simulated job and the rank looked at.
-        param_bytes: sharded parameter storage on that rank (sum of each shard's storage).
-        local_param_bytes: sum of ``DTensor.to_local()`` sizes on that rank.
-        num_units: number of FSDP parameter groups ``fsdp()`` created.
+        param_bytes: that rank's sharded parameter storage; local_param_bytes: its ``to_local()`` sizes.
+        num_units: FSDP parameter groups ``fsdp()`` created.
         wrap_seconds: wall time of the ``fsdp()`` call; load_seconds: unpickling the meta copy.
 
     Example:
@@ -97,16 +96,14 @@ def dry_run(
 ) -> DryRunResult:
     """Run the real ``fsdp()`` on a meta copy of ``model`` as ``rank`` of a fake ``world_size`` job.
 
-    One subprocess, ``torch.distributed``'s ``"fake"`` backend (``FakeStore``): no communication,
-    nothing allocated (the model stays on ``meta``; materialization is skipped). Reports the
-    sharded parameter bytes that rank would hold and the wrap time. The model's classes must be
-    importable (not defined in ``__main__``): the copy is pickled to the subprocess.
-    ``ignored_param_names``: parameters (by name) that ``fsdp()`` leaves unsharded.
+    One subprocess, the ``"fake"`` backend: no communication, nothing allocated (the model stays on
+    ``meta``). Reports the sharded parameter bytes that rank would hold and the wrap time. The
+    model's classes must be importable (not from ``__main__``): the copy is pickled to the subprocess.
 
     Example:
         >>> from zeta_fsdp.models.gpt import small
         >>> with torch.device("meta"): model = small()  # the demo GPT, nothing allocated
-        >>> result = dry_run(model, 1024, "HYBRID_SHARD")  # model: the demo GPT on meta
+        >>> result = dry_run(model, 1024, "HYBRID_SHARD")
         >>> from zeta_fsdp.planner import plan
         >>> result.mesh_shape, result.param_bytes == plan(model, 1024, "HYBRID_SHARD").param_bytes
         ((128, 8), True)
@@ -191,32 +188,22 @@ def _dry_run_one(fsdp: Any, model: nn.Module, job: dict[str, Any], load_seconds:
 
     dtypes = {dtype_name(d): d for d in (None, torch.float32, torch.bfloat16, torch.float16, torch.float64)}
     policy = MixedPrecisionPolicy(param_dtype=dtypes[job["param_dtype"]], reduce_dtype=dtypes[job["reduce_dtype"]])
-    block = job["transformer_block"]
+    block, ignored = job["transformer_block"], {model.get_parameter(n) for n in job["ignored_param_names"]}
+    options = {k: job[k] for k in ("auto_wrap", "shard_strat", "replicate_size")}
+    options.update(TransformerBlock=tuple(block) if block else None, ignored_params=ignored or None)
+    master = dtypes[job.get("master_dtype", "float32")]
     start = time.perf_counter()
-    fsdp(
-        model,
-        auto_wrap=job["auto_wrap"],
-        mp=policy,
-        shard_strat=job["shard_strat"],
-        TransformerBlock=tuple(block) if block else None,
-        device="cpu",
-        replicate_size=job["replicate_size"],
-        ignored_params={model.get_parameter(n) for n in job["ignored_param_names"]} or None,
-        # allocating every shard would cost gigabytes; the dry run only inspects the sharding
-        materialize=False,
-        master_dtype=dtypes[job.get("master_dtype", "float32")],
-    )
+    # materialize=False: allocating every shard would cost gigabytes; the dry run only inspects the sharding
+    fsdp(model, mp=policy, device="cpu", materialize=False, master_dtype=master, **options)
     wrap_seconds = time.perf_counter() - start
     storage = local = 0
     mesh: tuple[int, ...] = ()
     for param in model.parameters():
-        tensor = param.to_local() if isinstance(param, DTensor) else param
-        if isinstance(param, DTensor):
-            mesh = tuple(param.device_mesh.shape)
-        size = tensor.element_size()
-        # Each FSDP2 shard owns its own padded storage; .to_local() is a narrow of it.
-        storage += tensor.untyped_storage().nbytes() if isinstance(param, DTensor) else tensor.numel() * size
-        local += tensor.numel() * size
+        sharded = isinstance(param, DTensor)
+        tensor = param.to_local() if sharded else param
+        mesh, size = (tuple(param.device_mesh.shape) if sharded else mesh), tensor.numel() * tensor.element_size()
+        local += size
+        storage += tensor.untyped_storage().nbytes() if sharded else size  # a shard's own padded storage
     groups = {id(group) for m in model.modules() for group in fsdp_param_groups(m) or ()}
     result = DryRunResult(job["world_size"], job["rank"], mesh, storage, local, len(groups), wrap_seconds, load_seconds)
     return dataclasses.asdict(result)
