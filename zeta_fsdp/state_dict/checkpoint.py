@@ -249,13 +249,10 @@ def prepare_save_dir(path: Path, *, overwrite: bool) -> Optional[PathLock]:
         if os.path.lexists(tmp):  # left by an interrupted save (the lock says no one writes it now)
             remove_tree(tmp)
         tmp.mkdir()
-    except OSError as e:
+    except BaseException as e:
         lock.release()
-        if isinstance(e, FileExistsError):
-            raise
-        raise CheckpointError(f"save_checkpoint(): cannot prepare {path}: {e}") from e
-    except BaseException:
-        lock.release()
+        if isinstance(e, OSError) and not isinstance(e, FileExistsError):
+            raise CheckpointError(f"save_checkpoint(): cannot prepare {path}: {e}") from e
         raise
     return lock
 
@@ -360,7 +357,7 @@ def load_checkpoint(
     # ``set_model_state_dict``.
     targets: dict[str, Any] = {}
     via_scratch: dict[str, str] = {}
-    owned = _live_storages(model)
+    owned = {_storage_of(t) for t in (*model.parameters(), *model.buffers())}  # local shards of DTensors
     for key, value in live.items() if model_weights else ():
         if key not in stored or stored[key] in targets:
             continue
@@ -405,11 +402,6 @@ def load_checkpoint(
     if optimizer is not None:
         set_flat_optimizer_state(model, optimizer, flat_optim)
     return objects.get(EXTRA_KEY)
-
-
-def _live_storages(model: nn.Module) -> set[int]:
-    """Data pointers of the storages of the model's parameters and buffers (local shards of ``DTensor``s)."""
-    return {_storage_of(t) for t in (*model.parameters(), *model.buffers())}
 
 
 def _storage_of(tensor: torch.Tensor) -> int:
