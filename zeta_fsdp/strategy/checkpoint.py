@@ -34,8 +34,7 @@ class Gathered(dict):
 
 def check_optimizers_match(optimizers: Sequence[torch.optim.Optimizer], ckpt: Mapping[str, Any], source: Any) -> None:
     """The live optimizers are the kind the checkpoint saved (count, class); every rank decides alike (``META_KEY``)."""
-    meta = ckpt.get(META_KEY) or {}
-    saved = meta.get("optimizer_classes")
+    saved = (ckpt.get(META_KEY) or {}).get("optimizer_classes")
     count = len(ckpt.get("optimizer_states") or [])
     if not count or not optimizers:
         return  # nothing to restore, or optimizers created later (checked when restored)
@@ -103,8 +102,7 @@ def load_strategy_checkpoint(strategy: Any, filepath: PathLike, weights_only: Op
     path = Path(filepath)
     module = strategy.model
     if strategy.checkpoint_io is None and on_all_ranks(lambda: is_checkpoint(path)):
-        meta = on_all_ranks(lambda: sd.load_checkpoint(path, module, model_weights=False) or {})
-        ckpt = dict(meta)
+        ckpt = dict(on_all_ranks(lambda: sd.load_checkpoint(path, module, model_weights=False) or {}))
         count = ckpt.get(META_KEY, {}).get("optimizers", 0)
         ckpt["optimizer_states"] = [{SHARDED_REF: str(path)} for _ in range(count)]
         check_optimizers_match(strategy.optimizers, ckpt, path)
