@@ -47,14 +47,12 @@ class FSDP2Strategy:
 
     Args:
         data_parallel_size: ``"auto"`` (world size / tensor parallel size) or an int.
-        tensor_parallel_size: ``"auto"`` (1) or an int. With ``> 1`` the module needs a plan:
-            ``tp_plan=`` here or a ``tp_plan`` attribute on the module (``{fqn pattern:
-            ParallelStyle or "colwise"/"rowwise"}``).
+        tensor_parallel_size: ``"auto"`` (1) or an int. With ``> 1`` the module needs a plan, ``tp_plan=``
+            or its ``tp_plan`` attribute (``{fqn pattern: ParallelStyle or "colwise"/"rowwise"}``).
         data_sampler: used by ``process_dataloader`` instead of a ``DistributedSampler``: an object
             with ``transform_dataloader(dataloader)`` (NeMo's samplers), or a ``Sampler``.
-        checkpoint_io: an object with ``save_checkpoint(checkpoint, path)``,
-            ``load_checkpoint(path)`` and ``remove_checkpoint(path)`` (Lightning's ``CheckpointIO``)
-            that replaces the built-in writer for the full format (called on rank 0).
+        checkpoint_io: Lightning's ``CheckpointIO`` (``save_checkpoint``, ``load_checkpoint``,
+            ``remove_checkpoint``): replaces the full format's writer (called on rank 0).
         mp_policy: a ``MixedPrecisionPolicy`` or an ``mp`` string (``"bf16"``...), for every unit.
         parallelize_fn: ``fn(module, device_mesh=..., mp_policy=..., **kwargs)`` that shards the
             module itself. ``None``: ``parallelize_module`` on the tp mesh (when tp > 1), then
@@ -83,26 +81,20 @@ class FSDP2Strategy:
         parallelize_fn: Optional[Callable[..., Optional[nn.Module]]] = None,
         **kwargs: Any,
     ) -> None:
-        # Every option is checked now, before any process group or model change; the sizes against
-        # the world size in setup_environment() (under Lightning or SLURM it is not known yet).
+        # Every option is checked now, before any change; the sizes against the world in setup_environment().
         self.options = opts = validate_strategy_options(
             data_parallel_size, tensor_parallel_size, data_sampler, checkpoint_io, mp_policy, parallelize_fn, **kwargs
         )
-        self.checkpoint_format, self.mp_policy, self.fsdp_kwargs = (
-            opts.checkpoint_format,
-            opts.mp_policy,
-            opts.fsdp_kwargs,
-        )
+        self.checkpoint_format, self.mp_policy = opts.checkpoint_format, opts.mp_policy
+        self.fsdp_kwargs = opts.fsdp_kwargs
         self.data_sampler, self.checkpoint_io = data_sampler, checkpoint_io
         # NeMo's default is a function too (readable, replaceable); parallelize() clears it once it ran.
         self.parallelize_fn = parallelize_fn or functools.partial(
             strategy_parallel.default_parallelize, tp_plan=opts.tp_plan, device=opts.device
         )
-        # Extra checkpoint entries must load with torch.load(weights_only=True); the Lightning adapter
-        # turns this off (Lightning pickles hyperparameters; loading them takes weights_only=False).
-        self.entries_weights_only = True
-        # parallelize() creates the optimizers (configure_optimizers); the Lightning adapter leaves that to Lightning.
-        self.owns_optimizers = True
+        # Checkpoint entries must load with weights_only=True; the Lightning adapter turns this off
+        # (Lightning pickles hyperparameters), and leaves creating the optimizers to Lightning.
+        self.entries_weights_only = self.owns_optimizers = True
 
         self._module: Optional[nn.Module] = None
         self._device: Optional[torch.device] = None
@@ -134,8 +126,8 @@ class FSDP2Strategy:
 
     @property
     def model(self) -> Optional[nn.Module]:
-        """The connected module (``lightning_module`` too), sharded in place by ``parallelize()`` (with
-        ``shard_strat="NO_SHARD"`` in fp32 or bf16: replicated on DDP's engine, ``fsdp_engine`` says).
+        """The connected module (``lightning_module`` too), sharded in place by ``parallelize()`` (NO_SHARD in
+        fp32/bf16: replicated on DDP's engine, ``fsdp_engine`` says).
         Example: ``strategy.parallelize(); isinstance(strategy.model, FSDPModule)`` -> ``True``."""
         return self._module
 
@@ -207,10 +199,8 @@ class FSDP2Strategy:
 
     def tensor_init_context(self, empty_init: Optional[bool] = None) -> contextlib.AbstractContextManager:
         """Context in which to build the module: real tensors (as NeMo's), or ``meta`` with ``empty_init=True``.
-
-        ``None`` keeps real tensors on purpose: Lightning passes it around ``configure_model``, where
-        models load pretrained weights, and ``__init__`` may initialise tensors itself; on ``meta``
-        both would be replaced by ``reset_parameters()``.
+        (Not ``meta`` for ``None``: Lightning passes it around ``configure_model``, where models load
+        pretrained weights, which ``reset_parameters()`` would replace.)
         Example: ``with strategy.tensor_init_context(empty_init=True): model = GPT(cfg)``."""
         return torch.device("meta") if empty_init else contextlib.nullcontext()
 
@@ -386,9 +376,9 @@ class FSDP2Strategy:
         Example: ``state = strategy.optimizer_state(strategy.optimizers[0])``."""
         self.restore_pending_optimizer_state()
         optimizer = getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer wraps it
-        if self.checkpoint_format == "sharded":
-            return sd.get_optimizer_state_dict(self._require_module(), optimizer, full=False)
-        return ckpt_io.Gathered(sd.get_optimizer_state_dict(self._require_module(), optimizer, full=True))
+        full = self.checkpoint_format == "full"
+        state = sd.get_optimizer_state_dict(self._require_module(), optimizer, full=full)
+        return ckpt_io.Gathered(state) if full else state
 
     def load_model_state_dict(self, ckpt: Mapping[str, Any], strict: bool = True) -> None:
         """Load model weights now: ``ckpt["state_dict"]`` (or ``ckpt`` itself), full (rank 0's copy is used) or
