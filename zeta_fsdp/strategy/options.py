@@ -58,15 +58,12 @@ def resolve_sizes(dp: Union[str, int], tp: Union[str, int], world: int) -> tuple
     _check_size("data_parallel_size", dp)
     _check_size("tensor_parallel_size", tp)
     tp_size = 1 if tp == "auto" else tp
-    if dp == "auto":
-        if world % tp_size != 0:
-            raise ValueError(
-                f"FSDP2Strategy: data_parallel_size='auto' x tensor_parallel_size={tp_size} cannot equal the "
-                f"world size {world}: tensor_parallel_size={tp_size} does not divide it."
-            )
-        dp_size = world // tp_size
-    else:
-        dp_size = dp
+    if dp == "auto" and world % tp_size != 0:
+        raise ValueError(
+            f"FSDP2Strategy: data_parallel_size='auto' x tensor_parallel_size={tp_size} cannot equal the "
+            f"world size {world}: tensor_parallel_size={tp_size} does not divide it."
+        )
+    dp_size = world // tp_size if dp == "auto" else dp
     if dp_size * tp_size != world:
         raise ValueError(
             f"FSDP2Strategy: data_parallel_size={dp_size} x tensor_parallel_size={tp_size} = "
