@@ -72,12 +72,8 @@ def parse_optimizers(result: Any) -> tuple[list[torch.optim.Optimizer], list[Any
         optimizers, schedulers = result
         return list(optimizers), [s.get("scheduler") if isinstance(s, Mapping) else s for s in schedulers]
     if isinstance(result, (list, tuple)):
-        optimizers, schedulers = [], []
-        for item in result:
-            opts, scheds = parse_optimizers(item)
-            optimizers += opts
-            schedulers += scheds
-        return optimizers, schedulers
+        parsed = [parse_optimizers(item) for item in result]
+        return [o for opts, _ in parsed for o in opts], [s for _, scheds in parsed for s in scheds]
     raise ValueError(f"FSDP2Strategy: configure_optimizers returned {type(result).__name__}, not an optimizer.")
 
 
@@ -86,7 +82,7 @@ def module_loss_reduction(module: Optional[nn.Module], step_type: str) -> Any:
     if step_type not in STEP_TYPES:
         raise ValueError(f"FSDP2Strategy: unknown step type {step_type!r}. Accepted: {STEP_TYPES}.")
     for name in (f"{step_type}_loss_reduction", "loss_reduction"):
-        found = getattr(module, name, None) if module is not None else None
+        found = getattr(module, name, None)  # None for module=None
         if found is not None:
             if callable(found) and not hasattr(found, "reduce"):
                 found = found()
