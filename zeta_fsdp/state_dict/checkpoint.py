@@ -172,11 +172,8 @@ def check_save_target(
     path: PathLike, *, overwrite: bool, caller: str = "save_checkpoint()", full: bool = False
 ) -> Path:
     """Refuse to save at ``path`` what would fail there or destroy something that is not a checkpoint of ours.
-
-    A sharded checkpoint (a directory) replaces nothing but an empty folder or (with ``overwrite``)
-    a checkpoint of ours; a symbolic link counts as what it points to, and only the link is ever
-    replaced. A full-format one (``full``: one ``torch.save`` file) replaces only such a file.
-    """
+    A sharded save replaces only an empty folder or (``overwrite``) our checkpoint, a link counting as its
+    target (only the link is replaced); a ``full`` one (a ``torch.save`` file) only such a file."""
     if not str(path).strip():
         raise ValueError(f"{caller}: filepath={str(path)!r} is empty; pass the checkpoint's path.")
     path = Path(path)
@@ -259,9 +256,7 @@ def prepare_save_dir(path: Path, *, overwrite: bool) -> Optional[PathLock]:
 
 def checkpoint_state(model: nn.Module, optimizer: Optional[torch.optim.Optimizer], extra: Any) -> dict[str, Any]:
     """What one rank writes: its model shards (a tied tensor once), optimizer shards, and on rank 0 the records.
-
-    The tensors are the live ones (no copy): write them before the next optimizer step, or stage them.
-    """
+    The tensors are the live ones (no copy): write them before the next optimizer step, or stage them."""
     model_sd = get_sharded_state_dict(model)
     tied = {alias: source for alias, source in tied_aliases(named_parameters(model)).items() if alias in model_sd}
     state: dict[str, Any] = {MODEL_PREFIX + k: v for k, v in model_sd.items() if k not in tied}
@@ -351,10 +346,8 @@ def load_checkpoint(
 
     metadata, objects, stored = on_all_ranks(check_model)
     saved = metadata.state_dict_metadata
-    # Read straight into the live tensors where the state dict aliases them: ``read_checked`` checks
-    # every record before anything is copied, and the copy happens only once all ranks agree, so no
-    # scratch copy is needed. A value that is not the live storage goes through scratch and
-    # ``set_model_state_dict``.
+    # Read straight into the live tensors (``read_checked`` checks every record, and copies only once all
+    # ranks agree); a value that is not the live storage goes through scratch and ``set_model_state_dict``.
     targets: dict[str, Any] = {}
     via_scratch: dict[str, str] = {}
     owned = {_storage_of(t) for t in (*model.parameters(), *model.buffers())}  # local shards of DTensors
