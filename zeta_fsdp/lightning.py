@@ -1,13 +1,11 @@
 """``FSDP2Strategy`` as a ``lightning.pytorch`` strategy: pass it to a ``Trainer``.
 
-Optional (``pip install zeta-fsdp[lightning]``); ``import zeta_fsdp`` never imports this module.
-A thin adapter: NeMo's API (``parallelize``, ``load_model_state_dict``, ``current_epoch_step``,
-``mp_policy``...) is the Lightning-free ``zeta_fsdp.FSDP2Strategy`` it holds as ``self.core``; this
-class only answers Lightning's calls (launch, process group, precision plugin, logging).
+Optional (``pip install zeta-fsdp[lightning]``); ``import zeta_fsdp`` never imports it. A thin
+adapter: NeMo's API is the Lightning-free ``zeta_fsdp.FSDP2Strategy`` it holds as ``self.core``;
+this class answers Lightning's calls (launch, process group, precision plugin, logging).
 
-Why ``ParallelStrategy`` and not Lightning's ``ModelParallelStrategy`` (NeMo's base): that one
-refuses ``precision="16-mixed"`` in the Trainer's checks, demands a ``configure_model`` hook,
-resolves "auto" sizes the opposite way (tensor parallel over the node) and has its own
+The base is ``ParallelStrategy``, not ``ModelParallelStrategy`` (NeMo's): that one refuses
+``"16-mixed"``, demands ``configure_model``, resolves "auto" sizes the other way and has its own
 checkpoint format: nearly every method would be overridden.
 
 Example:
@@ -133,16 +131,12 @@ def _core_method(name: str) -> Callable[..., Any]:
 class FSDP2Strategy(ParallelStrategy):
     """Lightning strategy running ``zeta_fsdp.FSDP2Strategy``: FSDP2 (+ tensor parallel) in a ``Trainer``.
 
-    Takes exactly ``zeta_fsdp.FSDP2Strategy``'s arguments (and Lightning's ``process_group_backend``
-    / ``timeout`` / ``save_distributed_checkpoint``). ``"auto"`` sizes mean FSDP over all ranks
-    (dp = world / tp, tp = 1). The mesh dims are Lightning's names, ``self.device_mesh["data_parallel"]``
-    / ``["tensor_parallel"]``. ``Trainer(precision="bf16-mixed" | "16-mixed")`` becomes the matching
-    FSDP2 policy on every unit with fp32 master weights; ``gradient_clip_val`` clips with
-    ``zeta_fsdp.clip_grad_norm_``. The module is sharded in ``setup`` (after ``configure_model``,
-    keeping what it parallelized itself); checkpoints are zeta's (full file by default,
-    ``checkpoint_format="sharded"`` for DCP), resumable with ``trainer.fit(model, ckpt_path=...)``.
-    NeMo's calls work as in NeMo: ``trainer.strategy.load_model_state_dict(adapter_state, strict=False)``,
-    ``load_optimizer_state_dict`` (applied at the next training step), ``val_loss`` / ``test_loss`` logged.
+    Takes ``zeta_fsdp.FSDP2Strategy``'s arguments (and Lightning's ``process_group_backend`` /
+    ``timeout`` / ``save_distributed_checkpoint``); mesh dims ``"data_parallel"`` / ``"tensor_parallel"``.
+    ``Trainer(precision="bf16-mixed" | "16-mixed")`` becomes the FSDP2 policy (fp32 master weights);
+    ``gradient_clip_val`` clips with ``zeta_fsdp.clip_grad_norm_``. The module is sharded in ``setup``
+    (after ``configure_model``, keeping what it parallelized itself); checkpoints are zeta's, resumable
+    with ``trainer.fit(model, ckpt_path=...)``. NeMo's calls work as in NeMo; ``val_loss`` / ``test_loss`` logged.
 
     Example:
         trainer = L.Trainer(devices=2, accelerator="cpu", precision="bf16-mixed",
@@ -161,7 +155,7 @@ class FSDP2Strategy(ParallelStrategy):
         parallelize_fn: Optional[Callable[..., Any]] = None,
         **kwargs: Any,
     ) -> None:
-        # zeta's strategy checks every argument now (no world size yet: it is known in _configure_launcher)
+        # checks every argument now (the world size is known in _configure_launcher)
         self.core = CoreStrategy(
             data_parallel_size, tensor_parallel_size, data_sampler, checkpoint_io, mp_policy, parallelize_fn, **kwargs
         )
@@ -225,11 +219,8 @@ class FSDP2Strategy(ParallelStrategy):
 
     @property
     def device_mesh(self) -> Any:
-        """The 2-D mesh, dims named as Lightning's ``ModelParallelStrategy`` names them:
-        ``("data_parallel", "tensor_parallel")``; also ``self.device_mesh`` in the LightningModule.
-        Before the Trainer set up the processes it raises, as Lightning's does (it would otherwise
-        start a process group of its own).
-        """
+        """The 2-D ``("data_parallel", "tensor_parallel")`` mesh (also the LightningModule's ``device_mesh``);
+        before the Trainer set up the processes it raises, as Lightning's does."""
         if self._mesh is None:
             raise RuntimeError(
                 "zeta_fsdp.lightning.FSDP2Strategy: the device mesh exists once the Trainer set up the processes "
@@ -253,13 +244,10 @@ class FSDP2Strategy(ParallelStrategy):
         return True
 
     def _configure_launcher(self) -> None:
-        # The world size is known here, before any process starts: a bad size fails now, not in a
-        # child that would leave rank 0 waiting in init_process_group.
-        resolve_sizes(
-            self.core.options.data_parallel_size,
-            self.core.options.tensor_parallel_size,
-            self.num_nodes * max(self.num_processes, 1),
-        )
+        # The world size is known before any process starts: a bad size fails now, not in a child
+        # that would leave rank 0 waiting in init_process_group.
+        opts = self.core.options
+        resolve_sizes(opts.data_parallel_size, opts.tensor_parallel_size, self.num_nodes * max(self.num_processes, 1))
         assert self.cluster_environment is not None
         if not self.cluster_environment.creates_processes_externally:
             self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
@@ -307,12 +295,8 @@ class FSDP2Strategy(ParallelStrategy):
         self.set_world_ranks()
         env = self.cluster_environment
         # the rendezvous Lightning's launcher (or torchrun, SLURM) chose, in the variables torch reads
-        os.environ.update(
-            MASTER_ADDR=env.main_address,
-            MASTER_PORT=str(env.main_port),
-            RANK=str(self.global_rank),
-            WORLD_SIZE=str(self.world_size),
-        )
+        os.environ.update(MASTER_ADDR=env.main_address, MASTER_PORT=str(env.main_port))
+        os.environ.update(RANK=str(self.global_rank), WORLD_SIZE=str(self.world_size))
         self.core.options.device = self.core.options.device or self.root_device
         self.core.setup_environment()
         self._mesh = self.lightning_module._device_mesh = self.core.device_mesh
@@ -403,9 +387,8 @@ class FSDP2Strategy(ParallelStrategy):
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
         """Restore the weights now, queue the optimizer state; return the checkpoint for Lightning."""
-        # Lightning 2.6 drops trainer.fit(weights_only=...) for strategies restoring after setup, and
-        # the file holds the module's hyperparameters (dataclasses...): allow exactly the classes the
-        # live module's own hyperparameters use, nothing else.
+        # Lightning 2.6 drops trainer.fit(weights_only=...) here, and the file holds the module's
+        # hyperparameters: allow exactly the classes the live module's own hyperparameters use.
         with torch.serialization.safe_globals(_hparam_classes(self.lightning_module)):
             return self.core.load_checkpoint(self.broadcast(checkpoint_path), weights_only=weights_only)
 

@@ -1,9 +1,7 @@
 """PEFT adapters of a sharded model, in and out: ``save_adapters`` / ``load_adapters``.
 
-The files are exactly PEFT's (``adapter_model.safetensors`` + ``adapter_config.json``), so
-``PeftModel.from_pretrained(base, path)`` loads what ``save_adapters`` wrote, and
-``load_adapters`` reads what ``PeftModel.save_pretrained`` wrote. Only the adapter tensors are
-gathered (a few MiB for a LoRA of a 70B base), never the frozen base.
+The files are exactly PEFT's (``adapter_model.safetensors`` + ``adapter_config.json``), both ways.
+Only the adapter tensors are gathered (a few MiB for a LoRA of a 70B base), never the frozen base.
 """
 
 from __future__ import annotations
@@ -28,7 +26,7 @@ ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
 
 
-def _peft_model(model: nn.Module, adapter_name: str, caller: str) -> nn.Module:
+def _check_peft_model(model: nn.Module, adapter_name: str, caller: str) -> None:
     configs = getattr(model, "peft_config", None)
     if not isinstance(configs, dict) or not any(c.__module__.startswith("peft.") for c in type(model).__mro__):
         raise ValueError(
@@ -40,14 +38,12 @@ def _peft_model(model: nn.Module, adapter_name: str, caller: str) -> nn.Module:
             f"{caller}: adapter_name={adapter_name!r} is not an adapter of this model. Accepted: "
             f"{', '.join(map(repr, configs))}."
         )
-    return model
 
 
 def adapter_tensors(model: nn.Module, adapter_name: str = "default") -> dict[str, tuple[str, torch.Tensor]]:
     """The tensors PEFT saves for ``adapter_name``: ``{key in the file: (name in model, tensor)}``.
 
-    PEFT decides which tensors belong to the adapter and how they are named in the file (the
-    adapter name dropped: ``...q_proj.lora_A.default.weight`` -> ``...q_proj.lora_A.weight``);
+    PEFT chooses them and their file names (``...lora_A.default.weight`` -> ``...lora_A.weight``);
     the tensors are the model's own (sharded ``DTensor``s under ``fsdp()``).
     """
     from peft.utils import get_peft_model_state_dict
@@ -69,12 +65,10 @@ def save_adapters(
 ) -> Path:
     """Write the adapter ``adapter_name`` of a (sharded) PEFT model as PEFT does; returns ``path``.
 
-    Call on every rank. Each adapter tensor is gathered from its shards (one at a time, every
-    rank alike) and rank 0 writes ``adapter_model.safetensors`` (the tensors in their training
-    dtype, fp32 adapters stay fp32) and ``adapter_config.json`` (``inference_mode`` true, as
-    ``PeftModel.save_pretrained`` writes it), so ``PeftModel.from_pretrained(base, path)`` loads
-    it. The base model is not written (save the merged model with ``save_pretrained(model.
-    merge_and_unload(), ...)``). ``path`` must not exist or be empty unless ``overwrite=True``;
+    Call on every rank. Each adapter tensor is gathered (one at a time) and rank 0 writes
+    ``adapter_model.safetensors`` (training dtypes) and ``adapter_config.json`` (``inference_mode``
+    true, as PEFT writes it). The base is not written (``save_pretrained(model.merge_and_unload(),
+    ...)`` saves a merged model). ``path`` must not exist or be empty unless ``overwrite=True``;
     files are written beside it and renamed into place once complete.
 
     Raises:
@@ -94,7 +88,7 @@ def save_adapters(
     def prepare() -> dict[str, tuple[str, torch.Tensor]]:
         if not isinstance(overwrite, bool):
             raise ValueError(f"{caller}: overwrite={overwrite!r} is not accepted. Accepted: True or False.")
-        _peft_model(model, adapter_name, caller)
+        _check_peft_model(model, adapter_name, caller)
         tensors = adapter_tensors(model, adapter_name)
         if get_rank() == 0:
             staged.append(staging_dir(path, overwrite=overwrite, caller=caller))
@@ -110,16 +104,14 @@ def save_adapters(
         full = {}
         for key, (_, t) in tensors.items():
             whole = t.full_tensor() if isinstance(t, DTensor) else t  # collective: every rank, same order
-            if get_rank() == 0:
-                full[key] = whole.detach().to("cpu").contiguous()
+            full[key] = whole.detach().to("cpu").contiguous() if get_rank() == 0 else None
 
         def write() -> None:
             if get_rank() != 0:
                 return
             save_file(full, str(staged[0] / ADAPTER_WEIGHTS), metadata={"format": "pt"})
             config = model.peft_config[adapter_name]
-            inference_mode = config.inference_mode
-            config.inference_mode = True  # what PeftModel.save_pretrained writes
+            inference_mode, config.inference_mode = config.inference_mode, True  # as PeftModel.save_pretrained
             try:
                 config.save_pretrained(str(staged[0]))
             finally:
@@ -136,11 +128,10 @@ def save_adapters(
 def load_adapters(model: nn.Module, path: Union[str, os.PathLike], *, adapter_name: str = "default") -> None:
     """Load PEFT adapter weights from ``path`` into the adapter ``adapter_name`` of a (sharded) model.
 
-    Call on every rank after ``fsdp()``: each rank reads the (small) adapter tensors from
-    ``adapter_model.safetensors`` (a safetensors file: no code runs on read) and keeps its own
-    shards, cast to each parameter's dtype. Every adapter tensor of the model must be in the
-    file and every tensor in the file must be one of them, with its shape;
-    ``adapter_config.json``'s rank ``r`` (when present) must match the model's. All of it is checked on every rank before anything is copied.
+    Call on every rank after ``fsdp()``: each rank reads the small adapter tensors (safetensors: no
+    code runs on read) and keeps its shards, cast to each parameter's dtype. The file's tensors and
+    the model's adapter tensors must match one to one, with their shapes, and ``adapter_config.json``'s
+    ``r`` (when present) the model's; all checked on every rank before anything is copied.
 
     Raises:
         ValueError: not a PEFT model, an unknown ``adapter_name``, or a file that does not match.
@@ -156,18 +147,18 @@ def load_adapters(model: nn.Module, path: Union[str, os.PathLike], *, adapter_na
     path = Path(path)
 
     def check() -> dict[str, tuple[str, torch.Tensor]]:
-        _peft_model(model, adapter_name, caller)
+        _check_peft_model(model, adapter_name, caller)
         weights = path / ADAPTER_WEIGHTS
         if not weights.is_file():
             raise FileNotFoundError(f"{caller}: {weights} does not exist (expected PEFT's {ADAPTER_WEIGHTS}).")
         tensors = adapter_tensors(model, adapter_name)
         header = read_safetensors_header(weights)
-        missing = sorted(set(tensors) - set(header))
-        unexpected = sorted(set(header) - set(tensors))
+        missing, unexpected = sorted(set(tensors) - set(header)), sorted(set(header) - set(tensors))
         if missing or unexpected:
+            more = [" ..." if len(keys) > 5 else "" for keys in (missing, unexpected)]
             raise ValueError(
-                f"{caller}: {weights} does not match adapter {adapter_name!r}: missing {missing[:5]}"
-                f"{' ...' if len(missing) > 5 else ''}, unexpected {unexpected[:5]}{' ...' if len(unexpected) > 5 else ''}."
+                f"{caller}: {weights} does not match adapter {adapter_name!r}: missing {missing[:5]}{more[0]}, "
+                f"unexpected {unexpected[:5]}{more[1]}."
             )
         bad = [k for k, (_, t) in tensors.items() if tuple(header[k].shape) != tuple(t.shape)]
         if bad:

@@ -21,13 +21,10 @@ def resolve_world_and_mesh(
     spec: Any, world_size: Optional[int], replicate_size: Optional[int], local_world_size: Optional[int], caller: str
 ) -> tuple[int, tuple[int, ...]]:
     """The job's world size (the launcher's when ``None``) and the mesh ``fsdp()`` would build."""
-    if world_size is None:
-        world_size = expected_world_size()
+    world_size = expected_world_size() if world_size is None else world_size
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"{caller}(): world_size={world_size!r} is not accepted. Accepted: a positive int.")
-    if local_world_size is None:
-        local_world_size = min(world_size, DEFAULT_LOCAL_WORLD_SIZE)
-    shape = mesh_shape(
-        spec, world_size, local_world_size=local_world_size, replicate_size=replicate_size, caller=caller
+    local = min(world_size, DEFAULT_LOCAL_WORLD_SIZE) if local_world_size is None else local_world_size
+    return world_size, mesh_shape(
+        spec, world_size, local_world_size=local, replicate_size=replicate_size, caller=caller
     )
-    return world_size, shape

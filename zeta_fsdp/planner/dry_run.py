@@ -1,19 +1,19 @@
 """Dry run: the real ``fsdp()`` on a meta copy under PyTorch's fake process group, in a subprocess.
 
-It checks the memory estimate (``plan(..., dry_run=True)``) against what ``fsdp()`` really
-builds, at any world size, on one CPU: nothing is allocated and nothing communicated.
+Checks the memory estimate (``plan(..., dry_run=True)``) against what ``fsdp()`` builds, at any
+world size, on one CPU: nothing allocated, nothing communicated.
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import os
 import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Optional, Union
 
@@ -25,21 +25,19 @@ from ..distributed import fake_process_group, without_launcher_env
 from ..options import resolve_master_dtype, resolve_mixed_precision, resolve_sharding
 from ..wrapped import fsdp_param_groups
 from ..wrapping import BlockSpec
-from .common import dtype_name as _dtype_name
-from .common import resolve_world_and_mesh as _resolve_world_and_mesh
+from .common import dtype_name, resolve_world_and_mesh
 
 __all__ = ["DryRunResult", "dry_run", "dry_run_batch", "dry_run_job"]
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class DryRunResult:
     """What the real ``fsdp()`` produced on a meta copy under the fake process group (one rank).
 
     Attributes:
         world_size, rank, mesh_shape: the simulated job and the rank looked at.
-        param_bytes: sharded parameter storage on that rank (sum of each shard's storage).
-        local_param_bytes: sum of ``DTensor.to_local()`` sizes on that rank.
-        num_units: number of FSDP parameter groups ``fsdp()`` created.
+        param_bytes: that rank's sharded parameter storage; local_param_bytes: its ``to_local()`` sizes.
+        num_units: FSDP parameter groups ``fsdp()`` created.
         wrap_seconds: wall time of the ``fsdp()`` call; load_seconds: unpickling the meta copy.
 
     Example:
@@ -57,17 +55,11 @@ class DryRunResult:
 
 
 def _meta_copy(model: nn.Module) -> nn.Module:
-    """A ``meta`` deep copy of ``model`` that allocates no parameter or buffer memory.
-
-    ``deepcopy``'s memo is pre-filled with a meta twin of every tensor, so the copy never touches
-    real storage (and tied parameters stay tied: one object, one twin).
-    """
-    memo: dict[int, Any] = {}
-    for param in model.parameters():
-        twin = nn.Parameter(torch.empty_like(param, device="meta"), requires_grad=param.requires_grad)
-        memo[id(param)] = twin
-    for buffer in model.buffers():
-        memo[id(buffer)] = torch.empty_like(buffer, device="meta")
+    """A ``meta`` deep copy of ``model``: ``deepcopy``'s memo holds a meta twin of every tensor, so no
+    real storage is touched (and tied parameters stay tied: one object, one twin)."""
+    memo: dict[int, Any] = {id(b): torch.empty_like(b, device="meta") for b in model.buffers()}
+    for p in model.parameters():
+        memo[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
     return copy.deepcopy(model, memo)
 
 
@@ -81,8 +73,7 @@ def _block_spec_names(spec: BlockSpec) -> Optional[list[str]]:
 
 def _child_env() -> dict[str, str]:
     env = without_launcher_env()  # the child runs its own fake job, never joins ours
-    # The child must import what the parent imports (the model's classes, this package): the
-    # parent's import path, as it is now, goes first.
+    # The child must import what the parent imports (the model's classes, this package): parent's path first.
     paths = [p for p in sys.path if p] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
     env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
     env.setdefault("OMP_NUM_THREADS", "1")
@@ -105,23 +96,20 @@ def dry_run(
 ) -> DryRunResult:
     """Run the real ``fsdp()`` on a meta copy of ``model`` as ``rank`` of a fake ``world_size`` job.
 
-    One subprocess, ``torch.distributed``'s ``"fake"`` backend (``FakeStore``): no communication,
-    nothing allocated (the model stays on ``meta``; materialization is skipped). Reports the
-    sharded parameter bytes that rank would hold and the wrap time. The model's classes must be
-    importable (not defined in ``__main__``): the copy is pickled to the subprocess.
-    ``ignored_param_names``: parameters (by name) that ``fsdp()`` leaves unsharded.
+    One subprocess, the ``"fake"`` backend: no communication, nothing allocated (the model stays on
+    ``meta``). Reports the sharded parameter bytes that rank would hold and the wrap time. The
+    model's classes must be importable (not from ``__main__``): the copy is pickled to the subprocess.
 
     Example:
         >>> from zeta_fsdp.models.gpt import small
         >>> with torch.device("meta"): model = small()  # the demo GPT, nothing allocated
-        >>> result = dry_run(model, 1024, "HYBRID_SHARD")  # model: the demo GPT on meta
+        >>> result = dry_run(model, 1024, "HYBRID_SHARD")
         >>> from zeta_fsdp.planner import plan
         >>> result.mesh_shape, result.param_bytes == plan(model, 1024, "HYBRID_SHARD").param_bytes
         ((128, 8), True)
     """
-    job = dry_run_job(world_size, shard_strat, mp, auto_wrap, TransformerBlock, rank, replicate_size, local_world_size)
-    job["ignored_param_names"] = list(ignored_param_names)
-    return dry_run_batch(model, [job], timeout_s=timeout_s)[0]
+    args = (world_size, shard_strat, mp, auto_wrap, TransformerBlock, rank, replicate_size, local_world_size)
+    return dry_run_batch(model, [dry_run_job(*args, ignored_param_names=ignored_param_names)], timeout_s=timeout_s)[0]
 
 
 def dry_run_job(
@@ -140,7 +128,7 @@ def dry_run_job(
     policy = resolve_mixed_precision(mp, caller="dry_run")
     master = resolve_master_dtype(master_dtype, caller="dry_run")
     spec = resolve_sharding(shard_strat, caller="dry_run")
-    world_size, shape = _resolve_world_and_mesh(spec, world_size, replicate_size, local_world_size, "dry_run")
+    world_size, shape = resolve_world_and_mesh(spec, world_size, replicate_size, local_world_size, "dry_run")
     if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
         raise ValueError(f"dry_run(): rank={rank!r} is not accepted. Accepted: an int in [0, {world_size - 1}].")
     return {
@@ -148,12 +136,12 @@ def dry_run_job(
         "rank": rank,
         "shard_strat": spec.name,
         "replicate_size": shape[0] if len(shape) == 2 else None,
-        "param_dtype": _dtype_name(policy.param_dtype),
-        "reduce_dtype": _dtype_name(policy.reduce_dtype),
+        "param_dtype": dtype_name(policy.param_dtype),
+        "reduce_dtype": dtype_name(policy.reduce_dtype),
         "auto_wrap": auto_wrap,
         "transformer_block": _block_spec_names(transformer_block),
         "ignored_param_names": list(ignored_param_names),
-        "master_dtype": _dtype_name(master),
+        "master_dtype": dtype_name(master),
     }
 
 
@@ -198,43 +186,24 @@ def run_child(workdir: str) -> None:
 def _dry_run_one(fsdp: Any, model: nn.Module, job: dict[str, Any], load_seconds: float) -> dict[str, Any]:
     from torch.distributed.tensor import DTensor
 
-    dtypes = {"none": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-    dtypes["float64"] = torch.float64
+    dtypes = {dtype_name(d): d for d in (None, torch.float32, torch.bfloat16, torch.float16, torch.float64)}
     policy = MixedPrecisionPolicy(param_dtype=dtypes[job["param_dtype"]], reduce_dtype=dtypes[job["reduce_dtype"]])
-    block = job["transformer_block"]
+    block, ignored = job["transformer_block"], {model.get_parameter(n) for n in job["ignored_param_names"]}
+    options = {k: job[k] for k in ("auto_wrap", "shard_strat", "replicate_size")}
+    options.update(TransformerBlock=tuple(block) if block else None, ignored_params=ignored or None)
+    master = dtypes[job.get("master_dtype", "float32")]
     start = time.perf_counter()
-    fsdp(
-        model,
-        auto_wrap=job["auto_wrap"],
-        mp=policy,
-        shard_strat=job["shard_strat"],
-        TransformerBlock=tuple(block) if block else None,
-        device="cpu",
-        replicate_size=job["replicate_size"],
-        ignored_params={model.get_parameter(n) for n in job["ignored_param_names"]} or None,
-        # allocating every shard would cost gigabytes; the dry run only inspects the sharding
-        materialize=False,
-        master_dtype=dtypes[job.get("master_dtype", "float32")],
-    )
+    # materialize=False: allocating every shard would cost gigabytes; the dry run only inspects the sharding
+    fsdp(model, mp=policy, device="cpu", materialize=False, master_dtype=master, **options)
     wrap_seconds = time.perf_counter() - start
     storage = local = 0
     mesh: tuple[int, ...] = ()
     for param in model.parameters():
-        tensor = param.to_local() if isinstance(param, DTensor) else param
-        if isinstance(param, DTensor):
-            mesh = tuple(param.device_mesh.shape)
-        size = tensor.element_size()
-        # Each FSDP2 shard owns its own padded storage; .to_local() is a narrow of it.
-        storage += tensor.untyped_storage().nbytes() if isinstance(param, DTensor) else tensor.numel() * size
-        local += tensor.numel() * size
+        sharded = isinstance(param, DTensor)
+        tensor = param.to_local() if sharded else param
+        mesh, size = (tuple(param.device_mesh.shape) if sharded else mesh), tensor.numel() * tensor.element_size()
+        local += size
+        storage += tensor.untyped_storage().nbytes() if sharded else size  # a shard's own padded storage
     groups = {id(group) for m in model.modules() for group in fsdp_param_groups(m) or ()}
-    return {
-        "world_size": job["world_size"],
-        "rank": job["rank"],
-        "mesh_shape": list(mesh),
-        "param_bytes": storage,
-        "local_param_bytes": local,
-        "num_units": len(groups),
-        "wrap_seconds": wrap_seconds,
-        "load_seconds": load_seconds,
-    }
+    result = DryRunResult(job["world_size"], job["rank"], mesh, storage, local, len(groups), wrap_seconds, load_seconds)
+    return dataclasses.asdict(result)

@@ -11,15 +11,9 @@ from typing import Any, Optional
 import torch
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
-from torch.distributed.checkpoint import (
-    DefaultSavePlanner,
-    FileSystemWriter,
-)
+from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemWriter
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    set_model_state_dict,
-)
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.tensor import DTensor
 
 from ..files import PathLock, remove_tree
@@ -54,9 +48,6 @@ from .optimizer import (
 )
 from .publish import LOCK_WAIT_S, incomplete_dir, is_checkpoint, publish_checkpoint, recover
 from .reader import dcp_load, open_checkpoint, read_checked
-
-# --- save / load
-
 
 # Types ``torch.load(weights_only=True)`` always accepts (a dict key too). Objects built only of
 # these need no ``torch.save``/``torch.load`` round trip to know that they load back.
@@ -107,15 +98,13 @@ def save_checkpoint(
 ) -> Path:
     """Save a sharded checkpoint with DCP: every rank writes its own shards, in parallel.
 
-    Call on every rank. The checkpoint holds the model, the optimizer state keyed by parameter
-    FQN, and ``extra`` (step, epoch, scheduler/RNG state: anything ``torch.load(weights_only=True)``
-    accepts; saved once, from rank 0). It is written to a hidden ``.<name>.incomplete`` directory
-    next to ``path`` and renamed into place, so a crash never leaves a complete-looking checkpoint.
-    An existing checkpoint at ``path`` is refused unless ``overwrite=True``; it is replaced only
-    after the new one is complete (it waits in ``.<name>.replaced`` until the new one is in place;
-    after a crash between those two renames, the next ``is_checkpoint``, load or save of ``path``
-    puts the new checkpoint, or if it is incomplete the previous one, back at ``path``). A failed
-    save removes what it wrote. Returns ``path``.
+    Call on every rank. Holds the model, the optimizer state keyed by parameter FQN, and ``extra``
+    (anything ``torch.load(weights_only=True)`` accepts; saved from rank 0). Written to a hidden
+    ``.<name>.incomplete`` directory and renamed into place, so a crash never leaves a
+    complete-looking checkpoint. An existing checkpoint is refused unless ``overwrite=True``, and
+    replaced only once the new one is complete (after a crash between the two renames, the next
+    ``is_checkpoint``, load or save of ``path`` puts back the new one, else the previous one). A
+    failed save removes what it wrote. Returns ``path``.
 
     Example:
         save_checkpoint(f"ckpt/step_{step}", model, optimizer,
@@ -138,32 +127,28 @@ def save_checkpoint(
     return path
 
 
-# --- the steps of a save (``AsyncCheckpointer`` runs the same ones, the write in the background)
+# The steps of a save (``AsyncCheckpointer`` runs the same ones, the write in the background).
 
 
 def start_save(
     path: Path, optimizer: Optional[torch.optim.Optimizer], extra: Any, *, overwrite: bool
 ) -> Optional[PathLock]:
-    """``check_save_inputs`` then ``prepare_save_dir``, agreed across ranks in one collective.
+    """Check ``extra`` and the optimizer's options load back, then ``prepare_save_dir``, in one collective.
 
-    Returns, on rank 0, the held ``PathLock`` of ``path`` (see ``prepare_save_dir``); hand it to
-    ``end_save`` when the save is published or failed. ``None`` on other ranks.
+    Returns rank 0's held ``PathLock`` of ``path`` (``None`` elsewhere), for ``end_save``.
     """
-
-    def start() -> Optional[PathLock]:
-        check_save_inputs(optimizer, extra)
-        return prepare_save_dir(path, overwrite=overwrite)
-
     holder: list[PathLock] = []
 
-    def start_and_keep() -> Optional[PathLock]:
-        lock = start()
-        if lock is not None:
-            holder.append(lock)
+    def start() -> Optional[PathLock]:
+        check_loadable(extra, "extra")
+        if optimizer is not None:
+            check_loadable(list(optimizer.param_groups), "the optimizer's param_groups")
+        lock = prepare_save_dir(path, overwrite=overwrite)
+        holder.extend([lock] if lock is not None else [])
         return lock
 
     try:
-        return on_all_ranks(start_and_keep)
+        return on_all_ranks(start)
     except FAILURES:
         for lock in holder:  # rank 0 prepared, another rank refused: nothing stays behind
             end_save(path, lock, published=False)
@@ -183,22 +168,12 @@ def end_save(path: Path, lock: Optional[PathLock], published: bool) -> None:
         lock.release()
 
 
-def check_save_inputs(optimizer: Optional[torch.optim.Optimizer], extra: Any) -> None:
-    """Refuse, before anything is written, an ``extra`` or optimizer options that would not load back."""
-    check_loadable(extra, "extra")
-    if optimizer is not None:
-        check_loadable([g for g in optimizer.param_groups], "the optimizer's param_groups")
-
-
 def check_save_target(
     path: PathLike, *, overwrite: bool, caller: str = "save_checkpoint()", full: bool = False
 ) -> Path:
     """Refuse to save at ``path`` what would fail there or destroy something that is not a checkpoint of ours.
-
-    A sharded checkpoint (a directory) replaces nothing but an empty folder or (with ``overwrite``)
-    a checkpoint of ours; a symbolic link counts as what it points to, and only the link is ever
-    replaced. A full-format one (``full``: one ``torch.save`` file) replaces only such a file.
-    """
+    A sharded save replaces only an empty folder or (``overwrite``) our checkpoint, a link counting as its
+    target (only the link is replaced); a ``full`` one (a ``torch.save`` file) only such a file."""
     if not str(path).strip():
         raise ValueError(f"{caller}: filepath={str(path)!r} is empty; pass the checkpoint's path.")
     path = Path(path)
@@ -247,13 +222,10 @@ def check_save_target(
 
 
 def prepare_save_dir(path: Path, *, overwrite: bool) -> Optional[PathLock]:
-    """Rank 0: lock ``path``, check it may be written, make an empty ``.<name>.incomplete`` beside it.
-
-    Returns the held ``PathLock`` on rank 0 (``None`` elsewhere): while it is held no other
-    process saves to ``path`` (a second job waits up to ``LOCK_WAIT_S`` seconds, then raises
-    ``CheckpointError``), so the previous checkpoint survives any interleaving of two jobs.
-    Raises when ``path`` holds something that must not be replaced (``check_save_target``).
-    """
+    """Rank 0: lock ``path``, check it may be written (``check_save_target``), make an empty
+    ``.<name>.incomplete`` beside it. The held lock (``None`` off rank 0) keeps other processes from
+    saving to ``path`` (they wait ``LOCK_WAIT_S``, then raise), so the previous checkpoint survives
+    any interleaving of two jobs."""
     if current_rank() != 0:
         return None
     try:
@@ -274,22 +246,17 @@ def prepare_save_dir(path: Path, *, overwrite: bool) -> Optional[PathLock]:
         if os.path.lexists(tmp):  # left by an interrupted save (the lock says no one writes it now)
             remove_tree(tmp)
         tmp.mkdir()
-    except OSError as e:
+    except BaseException as e:
         lock.release()
-        if isinstance(e, FileExistsError):
-            raise
-        raise CheckpointError(f"save_checkpoint(): cannot prepare {path}: {e}") from e
-    except BaseException:
-        lock.release()
+        if isinstance(e, OSError) and not isinstance(e, FileExistsError):
+            raise CheckpointError(f"save_checkpoint(): cannot prepare {path}: {e}") from e
         raise
     return lock
 
 
 def checkpoint_state(model: nn.Module, optimizer: Optional[torch.optim.Optimizer], extra: Any) -> dict[str, Any]:
     """What one rank writes: its model shards (a tied tensor once), optimizer shards, and on rank 0 the records.
-
-    The tensors are the live ones (no copy): write them before the next optimizer step, or stage them.
-    """
+    The tensors are the live ones (no copy): write them before the next optimizer step, or stage them."""
     model_sd = get_sharded_state_dict(model)
     tied = {alias: source for alias, source in tied_aliases(named_parameters(model)).items() if alias in model_sd}
     state: dict[str, Any] = {MODEL_PREFIX + k: v for k, v in model_sd.items() if k not in tied}
@@ -337,17 +304,12 @@ def load_checkpoint(
 ) -> Any:
     """Restore ``model`` (and ``optimizer``) in place from ``save_checkpoint``; return the saved ``extra``.
 
-    Call on every rank. Works at any world size and sharding strategy (DCP reshards: save at 2
-    ranks FULL_SHARD, load at 1 or 4, NO_SHARD or HYBRID). Before anything changes, the checkpoint
-    is checked against the model (keys, shapes), the optimizer (parameter and state names) and
-    its files (present, long enough); then every rank maps its shard files and checks the CRC-32
-    of every record it needs, and only once all ranks succeeded are model and optimizer updated
-    (weights copied straight from the checked file pages; optimizer state through one scratch
-    copy). Returns ``None`` when no ``extra`` was saved.
-
-    ``model_weights=False`` restores the optimizer only: the model's weights are neither read nor
-    changed (the model is still checked against the checkpoint: its parameter names key the optimizer state).
-    Use it when the weights were loaded already and may have changed since.
+    Call on every rank; any world size and sharding strategy (DCP reshards). Before anything
+    changes, the checkpoint is checked against the model (keys, shapes), the optimizer (parameter
+    and state names) and its files; every rank checks the CRC-32 of every record it needs, and
+    only once all ranks succeeded are model and optimizer updated. Returns ``None`` when no
+    ``extra`` was saved. ``model_weights=False`` restores the optimizer only (the weights are
+    neither read nor changed; the model is still checked, its parameter names key the state).
 
     Raises:
         FileNotFoundError: ``path`` does not exist.
@@ -373,7 +335,10 @@ def load_checkpoint(
         for alias, source in (objects.get(LAYOUT_KEY) or {}).get("tied", {}).items():
             if source in stored and alias not in stored:
                 stored[alias] = stored[source]
-        got = {k: _saved_shape(saved[key]) for k, key in stored.items()}
+        got = {
+            k: tuple(saved[key].size) if isinstance(saved[key], TensorStorageMetadata) else None
+            for k, key in stored.items()
+        }
         problem = describe_mismatch(got, {k: shape_of(v) for k, v in live.items()}, "checkpoint", strict)
         if problem:
             raise CheckpointError(f"{caller}: {path} does not match the model: {problem}")
@@ -381,13 +346,11 @@ def load_checkpoint(
 
     metadata, objects, stored = on_all_ranks(check_model)
     saved = metadata.state_dict_metadata
-    # Read straight into the live tensors where the state dict aliases them: ``read_checked`` checks
-    # every record before anything is copied, and the copy happens only once all ranks agree, so no
-    # scratch copy is needed. A value that is not the live storage goes through scratch and
-    # ``set_model_state_dict``.
+    # Read straight into the live tensors (``read_checked`` checks every record, and copies only once all
+    # ranks agree); a value that is not the live storage goes through scratch and ``set_model_state_dict``.
     targets: dict[str, Any] = {}
     via_scratch: dict[str, str] = {}
-    owned = _live_storages(model)
+    owned = {_storage_of(t) for t in (*model.parameters(), *model.buffers())}  # local shards of DTensors
     for key, value in live.items() if model_weights else ():
         if key not in stored or stored[key] in targets:
             continue
@@ -434,11 +397,6 @@ def load_checkpoint(
     return objects.get(EXTRA_KEY)
 
 
-def _live_storages(model: nn.Module) -> set[int]:
-    """Data pointers of the storages of the model's parameters and buffers (local shards of ``DTensor``s)."""
-    return {_storage_of(t) for t in (*model.parameters(), *model.buffers())}
-
-
 def _storage_of(tensor: torch.Tensor) -> int:
     if isinstance(tensor, DTensor):
         tensor = tensor.to_local()
@@ -455,7 +413,3 @@ def _read_objects(path: Path, keys: list[str], metadata: Metadata) -> dict[str, 
             f"load_checkpoint(): reading {path} failed; the model and optimizer were not changed. {error_reason(e)}"
         ) from e
     return state
-
-
-def _saved_shape(md: Any) -> Optional[tuple[int, ...]]:
-    return tuple(md.size) if isinstance(md, TensorStorageMetadata) else None

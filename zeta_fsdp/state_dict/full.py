@@ -1,10 +1,9 @@
 """The full-format checkpoint: one ``torch.save`` file written and read by rank 0; removing either format.
 
-The file holds ``state_dict`` (full tensors keyed by FQN), ``optimizer_states`` (one full state per
-optimizer, keyed by FQN) and small entries (step, epoch, the caller's own): what Lightning and
-NeMo put in a checkpoint dict, and what ``FSDP2Strategy`` writes by default. It loads with
-``torch.load(weights_only=True)`` anywhere. Every function here touches the disk on rank 0 only
-and raises the same error on every rank, naming the path, before anything the user owns changes.
+The file holds ``state_dict`` and ``optimizer_states`` (full, keyed by FQN) and small entries: the
+dict Lightning and NeMo checkpoint, ``FSDP2Strategy``'s default, loadable with ``weights_only=True``.
+Every function here touches the disk on rank 0 only and raises the same error on every rank,
+naming the path, before anything the user owns changes.
 """
 
 from __future__ import annotations
@@ -39,11 +38,8 @@ def write_full_checkpoint(
     storage_options: Any = None,
     caller: str = "FSDP2Strategy.save_checkpoint()",
 ) -> None:
-    """Rank 0 writes ``payload`` to ``filepath`` atomically (temporary file, then rename).
-
-    A checkpoint already there is replaced only by a complete new one; no temporary file is left.
-    ``checkpoint_io`` (Lightning's ``CheckpointIO``) replaces the writer and gets the path as given.
-    """
+    """Rank 0 writes ``payload`` to ``filepath`` atomically (temporary file, then rename; none is left).
+    ``checkpoint_io`` (Lightning's ``CheckpointIO``) replaces the writer and gets the path as given."""
 
     def write() -> None:
         if checkpoint_io is not None:
@@ -99,10 +95,7 @@ def read_full_checkpoint(
     caller: str = "FSDP2Strategy.load_checkpoint()",
 ) -> dict[str, Any]:
     """Rank 0 reads the file (``weights_only`` unless it is ``False``); every rank gets its small entries.
-
-    Rank 0 alone keeps the tensors: other ranks get ``state_dict={}`` and one ``None`` per
-    optimizer state. A missing, truncated or foreign file raises the same error on every rank.
-    """
+    Rank 0 alone keeps the tensors: other ranks get ``state_dict={}`` and one ``None`` per optimizer."""
     held: dict[str, Any] = {}
 
     def read() -> dict[str, Any]:
@@ -125,12 +118,10 @@ def remove_checkpoint(
 ) -> None:
     """Delete a checkpoint (full-format file or sharded directory) on rank 0, once every rank got here.
 
-    A missing path is nothing to do. A symbolic link (NeMo keeps its "last" checkpoints as links)
-    is unlinked itself when it points to a checkpoint or nowhere; what it points to is never
-    touched. A directory that is not verifiably a sharded checkpoint of ours
-    (``metadata.checkpoint_problem``), or a file that is not a ``torch.save`` archive, raises
-    ``CheckpointError`` on every rank naming the path and why, and is left untouched.
-    ``checkpoint_io`` (Lightning's ``CheckpointIO``) replaces all of this.
+    A missing path is nothing to do. A symbolic link (NeMo's "last" checkpoints) is unlinked when it
+    points to a checkpoint or nowhere; its target is never touched. A directory that is not
+    verifiably our sharded checkpoint, or a file not written by ``torch.save``, raises
+    ``CheckpointError`` and is left untouched. ``checkpoint_io`` replaces all of this.
     """
     path = Path(filepath)
 

@@ -1,15 +1,13 @@
-"""What ``FSDP2Strategy`` puts in a checkpoint and takes back out: strategy glue over ``zeta_fsdp.state_dict``.
+"""What ``FSDP2Strategy`` puts in a checkpoint and takes back out, over ``zeta_fsdp.state_dict`` (both formats).
 
-The full format (one ``torch.save`` file, rank 0) is ``state_dict.full``; the sharded format a
-``state_dict`` DCP directory. Here: the entries (weights, every optimizer, step, epoch, schedulers,
-``META_KEY``), the optimizer checks before anything changes, and the deferred optimizer restore.
+Here: the entries (weights, every optimizer, step, epoch, schedulers, ``META_KEY``), the optimizer
+checks before anything changes, and the deferred optimizer restore.
 """
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
-from typing import Any, Mapping, Optional, Sequence, Union
+from typing import Any, Mapping, Optional, Sequence
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -17,10 +15,9 @@ from torch.distributed.tensor import DTensor
 from .. import state_dict as sd
 from ..state_dict import CheckpointError, is_checkpoint
 from ..state_dict.checkpoint import check_loadable, check_save_target
-from ..state_dict.checks import on_all_ranks
+from ..state_dict.checks import PathLike, on_all_ranks
 from ..state_dict.full import TENSOR_KEYS, read_full_checkpoint, write_full_checkpoint
 
-PathLike = Union[str, os.PathLike]
 # Where the strategy's own bookkeeping lives inside a checkpoint.
 META_KEY = "zeta_fsdp"
 # An optimizer entry that points at a sharded (DCP) checkpoint directory.
@@ -36,12 +33,8 @@ class Gathered(dict):
 
 
 def check_optimizers_match(optimizers: Sequence[torch.optim.Optimizer], ckpt: Mapping[str, Any], source: Any) -> None:
-    """The live optimizers are the kind the checkpoint saved: count and class, before anything changes.
-
-    Every rank decides alike: it reads only entries every rank holds (``META_KEY``).
-    """
-    meta = ckpt.get(META_KEY) or {}
-    saved = meta.get("optimizer_classes")
+    """The live optimizers are the kind the checkpoint saved (count, class); every rank decides alike (``META_KEY``)."""
+    saved = (ckpt.get(META_KEY) or {}).get("optimizer_classes")
     count = len(ckpt.get("optimizer_states") or [])
     if not count or not optimizers:
         return  # nothing to restore, or optimizers created later (checked when restored)
@@ -71,11 +64,8 @@ def _meta(strategy: Any, checkpoint_format: str) -> dict[str, Any]:
 def save_strategy_checkpoint(
     strategy: Any, checkpoint: Mapping[str, Any], filepath: PathLike, storage_options: Any = None
 ) -> None:
-    """``FSDP2Strategy.save_checkpoint``: the live model, every optimizer and ``checkpoint``'s other entries.
-
-    Weights and optimizer states are gathered collectively unless ``checkpoint`` holds ``Gathered``
-    ones (Lightning asks for them first).
-    """
+    """``FSDP2Strategy.save_checkpoint``: the model, every optimizer and ``checkpoint``'s other entries
+    (gathered collectively, unless ``checkpoint`` holds ``Gathered`` ones: Lightning asks for them first)."""
     fmt = strategy.checkpoint_format
     module, optimizers = strategy.model, strategy.optimizers
     extras = {k: v for k, v in checkpoint.items() if k not in TENSOR_KEYS}
@@ -98,28 +88,21 @@ def save_strategy_checkpoint(
     given, given_optim = checkpoint.get("state_dict"), checkpoint.get("optimizer_states")
     reuse = isinstance(given, Gathered) and isinstance(given_optim, (list, tuple))
     reuse = reuse and len(given_optim) == len(optimizers) and all(isinstance(o, Gathered) for o in given_optim)
-    payload = dict(extras)
-    payload["state_dict"] = dict(given) if reuse else sd.get_full_state_dict(module)
-    payload["optimizer_states"] = (
-        [dict(o) for o in given_optim]
-        if reuse
-        else [sd.get_optimizer_state_dict(module, o, full=True) for o in optimizers]
-    )
+    if not reuse:
+        given = sd.get_full_state_dict(module)
+        given_optim = [sd.get_optimizer_state_dict(module, o, full=True) for o in optimizers]
+    payload = {**extras, "state_dict": dict(given), "optimizer_states": [dict(o) for o in given_optim]}
     write_full_checkpoint(filepath, payload, checkpoint_io=strategy.checkpoint_io, storage_options=storage_options)
 
 
 def load_strategy_checkpoint(strategy: Any, filepath: PathLike, weights_only: Optional[bool] = None) -> dict[str, Any]:
-    """``FSDP2Strategy.load_checkpoint``: either format (detected on disk), checked before anything changes.
-
-    The optimizers are checked against the checkpoint first (count and class); then the weights
-    are restored, the optimizer state queued (``strategy.load_optimizer_state_dict``), and
-    ``current_epoch_step`` and the LR schedulers restored. Every rank raises alike, naming the path.
-    """
+    """``FSDP2Strategy.load_checkpoint``: either format (detected on disk). The optimizers are checked
+    first (count, class; every rank alike); then the weights restored, the optimizer state queued,
+    ``current_epoch_step`` and the LR schedulers restored."""
     path = Path(filepath)
     module = strategy.model
     if strategy.checkpoint_io is None and on_all_ranks(lambda: is_checkpoint(path)):
-        meta = on_all_ranks(lambda: sd.load_checkpoint(path, module, model_weights=False) or {})
-        ckpt = dict(meta)
+        ckpt = dict(on_all_ranks(lambda: sd.load_checkpoint(path, module, model_weights=False) or {}))
         count = ckpt.get(META_KEY, {}).get("optimizers", 0)
         ckpt["optimizer_states"] = [{SHARDED_REF: str(path)} for _ in range(count)]
         check_optimizers_match(strategy.optimizers, ckpt, path)
@@ -139,16 +122,12 @@ def load_strategy_checkpoint(strategy: Any, filepath: PathLike, weights_only: Op
 
 
 def load_model_weights(module: torch.nn.Module, ckpt: Any, strict: bool = True) -> None:
-    """``ckpt["state_dict"]`` (or ``ckpt`` itself) into the sharded ``module``, now.
-
-    A full state dict (plain tensors) is sharded into the live model, rank 0's copy used (other
-    ranks may pass ``{}``); a sharded one (DTensors) loads shard by shard. Keys and shapes are
-    checked first (``strict``): on a mismatch nothing changes.
-    """
+    """``ckpt["state_dict"]`` (or ``ckpt``) into the sharded ``module``, now: a full one (rank 0's copy; other
+    ranks may pass ``{}``) or a sharded one (DTensors). Keys and shapes are checked first (``strict``)."""
     state = ckpt.get("state_dict", ckpt) if isinstance(ckpt, Mapping) else ckpt
     if isinstance(state, Restored):
         return
-    state = {} if state is None else state
+    state = state or {}
     if any(isinstance(v, DTensor) for v in state.values()):
         sd.load_sharded_state_dict(module, state, strict=strict)
     else:

@@ -1,8 +1,6 @@
 """``FSDP2Strategy``: NeMo's FSDP2 strategy API on zeta_fsdp's pieces, no Lightning needed.
 
-Each method is a few lines over the package's modules (``options``, ``parallel``, ``steps``,
-``checkpoint``, ``progress`` here; ``state_dict``, ``training``, ``data``). Modules are duck-typed
-like a ``LightningModule``; a plain ``nn.Module``'s output is reduced per token.
+Modules are duck-typed like a ``LightningModule``; a plain ``nn.Module``'s output is reduced per token.
 """
 
 from __future__ import annotations
@@ -49,14 +47,12 @@ class FSDP2Strategy:
 
     Args:
         data_parallel_size: ``"auto"`` (world size / tensor parallel size) or an int.
-        tensor_parallel_size: ``"auto"`` (1) or an int. With ``> 1`` the module needs a plan:
-            ``tp_plan=`` here or a ``tp_plan`` attribute on the module (``{fqn pattern:
-            ParallelStyle or "colwise"/"rowwise"}``).
+        tensor_parallel_size: ``"auto"`` (1) or an int. With ``> 1`` the module needs a plan, ``tp_plan=``
+            or its ``tp_plan`` attribute (``{fqn pattern: ParallelStyle or "colwise"/"rowwise"}``).
         data_sampler: used by ``process_dataloader`` instead of a ``DistributedSampler``: an object
             with ``transform_dataloader(dataloader)`` (NeMo's samplers), or a ``Sampler``.
-        checkpoint_io: an object with ``save_checkpoint(checkpoint, path)``,
-            ``load_checkpoint(path)`` and ``remove_checkpoint(path)`` (Lightning's ``CheckpointIO``)
-            that replaces the built-in writer for the full format (called on rank 0).
+        checkpoint_io: Lightning's ``CheckpointIO`` (``save_checkpoint``, ``load_checkpoint``,
+            ``remove_checkpoint``): replaces the full format's writer (called on rank 0).
         mp_policy: a ``MixedPrecisionPolicy`` or an ``mp`` string (``"bf16"``...), for every unit.
         parallelize_fn: ``fn(module, device_mesh=..., mp_policy=..., **kwargs)`` that shards the
             module itself. ``None``: ``parallelize_module`` on the tp mesh (when tp > 1), then
@@ -85,37 +81,31 @@ class FSDP2Strategy:
         parallelize_fn: Optional[Callable[..., Optional[nn.Module]]] = None,
         **kwargs: Any,
     ) -> None:
-        # Every option is checked now, before any process group or model change; the sizes against
-        # the world size in setup_environment() (under Lightning or SLURM it is not known yet).
-        opts = validate_strategy_options(
+        # Every option is checked now, before any change; the sizes against the world in setup_environment().
+        self.options = opts = validate_strategy_options(
             data_parallel_size, tensor_parallel_size, data_sampler, checkpoint_io, mp_policy, parallelize_fn, **kwargs
         )
-        self.options = opts
-        self.checkpoint_format = opts.checkpoint_format
-        self.mp_policy = opts.mp_policy
+        self.checkpoint_format, self.mp_policy = opts.checkpoint_format, opts.mp_policy
+        self.fsdp_kwargs = opts.fsdp_kwargs
         self.data_sampler, self.checkpoint_io = data_sampler, checkpoint_io
         # NeMo's default is a function too (readable, replaceable); parallelize() clears it once it ran.
         self.parallelize_fn = parallelize_fn or functools.partial(
             strategy_parallel.default_parallelize, tp_plan=opts.tp_plan, device=opts.device
         )
-        self.fsdp_kwargs = opts.fsdp_kwargs
-        # Extra checkpoint entries must load with torch.load(weights_only=True); the Lightning adapter
-        # turns this off (Lightning pickles hyperparameters; loading them takes weights_only=False).
-        self.entries_weights_only = True
-        # parallelize() creates the optimizers (configure_optimizers); the Lightning adapter leaves that to Lightning.
-        self.owns_optimizers = True
+        # Checkpoint entries must load with weights_only=True; the Lightning adapter turns this off
+        # (Lightning pickles hyperparameters), and leaves creating the optimizers to Lightning.
+        self.entries_weights_only = self.owns_optimizers = True
 
         self._module: Optional[nn.Module] = None
         self._device: Optional[torch.device] = None
         self._device_mesh: Optional[DeviceMesh] = None
-        self._parallelized = False
+        self._parallelized, self._epoch = False, 0
         self._optimizer_fn: Optional[Callable[[nn.Module], Any]] = None
         self._optimizers: list[torch.optim.Optimizer] = []
         self._counter = StepCounter()
         self.lr_schedulers: list[Any] = []
         # Optimizer state from a checkpoint, applied once at the next training step, then dropped.
         self._optimizer_state_to_restore: Optional[list[Any]] = None
-        self._epoch = 0
         self._samplers: list[Any] = []
         self._losses = StepLosses(lambda: self.device_mesh[self.mesh_dim_names[0]].get_group())
         # Long jobs: the background checkpointer, the signal handler, where keep_last prunes.
@@ -136,8 +126,8 @@ class FSDP2Strategy:
 
     @property
     def model(self) -> Optional[nn.Module]:
-        """The connected module (``lightning_module`` too), sharded in place by ``parallelize()`` (with
-        ``shard_strat="NO_SHARD"`` in fp32 or bf16: replicated on DDP's engine, ``fsdp_engine`` says).
+        """The connected module (``lightning_module`` too), sharded in place by ``parallelize()`` (NO_SHARD in
+        fp32/bf16: replicated on DDP's engine, ``fsdp_engine`` says).
         Example: ``strategy.parallelize(); isinstance(strategy.model, FSDPModule)`` -> ``True``."""
         return self._module
 
@@ -152,9 +142,7 @@ class FSDP2Strategy:
 
     def setup_environment(self) -> None:
         """Start the process group (if none), choose the device, build the 2-D ``(dp, tp)`` mesh.
-
-        Example: ``strategy.setup_environment(); strategy.device_mesh.shape  # (2, 2): 4 ranks, tp 2``.
-        """
+        Example: ``strategy.setup_environment(); strategy.device_mesh.shape  # (2, 2): 4 ranks, tp 2``."""
         if self._device_mesh is not None:
             return
         opts = self.options
@@ -211,10 +199,8 @@ class FSDP2Strategy:
 
     def tensor_init_context(self, empty_init: Optional[bool] = None) -> contextlib.AbstractContextManager:
         """Context in which to build the module: real tensors (as NeMo's), or ``meta`` with ``empty_init=True``.
-
-        ``None`` keeps real tensors on purpose: Lightning passes it around ``configure_model``, where
-        models load pretrained weights, and ``__init__`` may initialise tensors itself; on ``meta``
-        both would be replaced by ``reset_parameters()``.
+        (Not ``meta`` for ``None``: Lightning passes it around ``configure_model``, where models load
+        pretrained weights, which ``reset_parameters()`` would replace.)
         Example: ``with strategy.tensor_init_context(empty_init=True): model = GPT(cfg)``."""
         return torch.device("meta") if empty_init else contextlib.nullcontext()
 
@@ -248,10 +234,9 @@ class FSDP2Strategy:
 
     def _create_optimizers(self) -> None:
         module = self._require_module()
-        if self._optimizer_fn is not None:
-            self.optimizers, self.lr_schedulers = parse_optimizers(self._optimizer_fn(module))
-        elif callable(getattr(module, "configure_optimizers", None)):
-            self.optimizers, self.lr_schedulers = parse_optimizers(module.configure_optimizers())
+        fn = self._optimizer_fn or getattr(module, "configure_optimizers", None)
+        if callable(fn):
+            self.optimizers, self.lr_schedulers = parse_optimizers(fn(module) if fn is self._optimizer_fn else fn())
 
     @property
     def optimizers(self) -> list[torch.optim.Optimizer]:
@@ -268,24 +253,12 @@ class FSDP2Strategy:
 
     def _get_loss_reduction(self, step_type: StepType) -> Any:
         """The loss reduction for ``"training"``, ``"validation"``, ``"test"`` or ``"predict"``.
-
-        Example:
-            strategy._get_loss_reduction("training")
-            # -> <zeta_fsdp.loss.MaskedTokenLossReduction object at ...>
-        """
+        Example: ``strategy._get_loss_reduction("training")  # -> MaskedTokenLossReduction``."""
         return self._losses.reduction(self._module, step_type)
-
-    def _reduce_step(self, step_type: str, batch: Any) -> torch.Tensor:
-        return self._losses.step(self._require_module(), step_type, batch)
 
     def reduced_loss(self, step_type: StepType = "training") -> torch.Tensor:
         """Global token-weighted mean loss of the ``step_type`` steps since the last call (one all-reduce).
-
-        Example:
-            for batch in val_loader:
-                strategy.validation_step(batch)
-            strategy.reduced_loss("validation")  # over all ranks and batches
-        """
+        Example: ``for b in val_loader: strategy.validation_step(b)``, then ``strategy.reduced_loss("validation")``."""
         return self._losses.reduced(self._module, step_type)
 
     def training_step(self, batch: Any, batch_idx: Optional[int] = None) -> Any:
@@ -293,27 +266,28 @@ class FSDP2Strategy:
         Example: ``loss = strategy.training_step(batch, batch_idx); loss.backward(); strategy.optimizer_step()``."""
         self.parallelize()
         self.restore_pending_optimizer_state()
-        return run_step(self._require_module(), "training", batch, batch_idx, self._reduce_step)
+        return self._step("training", batch, batch_idx)
 
-    def _eval_step(self, step_type: str, batch: Any, batch_idx: Optional[int]) -> Any:
+    def _step(self, step_type: str, batch: Any, batch_idx: Optional[int]) -> Any:
         self.parallelize()
-        return run_step(self._require_module(), step_type, batch, batch_idx, self._reduce_step)
+        module = self._require_module()
+        return run_step(module, step_type, batch, batch_idx, lambda kind, b: self._losses.step(module, kind, b))
 
     def validation_step(self, batch: Any, batch_idx: Optional[int] = None) -> Any:
         """One evaluation step without gradients: the module's ``validation_step``, or this rank's token-weighted loss
         on the batch (``reduced_loss("validation")`` gives the global mean).
         Example: ``loss = strategy.validation_step(batch, batch_idx)``."""
-        return self._eval_step("validation", batch, batch_idx)
+        return self._step("validation", batch, batch_idx)
 
     def test_step(self, batch: Any, batch_idx: Optional[int] = None) -> Any:
         """Like ``validation_step``, for the test set (``reduced_loss("test")``).
         Example: ``loss = strategy.test_step(batch, batch_idx)``."""
-        return self._eval_step("test", batch, batch_idx)
+        return self._step("test", batch, batch_idx)
 
     def predict_step(self, batch: Any, batch_idx: Optional[int] = None) -> Any:
         """The module's ``predict_step``, or its output on the batch, without gradients.
         Example: ``logits = strategy.predict_step({"input_ids": ids})``."""
-        return self._eval_step("predict", batch, batch_idx)
+        return self._step("predict", batch, batch_idx)
 
     # ----------------------------------------------------------------------------- loop helpers
 
@@ -348,13 +322,7 @@ class FSDP2Strategy:
     @property
     def current_epoch_step(self) -> EpochStep:
         """The optimizer steps taken (an int, as NeMo's), with ``.epoch`` (``set_epoch``); saved in checkpoints.
-
-        Example:
-            strategy.current_epoch_step
-            # -> EpochStep(epoch=0, step=12)
-            strategy.current_epoch_step >= 12, strategy.current_epoch_step.epoch
-            # -> (True, 0)
-        """
+        Example: ``strategy.current_epoch_step  # -> EpochStep(epoch=0, step=12); >= 12 is True``."""
         return EpochStep(self._epoch, self._counter.step)
 
     @current_epoch_step.setter
@@ -376,10 +344,7 @@ class FSDP2Strategy:
 
     def process_dataloader(self, dataloader: Any) -> Any:
         """Give each data-parallel rank its own part of the data.
-
-        Example:
-            loader = strategy.process_dataloader(DataLoader(dataset, batch_size=8, shuffle=True))
-        """
+        Example: ``loader = strategy.process_dataloader(DataLoader(dataset, batch_size=8, shuffle=True))``."""
         loader, sampler = shard_dataloader(
             dataloader,
             rank=self.data_parallel_rank,
@@ -411,9 +376,9 @@ class FSDP2Strategy:
         Example: ``state = strategy.optimizer_state(strategy.optimizers[0])``."""
         self.restore_pending_optimizer_state()
         optimizer = getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer wraps it
-        if self.checkpoint_format == "sharded":
-            return sd.get_optimizer_state_dict(self._require_module(), optimizer, full=False)
-        return ckpt_io.Gathered(sd.get_optimizer_state_dict(self._require_module(), optimizer, full=True))
+        full = self.checkpoint_format == "full"
+        state = sd.get_optimizer_state_dict(self._require_module(), optimizer, full=full)
+        return ckpt_io.Gathered(state) if full else state
 
     def load_model_state_dict(self, ckpt: Mapping[str, Any], strict: bool = True) -> None:
         """Load model weights now: ``ckpt["state_dict"]`` (or ``ckpt`` itself), full (rank 0's copy is used) or

@@ -1,9 +1,7 @@
-"""``FSDP2Strategy``'s constructor arguments, checked in one place, and its ``(dp, tp)`` sizes.
+"""``FSDP2Strategy``'s constructor arguments, checked in one place, and its ``(dp, tp)`` sizes; no process group.
 
-Pure: nothing here starts a process group or reads one. The constructor runs
-``validate_strategy_options`` (every option, no world size: under Lightning's launcher or a
-SLURM launch the world is not known yet); ``resolve_sizes`` turns ``"auto"`` sizes into numbers
-once the world size is known (``setup_environment()``, or before Lightning launches its ranks).
+``validate_strategy_options`` runs in the constructor, before the world size is known (Lightning's
+launcher, SLURM); ``resolve_sizes`` turns ``"auto"`` sizes into numbers once it is.
 """
 
 from __future__ import annotations
@@ -20,21 +18,14 @@ from ..fsdp import fsdp
 from ..options import resolve_mixed_precision, resolve_sharding
 from ..state_dict.preemption import resolve_signals
 
-__all__ = ["StrategyOptions", "fsdp_option_names", "resolve_sizes", "tp_style", "validate_strategy_options"]
+__all__ = ["StrategyOptions", "resolve_sizes", "tp_style", "validate_strategy_options"]
 
 CHECKPOINT_FORMATS = ("full", "sharded")
-# Strategy options that never reach fsdp(); Lightning's own strategy options are accepted too.
-STRATEGY_KWARGS = (
-    "checkpoint_format",
-    "tp_plan",
-    "device",
-    "process_group_backend",
-    "timeout",
-    "async_save",
-    "keep_last",
-    "preemption_signals",
-    "save_distributed_checkpoint",
-) + ("context_parallel_size", "sequence_parallel", "use_hf_tp_plan", "custom_tp_plan", "offload_policy")  # NeMo's
+# Options that never reach fsdp(): the strategy's own, Lightning's (process_group_backend ...), NeMo's (last five).
+STRATEGY_KWARGS = tuple(
+    "checkpoint_format tp_plan device process_group_backend timeout async_save keep_last preemption_signals "
+    "save_distributed_checkpoint context_parallel_size sequence_parallel use_hf_tp_plan custom_tp_plan offload_policy".split()
+)
 _BACKENDS = ("gloo", "nccl", "cuda:nccl,cpu:gloo")
 
 
@@ -67,15 +58,12 @@ def resolve_sizes(dp: Union[str, int], tp: Union[str, int], world: int) -> tuple
     _check_size("data_parallel_size", dp)
     _check_size("tensor_parallel_size", tp)
     tp_size = 1 if tp == "auto" else tp
-    if dp == "auto":
-        if world % tp_size != 0:
-            raise ValueError(
-                f"FSDP2Strategy: data_parallel_size='auto' x tensor_parallel_size={tp_size} cannot equal the "
-                f"world size {world}: tensor_parallel_size={tp_size} does not divide it."
-            )
-        dp_size = world // tp_size
-    else:
-        dp_size = dp
+    if dp == "auto" and world % tp_size != 0:
+        raise ValueError(
+            f"FSDP2Strategy: data_parallel_size='auto' x tensor_parallel_size={tp_size} cannot equal the "
+            f"world size {world}: tensor_parallel_size={tp_size} does not divide it."
+        )
+    dp_size = world // tp_size if dp == "auto" else dp
     if dp_size * tp_size != world:
         raise ValueError(
             f"FSDP2Strategy: data_parallel_size={dp_size} x tensor_parallel_size={tp_size} = "
@@ -97,9 +85,8 @@ def tp_style(style: Any) -> Any:
 
 
 def fsdp_option_names(parallelize_fn: Optional[Callable[..., Any]] = None) -> list[str]:
-    """The ``**kwargs`` names the strategy passes on: ``fsdp()``'s options (not the model, nor the
-    strategy's own ``mp``/``device``), plus a custom ``parallelize_fn``'s own keyword parameters.
-    """
+    """The ``**kwargs`` the strategy passes on: ``fsdp()``'s options (not ``model``, nor the strategy's
+    own ``mp``/``device``), plus a custom ``parallelize_fn``'s own keyword parameters."""
     names = [n for n in inspect.signature(fsdp).parameters if n not in ("model", "mp", "device")]
     if parallelize_fn is not None:
         try:
@@ -121,11 +108,8 @@ def validate_strategy_options(
     parallelize_fn: Optional[Callable[..., Optional[nn.Module]]] = None,
     **kwargs: Any,
 ) -> StrategyOptions:
-    """Check every ``FSDP2Strategy`` argument without a process group or a world size.
-
-    A bad value raises ``ValueError`` naming it and what is accepted. Sizes are checked for their
-    form here and against the world size later (``resolve_sizes``).
-    """
+    """Check every ``FSDP2Strategy`` argument (``ValueError`` naming it and what is accepted); sizes are
+    checked for their form here, against the world size in ``resolve_sizes``."""
     _check_size("data_parallel_size", data_parallel_size)
     _check_size("tensor_parallel_size", tensor_parallel_size)
     kwargs = dict(kwargs)
@@ -135,12 +119,12 @@ def validate_strategy_options(
         raise ValueError(
             f"FSDP2Strategy: checkpoint_format={checkpoint_format!r} is not accepted. Accepted: {CHECKPOINT_FORMATS}."
         )
-    if checkpoint_io is not None and checkpoint_format == "sharded":
-        raise ValueError(
-            "FSDP2Strategy: checkpoint_io replaces the writer of the full format; the sharded format "
-            "is written by DCP on every rank. Use one or the other."
-        )
     if checkpoint_io is not None:
+        if checkpoint_format == "sharded":
+            raise ValueError(
+                "FSDP2Strategy: checkpoint_io replaces the writer of the full format; the sharded format "
+                "is written by DCP on every rank. Use one or the other."
+            )
         needed = ("save_checkpoint", "load_checkpoint", "remove_checkpoint")
         missing = [m for m in needed if not callable(getattr(checkpoint_io, m, None))]
         if missing:
@@ -168,18 +152,8 @@ def validate_strategy_options(
         )
     if "shard_strat" in kwargs:
         resolve_sharding(kwargs["shard_strat"])  # ValueError now, not at parallelize()
-    return StrategyOptions(
-        data_parallel_size=data_parallel_size,
-        tensor_parallel_size=tensor_parallel_size,
-        mp_policy=policy,
-        checkpoint_format=checkpoint_format,
-        tp_plan=tp_plan,
-        device=device,
-        process_group_backend=backend,
-        timeout=timeout,
-        fsdp_kwargs=kwargs,
-        **long_jobs,
-    )
+    sizes = (data_parallel_size, tensor_parallel_size)
+    return StrategyOptions(*sizes, policy, checkpoint_format, tp_plan, device, backend, timeout, kwargs, **long_jobs)
 
 
 def _nemo_arguments(kwargs: dict[str, Any]) -> None:
@@ -218,20 +192,16 @@ def _checkpoint_format(kwargs: dict[str, Any]) -> str:
 
 def _long_job_options(kwargs: dict[str, Any], checkpoint_format: str) -> dict[str, Any]:
     """Pop and check ``async_save`` / ``keep_last`` / ``preemption_signals`` (no process group needed)."""
-    options = {
-        "async_save": kwargs.pop("async_save", False),
-        "keep_last": kwargs.pop("keep_last", None),
-        "preemption_signals": tuple(kwargs.pop("preemption_signals", ()) or ()),
-    }
-    if not isinstance(options["async_save"], bool):
-        raise ValueError(f"FSDP2Strategy: async_save must be True or False, got {options['async_save']!r}.")
-    keep = options["keep_last"]
+    async_save, keep = kwargs.pop("async_save", False), kwargs.pop("keep_last", None)
+    signals = tuple(kwargs.pop("preemption_signals", ()) or ())
+    if not isinstance(async_save, bool):
+        raise ValueError(f"FSDP2Strategy: async_save must be True or False, got {async_save!r}.")
     if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
         raise ValueError(f"FSDP2Strategy: keep_last must be a positive int or None, got {keep!r}.")
-    if (options["async_save"] or keep is not None) and checkpoint_format != "sharded":
+    if (async_save or keep is not None) and checkpoint_format != "sharded":
         raise ValueError(
             'FSDP2Strategy: async_save and keep_last apply to checkpoint_format="sharded" (DCP directories); '
             f"checkpoint_format is {checkpoint_format!r}."
         )
-    resolve_signals(options["preemption_signals"])  # a bad name is a ValueError now
-    return options
+    resolve_signals(signals)  # a bad name is a ValueError now
+    return {"async_save": async_save, "keep_last": keep, "preemption_signals": signals}

@@ -1,7 +1,4 @@
-"""How ``FSDP2Strategy`` shards its module: tensor parallel, then ``fsdp()``, then meta materialization.
-
-Plain functions: the strategy's ``parallelize`` delegates here.
-"""
+"""How ``FSDP2Strategy.parallelize`` shards its module: tensor parallel, then ``fsdp()``, then meta materialization."""
 
 from __future__ import annotations
 
@@ -20,13 +17,11 @@ from ..ties import tied_parameter_groups
 from ..wrapped import is_fsdp_wrapped
 from .options import tp_style
 
-__all__ = ["current_ties", "default_parallelize", "shard_module", "user_parallelized"]
+__all__ = ["default_parallelize", "shard_module"]
 
 
 def user_parallelized(module: nn.Module) -> bool:
-    """``True`` when the module already holds FSDP units or tensor-parallel (``DTensor``) parameters:
-    parallelized by the user (Lightning's ``configure_model`` contract), not to be sharded again.
-    """
+    """``True`` when the module holds FSDP units or ``DTensor`` parameters (the user parallelized it)."""
     return is_fsdp_wrapped(module) or any(isinstance(p, DTensor) for p in module.parameters())
 
 
@@ -82,8 +77,7 @@ def default_parallelize(
 
 def current_ties(module: nn.Module, before: list[list[str]]) -> list[list[str]]:
     """Tie groups to restore: those recorded before ``parallelize_fn`` whose names still exist, plus
-    ties the module still shows under names a wrapper may have changed.
-    """
+    ties the module still shows under names a wrapper may have changed."""
     names = {n for n, _ in module.named_parameters(remove_duplicate=False)}
     ties = [group for group in before if all(n in names for n in group)]
     covered = {n for group in ties for n in group}
@@ -98,12 +92,8 @@ def shard_module(
     device: torch.device,
     **kwargs: Any,
 ) -> nn.Module:
-    """Run ``parallelize_fn`` (``default_parallelize`` when ``None``), check the result is sharded,
-    materialize a meta model (ties kept); returns the sharded module.
-
-    A ``parallelize_fn`` that leaves the module without FSDP is an error, never a silently
-    unsharded model.
-    """
+    """Run ``parallelize_fn`` (``default_parallelize`` when ``None``), refuse an unsharded result (never a
+    silently unsharded model), materialize a meta model with its ties; returns the sharded module."""
     fn = parallelize_fn or default_parallelize
     tied = tied_parameter_groups(module)
     result = fn(module, device_mesh=device_mesh, mp_policy=mp_policy, **kwargs)
@@ -115,7 +105,7 @@ def shard_module(
             f"({getattr(fn, '__name__', fn)}); it must apply fully_shard/fsdp(). Pass parallelize_fn=None "
             "for the default (tensor parallel when configured, then fsdp())."
         )
-    if any(t.is_meta for t in list(module.parameters()) + list(module.buffers())):
+    if any(t.is_meta for t in (*module.parameters(), *module.buffers())):
         # ties as they were before parallelize_fn ran: sharding may replace the shared parameter
         materialize_meta_model(module, device, current_ties(module, tied))
     return module

@@ -1,6 +1,4 @@
-"""The strategy's progress: ``EpochStep`` (``current_epoch_step``, an int that knows its epoch) and
-``StepCounter`` (counts real optimizer steps, however they are made).
-"""
+"""The strategy's progress: ``EpochStep`` (an int that knows its epoch) and ``StepCounter`` (optimizer steps)."""
 
 from __future__ import annotations
 
@@ -48,9 +46,7 @@ class EpochStep(int):
         return (self.epoch, int(self))[index]
 
     def __eq__(self, other: object) -> bool:
-        if isinstance(other, tuple):
-            return (self.epoch, int(self)) == other
-        return int(self) == other
+        return (self.epoch, int(self)) == other if isinstance(other, tuple) else int(self) == other
 
     __hash__ = int.__hash__
 
@@ -62,9 +58,8 @@ class EpochStep(int):
 
 
 class StepCounter:
-    """Counts the steps of one optimizer through a step post-hook: ``opt.step()`` called by the
-    user, by ``FSDP2Strategy.optimizer_step()`` or by Lightning all count (the seeds call ``opt.step()``).
-    """
+    """Counts the steps of one optimizer through a step post-hook: ``opt.step()`` by the user (as the seeds
+    do), by ``FSDP2Strategy.optimizer_step()`` or by Lightning all count."""
 
     def __init__(self) -> None:
         self.step = 0
@@ -75,9 +70,7 @@ class StepCounter:
         """Count ``optimizer``'s steps from now on (``None``: count nothing); replaces the previous one."""
         if self._hook is not None:
             self._hook.remove()
-            self._hook = None
-        if optimizer is not None:
-            self._hook = optimizer.register_step_post_hook(self._count)
+        self._hook = optimizer.register_step_post_hook(self._count) if optimizer is not None else None
 
     def _count(self, *_: Any) -> None:
         if not self._paused:

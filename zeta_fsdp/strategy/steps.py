@@ -1,10 +1,11 @@
-"""How the strategy calls a module: its own hooks, through the FSDP root, what they return, the loss.
+"""How the strategy calls a module (its own hooks, through the FSDP root), what they return, the loss.
 
-Plain functions shared by ``zeta_fsdp.strategy`` and ``zeta_fsdp.lightning``.
+Shared by ``zeta_fsdp.strategy`` and ``zeta_fsdp.lightning``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from typing import Any, Callable, Mapping, Optional
 
@@ -14,18 +15,7 @@ import torch.nn as nn
 from ..engines import hooks_on
 from ..loss import MaskedTokenLossReduction
 
-__all__ = [
-    "StepLosses",
-    "STEP_TYPES",
-    "call_through_root",
-    "defines",
-    "forward_batch",
-    "logits_of",
-    "module_loss_reduction",
-    "nemo_step_result",
-    "parse_optimizers",
-    "run_step",
-]
+__all__ = ["StepLosses", "call_through_root", "nemo_step_result", "parse_optimizers", "run_step"]
 
 STEP_TYPES = ("training", "validation", "test", "predict")
 
@@ -81,23 +71,17 @@ def parse_optimizers(result: Any) -> tuple[list[torch.optim.Optimizer], list[Any
         optimizers, schedulers = result
         return list(optimizers), [s.get("scheduler") if isinstance(s, Mapping) else s for s in schedulers]
     if isinstance(result, (list, tuple)):
-        optimizers, schedulers = [], []
-        for item in result:
-            opts, scheds = parse_optimizers(item)
-            optimizers += opts
-            schedulers += scheds
-        return optimizers, schedulers
+        parsed = [parse_optimizers(item) for item in result]
+        return [o for opts, _ in parsed for o in opts], [s for _, scheds in parsed for s in scheds]
     raise ValueError(f"FSDP2Strategy: configure_optimizers returned {type(result).__name__}, not an optimizer.")
 
 
 def module_loss_reduction(module: Optional[nn.Module], step_type: str) -> Any:
-    """The module's own ``<step_type>_loss_reduction`` or ``loss_reduction`` (an object, or a callable
-    returning one), else ``None``; an unknown ``step_type`` is a ``ValueError``.
-    """
+    """The module's ``<step_type>_loss_reduction`` or ``loss_reduction`` (an object, or a callable returning one)."""
     if step_type not in STEP_TYPES:
         raise ValueError(f"FSDP2Strategy: unknown step type {step_type!r}. Accepted: {STEP_TYPES}.")
     for name in (f"{step_type}_loss_reduction", "loss_reduction"):
-        found = getattr(module, name, None) if module is not None else None
+        found = getattr(module, name, None)  # None for module=None
         if found is not None:
             if callable(found) and not hasattr(found, "reduce"):
                 found = found()
@@ -106,10 +90,8 @@ def module_loss_reduction(module: Optional[nn.Module], step_type: str) -> Any:
 
 
 def nemo_step_result(module: nn.Module, step_type: str, batch: Any, output: Any) -> tuple[Any, dict[str, Any]]:
-    """NeMo's ``(loss, reduced)`` of a step's ``output``: the module's own loss reduction's ``forward``
-    (``module_loss_reduction``), else ``(output, {"avg": output})``. A reduction whose record has no
-    ``"avg"`` (zeta's) gets the global mean of the record as ``"avg"`` (one all-reduce, every rank).
-    """
+    """NeMo's ``(loss, reduced)`` of a step's ``output``: the module's loss reduction's ``forward``, else
+    ``(output, {"avg": output})``; a record with no ``"avg"`` (zeta's) gets its global mean (one all-reduce)."""
     reduction = module_loss_reduction(module, step_type)
     if reduction is None or output is None:
         return output, {"avg": output}
@@ -159,32 +141,24 @@ def run_step(
     module: nn.Module, step_type: str, batch: Any, batch_idx: Optional[int], reduce: Callable[[str, Any], Any]
 ) -> Any:
     """One ``step_type`` step: the module's own ``<step_type>_step`` through the FSDP root, else
-    ``reduce(step_type, batch)`` (``"predict"``: the module's output). Training runs in train mode;
-    evaluation in eval mode without gradients, the previous mode restored after.
-    """
-    name = f"{step_type}_step"
-    if step_type == "training":
-        module.train()
-        return call_through_root(module, name, batch, batch_idx) if defines(module, name) else reduce(step_type, batch)
+    ``reduce(step_type, batch)`` (``"predict"``: the module's output). Evaluation runs in eval mode
+    without gradients, the previous mode restored after."""
+    name, training = f"{step_type}_step", step_type == "training"
     was_training = module.training
-    module.eval()
+    module.train(training)
     try:
-        with torch.no_grad():
+        with contextlib.nullcontext() if training else torch.no_grad():
             if defines(module, name):
                 return call_through_root(module, name, batch, batch_idx)
-            if step_type == "predict":
-                return forward_batch(module, batch)
-            return reduce(step_type, batch)
+            return forward_batch(module, batch) if step_type == "predict" else reduce(step_type, batch)
     finally:
-        module.train(was_training)
+        module.train(was_training or training)
 
 
 class StepLosses:
-    """The strategy's loss bookkeeping: which reduction a step uses (the module's own, else a
-    ``MaskedTokenLossReduction`` over the data-parallel group ``group_fn()`` gives), the loss of a
-    plain module's step, and the global mean since the last ``reduced`` call. Records are summed
-    as they come (memory stays constant however long nobody asks): one all-reduce gives the mean.
-    """
+    """The strategy's losses: which reduction a step uses (the module's own, else a token-weighted one over
+    the dp group ``group_fn()``), a plain module's step loss, and the global mean since the last
+    ``reduced`` call. Records are summed as they come (constant memory): one all-reduce gives the mean."""
 
     def __init__(self, group_fn: Callable[[], Any]) -> None:
         self._group_fn = group_fn
