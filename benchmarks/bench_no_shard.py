@@ -7,8 +7,7 @@ Variants of one GPT, same initial weights, same per-rank batch, timed in interle
   * ``replicate_with_fsdp``: torch's FSDP2-based ``replicate`` (per-block units + root);
   * ``composable replicate``: ``torch.distributed._composable.replicate`` (DDP's engine, plain
     tensor parameters, keys unchanged), with ``gradient_as_bucket_view`` and
-    ``find_unused_parameters=True``: what ``fsdp()`` set for every model before it read the first
-    forward (now only for a model that leaves parameters unused; this GPT uses all of them);
+    ``find_unused_parameters`` as ``fsdp()`` sets them;
   * ``fsdp() NO_SHARD``: the façade as it is now (now composable replicate: ``fsdp_engine``);
   * ``fsdp() NO_SHARD, mesh=(world,1)``: the façade asked for FSDP2's engine (its 0.1 behaviour);
   * ``DDP``: ``DistributedDataParallel``, the baseline (bucketed all-reduce).
@@ -165,11 +164,9 @@ def rank_main(args: argparse.Namespace) -> None:
         "Why the FSDP2 variants are slower: with DTensor parameters every optimizer op goes through "
         "DTensor dispatch (AdamW took ~3x DDP's optimizer time in a per-phase profile), and FSDP2 "
         "copies parameters into and gradients out of its flat buffers even when the shard group has "
-        "one rank. Composable replicate keeps plain tensors and DDP's bucketed all-reduce. fsdp() asks "
-        "DDP to search for unused parameters (find_unused_parameters=True: one graph walk and a small "
-        "all-reduce per backward) only when the first forward leaves one out; this GPT uses all of "
-        "them, so fsdp() NO_SHARD runs without the search and the 'composable replicate' row (with it) "
-        "shows what the search costs."
+        "one rank. Composable replicate keeps plain tensors and DDP's bucketed all-reduce; fsdp() "
+        "adds find_unused_parameters=True (one graph walk and a small all-reduce per backward) so "
+        "models with unused parameters train as under FSDP2."
     )
     report.data.update({"model": spec.describe(), "timing": timing, "first_loss": first_loss, "engines": engines})
     report.data.update(bf16_table(report, base, spec, args))

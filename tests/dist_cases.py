@@ -110,8 +110,9 @@ def parity_shard_grad():
 @case
 def parity_no_shard():
     model = train_parity(auto_wrap=True, shard_strat="NO_SHARD", TransformerBlock=Block)
-    # every parameter is used: no search (a graph walk per step, and DDP's warning on every rank)
-    assert not finds_unused(model)
+    # the search runs although every parameter is used: a later step may leave some out
+    # (no_shard_used_parameters_change); DDP's notice about it stays off stderr (test_notebook)
+    assert finds_unused(model)
 
 
 @case
@@ -150,6 +151,47 @@ class _SkipsABlock(GPT):
         for i, block in enumerate(self.blocks):
             x = x if i == 1 else block(x, self.causal_mask)
         return self.head(self.norm(x))
+
+
+class _SkipsWhenTold(GPT):
+    """Uses every block unless told to skip block 1 (a layer drop, an expert no token chose this step)."""
+
+    skip = False
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.tok_emb(idx) + self.pos_emb(torch.arange(idx.shape[1], device=idx.device))
+        for i, block in enumerate(self.blocks):
+            x = x if i == 1 and self.skip else block(x, self.causal_mask)
+        return self.head(self.norm(x))
+
+
+@case
+def no_shard_used_parameters_change():
+    """The first step uses every parameter, a later one does not: on every rank (parity with one
+    process), then on one rank only (no hang, replicas stay equal). Without DDP's per-step search
+    the first would apply half-reduced gradients and fail a step later; the second would hang."""
+    torch.manual_seed(0)
+    model = _SkipsWhenTold(GPTConfig())
+    ref = copy.deepcopy(model)
+    fsdp(model)
+    opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
+    for step, skip in enumerate([False, True, False]):
+        model.skip = ref.skip = skip
+        x, y = global_batch(step)
+        ref_loss = reference_backward(ref, lm_loss, x, y, replicas=world())
+        loss = lm_loss(model(local_slice(x)), local_slice(y))
+        loss.backward()
+        opt.step(), ref_opt.step(), opt.zero_grad(), ref_opt.zero_grad()
+        assert_close(f"loss step {step}", mean_over_ranks(loss), ref_loss, 0.0)
+    for step in range(2):  # rank 1 skips block 1, rank 0 uses it
+        model.skip = dist.get_rank() == 1 and step == 1
+        x, y = global_batch(3 + step)
+        lm_loss(model(local_slice(x)), local_slice(y)).backward()
+        opt.step(), opt.zero_grad()
+    for name, param in model.named_parameters():
+        gathered = [torch.empty_like(param) for _ in range(world())]
+        dist.all_gather(gathered, param.detach())
+        assert all(torch.equal(g, gathered[0]) for g in gathered), f"replicas differ: {name}"
 
 
 @case

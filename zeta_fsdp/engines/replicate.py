@@ -7,17 +7,16 @@ all-reduced in buckets, each ``.grad`` a view into its bucket (``gradient_as_buc
 from __future__ import annotations
 
 import contextlib
-import weakref
+import os
+import sys
 from typing import Any, Callable, Iterator, Optional
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed._composable.replicate import DDP as ReplicatedModule  # noqa: N811 - torch names the class DDP
 from torch.distributed._composable.replicate import replicate
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.nn.parallel import DistributedDataParallel
-from torch.nn.parallel.distributed import _find_tensors
 
 from ..costs import AccumulationCost, accumulation_costs
 from ..options import autocast_dtype
@@ -51,8 +50,12 @@ def wrap(model: nn.Module, plan: Any, device: torch.device, mp_policy: MixedPrec
     """
     if not any(t.is_meta for t in model.parameters()):
         model.to(device)
-    replicate(model, device_id=device, gradient_as_bucket_view=True)
-    _probe_unused(model)
+    # The search for parameters a step leaves without a gradient runs every step: which ones a
+    # step uses may change from step to step or rank to rank (routing, skipped layers), and
+    # without the search DDP then all-reduces only some buckets, so the replicas drift apart
+    # and a rank hangs or fails a step later. Its cost is one graph walk and one small all-reduce.
+    replicate(model, device_id=device, gradient_as_bucket_view=True, find_unused_parameters=True)
+    _quiet_search_notice(model)
     dtype = autocast_dtype(mp_policy)
     if dtype is not None:
         autocast_forward(model, device.type, dtype)
@@ -82,77 +85,43 @@ def autocast_forward(model: nn.Module, device_type: str, dtype: torch.dtype) -> 
     model.register_forward_hook(leave, always_call=True)
 
 
-def _needs_search(output: Any, params: list[nn.Parameter]) -> bool:
-    """Could a backward from this output leave a trainable parameter without a gradient?
+def _quiet_search_notice(model: nn.Module) -> None:
+    """Keep DDP's one-time "find_unused_parameters=True ... did not find any unused parameters"
+    notice off the ranks' stderr.
 
-    Yes unless every output tensor's graph reaches every parameter: one may be unused (a head, a
-    branch not taken) or reached only from an output the loss may ignore (a pooler's: DDP's own
-    search, over all outputs together, calls it used and warns, yet needs the search for it).
+    DDP's C++ reducer prints it once per process (``TORCH_WARN_ONCE``, straight to file descriptor
+    2: no Python ``warnings`` filter reaches it) when a step's search finds every parameter used,
+    and advises turning the search off: unsafe advice here (see ``wrap``), and a user of ``fsdp()``
+    has no such switch. It can only print from DDP's post-forward step, so for the first forward
+    that syncs, and only around that step (a hook just before DDP's, one just after), fd 2 points
+    at ``/dev/null``; then both hooks remove themselves. A model whose first step leaves some
+    parameters unused prints nothing then; a later step that uses them all may print the notice.
     """
-    want = {id(p) for p in params}
-    tensors = [t for t in _find_tensors(output) if t.requires_grad]
-    return not tensors or any(not want <= _reached(t) for t in tensors)
+    saved: list[int] = []
 
+    @torch.compiler.disable
+    def quiet(module: nn.Module, args: Any, output: Any) -> None:
+        ddp = replicate.state(module)._ddp
+        if torch.is_grad_enabled() and ddp.require_backward_grad_sync:
+            sys.stderr.flush()
+            saved.append(os.dup(2))
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, 2)
+            os.close(devnull)
 
-def _reached(tensor: torch.Tensor) -> set[int]:
-    """Ids of the leaves the autograd graph of ``tensor`` accumulates into."""
-    ids: set[int] = set()
-    seen: set[Any] = set()
-    stack = [tensor.grad_fn] if tensor.grad_fn is not None else []
-    while stack:
-        node = stack.pop()
-        if node in seen:
-            continue
-        seen.add(node)
-        variable = getattr(node, "variable", None)  # an AccumulateGrad node: the leaf it fills
-        if variable is not None:
-            ids.add(id(variable))
-        stack.extend(n for n, _ in node.next_functions if n is not None)
-    return ids
+    @torch.compiler.disable
+    def restore(module: nn.Module, args: Any, output: Any) -> None:
+        if saved:
+            fd = saved.pop()
+            os.dup2(fd, 2)
+            os.close(fd)
+            for handle in handles:
+                handle.remove()
 
-
-def _probe_unused(model: nn.Module) -> None:
-    """Ask DDP to search for unused parameters (``find_unused_parameters``) only if there are some.
-
-    Without the search, a backward that leaves parameters without a gradient makes DDP wait for
-    them and fail at the next step; with it on a model whose parameters all get one, DDP walks the
-    graph every step for nothing and its reducer prints a warning on every rank (C++
-    ``TORCH_WARN_ONCE``: no Python filter reaches it). So the first forward that builds a graph
-    runs without, its graph is read once here (before DDP's post-forward hook, ``_needs_search``),
-    and the ranks agree (one all-reduce); if any rank needs the search, DDP is rebuilt with it
-    before this step's backward. Read once: a model using every parameter in its first step and
-    skipping some later makes DDP raise then (a ``mesh`` puts NO_SHARD on FSDP2).
-    """
-
-    @torch.compiler.disable  # collectives and DDP's rebuild: never traced into a compiled graph
-    def probe(module: nn.Module, args: Any, output: Any) -> None:
-        if not torch.is_grad_enabled():
-            return  # no graph to read: the next forward probes
-        handle.remove()
-        state = replicate.state(module)
-        params = [p for p in state._param_list if p.requires_grad]
-        flag = torch.tensor([float(_needs_search(output, params))], device=params[0].device)
-        old = state._ddp
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=old.process_group)
-        if not flag.item():
-            return
-        # Built over the same parameters and group; they are already equal on every rank (the
-        # first build broadcast them), so nothing is checked or broadcast again.
-        new = DistributedDataParallel(
-            state._param_list,
-            device_ids=old.device_ids,
-            process_group=old.process_group,
-            gradient_as_bucket_view=True,
-            find_unused_parameters=True,
-            init_sync=False,
-        )
-        for hook, hook_state in getattr(old, "_comm_hooks", ()):  # a hook the user registered via the model
-            new.register_comm_hook(hook_state, hook)
-        new.require_backward_grad_sync = old.require_backward_grad_sync
-        state._ddp, state._ddp_weakref = new, weakref.ref(new)
-        new._pre_forward()  # this step's start, as replicate's pre-forward hook did on the old one
-
-    handle = model.register_forward_hook(probe, prepend=True)
+    handles = [
+        model.register_forward_hook(quiet, prepend=True),  # before replicate's own post-forward hook
+        model.register_forward_hook(restore, always_call=True),  # after it, also when it raises
+    ]
 
 
 @contextlib.contextmanager
@@ -183,24 +152,23 @@ _FIRST_BUCKET_BYTES = 1024 * 1024
 _BUCKET_BYTES = 25 * 1024 * 1024
 
 
-def all_reduces(grads: list[tuple[torch.dtype, int]], finds_unused: bool = False) -> int:
+def all_reduces(grads: list[tuple[torch.dtype, int]]) -> int:
     """All-reduces per synced backward for gradients of these ``(dtype, bytes)``, in parameter order.
 
     One per bucket (``_compute_bucket_assignment_by_size``: one open bucket per dtype, closed at
-    1 MiB for the first, 25 MiB after). With the unused-parameter search DDP keeps parameter order
-    and adds one for the map of used parameters; without, it rebuilds its buckets after the first
-    step in gradient-ready order (about the reverse: counted so).
+    1 MiB for the first, 25 MiB after; with the unused-parameter search DDP keeps that order), plus
+    one for the search's map of used parameters.
     """
     limits: dict[torch.dtype, int] = {}
     open_bytes: dict[torch.dtype, int] = {}
     closed = 0
-    for dtype, nbytes in grads if finds_unused else grads[::-1]:
+    for dtype, nbytes in grads:
         open_bytes[dtype] = open_bytes.get(dtype, 0) + nbytes
         if open_bytes[dtype] >= limits.get(dtype, _FIRST_BUCKET_BYTES):
             closed += 1
             open_bytes[dtype] = 0
             limits[dtype] = _BUCKET_BYTES
-    return closed + sum(1 for b in open_bytes.values() if b) + int(finds_unused)
+    return closed + sum(1 for b in open_bytes.values() if b) + 1
 
 
 def accumulation_bytes(model: nn.Module, micro_batches: int) -> dict[str, AccumulationCost]:
@@ -208,10 +176,7 @@ def accumulation_bytes(model: nn.Module, micro_batches: int) -> dict[str, Accumu
     collectives are all-reduces (``all_reduces``)."""
     grads = [p for p in model.parameters() if p.requires_grad]
     whole = sum(p.numel() * p.element_size() for p in grads)
-    finds_unused = any(getattr(_ddp(m), "find_unused_parameters", False) for m in managed(model))
-    return _whole_grads(
-        micro_batches, whole, all_reduces([(p.dtype, p.numel() * p.element_size()) for p in grads], finds_unused)
-    )
+    return _whole_grads(micro_batches, whole, all_reduces([(p.dtype, p.numel() * p.element_size()) for p in grads]))
 
 
 def _whole_grads(micro_batches: int, whole: int, all_reduce_count: int) -> dict[str, AccumulationCost]:
