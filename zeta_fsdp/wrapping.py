@@ -22,7 +22,7 @@ import torch.nn as nn
 from .report import render_table
 from .ties import tied_parameter_groups
 
-__all__ = ["BlockSpec", "WrapPlan", "WrapUnit", "build_wrap_plan", "detect_block_classes"]
+__all__ = ["BlockSpec", "WrapPlan", "WrapUnit", "block_specs", "build_wrap_plan", "detect_block_classes"]
 
 BlockSpec = Union[type, str, Sequence[Union[type, str]], None]
 
@@ -187,7 +187,8 @@ class WrapPlan:
         return "\n".join(lines)
 
 
-def _normalize_block_spec(transformer_block: BlockSpec, caller: str) -> list[Union[type, str]]:
+def block_specs(transformer_block: BlockSpec, caller: str) -> list[Union[type, str]]:
+    """``TransformerBlock`` as a list of classes / class names; ``ValueError`` (naming ``caller``) when malformed."""
     specs = (
         list(transformer_block) if isinstance(transformer_block, (tuple, list, set, frozenset)) else [transformer_block]
     )
@@ -520,7 +521,7 @@ def build_wrap_plan(
     classes: tuple[type, ...] = ()
     notes: list[str] = []
     if transformer_block is not None:
-        specs = _normalize_block_spec(transformer_block, caller)
+        specs = block_specs(transformer_block, caller)
         if auto_wrap:
             classes = _resolve_block_classes(model, specs, caller)
         else:
