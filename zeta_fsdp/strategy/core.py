@@ -211,9 +211,8 @@ class FSDP2Strategy:
             return
         module = self._require_module()
         self.setup_environment()
-        fn = self.parallelize_fn or strategy_parallel.default_parallelize
         self._module = strategy_parallel.shard_module(
-            module, fn, self._device_mesh, self.mp_policy, self._device, **self.fsdp_kwargs
+            module, self.parallelize_fn, self._device_mesh, self.mp_policy, self._device, **self.fsdp_kwargs
         )
         self._parallelized, self.parallelize_fn = True, None
         if not self.optimizers and self.owns_optimizers:
