@@ -63,13 +63,12 @@ def shard_dataloader(
             f"{caller}: the loader uses a custom batch_sampler; pass data_sampler= "
             "with a transform_dataloader(dataloader) method that splits it by data-parallel rank."
         )
-    if data_sampler is not None:
-        if not isinstance(data_sampler, Sampler):
-            raise ValueError(
-                "FSDP2Strategy: data_sampler must be a torch Sampler or have transform_dataloader(dataloader)."
-            )
-        sampler = data_sampler
-    else:
+    if data_sampler is not None and not isinstance(data_sampler, Sampler):
+        raise ValueError(
+            "FSDP2Strategy: data_sampler must be a torch Sampler or have transform_dataloader(dataloader)."
+        )
+    sampler = data_sampler
+    if sampler is None:
         sampler = DistributedSampler(
             dataloader.dataset,
             num_replicas=world_size,
@@ -157,12 +156,7 @@ class ResumableLoader:
         return len(self.dataset) // self.global_batch_size
 
     def order(self, epoch: int) -> torch.Tensor:
-        """The sample indices of ``epoch`` in stream order (the same on every rank and at every world size).
-
-        Example:
-            loader.order(0)[:4]
-            # -> tensor([ 3, 81, 47, 12])
-        """
+        """The sample indices of ``epoch`` in stream order (the same on every rank and at every world size)."""
         if not self.shuffle:
             return torch.arange(len(self.dataset))
         return torch.randperm(len(self.dataset), generator=torch.Generator().manual_seed(self.seed + epoch))
@@ -182,27 +176,12 @@ class ResumableLoader:
         self.epoch, self.consumed = self.epoch + 1, 0
 
     def state_dict(self) -> dict[str, Any]:
-        """Where the stream is: epoch, samples consumed in it, seed (and what must match to resume).
-
-        Example:
-            loader.state_dict()["consumed"]
-            # -> 64
-        """
-        return {
-            "epoch": self.epoch,
-            "consumed": self.consumed,
-            "seed": self.seed,
-            "global_batch_size": self.global_batch_size,
-            "shuffle": self.shuffle,
-            "dataset_len": len(self.dataset),
-        }
+        """Where the stream is: epoch, samples consumed in it, seed (and what must match to resume)."""
+        keys = ("epoch", "consumed", "seed", "global_batch_size", "shuffle")
+        return {**{key: getattr(self, key) for key in keys}, "dataset_len": len(self.dataset)}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Continue from a saved position (any world size); the global batch size and dataset must match.
-
-        Example:
-            loader.load_state_dict(saved["data"])
-        """
+        """Continue from a saved position (any world size); the global batch size and dataset must match."""
         mine = self.state_dict()
         for key in ("global_batch_size", "dataset_len", "shuffle"):
             if key in state and state[key] != mine[key]:

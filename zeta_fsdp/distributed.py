@@ -5,8 +5,6 @@ Every ``torch.distributed`` set-up call of the package lives here. The rules:
 * A group that already exists is used as is and never destroyed by us.
 * No group: start one from ``torchrun``'s environment variables when they are set, otherwise a
   one-process group on an in-memory store (no port, no env vars) so a notebook just works.
-* Meshes follow the sharding spec: 1-D ``(world,)`` for FULL_SHARD/SHARD_GRAD, 2-D
-  ``(replicate, shard)`` for HYBRID, ``(world, 1)`` for NO_SHARD.
 """
 
 from __future__ import annotations
@@ -63,8 +61,7 @@ def get_world_size(group: GroupLike = None) -> int:
 
 def comm_device(group: GroupLike = None) -> torch.device:
     """Where a tensor must live for a collective of ``group``: the current CUDA device under NCCL
-    (which takes no CPU tensors), else the CPU (also without a process group).
-    """
+    (which takes no CPU tensors), else the CPU (also without a process group)."""
     backend = str(dist.get_backend(process_group_of(group))) if is_distributed() else ""
     if "nccl" in backend and "cpu:" not in backend:
         return torch.device("cuda", torch.cuda.current_device())
@@ -73,8 +70,7 @@ def comm_device(group: GroupLike = None) -> torch.device:
 
 def without_launcher_env(env: Optional[dict[str, str]] = None) -> dict[str, str]:
     """A copy of ``env`` (default ``os.environ``) without the launcher's per-rank variables
-    (``LAUNCHER_ENV_VARS``): for a subprocess that must start its own job, not join ours.
-    """
+    (``LAUNCHER_ENV_VARS``): for a subprocess that must start its own job, not join ours."""
     env = dict(os.environ if env is None else env)
     for var in LAUNCHER_ENV_VARS:
         env.pop(var, None)
@@ -82,11 +78,8 @@ def without_launcher_env(env: Optional[dict[str, str]] = None) -> dict[str, str]
 
 
 def _running_under_torchrun() -> bool:
-    """``True`` when a launcher set the rendezvous variables; an incomplete set is an error.
-
-    Without this check, ``WORLD_SIZE=8`` but no ``MASTER_ADDR`` would quietly start eight
-    one-process jobs, each training alone.
-    """
+    """``True`` when a launcher set the rendezvous variables. An incomplete set is an error: else
+    ``WORLD_SIZE=8`` without ``MASTER_ADDR`` would quietly start eight one-process jobs, each training alone."""
     present = [v for v in _TORCHRUN_VARS if v in os.environ]
     if present and len(present) < len(_TORCHRUN_VARS) and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         missing = [v for v in _TORCHRUN_VARS if v not in os.environ]
@@ -109,11 +102,8 @@ def _local_world_size() -> int:
 
 
 def choose_device(model: Optional[nn.Module] = None, device: Union[str, torch.device, None] = None) -> torch.device:
-    """The device this rank computes on.
-
-    An explicit ``device`` wins. Otherwise CUDA (``cuda:LOCAL_RANK``) when available, else the
-    device the model's parameters are on (``meta`` counts as "not chosen yet": CPU).
-    """
+    """The device this rank computes on: ``device`` when given, else CUDA (``cuda:LOCAL_RANK``) when
+    available, else the device the model's parameters are on (``meta`` counts as "not chosen yet": CPU)."""
     local_cuda = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
     if device is not None:
         device = torch.device(device)
@@ -145,11 +135,8 @@ def _backend_devices() -> set[str]:
 def ensure_process_group(
     device: torch.device, *, cpu_offload: bool = False, timeout_s: float = 1800, backend: Optional[str] = None
 ) -> bool:
-    """Start the default process group if none exists. Returns ``True`` if this call started it.
-
-    Under ``torchrun`` (``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT`` set) it joins the
-    job through ``env://``; otherwise it starts a one-process group on an in-memory store.
-    """
+    """Start the default process group if none exists (``True`` if this call started it): under ``torchrun``
+    joining the job through ``env://``, otherwise a one-process group on an in-memory store."""
     if not dist.is_available():
         raise RuntimeError("fsdp(): this PyTorch build has no torch.distributed support.")
     if dist.is_initialized():
@@ -249,8 +236,8 @@ def shard_group_size(
     """Number of ranks one parameter is sharded over (the last mesh dimension)."""
     if mesh is not None:
         return mesh.size(-1)
-    shape = mesh_shape(spec, expected_world_size(), local_world_size=_local_world_size(), replicate_size=replicate_size)
-    return shape[-1]
+    world, local = expected_world_size(), _local_world_size()
+    return mesh_shape(spec, world, local_world_size=local, replicate_size=replicate_size)[-1]
 
 
 def validate_mesh(spec: ShardingSpec, mesh: DeviceMesh) -> None:
@@ -275,11 +262,8 @@ def build_mesh(spec: ShardingSpec, device: torch.device, *, replicate_size: Opti
 
 
 def build_dp_tp_mesh(device: torch.device, dp: int, tp: int, *, names: tuple[str, str] = ("dp", "tp")) -> DeviceMesh:
-    """A 2-D ``(dp, tp)`` mesh over the default group (dimension names: ``names``).
-
-    Tensor-parallel ranks are adjacent (the last dimension), so they share a node when ``tp``
-    divides the ranks per node: TP's per-layer collectives stay on the fast links.
-    """
+    """A 2-D ``(dp, tp)`` mesh over the default group. Tensor-parallel ranks are adjacent (the last
+    dimension), so they share a node when ``tp`` divides the ranks per node: TP's collectives stay on fast links."""
     return init_device_mesh(device.type, (dp, tp), mesh_dim_names=tuple(names))
 
 

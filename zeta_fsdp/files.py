@@ -22,10 +22,8 @@ def _hidden_sibling(path: Union[str, Path], suffix: str) -> Path:
 
 
 def incomplete_path(path: Union[str, Path]) -> Path:
-    """Where ``path`` is written before it is renamed into place: ``.<name>.incomplete`` beside it.
-
-    Hidden, and in the same folder so the final rename stays on one file system (atomic).
-    """
+    """Where ``path`` is written before it is renamed into place: ``.<name>.incomplete``, hidden and
+    beside it, so the final rename stays on one file system (atomic)."""
     return _hidden_sibling(path, "incomplete")
 
 
@@ -49,10 +47,8 @@ class PathLock:
         self._fd: Optional[int] = None
 
     def acquire(self, timeout_s: float) -> bool:
-        """Take the lock, waiting up to ``timeout_s`` seconds; ``False`` if another holder kept it.
-
-        Raises ``OSError`` when the lock file cannot be created (a read-only folder).
-        """
+        """Take the lock, waiting up to ``timeout_s`` seconds; ``False`` if another holder kept it,
+        ``OSError`` when the lock file cannot be created (a read-only folder)."""
         import fcntl
 
         deadline = time.monotonic() + timeout_s
@@ -165,11 +161,8 @@ def publish_dir(
 
 
 def atomic_write(path: Union[str, Path], write: Callable[[Path], object]) -> Path:
-    """Call ``write(tmp)`` to write ``incomplete_path(path)``, then rename it over ``path``.
-
-    If ``write`` raises, ``path`` is left as it was and the temporary file is removed. Returns
-    ``path``. (For folders, such as DCP checkpoints, see ``save_checkpoint``.)
-    """
+    """Call ``write(tmp)`` to write ``incomplete_path(path)``, then rename it over ``path`` (returned).
+    If ``write`` raises, ``path`` is left as it was and the temporary file is removed."""
     path = Path(path)
     tmp = incomplete_path(path)
     try:

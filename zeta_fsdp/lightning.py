@@ -7,11 +7,6 @@ this class answers Lightning's calls (launch, process group, precision plugin, l
 The base is ``ParallelStrategy``, not ``ModelParallelStrategy`` (NeMo's): that one refuses
 ``"16-mixed"``, demands ``configure_model``, resolves "auto" sizes the other way and has its own
 checkpoint format: nearly every method would be overridden.
-
-Example:
-    from zeta_fsdp.lightning import FSDP2Strategy
-    trainer = L.Trainer(devices=2, accelerator="cpu", strategy=FSDP2Strategy(TransformerBlock=Block))
-    trainer.fit(module)
 """
 
 from __future__ import annotations

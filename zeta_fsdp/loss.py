@@ -137,7 +137,6 @@ class _GlobalMeanReduction:
         if records:
             total = torch.stack([r[RECORD_KEY] for r in records]).sum(dim=0)
         else:
-            # nothing recorded on this rank: its zeros still join the collective, on its device
             total = torch.zeros(2, dtype=torch.float64, device=comm_device(self.group))
         total = self._all_reduce(total.clone())
         return (total[0] / total[1].clamp(min=1)).float()

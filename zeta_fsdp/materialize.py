@@ -26,15 +26,6 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-def _fill_sentinel(tensors: dict[str, torch.Tensor]) -> None:
-    for t in tensors.values():
-        local = _local(t)
-        if local.is_floating_point() or local.is_complex():
-            local.fill_(_SENTINEL)
-        elif local.dtype != torch.bool:
-            local.fill_(torch.iinfo(local.dtype).min)
-
-
 def _still_sentinel(t: torch.Tensor) -> bool:
     local = _local(t)
     if local.numel() == 0 or local.dtype == torch.bool:
@@ -157,7 +148,11 @@ def materialize_meta_model(
                 )
     with torch.no_grad(), torch.random.fork_rng(devices=[]):
         fresh = {**dict(model.named_parameters()), **dict(model.named_buffers())}
-        _fill_sentinel({n: fresh[n] for n in meta_names})
+        for local in (_local(fresh[n]) for n in meta_names):
+            if local.is_floating_point() or local.is_complex():
+                local.fill_(_SENTINEL)
+            elif local.dtype != torch.bool:
+                local.fill_(torch.iinfo(local.dtype).min)
         if device.type == "cpu":
             torch.manual_seed(_agreed_seed() + 7919 * shard_index)
         run_own_initialisers(model)
@@ -178,9 +173,8 @@ def materialize_meta_model(
     if unset:
         raise RuntimeError(
             f"fsdp(): {len(unset)} meta-built parameter(s)/buffer(s) were initialised by nothing: "
-            f"{unset[:10]}{' ...' if len(unset) > 10 else ''}. fsdp() runs every module's "
-            "reset_parameters() (or torch.nn's _reset_parameters()), then the model's init_weights(); "
-            "make one of them fill these "
+            f"{unset[:10]}{' ...' if len(unset) > 10 else ''}. fsdp() runs every module's reset_parameters() "
+            "(or torch.nn's _reset_parameters()), then the model's init_weights(); make one of them fill these "
             "(or load weights into the model built on meta with materialize=False)."
         )
     return True

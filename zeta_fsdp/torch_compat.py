@@ -1,9 +1,9 @@
 """Which torch releases the package runs on, and the few places they differ.
 
 Importing this module (``import zeta_fsdp`` does so before anything else) runs
-``check_torch_version()``: below ``MIN_TORCH`` it raises at once, naming the installed and the
-required release, instead of a wrong gradient later (torch 2.8 sums gradients over gloo where
-2.10 averages them). ``setup.py`` declares the same floor.
+``check_torch_version()``: below ``MIN_TORCH`` it raises at once, before any other module touches
+``torch.distributed``, instead of a wrong gradient later (torch 2.8 sums gradients over gloo where
+2.10 averages them).
 """
 
 from __future__ import annotations
@@ -81,6 +81,4 @@ def param_mp_policy(group: Any, fsdp_param: Any) -> MixedPrecisionPolicy:
 # no_sync) each gradient in its parameter's own dtype; older releases in ``param_dtype``.
 REDUCE_DTYPE_NONE_KEEPS_PARAM_DTYPE: bool = torch_release() >= (2, 15)
 
-# On import: zeta_fsdp/__init__.py imports this module first, so an unsupported torch is refused
-# before any other module touches torch.distributed.
-check_torch_version()
+check_torch_version()  # on import (see the module docstring)

@@ -22,7 +22,7 @@ import torch.nn as nn
 from .report import render_table
 from .ties import tied_parameter_groups
 
-__all__ = ["BlockSpec", "WrapPlan", "WrapUnit", "build_wrap_plan", "detect_block_classes"]
+__all__ = ["BlockSpec", "WrapPlan", "WrapUnit", "block_specs", "build_wrap_plan", "detect_block_classes"]
 
 BlockSpec = Union[type, str, Sequence[Union[type, str]], None]
 
@@ -121,11 +121,9 @@ class WrapPlan:
 
     @property
     def forward_order(self) -> list[WrapUnit]:
-        """The non-root units in the order forward first uses them: embeddings (a tied
-        ``embedding+head`` unit too: its embedding runs first), the blocks as registered, the head.
-
-        Blocks are assumed to run in the order they are registered, as in every model built from a
-        ``ModuleList`` or ``nn.Sequential`` of blocks (encoder blocks before decoder blocks).
+        """The non-root units in the order forward first uses them: embeddings (a tied ``embedding+head``
+        unit too: its embedding runs first), the blocks in registration order (as a ``ModuleList`` or
+        ``nn.Sequential`` of blocks runs them; encoder blocks before decoder blocks), the head.
 
         Example:
             >>> from zeta_fsdp.models.gpt import small
@@ -187,7 +185,8 @@ class WrapPlan:
         return "\n".join(lines)
 
 
-def _normalize_block_spec(transformer_block: BlockSpec, caller: str) -> list[Union[type, str]]:
+def block_specs(transformer_block: BlockSpec, caller: str) -> list[Union[type, str]]:
+    """``TransformerBlock`` as a list of classes / class names; ``ValueError`` (naming ``caller``) when malformed."""
     specs = (
         list(transformer_block) if isinstance(transformer_block, (tuple, list, set, frozenset)) else [transformer_block]
     )
@@ -406,12 +405,9 @@ def _is_under(name: str, prefixes: Iterable[str]) -> bool:
 def _embedding_and_head_modules(
     model: nn.Module, blocks: list[tuple[str, nn.Module]]
 ) -> tuple[list[tuple[str, nn.Module]], list[tuple[str, nn.Module]]]:
-    """Input embeddings (``nn.Embedding`` outside blocks) and the modules after the last block.
-
-    The "head" group is every leaf module holding parameters that comes after the last block in
-    registration order (typically the final norm and the output projection), when it contains an
-    ``nn.Linear`` or is the model's declared output embedding.
-    """
+    """Input embeddings (``nn.Embedding`` outside blocks) and the "head": every module holding parameters itself
+    registered after the last block (the final norm, the output projection), when one of them is an
+    ``nn.Linear`` or the model's declared output embedding."""
     block_names = [n for n, _ in blocks]
     ordered = [(n, m) for n, m in model.named_modules() if m is not model]
     position = {n: i for i, (n, _) in enumerate(ordered)}
@@ -520,7 +516,7 @@ def build_wrap_plan(
     classes: tuple[type, ...] = ()
     notes: list[str] = []
     if transformer_block is not None:
-        specs = _normalize_block_spec(transformer_block, caller)
+        specs = block_specs(transformer_block, caller)
         if auto_wrap:
             classes = _resolve_block_classes(model, specs, caller)
         else:
@@ -539,12 +535,11 @@ def build_wrap_plan(
             )
         if not classes:
             warnings.warn(
-                f"fsdp(): auto_wrap=True found no repeated block in {type(model).__name__} (no "
-                "_no_split_modules, no nn.ModuleList/nn.ModuleDict/nn.Sequential of one class, no b1 .. bN "
-                "attributes), so the whole model "
-                "is ONE FSDP unit: every parameter is gathered at once. Name the block class: "
-                "fsdp(model, auto_wrap=True, TransformerBlock=MyBlock) (a class, a tuple of classes, "
-                "or a class name such as TransformerBlock='MyBlock').",
+                f"fsdp(): auto_wrap=True found no repeated block in {type(model).__name__} (no _no_split_modules, "
+                "no nn.ModuleList/nn.ModuleDict/nn.Sequential of one class, no b1 .. bN attributes), so the whole "
+                "model is ONE FSDP unit: every parameter is gathered at once. Name the block class: fsdp(model, "
+                "auto_wrap=True, TransformerBlock=MyBlock) (a class, a tuple of classes, or a class name such as "
+                "TransformerBlock='MyBlock').",
                 stacklevel=3,
             )
 

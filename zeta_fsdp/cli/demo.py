@@ -77,9 +77,7 @@ class DemoError(RuntimeError):
 
 
 def demo_device(nproc: int) -> tuple[str, str]:
-    """(device type, backend) the demo's ``nproc`` ranks use: ``("cuda", "nccl")`` when CUDA is
-    available with a GPU for every rank, else ``("cpu", "gloo")`` (CPU is enough for the demo).
-    """
+    """``("cuda", "nccl")`` when there is a GPU for each of the ``nproc`` ranks, else ``("cpu", "gloo")``."""
     import torch
 
     if torch.cuda.is_available() and nproc <= torch.cuda.device_count():
@@ -116,9 +114,8 @@ def run_demo(
 ) -> dict[str, Any]:
     """Launch ``nproc`` local ranks, run every strategy for ``steps`` steps, return the results.
 
-    ``progress``: show a progress bar on the launcher's terminal (default: only when stderr is a
-    TTY, so CI logs stay clean). ``plot``: also write a memory bar chart there (needs matplotlib).
-    ``log``: where to say that the ranks are being launched (nothing is said when ``None``).
+    ``progress``: a progress bar (default: only when stderr is a TTY, so CI logs stay clean);
+    ``plot``: a memory bar chart there (matplotlib); ``log``: where to say the ranks are launching.
     Raises ``ValueError`` for bad arguments (before anything starts), ``DemoError`` when a rank
     fails, ``KeyboardInterrupt`` after stopping every rank on Ctrl-C.
     """
@@ -180,7 +177,7 @@ def _kib(nbytes: int) -> str:
 
 # CommDebugMode names the c10d ops (gloo) or the functional collectives (compiled code).
 _SHORT_OPS = {"_allgather_base_": "AG", "all_gather_into_tensor": "AG", "allreduce_": "AR", "all_reduce": "AR"}
-_SHORT_OPS.update({"_reduce_scatter_base_": "RS", "reduce_scatter_tensor": "RS"})
+_SHORT_OPS |= {"_reduce_scatter_base_": "RS", "reduce_scatter_tensor": "RS"}
 
 
 def _collectives(counts: dict[str, int]) -> str:

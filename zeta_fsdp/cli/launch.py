@@ -25,9 +25,7 @@ class LaunchTimeoutError(RuntimeError):
 
 
 def rank_env() -> dict[str, str]:
-    """The environment of locally launched ranks: ours without a job's launcher variables, one
-    intra-op thread per rank (the ranks share the cores).
-    """
+    """Ours without a job's launcher variables, one intra-op thread per rank (the ranks share the cores)."""
     env = without_launcher_env()
     env["OMP_NUM_THREADS"] = "1"
     return env
@@ -119,8 +117,7 @@ def progress_tty() -> str:
 def launch_and_wait(cmd: list[str], log_path: Path, timeout_s: float, marker: str) -> int:
     """Run the launcher ``cmd`` (output to ``log_path``) and return its exit code; on Ctrl-C,
     SIGTERM or timeout stop every rank first (processes whose command line holds ``marker``, or
-    ``torch.distributed.run``), then raise ``KeyboardInterrupt`` / ``LaunchTimeoutError``.
-    """
+    ``torch.distributed.run``), then raise ``KeyboardInterrupt`` / ``LaunchTimeoutError``."""
     with open(log_path, "w") as log, _sigterm_as_interrupt():
         # A session of its own: a terminal's Ctrl-C reaches only us, and we stop the ranks in order.
         proc = subprocess.Popen(

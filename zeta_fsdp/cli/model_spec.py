@@ -1,9 +1,7 @@
 """Model specs of the command line: ``package.module:factory`` or a Hugging Face config, built on ``meta``.
 
-``python -m zeta_fsdp plan MODEL`` names its model with a spec. ``meta_model_from_spec`` builds it
-without allocating (the ``meta`` device) and never downloads. The command line also makes modules
-in the current folder importable (``importable_cwd``), as ``python -m`` does; a library call of
-``meta_model_from_spec`` imports from ``sys.path`` as it is.
+``python -m zeta_fsdp plan MODEL`` names its model with a spec; ``meta_model_from_spec`` builds it
+without allocating (the ``meta`` device) and never downloads.
 """
 
 from __future__ import annotations
@@ -29,11 +27,9 @@ MODEL_SPEC_HELP = (
 
 @contextlib.contextmanager
 def importable_cwd() -> Iterator[None]:
-    """Make the current folder importable while inside (as ``python -m`` does), then restore ``sys.path``.
-
-    The command line's ``plan my_models:build`` finds ``./my_models.py`` this way; the planner's
-    dry-run subprocess inherits ``sys.path``, so it finds it too.
-    """
+    """Make the current folder importable while inside (as ``python -m`` does), then restore ``sys.path``:
+    the command line's ``plan my_models:build`` finds ``./my_models.py``, and so does the dry-run
+    subprocess (it inherits ``sys.path``). A library call of ``meta_model_from_spec`` uses ``sys.path`` as is."""
     cwd = os.getcwd()
     added = cwd not in sys.path
     if added:

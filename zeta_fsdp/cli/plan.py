@@ -34,13 +34,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mp", type=mp, default="fp32", help="fp32 (default), bf16, fp16")
     parser.add_argument("--no-auto-wrap", action="store_true", help="the whole model as one FSDP unit")
     parser.add_argument("--block", metavar="CLASS", help="transformer block class name (default: detected)")
-    parser.add_argument(
-        "--rank", type=int_in(0, None, "--rank"), default=0, help="rank to report (default 0, the largest)"
-    )
+    rank = int_in(0, None, "--rank")
+    parser.add_argument("--rank", type=rank, default=0, help="rank to report (default 0, the largest)")
     parser.add_argument("--replicate-size", type=size("--replicate-size"), help="HYBRID replicas")
-    parser.add_argument(
-        "--gpus-per-node", type=size("--gpus-per-node"), help="HYBRID: one replica per node (default 8)"
-    )
+    gpus = size("--gpus-per-node")
+    parser.add_argument("--gpus-per-node", type=gpus, help="HYBRID: one replica per node (default 8)")
     parser.add_argument("--optimizer", choices=list(_OPTIMIZERS), default="adamw")
     parser.add_argument(
         "--micro-batches",

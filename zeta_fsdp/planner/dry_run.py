@@ -24,7 +24,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from ..distributed import fake_process_group, without_launcher_env
 from ..options import resolve_master_dtype, resolve_mixed_precision, resolve_sharding
 from ..wrapped import fsdp_param_groups
-from ..wrapping import BlockSpec
+from ..wrapping import BlockSpec, block_specs
 from .common import dtype_name, resolve_world_and_mesh
 
 __all__ = ["DryRunResult", "dry_run", "dry_run_batch", "dry_run_job"]
@@ -61,14 +61,6 @@ def _meta_copy(model: nn.Module) -> nn.Module:
     for p in model.parameters():
         memo[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
     return copy.deepcopy(model, memo)
-
-
-def _block_spec_names(spec: BlockSpec) -> Optional[list[str]]:
-    """A picklable form of ``TransformerBlock``: fully qualified class names."""
-    if spec is None:
-        return None
-    items = list(spec) if isinstance(spec, (tuple, list, set, frozenset)) else [spec]
-    return [s if isinstance(s, str) else f"{s.__module__}.{s.__qualname__}" for s in items]
 
 
 def _child_env() -> dict[str, str]:
@@ -131,6 +123,9 @@ def dry_run_job(
     world_size, shape = resolve_world_and_mesh(spec, world_size, replicate_size, local_world_size, "dry_run")
     if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
         raise ValueError(f"dry_run(): rank={rank!r} is not accepted. Accepted: an int in [0, {world_size - 1}].")
+    blocks = [] if transformer_block is None else block_specs(transformer_block, "dry_run")
+    # picklable for the subprocess: fully qualified class names
+    names = [b if isinstance(b, str) else f"{b.__module__}.{b.__qualname__}" for b in blocks]
     return {
         "world_size": world_size,
         "rank": rank,
@@ -139,7 +134,7 @@ def dry_run_job(
         "param_dtype": dtype_name(policy.param_dtype),
         "reduce_dtype": dtype_name(policy.reduce_dtype),
         "auto_wrap": auto_wrap,
-        "transformer_block": _block_spec_names(transformer_block),
+        "transformer_block": names if transformer_block is not None else None,
         "ignored_param_names": list(ignored_param_names),
         "master_dtype": dtype_name(master),
     }

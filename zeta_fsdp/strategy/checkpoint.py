@@ -51,16 +51,6 @@ def check_optimizers_match(optimizers: Sequence[torch.optim.Optimizer], ckpt: Ma
         )
 
 
-def _meta(strategy: Any, checkpoint_format: str) -> dict[str, Any]:
-    return {
-        "format": checkpoint_format,
-        "optimizers": len(strategy.optimizers),
-        "optimizer_classes": [type(o).__name__ for o in strategy.optimizers],
-        "data_parallel_size": strategy.data_parallel_size,
-        "tensor_parallel_size": strategy.tensor_parallel_size,
-    }
-
-
 def save_strategy_checkpoint(
     strategy: Any, checkpoint: Mapping[str, Any], filepath: PathLike, storage_options: Any = None
 ) -> None:
@@ -74,7 +64,13 @@ def save_strategy_checkpoint(
     extras.setdefault("global_step", int(step))
     if strategy.lr_schedulers and "lr_schedulers" not in extras:
         extras["lr_schedulers"] = [s.state_dict() for s in strategy.lr_schedulers]
-    extras[META_KEY] = _meta(strategy, fmt)
+    extras[META_KEY] = {
+        "format": fmt,
+        "optimizers": len(optimizers),
+        "optimizer_classes": [type(o).__name__ for o in optimizers],
+        "data_parallel_size": strategy.data_parallel_size,
+        "tensor_parallel_size": strategy.tensor_parallel_size,
+    }
     if strategy.entries_weights_only:
         caller = "FSDP2Strategy.save_checkpoint()"
         on_all_ranks(lambda: check_loadable(extras, "the checkpoint's entries", caller))

@@ -198,9 +198,8 @@ class FSDP2Strategy:
     # ----------------------------------------------------------------------------- sharding
 
     def tensor_init_context(self, empty_init: Optional[bool] = None) -> contextlib.AbstractContextManager:
-        """Context in which to build the module: real tensors (as NeMo's), or ``meta`` with ``empty_init=True``.
-        (Not ``meta`` for ``None``: Lightning passes it around ``configure_model``, where models load
-        pretrained weights, which ``reset_parameters()`` would replace.)
+        """Where to build the module: real tensors (as NeMo's), ``meta`` only with ``empty_init=True`` (Lightning
+        passes ``None`` around ``configure_model``, where loaded weights must not be reset).
         Example: ``with strategy.tensor_init_context(empty_init=True): model = GPT(cfg)``."""
         return torch.device("meta") if empty_init else contextlib.nullcontext()
 
@@ -211,9 +210,8 @@ class FSDP2Strategy:
             return
         module = self._require_module()
         self.setup_environment()
-        fn = self.parallelize_fn or strategy_parallel.default_parallelize
         self._module = strategy_parallel.shard_module(
-            module, fn, self._device_mesh, self.mp_policy, self._device, **self.fsdp_kwargs
+            module, self.parallelize_fn, self._device_mesh, self.mp_policy, self._device, **self.fsdp_kwargs
         )
         self._parallelized, self.parallelize_fn = True, None
         if not self.optimizers and self.owns_optimizers:
@@ -381,9 +379,8 @@ class FSDP2Strategy:
         return ckpt_io.Gathered(state) if full else state
 
     def load_model_state_dict(self, ckpt: Mapping[str, Any], strict: bool = True) -> None:
-        """Load model weights now: ``ckpt["state_dict"]`` (or ``ckpt`` itself), full (rank 0's copy is used) or
-        sharded (DTensors), into the sharded module; ``strict=False`` loads a part (adapters). What
-        ``load_checkpoint`` returned is already loaded and is not loaded twice.
+        """Load ``ckpt["state_dict"]`` (or ``ckpt``), full (rank 0's copy) or sharded (DTensors), into the module now;
+        ``strict=False`` loads a part (adapters). What ``load_checkpoint`` returned is not loaded twice.
         Example: ``strategy.load_model_state_dict({"state_dict": torch.load("weights.pt", weights_only=True)})``."""
         self.parallelize()
         ckpt_io.load_model_weights(self._require_module(), ckpt, strict)
