@@ -118,6 +118,12 @@ def wrap(
     return mesh.get_local_rank(mesh.ndim - 1) if mesh.size(mesh.ndim - 1) > 1 else 0
 
 
+def _param_groups(model: nn.Module) -> list:
+    """Every FSDP parameter group in ``model``, once (a unit of several modules shares its groups)."""
+    groups = {id(g): g for module in managed(model) for g in fsdp_param_groups(module) or ()}
+    return list(groups.values())
+
+
 def _average_whole_grads(params: list[nn.Parameter], mesh: DeviceMesh) -> None:
     """Average whole parameters' gradients over ``mesh`` after each backward, as FSDP does. Under
     ``no_sync`` too: the already-averaged part is equal on every rank, so the mean is the same."""
@@ -135,14 +141,11 @@ def _average_whole_grads(params: list[nn.Parameter], mesh: DeviceMesh) -> None:
 
 
 def _sync_setting(module: FSDPModule) -> tuple[bool, bool]:
-    """``(requires_gradient_sync, requires_all_reduce)`` of one unit; ``(True, True)`` (FSDP's
-    default) when its state cannot be read."""
-    groups = fsdp_param_groups(module)
-    if not groups:
-        return True, True
-    return (
-        all(getattr(g, "reduce_grads", True) for g in groups),
-        all(getattr(g, "all_reduce_grads", True) for g in groups),
+    """``(requires_gradient_sync, requires_all_reduce)`` of one unit; FSDP's default ``(True, True)``
+    when its state cannot be read."""
+    groups = fsdp_param_groups(module) or ()
+    return all(getattr(g, "reduce_grads", True) for g in groups), all(
+        getattr(g, "all_reduce_grads", True) for g in groups
     )
 
 
@@ -184,10 +187,7 @@ def accumulation_bytes(model: nn.Module, micro_batches: int) -> dict[str, Accumu
     keep whole gradients in every choice."""
     sharded = unsharded = partial = rs_units = ar_units = 0
     managed_ids: set[int] = set()
-    groups: dict[int, Any] = {}
-    for module in managed(model):
-        groups.update((id(g), g) for g in fsdp_param_groups(module) or ())
-    for group in groups.values():
+    for group in _param_groups(model):
         shard_size = getattr(group.mesh_info, "shard_mesh_size", 1)
         trainable = [fp for fp in group.fsdp_params if fp.sharded_param.requires_grad]
         rs_units += bool(trainable) and shard_size > 1
@@ -229,15 +229,10 @@ def restore_fsdp_hooks(model: nn.Module) -> Iterator[None]:
     and patched backward methods left behind): the model would not train after a measurement.
     """
     saved = [(m, {name: dict(getattr(m, name)) for name in _HOOK_DICTS}) for m in model.modules()]
-    states = []
-    groups: dict[int, Any] = {}
-    for module in model.modules():
-        state = fsdp_state(module)
-        if state is not None:
-            states.append((state, state._pre_forward_hook_handle, state._post_forward_hook_handle))
-            groups.update((id(group), group) for group in fsdp_param_groups(module) or ())
+    states = [s for s in map(fsdp_state, model.modules()) if s is not None]
+    handles = [(s, s._pre_forward_hook_handle, s._post_forward_hook_handle) for s in states]
     patched = ("pre_backward", "post_backward")
-    group_attrs = [(g, {a: vars(g)[a] for a in patched if a in vars(g)}) for g in groups.values()]
+    group_attrs = [(g, {a: vars(g)[a] for a in patched if a in vars(g)}) for g in _param_groups(model)]
     try:
         yield
     finally:
@@ -246,7 +241,7 @@ def restore_fsdp_hooks(model: nn.Module) -> Iterator[None]:
                 hooks = getattr(module, name)
                 hooks.clear()
                 hooks.update(table)
-        for state, pre_handle, post_handle in states:
+        for state, pre_handle, post_handle in handles:
             state._pre_forward_hook_handle, state._post_forward_hook_handle = pre_handle, post_handle
         for group, attrs in group_attrs:  # drop instance-level patches, keep the class methods
             for attr in patched:

@@ -28,8 +28,7 @@ REPLICAS_EQUAL = True
 
 
 def managed(model: nn.Module) -> list[nn.Module]:
-    """The modules in ``model`` (itself included) that ``replicate`` manages, also when reached
-    through a wrapper (``torch.compile``'s ``OptimizedModule``, a container)."""
+    """The modules in ``model`` (itself, or inside a container or ``torch.compile``'s wrapper) on ``replicate``."""
     return [m for m in model.modules() if isinstance(m, ReplicatedModule)]
 
 
@@ -60,19 +59,16 @@ def wrap(model: nn.Module, plan: Any, device: torch.device, mp_policy: MixedPrec
 
 
 def autocast_forward(model: nn.Module, device_type: str, dtype: torch.dtype) -> None:
-    """Run every forward of ``model`` under ``torch.autocast(device_type, dtype)``, as if the
-    caller had written ``with torch.autocast(...): model(x)``.
+    """Run every forward of ``model`` under ``torch.autocast(device_type, dtype)``.
 
-    Entered by a forward pre-hook and left by a forward hook that runs even when the forward
-    raises (``always_call``); a stack keeps nested or re-entrant forwards paired. Activation
-    checkpointing recomputes under the same autocast state (``torch.utils.checkpoint`` records it).
+    A pre-hook enters it, a hook that runs even when the forward raises (``always_call``) leaves
+    it; a stack keeps re-entrant forwards paired. Checkpointing recomputes under the same state.
     """
     entered: list = []
 
     def enter(module: nn.Module, args: Any) -> None:
-        context = torch.autocast(device_type, dtype=dtype)
-        context.__enter__()
-        entered.append(context)
+        entered.append(torch.autocast(device_type, dtype=dtype))
+        entered[-1].__enter__()
 
     def leave(module: nn.Module, args: Any, output: Any) -> None:
         if entered:
@@ -112,16 +108,13 @@ def _reached(tensor: torch.Tensor) -> set[int]:
 
 
 def _probe_unused(model: nn.Module) -> None:
-    """Ask DDP to search for unused parameters (``find_unused_parameters``) only if there are some.
+    """Turn on DDP's ``find_unused_parameters`` only if the first step leaves a parameter unused.
 
-    Without the search, a backward that leaves parameters without a gradient makes DDP wait for
-    them and fail at the next step; with it on a model whose parameters all get one, DDP walks the
-    graph every step for nothing and its reducer prints a warning on every rank (C++
-    ``TORCH_WARN_ONCE``: no Python filter reaches it). So the first forward that builds a graph
-    runs without, its graph is read once here (before DDP's post-forward hook, ``_needs_search``),
-    and the ranks agree (one all-reduce); if any rank needs the search, DDP is rebuilt with it
-    before this step's backward. Read once: a model using every parameter in its first step and
-    skipping some later makes DDP raise then (a ``mesh`` puts NO_SHARD on FSDP2).
+    Without it such a step makes DDP fail at the next one; with it needlessly, DDP walks the graph
+    every step and its C++ reducer warns on every rank (no Python filter reaches it). So the first
+    forward with a graph runs without, that graph is read once (``_needs_search``), the ranks agree
+    (one all-reduce) and, if any needs it, DDP is rebuilt with the search before this backward. A
+    model that skips parameters only in later steps makes DDP raise then (a ``mesh`` puts it on FSDP2).
     """
 
     @torch.compiler.disable  # collectives and DDP's rebuild: never traced into a compiled graph
@@ -227,8 +220,7 @@ def _whole_grads(micro_batches: int, whole: int, all_reduce_count: int) -> dict[
 
 
 def gradient_bucket_bytes(model: nn.Module) -> int:
-    """Bytes of DDP's gradient buckets (0 before the first forward, where DDP is built). Every
-    ``.grad`` is a view into them."""
+    """Bytes of DDP's gradient buckets, which every ``.grad`` views (0 before DDP's first forward)."""
     total = 0
     for module in managed(model):
         ddp = _ddp(module)
@@ -238,13 +230,13 @@ def gradient_bucket_bytes(model: nn.Module) -> int:
     return total
 
 
-# MemTracker's categories under FSDPMemTracker's names: on DDP's engine every rank's "shard" is the
-# whole tensor, so one table reads the same for both engines.
+# MemTracker's categories under FSDPMemTracker's names (a rank's "shard" is the whole tensor here), so
+# one table reads the same for both engines. "Other" is what track_external(inputs) records.
 _MEMTRACKER_NAMES = {
     "Parameter": "Sharded Param",
     "Gradient": "Sharded Grad",
     "Optstate": "OptState",
-    "Other": "Inputs",  # what track_external(inputs) records
+    "Other": "Inputs",
 }
 
 
@@ -282,13 +274,8 @@ def _autocast_copies(model: nn.Module, policy: MixedPrecisionPolicy) -> int:
     if dtype is None:
         return 0
     kinds = (nn.Linear, nn.modules.conv._ConvNd)
-    seen: dict[int, int] = {}
-    for module in model.modules():
-        if isinstance(module, kinds):
-            for p in module.parameters(recurse=False):
-                if p.requires_grad and p.is_floating_point():
-                    seen[id(p)] = p.numel() * dtype.itemsize
-    return sum(seen.values())
+    cast = {p for m in model.modules() if isinstance(m, kinds) for p in m.parameters(recurse=False)}  # ties once
+    return sum(p.numel() * dtype.itemsize for p in cast if p.requires_grad and p.is_floating_point())
 
 
 def plan_costs(
