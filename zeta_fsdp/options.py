@@ -99,6 +99,13 @@ SHARDING_ALIASES: dict[str, str] = {
 }
 
 
+def _lookup(aliases: dict, key: Optional[str], bad: str, also: str) -> object:
+    """``aliases[key]``, else ``ValueError``: ``bad`` (what was passed), then every accepted value."""
+    if key not in aliases:
+        raise ValueError(f"{bad}. Accepted (case-insensitive): {', '.join(map(repr, aliases))}, {also}.")
+    return aliases[key]
+
+
 def resolve_mixed_precision(
     mp: Union[str, MixedPrecisionPolicy, None], *, caller: str = "fsdp"
 ) -> MixedPrecisionPolicy:
@@ -120,13 +127,9 @@ def resolve_mixed_precision(
     if isinstance(mp, torch.dtype):
         mp = str(mp).replace("torch.", "")
     key = mp.strip().lower() if isinstance(mp, str) else None
-    if key not in MIXED_PRECISION_ALIASES:
-        accepted = ", ".join(repr(a) for a in MIXED_PRECISION_ALIASES)
-        raise ValueError(
-            f"{caller}(): unknown mp={mp!r}. Accepted (case-insensitive): {accepted}, "
-            "or a torch.distributed.fsdp.MixedPrecisionPolicy."
-        )
-    param_dtype, reduce_dtype, output_dtype = MP_PRESETS[MIXED_PRECISION_ALIASES[key]]
+    bad = f"{caller}(): unknown mp={mp!r}"
+    preset = _lookup(MIXED_PRECISION_ALIASES, key, bad, "or a torch.distributed.fsdp.MixedPrecisionPolicy")
+    param_dtype, reduce_dtype, output_dtype = MP_PRESETS[preset]
     return MixedPrecisionPolicy(
         param_dtype=param_dtype, reduce_dtype=reduce_dtype, output_dtype=output_dtype, cast_forward_inputs=True
     )
@@ -146,22 +149,16 @@ def resolve_sharding(shard_strat: Union[str, enum.Enum, None], *, caller: str = 
         shard_strat = "NO_SHARD"
     raw = shard_strat.name if isinstance(shard_strat, enum.Enum) else shard_strat
     key = raw.strip().upper().replace("-", "_") if isinstance(raw, str) else None
-    if key not in SHARDING_ALIASES:
-        accepted = ", ".join(repr(a) for a in SHARDING_ALIASES)
-        raise ValueError(
-            f"{caller}(): unknown shard_strat={shard_strat!r}. Accepted (case-insensitive): "
-            f"{accepted}, or a torch.distributed.fsdp.ShardingStrategy member."
-        )
-    return _SHARDING_TABLE[SHARDING_ALIASES[key]]
+    bad = f"{caller}(): unknown shard_strat={shard_strat!r}"
+    return _SHARDING_TABLE[_lookup(SHARDING_ALIASES, key, bad, "or a torch.distributed.fsdp.ShardingStrategy member")]
 
 
 def autocast_dtype(mp_policy: MixedPrecisionPolicy) -> Optional[torch.dtype]:
     """``torch.bfloat16`` when ``mp_policy`` is the ``mp="bf16"`` preset, else ``None``.
 
-    That preset (bf16 compute, fp32 gradient reduction) is what DDP's engine gives with
-    ``torch.autocast(dtype=torch.bfloat16)`` around the forward: parameters and gradients stay
-    fp32, so gradients are all-reduced in fp32. fp16 needs a loss scaler and a custom policy may
-    ask for what autocast cannot do (bf16 reduction, an output dtype): those stay on FSDP2.
+    That preset (bf16 compute, fp32 reduction) is what DDP's engine gives with ``torch.autocast``
+    around the forward. fp16 needs a loss scaler, and a custom policy may ask for what autocast
+    cannot do (bf16 reduction, an output dtype): those stay on FSDP2.
     """
     bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     return torch.bfloat16 if mp_policy == bf16 else None
@@ -229,11 +226,10 @@ def validate_reshard_after_forward(
             f"fsdp(): reshard_after_forward={value!r} is not accepted. Accepted: None, True, "
             "False, or a positive int that divides the shard group size."
         )
-    if value < 1 or (shard_group_size is not None and shard_group_size % value != 0):
-        n = shard_group_size
-        group, divisors = (
-            (f" ({n})", f" Accepted ints here: {[d for d in range(1, n + 1) if n % d == 0]}.") if n else ("", "")
-        )
+    n = shard_group_size
+    if value < 1 or (n is not None and n % value != 0):
+        group = f" ({n})" if n else ""
+        divisors = f" Accepted ints here: {[d for d in range(1, n + 1) if n % d == 0]}." if n else ""
         raise ValueError(
             f"fsdp(): reshard_after_forward={value!r} must be a positive int that divides the "
             f"shard group size{group}, or None/True/False.{divisors}"
@@ -299,13 +295,8 @@ def resolve_master_dtype(master_dtype: Union[str, torch.dtype, None], *, caller:
             )
         return master_dtype
     key = master_dtype.strip().lower() if isinstance(master_dtype, str) else None
-    if key not in MASTER_DTYPE_ALIASES:
-        accepted = ", ".join(repr(a) for a in MASTER_DTYPE_ALIASES)
-        raise ValueError(
-            f"{caller}(): unknown master_dtype={master_dtype!r}. Accepted (case-insensitive): {accepted}, "
-            "None (keep each parameter's dtype), or a floating torch.dtype."
-        )
-    return MASTER_DTYPE_ALIASES[key]
+    bad = f"{caller}(): unknown master_dtype={master_dtype!r}"
+    return _lookup(MASTER_DTYPE_ALIASES, key, bad, "None (keep each parameter's dtype), or a floating torch.dtype")
 
 
 def stored_dtype(param: torch.Tensor, master: Optional[torch.dtype]) -> torch.dtype:
