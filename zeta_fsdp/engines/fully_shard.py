@@ -31,13 +31,10 @@ def managed(model: nn.Module) -> list[nn.Module]:
 
 
 def check(plan: WrapPlan, model: nn.Module, master: Optional[torch.dtype]) -> None:
-    """What ``fully_shard`` would reject in a unit, checked before anything changes.
-
-    ``fully_shard`` validates each call on its own, so a unit refused after earlier ones were
-    sharded would leave a half-wrapped model. FSDP2 needs one dtype among a unit's TRAINABLE
-    parameters (one reduce-scatter per unit; frozen ones may differ: a bf16 LoRA base beside fp32
-    adapters), checked on the dtypes they WILL have (``options.stored_dtype``); a container
-    without ``forward`` cannot be a unit. 0-dim parameters are kept whole (``wrap``).
+    """What ``fully_shard`` would reject in a unit, checked before any unit is sharded (a unit
+    refused after others were would leave a half-wrapped model): mixed dtypes among a unit's
+    trainable parameters as they WILL be stored (one reduce-scatter per unit; frozen ones may
+    differ), or a container without ``forward`` as a unit.
     """
     params = dict(model.named_parameters())
     for unit in plan.units:
@@ -272,13 +269,7 @@ _RESIDENT_KINDS = ("root", "embedding+head")
 
 
 def plan_costs(
-    model: nn.Module,
-    units: list,
-    mp_policy: MixedPrecisionPolicy,
-    reshard: bool,
-    shard_size: int,
-    grads: list,
-    why: str,
+    model: nn.Module, units: list, policy: MixedPrecisionPolicy, reshard: bool, shard_size: int, grads: list, why: str
 ) -> tuple[int, int, list[str]]:
     """The planner's engine terms: ``(all-gather peak, all-reduces per synced backward, notes)``.
 

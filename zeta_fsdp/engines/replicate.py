@@ -279,13 +279,7 @@ def _autocast_copies(model: nn.Module, policy: MixedPrecisionPolicy) -> int:
 
 
 def plan_costs(
-    model: nn.Module,
-    units: list,
-    mp_policy: MixedPrecisionPolicy,
-    reshard: bool,
-    shard_size: int,
-    grads: list,
-    why: str,
+    model: nn.Module, units: list, policy: MixedPrecisionPolicy, reshard: bool, shard_size: int, grads: list, why: str
 ) -> tuple[int, int, list[str]]:
     """The planner's engine terms: ``(all-gather peak, all-reduces per synced backward, notes)``.
 
@@ -293,7 +287,7 @@ def plan_costs(
     low-precision weight copies stand in the all-gather's place. A planned model has not run, so
     it is counted as one that uses every parameter (no unused-parameter search).
     """
-    copies = _autocast_copies(model, mp_policy)
+    copies = _autocast_copies(model, policy)
     notes = [
         f"engine: replicate ({why}): plain tensor parameters used in place, gradients are views "
         "of DDP's all-reduce buckets (no second copy)"
