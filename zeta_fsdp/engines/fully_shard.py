@@ -84,11 +84,9 @@ def wrap(
 ) -> int:
     """``fully_shard`` every unit bottom-up; returns this rank's index in its shard group.
 
-    One policy for every unit (FSDP2 does not inherit it). The root keeps its parameters after
-    forward (backward starts with it), and so do the ``keep_tail`` units forward runs last (the
-    head, then blocks backwards): backward would all-gather them again at once. ``prefetch``
-    chains sit on each unit's first module (a unit's modules share one state). 0-dim parameters,
-    which ``fully_shard`` cannot shard, stay whole (``_average_whole_grads``).
+    One policy for every unit (FSDP2 does not inherit it). The root and the ``keep_tail`` units
+    forward runs last keep their parameters after forward: backward would all-gather them again
+    at once. 0-dim parameters, which ``fully_shard`` cannot shard, stay whole.
     """
     scalars = [model.get_parameter(n) for n in plan.scalar_param_names]
     # Pinned host memory needs an accelerator; on a CPU-only run offloading is a no-op anyway.
@@ -273,10 +271,9 @@ def plan_costs(
 ) -> tuple[int, int, list[str]]:
     """The planner's engine terms: ``(all-gather peak, all-reduces per synced backward, notes)``.
 
-    The peak: gathered parameters plus flat all-gather buffers alive at once. A unit's buffer
-    lives until the next unit's copy-out (none with one rank per shard group); units not
-    resharded before backward stay (``_RESIDENT_KINDS``, every unit under ZeRO-2). All-reduces
-    are per unit (``plan_accumulation``).
+    The peak: gathered parameters plus the flat all-gather buffers alive at once (a unit's lives
+    until the next unit's copy-out; none with one rank per shard group); units not resharded
+    before backward stay (``_RESIDENT_KINDS``, every unit under ZeRO-2).
     """
     if not units:
         return 0, 0, []

@@ -79,11 +79,9 @@ def autocast_forward(model: nn.Module, device_type: str, dtype: torch.dtype) -> 
 
 
 def _needs_search(output: Any, params: list[nn.Parameter]) -> bool:
-    """Could a backward from this output leave a trainable parameter without a gradient?
-
-    Yes unless every output tensor's graph reaches every parameter: one may be unused (a head, a
-    branch not taken) or reached only from an output the loss may ignore (a pooler's: DDP's own
-    search, over all outputs together, calls it used and warns, yet needs the search for it).
+    """Could a backward from this output leave a trainable parameter without a gradient? Yes unless
+    every output tensor's graph reaches every parameter: one reached only from an output the loss
+    may ignore (a pooler's) needs the search too, though DDP's own check calls it used and warns.
     """
     want = {id(p) for p in params}
     tensors = [t for t in _find_tensors(output) if t.requires_grad]
@@ -150,11 +148,10 @@ def _probe_unused(model: nn.Module) -> None:
 
 @contextlib.contextmanager
 def no_sync(model: nn.Module, reduce: bool) -> Iterator[None]:
-    """``training.no_sync``: DDP's one collective is the all-reduce, so either choice defers it.
+    """``training.no_sync``: either choice defers DDP's one collective, the all-reduce.
 
-    DDP decides at each forward whether the backward that follows all-reduces, so the forward
-    must run inside the block (as with ``DistributedDataParallel.no_sync``). Each module's setting
-    is restored on exit, so nested blocks stay off until the outermost exits.
+    DDP decides at each forward, so the forward must run inside the block (as with
+    ``DistributedDataParallel.no_sync``). Settings are restored on exit: nested blocks nest.
     """
     modules = managed(model)
     was_off = [bool(getattr(replicate.state(m), "_no_sync", False)) for m in modules]
@@ -197,18 +194,14 @@ def all_reduces(grads: list[tuple[torch.dtype, int]], finds_unused: bool = False
 
 
 def accumulation_bytes(model: nn.Module, micro_batches: int) -> dict[str, AccumulationCost]:
-    """Gradients are whole and accumulate in place in DDP's buckets whatever the choice; the
-    collectives are all-reduces (``all_reduces``)."""
-    grads = [p for p in model.parameters() if p.requires_grad]
-    whole = sum(p.numel() * p.element_size() for p in grads)
+    """Whole gradients in DDP's buckets whatever the choice; all-reduces only (``all_reduces``)."""
+    grads = [(p.dtype, p.numel() * p.element_size()) for p in model.parameters() if p.requires_grad]
     finds_unused = any(getattr(_ddp(m), "find_unused_parameters", False) for m in managed(model))
-    return _whole_grads(
-        micro_batches, whole, all_reduces([(p.dtype, p.numel() * p.element_size()) for p in grads], finds_unused)
-    )
+    return _whole_grads(micro_batches, sum(nbytes for _, nbytes in grads), all_reduces(grads, finds_unused))
 
 
 def _whole_grads(micro_batches: int, whole: int, all_reduce_count: int) -> dict[str, AccumulationCost]:
-    """Every choice keeps the same whole gradients (accumulated in place in DDP's buckets)."""
+    """Every choice keeps the same whole gradients, in DDP's buckets."""
     return accumulation_costs(
         micro_batches,
         sharded=whole,
