@@ -145,12 +145,9 @@ def _sync_setting(module: FSDPModule) -> tuple[bool, bool]:
 
 
 def _set_sync(module: FSDPModule, reduce: bool, all_reduce: bool) -> None:
-    """Public FSDP2 API only: gradient sync (reduce-scatter, and HSDP's all-reduce) then the
-    all-reduce on its own, where this torch has ``set_requires_all_reduce``."""
+    """Public FSDP2 API only: gradient sync (reduce-scatter, and HSDP's all-reduce) then the all-reduce."""
     module.set_requires_gradient_sync(reduce, recurse=False)
-    set_all_reduce = getattr(module, "set_requires_all_reduce", None)
-    if callable(set_all_reduce):
-        set_all_reduce(all_reduce, recurse=False)
+    module.set_requires_all_reduce(all_reduce, recurse=False)
 
 
 @contextlib.contextmanager
