@@ -113,7 +113,6 @@ def resolve_mixed_precision(
 
     ``"fp32"`` (default) casts nothing; ``"bf16"``/``"fp16"`` compute in the low dtype and reduce
     gradients in fp32. A ``MixedPrecisionPolicy`` is returned as given. Case-insensitive.
-    A bad value raises ``ValueError`` whose message starts with ``caller`` (the function the user called).
 
     Example:
         >>> policy = resolve_mixed_precision("FP16")
@@ -137,8 +136,6 @@ def resolve_mixed_precision(
 
 def resolve_sharding(shard_strat: Union[str, enum.Enum, None], *, caller: str = "fsdp") -> ShardingSpec:
     """Turn Zeta's ``shard_strat`` (or an FSDP1 ``ShardingStrategy`` member) into a ShardingSpec.
-
-    A bad value raises ``ValueError`` whose message starts with ``caller`` (the function the user called).
 
     Example:
         >>> from torch.distributed.fsdp import ShardingStrategy
@@ -238,11 +235,7 @@ def validate_reshard_after_forward(
 
 
 def validate_prefetch(value: Optional[int]) -> Optional[int]:
-    """Check ``fsdp(prefetch=...)``: ``None`` (FSDP2's implicit prefetching) or an int >= 1.
-
-    An int ``n`` sets explicit chains: in forward each unit all-gathers the next ``n`` units, in
-    backward the previous ``n``. ``bool`` is refused: ``True`` would silently mean ``1``.
-    """
+    """Check ``fsdp(prefetch=...)``: ``None`` or an int >= 1 (``True`` would silently mean 1: refused)."""
     if value is None or (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
         return value
     raise ValueError(
@@ -253,11 +246,8 @@ def validate_prefetch(value: Optional[int]) -> Optional[int]:
 
 
 def validate_keep_tail_unsharded(value: Union[bool, int]) -> int:
-    """Check ``fsdp(keep_tail_unsharded=...)`` and return it as a count of units (``True`` is 1).
-
-    The count is of the units that run last in forward (the output head first, then the last
-    blocks, counting back), which keep their parameters unsharded between forward and backward.
-    """
+    """Check ``fsdp(keep_tail_unsharded=...)``; return it as a count of the units forward runs last
+    (the head, then blocks counting back), ``True`` being 1."""
     if isinstance(value, bool):
         return int(value)
     if isinstance(value, int) and value >= 0:
@@ -272,11 +262,8 @@ def validate_keep_tail_unsharded(value: Union[bool, int]) -> int:
 def resolve_master_dtype(master_dtype: Union[str, torch.dtype, None], *, caller: str = "fsdp") -> Optional[torch.dtype]:
     """Turn ``fsdp(master_dtype=...)`` into the dtype of the sharded (master) parameters, or ``None``.
 
-    The master copy is what the optimizer reads and updates, so its dtype is the optimizer
-    state's dtype too. ``"fp32"`` (the default of ``fsdp``) stores every floating-point parameter
-    in fp32 whatever dtype the model was loaded in (a ``from_pretrained`` bf16 model included);
-    ``mp`` only sets the compute and reduction dtypes. ``None`` (or ``"param"``/``"keep"``) keeps
-    each parameter's own dtype: pure bf16/fp16 training, AdamW state in that dtype too.
+    The optimizer reads and updates the master copy, so the optimizer state has its dtype too.
+    ``None`` (or ``"param"``/``"keep"``) keeps each parameter's own dtype: pure bf16/fp16 training.
     Case-insensitive; a floating ``torch.dtype`` is accepted as well.
 
     Example:
@@ -302,10 +289,9 @@ def resolve_master_dtype(master_dtype: Union[str, torch.dtype, None], *, caller:
 def stored_dtype(param: torch.Tensor, master: Optional[torch.dtype]) -> torch.dtype:
     """The dtype ``fsdp(master_dtype=master)`` stores ``param`` in (``master`` as resolved above).
 
-    Master weights are for what an optimizer steps: a trainable floating-point parameter is
-    stored in ``master``; a frozen one (``requires_grad=False``: a LoRA base, a frozen tower)
-    keeps its own dtype (a bf16 base stays bf16: half the bytes of fp32 masters, and no
-    optimizer ever reads it); integer parameters and ``master=None`` keep theirs too.
+    Master weights are for what an optimizer steps: a trainable floating-point parameter is stored
+    in ``master``; a frozen one (a LoRA base: no optimizer reads it, so a bf16 base stays bf16),
+    an integer one, and any under ``master=None`` keep their own dtype.
     """
     if master is None or not param.is_floating_point() or not param.requires_grad:
         return param.dtype
