@@ -80,9 +80,8 @@ class UnitEstimate:
 
 
 def _units_total(attribute: str, doc: str, example: int, plus: str = "") -> property:
-    """A read-only ``int`` property of ``MemoryPlan``: ``attribute`` summed over its units, plus its
-    own attribute ``plus`` if named (the bytes of ignored parameters, which stay whole).
-    ``example``: its value for the demo GPT at 2 ranks (shown in the property's docstring)."""
+    """A ``MemoryPlan`` property: ``attribute`` summed over the units, plus the plan's ``plus`` if named
+    (ignored parameters, kept whole); ``example``: its value for the demo GPT at 2 ranks."""
 
     def total(self: MemoryPlan) -> int:
         return sum(getattr(u, attribute) for u in self.units) + (getattr(self, plus) if plus else 0)
@@ -103,9 +102,7 @@ def _units_total(attribute: str, doc: str, example: int, plus: str = "") -> prop
 class MemoryPlan:
     """Per-rank memory estimate of ``fsdp(model, ...)`` at ``world_size`` ranks; see ``plan()``.
 
-    The totals exclude activations (they depend on batch size and sequence length). In the
-    examples of its members, ``model`` is ``zeta_fsdp.models.gpt.small()`` built on ``meta`` (as in the
-    module's example), planned with the defaults (FULL_SHARD, fp32, AdamW).
+    The totals exclude activations (they depend on batch size and sequence length).
 
     Example:
         >>> from zeta_fsdp.models.gpt import small
