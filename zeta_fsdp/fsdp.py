@@ -74,7 +74,7 @@ def _ignored_parameters(
         ignored_params = [ignored_params]
     if isinstance(ignored_modules, nn.Module):
         ignored_modules = [ignored_modules]
-    ignored = set(ignored_params) if ignored_params is not None else set()
+    ignored = set(ignored_params or ())
     for module in ignored_modules or ():
         if not isinstance(module, nn.Module):
             raise ValueError(f"fsdp(): ignored_modules must hold nn.Module objects, got {module!r}.")
