@@ -176,10 +176,9 @@ _BUCKET_BYTES = 25 * 1024 * 1024
 def all_reduces(grads: list[tuple[torch.dtype, int]], finds_unused: bool = False) -> int:
     """All-reduces per synced backward for gradients of these ``(dtype, bytes)``, in parameter order.
 
-    One per bucket (``_compute_bucket_assignment_by_size``: one open bucket per dtype, closed at
-    1 MiB for the first, 25 MiB after). With the unused-parameter search DDP keeps parameter order
-    and adds one for the map of used parameters; without, it rebuilds its buckets after the first
-    step in gradient-ready order (about the reverse: counted so).
+    One per bucket (one open bucket per dtype, closed at 1 MiB for the first, 25 MiB after). With
+    the unused-parameter search DDP keeps parameter order and adds one for the map of used
+    parameters; without, it rebuilds its buckets in gradient-ready order (about the reverse).
     """
     limits: dict[torch.dtype, int] = {}
     open_bytes: dict[torch.dtype, int] = {}
