@@ -54,12 +54,10 @@ def accumulation_costs(
 ) -> dict[str, AccumulationCost]:
     """Gradient bytes held and collectives per ``micro_batches`` micro-batches, for each choice.
 
-    ``sharded``: bytes of the sharded ``.grad`` (what syncing every micro-batch keeps);
-    ``unsharded``: the unsharded gradients ``defer="all"`` keeps; ``partial``: the reduce-scattered
-    sum ``defer="all_reduce"`` keeps on a mesh with replicas (on a 1-D mesh nothing is deferred:
-    it keeps ``sharded``). ``reduce_scatter_units`` / ``all_reduce_units``: units that reduce-scatter
-    (shard group > 1) / all-reduce (replicas > 1) in one synced backward. ``memory_report`` and the
-    planner fill these in; a ``ValueError`` for ``micro_batches`` < 1.
+    Bytes kept between micro-batches: ``sharded`` syncing every one, ``unsharded`` under
+    ``defer="all"``, ``partial`` (the reduce-scattered sum) under ``defer="all_reduce"`` with
+    replicas (without, nothing is deferred: ``sharded``). ``*_units``: units that reduce-scatter /
+    all-reduce in one synced backward. ``micro_batches`` < 1 is a ``ValueError``.
     """
     if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 1:
         raise ValueError(f"micro_batches={micro_batches!r} is not accepted. Accepted: an int >= 1.")
@@ -72,12 +70,9 @@ def accumulation_costs(
 
 
 def gradient_wait_dtype(policy: MixedPrecisionPolicy, dtype: torch.dtype) -> torch.dtype:
-    """The dtype FSDP2 keeps a parameter's gradient in between its backward and its reduction
-    (unsharded gradients under ``no_sync``, the reduce-scatter output, the sum ``defer="all_reduce"``
-    keeps). ``dtype``: the parameter's own (sharded) dtype. The policy's ``reduce_dtype`` when set;
-    with ``reduce_dtype=None`` it depends on the torch release (``torch_compat``): torch >= 2.15
-    keeps the parameter's own dtype, older releases the compute dtype (``FSDPParam.init_dtype_attrs``).
-    ``resolve_mixed_precision``'s presets set ``reduce_dtype`` wherever the two would differ.
+    """The dtype FSDP2 keeps a gradient in between backward and reduction (under ``no_sync``, the
+    reduce-scatter output). ``dtype``: the parameter's (sharded) dtype. The policy's ``reduce_dtype``
+    when set; else torch >= 2.15 keeps ``dtype``, older releases the compute dtype (``torch_compat``).
     """
     if policy.reduce_dtype is None and torch_compat.REDUCE_DTYPE_NONE_KEEPS_PARAM_DTYPE:
         return dtype

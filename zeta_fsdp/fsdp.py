@@ -40,11 +40,6 @@ from .wrapping import BlockSpec, build_wrap_plan
 __all__ = ["fsdp", "fsdp_engine", "get_wrap_plan", "is_fsdp_wrapped"]
 
 
-def _require_bool(name: str, value: Any) -> None:
-    if not isinstance(value, bool):
-        raise ValueError(f"fsdp(): {name}={value!r} is not accepted. Accepted: True or False.")
-
-
 def _check_compile_options(options: Any) -> None:
     if isinstance(options, bool):
         return
@@ -61,12 +56,12 @@ def _check_compile_options(options: Any) -> None:
 def _check_device(model: nn.Module, device: Union[str, torch.device, None]) -> torch.device:
     if device is not None:
         try:
-            torch.device(device)
+            cuda = torch.device(device).type == "cuda"
         except (RuntimeError, TypeError) as err:
             raise ValueError(
                 f"fsdp(): device={device!r} is not accepted. Accepted: None, 'cpu', 'cuda', 'cuda:N' or a torch.device."
             ) from err
-        if torch.device(device).type == "cuda" and not torch.cuda.is_available():
+        if cuda and not torch.cuda.is_available():
             raise ValueError(f"fsdp(): device={device!r} but CUDA is not available here. Accepted: None or 'cpu'.")
     return choose_device(model, device)
 
@@ -79,7 +74,7 @@ def _ignored_parameters(
         ignored_params = [ignored_params]
     if isinstance(ignored_modules, nn.Module):
         ignored_modules = [ignored_modules]
-    ignored = set(ignored_params) if ignored_params is not None else set()
+    ignored = set(ignored_params or ())
     for module in ignored_modules or ():
         if not isinstance(module, nn.Module):
             raise ValueError(f"fsdp(): ignored_modules must hold nn.Module objects, got {module!r}.")
@@ -170,10 +165,11 @@ def fsdp(
             f"fsdp(): {type(model).__name__} (or one of its submodules) is already wrapped with "
             "FSDP2 (fully_shard) or DDP's engine (replicate). Call fsdp() once, on the unwrapped model."
         )
-    _require_bool("auto_wrap", auto_wrap)
-    _require_bool("cpu_offload", cpu_offload)
-    _require_bool("activation_checkpointing", activation_checkpointing)
-    _require_bool("materialize", materialize)
+    flags = dict(auto_wrap=auto_wrap, cpu_offload=cpu_offload, materialize=materialize)
+    flags.update(activation_checkpointing=activation_checkpointing)
+    for name, value in flags.items():
+        if not isinstance(value, bool):
+            raise ValueError(f"fsdp(): {name}={value!r} is not accepted. Accepted: True or False.")
     _check_compile_options(compile)
     mp_policy = resolve_mixed_precision(mp)
     master = resolve_master_dtype(master_dtype)

@@ -1,14 +1,11 @@
-"""Measuring a training step: peak memory by category, collectives, step time.
-
-Shared by the demo, the planner's accuracy checks, the benchmarks and users' notebooks.
-
-Memory comes from PyTorch's memory trackers (exact on CPU: they count tensor storages by
-category; each engine's own, ``engines``), collectives from ``CommDebugMode``, time from
-``time.perf_counter``. Nothing here asserts anything: callers decide what the numbers mean.
+"""Measuring a training step: peak memory by category (each engine's PyTorch memory tracker, exact
+on CPU), collectives (``CommDebugMode``) and step time. Shared by the demo, the planner's accuracy
+checks and the benchmarks; nothing here asserts: callers decide what the numbers mean.
 """
 
 from __future__ import annotations
 
+import statistics
 import time
 from typing import Any, Callable, Optional
 
@@ -40,8 +37,8 @@ def peak_memory_by_category(
     """Per-rank peak bytes by FSDP category (``"Sharded Param"``, ``"OptState"``, ...) over one ``step()``.
 
     FSDP2 models are measured with ``FSDPMemTracker``; NO_SHARD on DDP's engine with ``MemTracker``
-    under the same names (a whole tensor is each rank's "shard"). ``warmup`` steps run first, untracked, so lazily created optimizer state exists and the
-    tracked step is a steady-state one. Adds ``"Total"`` (peak of the sum, not sum of peaks).
+    under the same names (a whole tensor is each rank's "shard"). ``warmup`` untracked steps run
+    first, so lazily created optimizer state exists. ``"Total"`` is the peak of the sum.
 
     Example:
         peak = peak_memory_by_category(model, optimizer, lambda: train_step(batch), inputs=(batch,))
@@ -85,5 +82,4 @@ def median_step_seconds(step: Callable[[], Any], *, steps: int = 5, warmup: int 
         start = time.perf_counter()
         step()
         times.append(time.perf_counter() - start)
-    times.sort()
-    return times[len(times) // 2]
+    return statistics.median_high(times)

@@ -99,6 +99,13 @@ SHARDING_ALIASES: dict[str, str] = {
 }
 
 
+def _lookup(aliases: dict, key: Optional[str], bad: str, also: str) -> object:
+    """``aliases[key]``, else ``ValueError``: ``bad`` (what was passed), then every accepted value."""
+    if key not in aliases:
+        raise ValueError(f"{bad}. Accepted (case-insensitive): {', '.join(map(repr, aliases))}, {also}.")
+    return aliases[key]
+
+
 def resolve_mixed_precision(
     mp: Union[str, MixedPrecisionPolicy, None], *, caller: str = "fsdp"
 ) -> MixedPrecisionPolicy:
@@ -106,7 +113,6 @@ def resolve_mixed_precision(
 
     ``"fp32"`` (default) casts nothing; ``"bf16"``/``"fp16"`` compute in the low dtype and reduce
     gradients in fp32. A ``MixedPrecisionPolicy`` is returned as given. Case-insensitive.
-    A bad value raises ``ValueError`` whose message starts with ``caller`` (the function the user called).
 
     Example:
         >>> policy = resolve_mixed_precision("FP16")
@@ -120,13 +126,9 @@ def resolve_mixed_precision(
     if isinstance(mp, torch.dtype):
         mp = str(mp).replace("torch.", "")
     key = mp.strip().lower() if isinstance(mp, str) else None
-    if key not in MIXED_PRECISION_ALIASES:
-        accepted = ", ".join(repr(a) for a in MIXED_PRECISION_ALIASES)
-        raise ValueError(
-            f"{caller}(): unknown mp={mp!r}. Accepted (case-insensitive): {accepted}, "
-            "or a torch.distributed.fsdp.MixedPrecisionPolicy."
-        )
-    param_dtype, reduce_dtype, output_dtype = MP_PRESETS[MIXED_PRECISION_ALIASES[key]]
+    bad = f"{caller}(): unknown mp={mp!r}"
+    preset = _lookup(MIXED_PRECISION_ALIASES, key, bad, "or a torch.distributed.fsdp.MixedPrecisionPolicy")
+    param_dtype, reduce_dtype, output_dtype = MP_PRESETS[preset]
     return MixedPrecisionPolicy(
         param_dtype=param_dtype, reduce_dtype=reduce_dtype, output_dtype=output_dtype, cast_forward_inputs=True
     )
@@ -134,8 +136,6 @@ def resolve_mixed_precision(
 
 def resolve_sharding(shard_strat: Union[str, enum.Enum, None], *, caller: str = "fsdp") -> ShardingSpec:
     """Turn Zeta's ``shard_strat`` (or an FSDP1 ``ShardingStrategy`` member) into a ShardingSpec.
-
-    A bad value raises ``ValueError`` whose message starts with ``caller`` (the function the user called).
 
     Example:
         >>> from torch.distributed.fsdp import ShardingStrategy
@@ -146,22 +146,16 @@ def resolve_sharding(shard_strat: Union[str, enum.Enum, None], *, caller: str = 
         shard_strat = "NO_SHARD"
     raw = shard_strat.name if isinstance(shard_strat, enum.Enum) else shard_strat
     key = raw.strip().upper().replace("-", "_") if isinstance(raw, str) else None
-    if key not in SHARDING_ALIASES:
-        accepted = ", ".join(repr(a) for a in SHARDING_ALIASES)
-        raise ValueError(
-            f"{caller}(): unknown shard_strat={shard_strat!r}. Accepted (case-insensitive): "
-            f"{accepted}, or a torch.distributed.fsdp.ShardingStrategy member."
-        )
-    return _SHARDING_TABLE[SHARDING_ALIASES[key]]
+    bad = f"{caller}(): unknown shard_strat={shard_strat!r}"
+    return _SHARDING_TABLE[_lookup(SHARDING_ALIASES, key, bad, "or a torch.distributed.fsdp.ShardingStrategy member")]
 
 
 def autocast_dtype(mp_policy: MixedPrecisionPolicy) -> Optional[torch.dtype]:
     """``torch.bfloat16`` when ``mp_policy`` is the ``mp="bf16"`` preset, else ``None``.
 
-    That preset (bf16 compute, fp32 gradient reduction) is what DDP's engine gives with
-    ``torch.autocast(dtype=torch.bfloat16)`` around the forward: parameters and gradients stay
-    fp32, so gradients are all-reduced in fp32. fp16 needs a loss scaler and a custom policy may
-    ask for what autocast cannot do (bf16 reduction, an output dtype): those stay on FSDP2.
+    That preset (bf16 compute, fp32 reduction) is what DDP's engine gives with ``torch.autocast``
+    around the forward. fp16 needs a loss scaler, and a custom policy may ask for what autocast
+    cannot do (bf16 reduction, an output dtype): those stay on FSDP2.
     """
     bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     return torch.bfloat16 if mp_policy == bf16 else None
@@ -229,11 +223,10 @@ def validate_reshard_after_forward(
             f"fsdp(): reshard_after_forward={value!r} is not accepted. Accepted: None, True, "
             "False, or a positive int that divides the shard group size."
         )
-    if value < 1 or (shard_group_size is not None and shard_group_size % value != 0):
-        n = shard_group_size
-        group, divisors = (
-            (f" ({n})", f" Accepted ints here: {[d for d in range(1, n + 1) if n % d == 0]}.") if n else ("", "")
-        )
+    n = shard_group_size
+    if value < 1 or (n is not None and n % value != 0):
+        group = f" ({n})" if n else ""
+        divisors = f" Accepted ints here: {[d for d in range(1, n + 1) if n % d == 0]}." if n else ""
         raise ValueError(
             f"fsdp(): reshard_after_forward={value!r} must be a positive int that divides the "
             f"shard group size{group}, or None/True/False.{divisors}"
@@ -242,11 +235,7 @@ def validate_reshard_after_forward(
 
 
 def validate_prefetch(value: Optional[int]) -> Optional[int]:
-    """Check ``fsdp(prefetch=...)``: ``None`` (FSDP2's implicit prefetching) or an int >= 1.
-
-    An int ``n`` sets explicit chains: in forward each unit all-gathers the next ``n`` units, in
-    backward the previous ``n``. ``bool`` is refused: ``True`` would silently mean ``1``.
-    """
+    """Check ``fsdp(prefetch=...)``: ``None`` or an int >= 1 (``True`` would silently mean 1: refused)."""
     if value is None or (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
         return value
     raise ValueError(
@@ -257,11 +246,8 @@ def validate_prefetch(value: Optional[int]) -> Optional[int]:
 
 
 def validate_keep_tail_unsharded(value: Union[bool, int]) -> int:
-    """Check ``fsdp(keep_tail_unsharded=...)`` and return it as a count of units (``True`` is 1).
-
-    The count is of the units that run last in forward (the output head first, then the last
-    blocks, counting back), which keep their parameters unsharded between forward and backward.
-    """
+    """Check ``fsdp(keep_tail_unsharded=...)``; return it as a count of the units forward runs last
+    (the head, then blocks counting back), ``True`` being 1."""
     if isinstance(value, bool):
         return int(value)
     if isinstance(value, int) and value >= 0:
@@ -276,11 +262,8 @@ def validate_keep_tail_unsharded(value: Union[bool, int]) -> int:
 def resolve_master_dtype(master_dtype: Union[str, torch.dtype, None], *, caller: str = "fsdp") -> Optional[torch.dtype]:
     """Turn ``fsdp(master_dtype=...)`` into the dtype of the sharded (master) parameters, or ``None``.
 
-    The master copy is what the optimizer reads and updates, so its dtype is the optimizer
-    state's dtype too. ``"fp32"`` (the default of ``fsdp``) stores every floating-point parameter
-    in fp32 whatever dtype the model was loaded in (a ``from_pretrained`` bf16 model included);
-    ``mp`` only sets the compute and reduction dtypes. ``None`` (or ``"param"``/``"keep"``) keeps
-    each parameter's own dtype: pure bf16/fp16 training, AdamW state in that dtype too.
+    The optimizer reads and updates the master copy, so the optimizer state has its dtype too.
+    ``None`` (or ``"param"``/``"keep"``) keeps each parameter's own dtype: pure bf16/fp16 training.
     Case-insensitive; a floating ``torch.dtype`` is accepted as well.
 
     Example:
@@ -299,22 +282,16 @@ def resolve_master_dtype(master_dtype: Union[str, torch.dtype, None], *, caller:
             )
         return master_dtype
     key = master_dtype.strip().lower() if isinstance(master_dtype, str) else None
-    if key not in MASTER_DTYPE_ALIASES:
-        accepted = ", ".join(repr(a) for a in MASTER_DTYPE_ALIASES)
-        raise ValueError(
-            f"{caller}(): unknown master_dtype={master_dtype!r}. Accepted (case-insensitive): {accepted}, "
-            "None (keep each parameter's dtype), or a floating torch.dtype."
-        )
-    return MASTER_DTYPE_ALIASES[key]
+    bad = f"{caller}(): unknown master_dtype={master_dtype!r}"
+    return _lookup(MASTER_DTYPE_ALIASES, key, bad, "None (keep each parameter's dtype), or a floating torch.dtype")
 
 
 def stored_dtype(param: torch.Tensor, master: Optional[torch.dtype]) -> torch.dtype:
     """The dtype ``fsdp(master_dtype=master)`` stores ``param`` in (``master`` as resolved above).
 
-    Master weights are for what an optimizer steps: a trainable floating-point parameter is
-    stored in ``master``; a frozen one (``requires_grad=False``: a LoRA base, a frozen tower)
-    keeps its own dtype (a bf16 base stays bf16: half the bytes of fp32 masters, and no
-    optimizer ever reads it); integer parameters and ``master=None`` keep theirs too.
+    Master weights are for what an optimizer steps: a trainable floating-point parameter is stored
+    in ``master``; a frozen one (a LoRA base: no optimizer reads it, so a bf16 base stays bf16),
+    an integer one, and any under ``master=None`` keep their own dtype.
     """
     if master is None or not param.is_floating_point() or not param.requires_grad:
         return param.dtype

@@ -5,7 +5,7 @@ per-block transforms (activation checkpointing, ``torch.compile``) and the maste
 from __future__ import annotations
 
 import functools
-from typing import Any, Optional, Union
+from typing import Optional, Union
 
 import torch
 import torch.nn as nn
@@ -30,10 +30,6 @@ def cast_to_master(model: nn.Module, master: Optional[torch.dtype]) -> list[str]
     return cast
 
 
-def _checkpointed_forward(forward: Any, *args: Any, **kwargs: Any) -> Any:
-    return checkpoint(forward, *args, use_reentrant=False, **kwargs)
-
-
 def apply_activation_checkpointing(plan: WrapPlan) -> None:
     """Recompute each block's activations in backward instead of storing them.
 
@@ -44,7 +40,7 @@ def apply_activation_checkpointing(plan: WrapPlan) -> None:
     for unit in plan.blocks:
         for module in unit.modules:
             if "forward" not in vars(module):
-                module.forward = functools.partial(_checkpointed_forward, module.forward)
+                module.forward = functools.partial(checkpoint, module.forward, use_reentrant=False)
 
 
 def apply_compile(plan: WrapPlan, options: Union[bool, dict]) -> None:

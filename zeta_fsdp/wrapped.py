@@ -58,16 +58,12 @@ def fsdp_engine(model: nn.Module) -> Optional[str]:
 
 
 def unwrapped_class(model: nn.Module) -> type:
-    """The model's own class: ``fully_shard`` and ``replicate`` swap in a generated subclass
-    (``FSDP<Name>``, ``DDP<Name>``).
-    """
+    """The model's own class, under the subclass ``fully_shard`` / ``replicate`` swap in (``FSDP<Name>``)."""
     return next(c for c in type(model).__mro__ if not issubclass(c, (FSDPModule, ReplicatedModule)))
 
 
 def fsdp_state(module: nn.Module) -> Optional[Any]:
-    """FSDP2's private per-module state (``module._get_fsdp_state()``), or ``None`` when the module
-    is not sharded or this torch does not expose it. The one place the package reads it.
-    """
+    """FSDP2's private per-module state, or ``None`` (not sharded, or this torch hides it)."""
     if not isinstance(module, FSDPModule):
         return None
     try:
@@ -77,12 +73,10 @@ def fsdp_state(module: nn.Module) -> Optional[Any]:
 
 
 def fsdp_param_groups(module: nn.Module) -> Optional[list]:
-    """The FSDP parameter groups of one sharded module (``[]`` if it owns none), or ``None`` when
-    they cannot be read.
+    """The FSDP parameter groups of one sharded module (``[]`` if none), or ``None`` when unreadable.
 
-    Private torch attributes: ``_fsdp_param_groups`` (a list, newer torch) or
-    ``_fsdp_param_group`` (one group or ``None``, older torch; in newer torch a property that
-    raises when a unit has several groups).
+    Newer torch: ``_fsdp_param_groups`` (a list); older: ``_fsdp_param_group`` (one or ``None``; in
+    newer torch a property that raises when a unit has several groups).
     """
     state = fsdp_state(module)
     if state is None:

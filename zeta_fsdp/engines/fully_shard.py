@@ -31,13 +31,10 @@ def managed(model: nn.Module) -> list[nn.Module]:
 
 
 def check(plan: WrapPlan, model: nn.Module, master: Optional[torch.dtype]) -> None:
-    """What ``fully_shard`` would reject in a unit, checked before anything changes.
-
-    ``fully_shard`` validates each call on its own, so a unit refused after earlier ones were
-    sharded would leave a half-wrapped model. FSDP2 needs one dtype among a unit's TRAINABLE
-    parameters (one reduce-scatter per unit; frozen ones may differ: a bf16 LoRA base beside fp32
-    adapters), checked on the dtypes they WILL have (``options.stored_dtype``); a container
-    without ``forward`` cannot be a unit. 0-dim parameters are kept whole (``wrap``).
+    """What ``fully_shard`` would reject in a unit, checked before any unit is sharded (a unit
+    refused after others were would leave a half-wrapped model): mixed dtypes among a unit's
+    trainable parameters as they WILL be stored (one reduce-scatter per unit; frozen ones may
+    differ), or a container without ``forward`` as a unit.
     """
     params = dict(model.named_parameters())
     for unit in plan.units:
@@ -87,11 +84,9 @@ def wrap(
 ) -> int:
     """``fully_shard`` every unit bottom-up; returns this rank's index in its shard group.
 
-    One policy for every unit (FSDP2 does not inherit it). The root keeps its parameters after
-    forward (backward starts with it), and so do the ``keep_tail`` units forward runs last (the
-    head, then blocks backwards): backward would all-gather them again at once. ``prefetch``
-    chains sit on each unit's first module (a unit's modules share one state). 0-dim parameters,
-    which ``fully_shard`` cannot shard, stay whole (``_average_whole_grads``).
+    One policy for every unit (FSDP2 does not inherit it). The root and the ``keep_tail`` units
+    forward runs last keep their parameters after forward: backward would all-gather them again
+    at once. 0-dim parameters, which ``fully_shard`` cannot shard, stay whole.
     """
     scalars = [model.get_parameter(n) for n in plan.scalar_param_names]
     # Pinned host memory needs an accelerator; on a CPU-only run offloading is a no-op anyway.
@@ -118,6 +113,12 @@ def wrap(
     return mesh.get_local_rank(mesh.ndim - 1) if mesh.size(mesh.ndim - 1) > 1 else 0
 
 
+def _param_groups(model: nn.Module) -> list:
+    """Every FSDP parameter group in ``model``, once (a unit of several modules shares its groups)."""
+    groups = {id(g): g for module in managed(model) for g in fsdp_param_groups(module) or ()}
+    return list(groups.values())
+
+
 def _average_whole_grads(params: list[nn.Parameter], mesh: DeviceMesh) -> None:
     """Average whole parameters' gradients over ``mesh`` after each backward, as FSDP does. Under
     ``no_sync`` too: the already-averaged part is equal on every rank, so the mean is the same."""
@@ -135,24 +136,18 @@ def _average_whole_grads(params: list[nn.Parameter], mesh: DeviceMesh) -> None:
 
 
 def _sync_setting(module: FSDPModule) -> tuple[bool, bool]:
-    """``(requires_gradient_sync, requires_all_reduce)`` of one unit; ``(True, True)`` (FSDP's
-    default) when its state cannot be read."""
-    groups = fsdp_param_groups(module)
-    if not groups:
-        return True, True
-    return (
-        all(getattr(g, "reduce_grads", True) for g in groups),
-        all(getattr(g, "all_reduce_grads", True) for g in groups),
+    """``(requires_gradient_sync, requires_all_reduce)`` of one unit; FSDP's default ``(True, True)``
+    when its state cannot be read."""
+    groups = fsdp_param_groups(module) or ()
+    return all(getattr(g, "reduce_grads", True) for g in groups), all(
+        getattr(g, "all_reduce_grads", True) for g in groups
     )
 
 
 def _set_sync(module: FSDPModule, reduce: bool, all_reduce: bool) -> None:
-    """Public FSDP2 API only: gradient sync (reduce-scatter, and HSDP's all-reduce) then the
-    all-reduce on its own, where this torch has ``set_requires_all_reduce``."""
+    """Public FSDP2 API only: gradient sync (reduce-scatter, and HSDP's all-reduce) then the all-reduce."""
     module.set_requires_gradient_sync(reduce, recurse=False)
-    set_all_reduce = getattr(module, "set_requires_all_reduce", None)
-    if callable(set_all_reduce):
-        set_all_reduce(all_reduce, recurse=False)
+    module.set_requires_all_reduce(all_reduce, recurse=False)
 
 
 @contextlib.contextmanager
@@ -184,10 +179,7 @@ def accumulation_bytes(model: nn.Module, micro_batches: int) -> dict[str, Accumu
     keep whole gradients in every choice."""
     sharded = unsharded = partial = rs_units = ar_units = 0
     managed_ids: set[int] = set()
-    groups: dict[int, Any] = {}
-    for module in managed(model):
-        groups.update((id(g), g) for g in fsdp_param_groups(module) or ())
-    for group in groups.values():
+    for group in _param_groups(model):
         shard_size = getattr(group.mesh_info, "shard_mesh_size", 1)
         trainable = [fp for fp in group.fsdp_params if fp.sharded_param.requires_grad]
         rs_units += bool(trainable) and shard_size > 1
@@ -229,15 +221,10 @@ def restore_fsdp_hooks(model: nn.Module) -> Iterator[None]:
     and patched backward methods left behind): the model would not train after a measurement.
     """
     saved = [(m, {name: dict(getattr(m, name)) for name in _HOOK_DICTS}) for m in model.modules()]
-    states = []
-    groups: dict[int, Any] = {}
-    for module in model.modules():
-        state = fsdp_state(module)
-        if state is not None:
-            states.append((state, state._pre_forward_hook_handle, state._post_forward_hook_handle))
-            groups.update((id(group), group) for group in fsdp_param_groups(module) or ())
+    states = [s for s in map(fsdp_state, model.modules()) if s is not None]
+    handles = [(s, s._pre_forward_hook_handle, s._post_forward_hook_handle) for s in states]
     patched = ("pre_backward", "post_backward")
-    group_attrs = [(g, {a: vars(g)[a] for a in patched if a in vars(g)}) for g in groups.values()]
+    group_attrs = [(g, {a: vars(g)[a] for a in patched if a in vars(g)}) for g in _param_groups(model)]
     try:
         yield
     finally:
@@ -246,7 +233,7 @@ def restore_fsdp_hooks(model: nn.Module) -> Iterator[None]:
                 hooks = getattr(module, name)
                 hooks.clear()
                 hooks.update(table)
-        for state, pre_handle, post_handle in states:
+        for state, pre_handle, post_handle in handles:
             state._pre_forward_hook_handle, state._post_forward_hook_handle = pre_handle, post_handle
         for group, attrs in group_attrs:  # drop instance-level patches, keep the class methods
             for attr in patched:
@@ -277,20 +264,13 @@ _RESIDENT_KINDS = ("root", "embedding+head")
 
 
 def plan_costs(
-    model: nn.Module,
-    units: list,
-    mp_policy: MixedPrecisionPolicy,
-    reshard: bool,
-    shard_size: int,
-    grads: list,
-    why: str,
+    model: nn.Module, units: list, policy: MixedPrecisionPolicy, reshard: bool, shard_size: int, grads: list, why: str
 ) -> tuple[int, int, list[str]]:
     """The planner's engine terms: ``(all-gather peak, all-reduces per synced backward, notes)``.
 
-    The peak: gathered parameters plus flat all-gather buffers alive at once. A unit's buffer
-    lives until the next unit's copy-out (none with one rank per shard group); units not
-    resharded before backward stay (``_RESIDENT_KINDS``, every unit under ZeRO-2). All-reduces
-    are per unit (``plan_accumulation``).
+    The peak: gathered parameters plus the flat all-gather buffers alive at once (a unit's lives
+    until the next unit's copy-out; none with one rank per shard group); units not resharded
+    before backward stay (``_RESIDENT_KINDS``, every unit under ZeRO-2).
     """
     if not units:
         return 0, 0, []

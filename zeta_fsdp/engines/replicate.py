@@ -27,8 +27,7 @@ REPLICAS_EQUAL = True
 
 
 def managed(model: nn.Module) -> list[nn.Module]:
-    """The modules in ``model`` (itself included) that ``replicate`` manages, also when reached
-    through a wrapper (``torch.compile``'s ``OptimizedModule``, a container)."""
+    """The modules in ``model`` (itself, or inside a container or ``torch.compile``'s wrapper) on ``replicate``."""
     return [m for m in model.modules() if isinstance(m, ReplicatedModule)]
 
 
@@ -63,19 +62,16 @@ def wrap(model: nn.Module, plan: Any, device: torch.device, mp_policy: MixedPrec
 
 
 def autocast_forward(model: nn.Module, device_type: str, dtype: torch.dtype) -> None:
-    """Run every forward of ``model`` under ``torch.autocast(device_type, dtype)``, as if the
-    caller had written ``with torch.autocast(...): model(x)``.
+    """Run every forward of ``model`` under ``torch.autocast(device_type, dtype)``.
 
-    Entered by a forward pre-hook and left by a forward hook that runs even when the forward
-    raises (``always_call``); a stack keeps nested or re-entrant forwards paired. Activation
-    checkpointing recomputes under the same autocast state (``torch.utils.checkpoint`` records it).
+    A pre-hook enters it, a hook that runs even when the forward raises (``always_call``) leaves
+    it; a stack keeps re-entrant forwards paired. Checkpointing recomputes under the same state.
     """
     entered: list = []
 
     def enter(module: nn.Module, args: Any) -> None:
-        context = torch.autocast(device_type, dtype=dtype)
-        context.__enter__()
-        entered.append(context)
+        entered.append(torch.autocast(device_type, dtype=dtype))
+        entered[-1].__enter__()
 
     def leave(module: nn.Module, args: Any, output: Any) -> None:
         if entered:
@@ -126,11 +122,10 @@ def _quiet_search_notice(model: nn.Module) -> None:
 
 @contextlib.contextmanager
 def no_sync(model: nn.Module, reduce: bool) -> Iterator[None]:
-    """``training.no_sync``: DDP's one collective is the all-reduce, so either choice defers it.
+    """``training.no_sync``: either choice defers DDP's one collective, the all-reduce.
 
-    DDP decides at each forward whether the backward that follows all-reduces, so the forward
-    must run inside the block (as with ``DistributedDataParallel.no_sync``). Each module's setting
-    is restored on exit, so nested blocks stay off until the outermost exits.
+    DDP decides at each forward, so the forward must run inside the block (as with
+    ``DistributedDataParallel.no_sync``). Settings are restored on exit: nested blocks nest.
     """
     modules = managed(model)
     was_off = [bool(getattr(replicate.state(m), "_no_sync", False)) for m in modules]
@@ -180,7 +175,7 @@ def accumulation_bytes(model: nn.Module, micro_batches: int) -> dict[str, Accumu
 
 
 def _whole_grads(micro_batches: int, whole: int, all_reduce_count: int) -> dict[str, AccumulationCost]:
-    """Every choice keeps the same whole gradients (accumulated in place in DDP's buckets)."""
+    """Every choice keeps the same whole gradients, in DDP's buckets."""
     return accumulation_costs(
         micro_batches,
         sharded=whole,
@@ -192,8 +187,7 @@ def _whole_grads(micro_batches: int, whole: int, all_reduce_count: int) -> dict[
 
 
 def gradient_bucket_bytes(model: nn.Module) -> int:
-    """Bytes of DDP's gradient buckets (0 before the first forward, where DDP is built). Every
-    ``.grad`` is a view into them."""
+    """Bytes of DDP's gradient buckets, which every ``.grad`` views (0 before DDP's first forward)."""
     total = 0
     for module in managed(model):
         ddp = _ddp(module)
@@ -203,13 +197,13 @@ def gradient_bucket_bytes(model: nn.Module) -> int:
     return total
 
 
-# MemTracker's categories under FSDPMemTracker's names: on DDP's engine every rank's "shard" is the
-# whole tensor, so one table reads the same for both engines.
+# MemTracker's categories under FSDPMemTracker's names (a rank's "shard" is the whole tensor here), so
+# one table reads the same for both engines. "Other" is what track_external(inputs) records.
 _MEMTRACKER_NAMES = {
     "Parameter": "Sharded Param",
     "Gradient": "Sharded Grad",
     "Optstate": "OptState",
-    "Other": "Inputs",  # what track_external(inputs) records
+    "Other": "Inputs",
 }
 
 
@@ -247,23 +241,12 @@ def _autocast_copies(model: nn.Module, policy: MixedPrecisionPolicy) -> int:
     if dtype is None:
         return 0
     kinds = (nn.Linear, nn.modules.conv._ConvNd)
-    seen: dict[int, int] = {}
-    for module in model.modules():
-        if isinstance(module, kinds):
-            for p in module.parameters(recurse=False):
-                if p.requires_grad and p.is_floating_point():
-                    seen[id(p)] = p.numel() * dtype.itemsize
-    return sum(seen.values())
+    cast = {p for m in model.modules() if isinstance(m, kinds) for p in m.parameters(recurse=False)}  # ties once
+    return sum(p.numel() * dtype.itemsize for p in cast if p.requires_grad and p.is_floating_point())
 
 
 def plan_costs(
-    model: nn.Module,
-    units: list,
-    mp_policy: MixedPrecisionPolicy,
-    reshard: bool,
-    shard_size: int,
-    grads: list,
-    why: str,
+    model: nn.Module, units: list, policy: MixedPrecisionPolicy, reshard: bool, shard_size: int, grads: list, why: str
 ) -> tuple[int, int, list[str]]:
     """The planner's engine terms: ``(all-gather peak, all-reduces per synced backward, notes)``.
 
@@ -271,7 +254,7 @@ def plan_costs(
     low-precision weight copies stand in the all-gather's place. A planned model has not run, so
     it is counted as one that uses every parameter (no unused-parameter search).
     """
-    copies = _autocast_copies(model, mp_policy)
+    copies = _autocast_copies(model, policy)
     notes = [
         f"engine: replicate ({why}): plain tensor parameters used in place, gradients are views "
         "of DDP's all-reduce buckets (no second copy)"

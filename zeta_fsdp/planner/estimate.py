@@ -80,9 +80,8 @@ class UnitEstimate:
 
 
 def _units_total(attribute: str, doc: str, example: int, plus: str = "") -> property:
-    """A read-only ``int`` property of ``MemoryPlan``: ``attribute`` summed over its units, plus its
-    own attribute ``plus`` if named (the bytes of ignored parameters, which stay whole).
-    ``example``: its value for the demo GPT at 2 ranks (shown in the property's docstring)."""
+    """A ``MemoryPlan`` property: ``attribute`` summed over the units, plus the plan's ``plus`` if named
+    (ignored parameters, kept whole); ``example``: its value for the demo GPT at 2 ranks."""
 
     def total(self: MemoryPlan) -> int:
         return sum(getattr(u, attribute) for u in self.units) + (getattr(self, plus) if plus else 0)
@@ -103,9 +102,7 @@ def _units_total(attribute: str, doc: str, example: int, plus: str = "") -> prop
 class MemoryPlan:
     """Per-rank memory estimate of ``fsdp(model, ...)`` at ``world_size`` ranks; see ``plan()``.
 
-    The totals exclude activations (they depend on batch size and sequence length). In the
-    examples of its members, ``model`` is ``zeta_fsdp.models.gpt.small()`` built on ``meta`` (as in the
-    module's example), planned with the defaults (FULL_SHARD, fp32, AdamW).
+    The totals exclude activations (they depend on batch size and sequence length).
 
     Example:
         >>> from zeta_fsdp.models.gpt import small
@@ -230,16 +227,8 @@ class MemoryPlan:
             (69960, 375508, None)
         """
         data = asdict(self)
-        data.update(
-            shard_size=self.shard_size,
-            numel=self.numel,
-            param_bytes=self.param_bytes,
-            local_param_bytes=self.local_param_bytes,
-            grad_bytes=self.grad_bytes,
-            optimizer_bytes=self.optimizer_bytes,
-            total_bytes=self.total_bytes,
-            dry_run_matches=self.dry_run_matches,
-        )
+        totals = ("shard_size", "numel", "param_bytes", "local_param_bytes", "grad_bytes", "optimizer_bytes")
+        data.update({name: getattr(self, name) for name in (*totals, "total_bytes", "dry_run_matches")})
         return data
 
     def report(self) -> str:
@@ -390,7 +379,11 @@ def plan(
     terms = (model, units, policy, spec.reshard_after_forward, shard_size, grads, why)
     peak, all_reduces, notes = engine_named(engine).plan_costs(*terms)
     # Ignored parameters stay whole (and unsharded) on every rank, as do their gradients.
-    ignored_bytes = sum(params[n].numel() * _stored_size(params[n], master) for n in wrap.ignored_param_names)
+    ignored_sizes = {n: params[n].numel() * _stored_size(params[n], master) for n in wrap.ignored_param_names}
+    ignored_bytes = sum(ignored_sizes.values())
+    ignored_state = sum(
+        n_state * b + _STEP_BYTES for n, b in ignored_sizes.items() if n_state and params[n].requires_grad
+    )
     stored = sorted({_dtype_name(stored_dtype(p, master)) for p in params.values() if p.is_floating_point()})
     stored_label = stored[0] if len(stored) == 1 else ("mixed: " + ", ".join(stored) if stored else "none")
     result = MemoryPlan(
@@ -406,11 +399,7 @@ def plan(
         units=units,
         ignored_param_names=list(wrap.ignored_param_names),
         ignored_bytes=ignored_bytes,
-        ignored_optimizer_bytes=sum(
-            n_state * params[n].numel() * _stored_size(params[n], master) + _STEP_BYTES
-            for n in wrap.ignored_param_names
-            if n_state and params[n].requires_grad
-        ),
+        ignored_optimizer_bytes=ignored_state,
         allgather_peak_bytes=peak,
         master_dtype=stored_label,
         optimizer_state_dtype=stored_label,  # torch optimizers keep state in the parameter's dtype
@@ -460,34 +449,21 @@ def _estimate_unit(
     n_state: int,
     master: Optional[torch.dtype] = torch.float32,
 ) -> UnitEstimate:
-    unsharded = padded_bytes = local_bytes = grad = opt = unsharded_grad = partial_grad = 0
+    sizes = dict.fromkeys(("unsharded_bytes", "param_bytes", "local_param_bytes", "grad_bytes"), 0)
+    sizes.update(dict.fromkeys(("optimizer_bytes", "unsharded_grad_bytes", "partial_grad_bytes"), 0))
     for name in unit.param_names:
         param = params[name]
         padded, local, gathered = _shard_geometry(param, shard_size, shard_rank)
-        size = _stored_size(param, master)
+        dtype = stored_dtype(param, master)
         # FSDP2 casts only floating-point parameters to the compute dtype.
-        compute = (
-            policy.param_dtype if policy.param_dtype and param.is_floating_point() else stored_dtype(param, master)
-        )
-        unsharded += gathered * compute.itemsize
-        padded_bytes += padded * size
-        local_bytes += local * size
+        compute = policy.param_dtype if policy.param_dtype and param.is_floating_point() else dtype
+        sizes["unsharded_bytes"] += gathered * compute.itemsize
+        sizes["param_bytes"] += padded * dtype.itemsize
+        sizes["local_param_bytes"] += local * dtype.itemsize
         if param.requires_grad:  # frozen parameters get neither gradients nor optimizer state
-            grad += padded * size
-            wait = gradient_wait_dtype(policy, stored_dtype(param, master)).itemsize
-            unsharded_grad += param.numel() * wait
-            partial_grad += padded * wait
-            opt += n_state * local * size + _STEP_BYTES if n_state else 0
-    return UnitEstimate(
-        name=unit.name,
-        kind=unit.kind,
-        num_params=len(unit.param_names),
-        numel=unit.numel,
-        unsharded_bytes=unsharded,
-        param_bytes=padded_bytes,
-        local_param_bytes=local_bytes,
-        grad_bytes=grad,
-        optimizer_bytes=opt,
-        unsharded_grad_bytes=unsharded_grad,
-        partial_grad_bytes=partial_grad,
-    )
+            wait = gradient_wait_dtype(policy, dtype).itemsize
+            sizes["grad_bytes"] += padded * dtype.itemsize
+            sizes["unsharded_grad_bytes"] += param.numel() * wait
+            sizes["partial_grad_bytes"] += padded * wait
+            sizes["optimizer_bytes"] += n_state * local * dtype.itemsize + _STEP_BYTES if n_state else 0
+    return UnitEstimate(unit.name, unit.kind, len(unit.param_names), unit.numel, **sizes)

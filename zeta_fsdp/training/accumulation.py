@@ -22,9 +22,7 @@ _DEFER_CHOICES = ("all", "all_reduce")
 
 
 def resolve_defer(defer: object) -> str:
-    """``no_sync``'s ``defer`` value, normalized (``"all"`` or ``"all_reduce"``); else ``ValueError``
-    naming the value and the accepted ones.
-    """
+    """``no_sync``'s ``defer``, normalized (``"all"`` or ``"all_reduce"``); else ``ValueError``."""
     if isinstance(defer, str) and defer.strip().lower() in _DEFER_CHOICES:
         return defer.strip().lower()
     raise ValueError(
@@ -39,24 +37,20 @@ def no_sync(model: nn.Module, *, defer: str = "all") -> Iterator[nn.Module]:
     """Defer gradient collectives for backwards run inside: gradient accumulation.
 
     ``defer="all"`` (default): no gradient collective at all. Each rank keeps every unit's
-    *unsharded* gradient until the first backward outside the block, which reduces the sum of all
-    accumulated micro-batches in one go: K micro-batches cost one reduce-scatter (and, under
-    HYBRID_SHARD, one all-reduce) per unit, but hold the full model's gradients on every rank.
+    *unsharded* gradient until the first backward outside the block, which reduces the sum in
+    one go: one reduce-scatter (and, under HYBRID_SHARD, one all-reduce) per unit for K
+    micro-batches, but the full model's gradients held on every rank.
 
-    ``defer="all_reduce"``: each micro-batch still reduce-scatters within its shard group, so only
-    a *sharded* gradient (1/shard size) is kept; only HYBRID_SHARD's cross-replica all-reduce
-    waits for the first backward outside the block (FSDP2's ``set_requires_all_reduce(False)``):
-    K reduce-scatters and one all-reduce per unit. On a 1-D mesh (FULL_SHARD, SHARD_GRAD) there
-    is no all-reduce to defer: it is accepted and is the same as syncing every micro-batch, so one
-    training loop serves every strategy. Any other value raises ``ValueError`` before a unit changes.
+    ``defer="all_reduce"``: each micro-batch still reduce-scatters, so only a *sharded* gradient
+    is kept; only HYBRID_SHARD's cross-replica all-reduce waits (FSDP2's
+    ``set_requires_all_reduce(False)``). On a 1-D mesh there is none to defer: it is the same as
+    syncing every micro-batch, so one training loop serves every strategy. Any other value raises
+    ``ValueError`` before a unit changes.
 
-    Divide each micro-batch loss by K to get the mean over the K micro-batches. The previous
-    per-unit settings are restored on exit, also when the body raises (a unit whose setting
-    cannot be read, on a torch without the private state this reads, is restored to sync). A
-    model without FSDP units is left alone (a DDP model uses its own ``no_sync``).
-
-    NO_SHARD on DDP's engine (``fsdp_engine(model)``): there, as with DDP, the forward decides,
-    so run each micro-batch's forward and backward inside the block.
+    Divide each micro-batch loss by K for the mean. Each unit's setting is restored on exit, also
+    when the body raises (to sync where this torch's private state cannot be read). A model
+    without FSDP units is left alone (a DDP model uses its own ``no_sync``). On DDP's engine
+    (``fsdp_engine(model)``), as with DDP, run each micro-batch's forward inside the block too.
 
     Example:
         with no_sync(model):

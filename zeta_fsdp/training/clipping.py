@@ -12,14 +12,6 @@ from torch.distributed.tensor import DTensor
 __all__ = ["clip_grad_norm_"]
 
 
-def _parameters(model_or_params: Union[nn.Module, torch.Tensor, Iterable[torch.Tensor]]) -> list[torch.Tensor]:
-    if isinstance(model_or_params, nn.Module):
-        return list(model_or_params.parameters())
-    if isinstance(model_or_params, torch.Tensor):
-        return [model_or_params]
-    return list(model_or_params)
-
-
 def _by_layout(grads: list[torch.Tensor]) -> list[list[torch.Tensor]]:
     """Group gradients by (mesh, placements): DTensor ops may not mix meshes or layouts."""
     groups: dict[object, list[torch.Tensor]] = {}
@@ -77,7 +69,9 @@ def clip_grad_norm_(
         optimizer.step()
     """
     norm_type = _norm_order(norm_type)
-    params = _parameters(model_or_params)
+    if isinstance(model_or_params, nn.Module):
+        model_or_params = model_or_params.parameters()
+    params = [model_or_params] if isinstance(model_or_params, torch.Tensor) else model_or_params
     grads = [p.grad for p in params if p.grad is not None]
     if not grads:
         return 0.0

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Iterable, Iterator, Optional
+from typing import Iterable, Optional
 
 import torch
 import torch.nn as nn
@@ -14,14 +14,6 @@ from ..engines import engine_of
 from ..report import format_bytes, render_table
 
 __all__ = ["MemoryReport", "memory_report"]
-
-
-def _bytes(tensor: torch.Tensor) -> tuple[int, int]:
-    """(bytes this rank holds, bytes of the full tensor)."""
-    size = tensor.element_size()
-    if isinstance(tensor, DTensor):
-        return tensor.to_local().numel() * size, tensor.numel() * size
-    return tensor.numel() * size, tensor.numel() * size
 
 
 class MemoryReport(dict):
@@ -76,22 +68,14 @@ class MemoryReport(dict):
 def _entry(tensors: Iterable[torch.Tensor], skip_scalar_dtypes: bool = False) -> dict:
     local = full = count = 0
     dtypes: set[str] = set()
-    for tensor in tensors:
-        a, b = _bytes(tensor)
-        local, full, count = local + a, full + b, count + 1
+    for tensor in tensors:  # a DTensor's numel is the full tensor's
+        size = tensor.element_size()
+        local += (tensor.to_local() if isinstance(tensor, DTensor) else tensor).numel() * size
+        full, count = full + tensor.numel() * size, count + 1
         if tensor.dim() > 0 or not skip_scalar_dtypes:
             dtypes.add(str(tensor.dtype).replace("torch.", ""))
     # skip_scalar_dtypes: Adam's 0-dim ``step`` counters (always fp32) say nothing about the state's dtype
     return {"local_bytes": local, "full_bytes": full, "tensors": count, "dtypes": sorted(dtypes)}
-
-
-def _optimizer_tensors(optimizer: Optional[torch.optim.Optimizer]) -> Iterator[torch.Tensor]:
-    if optimizer is None:
-        return
-    for state in optimizer.state.values():
-        for value in state.values():
-            if isinstance(value, torch.Tensor):
-                yield value
 
 
 def memory_report(
@@ -118,6 +102,8 @@ def memory_report(
         memory_report(model, micro_batches=4)["accumulation"]["all_reduce"].grad_bytes
     """
     params = list(model.parameters())
+    states = optimizer.state.values() if optimizer is not None else ()
+    state_tensors = [v for state in states for v in state.values() if isinstance(v, torch.Tensor)]
     report = MemoryReport(
         rank=get_rank(),
         world_size=get_world_size(),
@@ -125,7 +111,7 @@ def memory_report(
         # frozen (requires_grad=False: a LoRA base): stored in their own dtype, no grad, no optimizer state
         frozen=_entry(p for p in params if not p.requires_grad),
         grads=_entry(p.grad for p in params if p.grad is not None),
-        optimizer_state=_entry(_optimizer_tensors(optimizer), skip_scalar_dtypes=True),
+        optimizer_state=_entry(state_tensors, skip_scalar_dtypes=True),
     )
     report["trainable_dtypes"] = _entry(p for p in params if p.requires_grad)["dtypes"]
     report["total"] = {
