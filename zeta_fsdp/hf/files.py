@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import re
 import struct
@@ -95,12 +96,6 @@ def _parse_json(raw: bytes, file: Path, what: str) -> object:
         raise CheckpointError(f"{file}: its {what} is nested too deeply to be a safetensors {what}.") from e
 
 
-def _shape(value: object) -> Optional[tuple[int, ...]]:
-    if not isinstance(value, list) or not all(type(d) is int and d >= 0 for d in value):
-        return None
-    return tuple(value)
-
-
 def read_safetensors_header(file: Union[str, os.PathLike]) -> dict[str, TensorEntry]:
     """The tensors of one ``.safetensors`` file (header only: no tensor byte is read).
 
@@ -133,7 +128,8 @@ def read_safetensors_header(file: Union[str, os.PathLike]) -> dict[str, TensorEn
         if not isinstance(info, dict):
             raise _bad(file, f"the header entry of {key!r} is a {type(info).__name__}, not an object")
         dtype = DTYPES.get(info.get("dtype")) if isinstance(info.get("dtype"), str) else None
-        shape = _shape(info.get("shape"))
+        shape = info.get("shape")
+        shape = tuple(shape) if isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape) else None
         offsets = info.get("data_offsets")
         if dtype is None or shape is None or not isinstance(offsets, list) or len(offsets) != 2:
             raise _bad(
@@ -142,10 +138,7 @@ def read_safetensors_header(file: Union[str, os.PathLike]) -> dict[str, TensorEn
         begin, end = offsets
         if type(begin) is not int or type(end) is not int:
             raise _bad(file, f"the data_offsets of {key!r} are not ints: {offsets!r:.100}")
-        numel = 1
-        for d in shape:
-            numel *= d
-        nbytes = numel * dtype.itemsize
+        nbytes = math.prod(shape) * dtype.itemsize
         if begin < 0 or end < begin or end - begin != nbytes:
             raise _bad(
                 file,
@@ -167,15 +160,6 @@ def read_safetensors_header(file: Union[str, os.PathLike]) -> dict[str, TensorEn
     return entries
 
 
-def _model_roots(path: Path) -> list[Path]:
-    """Where files of the model directory ``path`` may live, resolved: the directory itself, and for
-    a Hugging Face hub cache snapshot (``models--x/snapshots/<rev>``) the cache's ``blobs`` folder."""
-    roots = [path.resolve()]
-    if path.resolve().parent.name == "snapshots":
-        roots.append((path.resolve().parent.parent / "blobs").resolve())
-    return roots
-
-
 def contained_file(folder: Union[str, os.PathLike], name: object, what: str) -> Path:
     """``folder / name`` for a file name read from a file in ``folder``, refused unless it stays inside.
 
@@ -191,7 +175,10 @@ def contained_file(folder: Union[str, os.PathLike], name: object, what: str) -> 
         )
     target = folder / name
     real = target.resolve()
-    if not any(real == root or root in real.parents for root in _model_roots(folder)):
+    roots = [folder.resolve()]
+    if roots[0].parent.name == "snapshots":  # a hub cache snapshot (models--x/snapshots/<rev>) links into blobs/
+        roots.append((roots[0].parent.parent / "blobs").resolve())
+    if not any(real == root or root in real.parents for root in roots):
         raise CheckpointError(
             f"{what} names {name!r}, which resolves to {real}, outside {folder}; refusing to read it."
         )
@@ -295,19 +282,12 @@ _UNITS.update({"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40})
 
 def parse_size(size: Union[int, str]) -> int:
     """``"5GB"`` (10^9, as Hugging Face counts), ``"500MiB"`` (2^20) or an int of bytes -> bytes."""
-    if isinstance(size, bool) or not isinstance(size, (int, str)):
+    m = _SIZE.match(size) if isinstance(size, str) else None
+    if isinstance(size, bool) or not (isinstance(size, int) or m):
         raise ValueError(
             f"max_shard_size={size!r} is not accepted. Accepted: bytes as an int, or '5GB', '500MB', '2GiB'."
         )
-    if isinstance(size, int):
-        value = size
-    else:
-        m = _SIZE.match(size)
-        if not m:
-            raise ValueError(
-                f"max_shard_size={size!r} is not accepted. Accepted: bytes as an int, or '5GB', '500MB', '2GiB'."
-            )
-        value = int(float(m.group(1)) * _UNITS[(m.group(2) or "").upper()])
+    value = size if isinstance(size, int) else int(float(m.group(1)) * _UNITS[(m.group(2) or "").upper()])
     if value <= 0:
         raise ValueError(f"max_shard_size={size!r} is not accepted: it must be positive.")
     return value
@@ -353,11 +333,9 @@ def _naming(file: Path) -> Iterator[None]:
 class SafetensorsLayout:
     """A safetensors file planned before any tensor exists: its header bytes and where each tensor goes.
 
-    ``layout``: ``{key: (dtype, shape)}`` in file order. ``header`` is the file's first
-    ``data_start`` bytes (8-byte length, JSON, padded so the data starts 8-byte aligned, as the
-    safetensors library writes it); ``offset[key]`` is the absolute byte offset of ``key``'s first
-    byte and ``size`` the file's length. Knowing every offset up front is what lets several
-    writers fill one file in any order (``write_at``).
+    ``layout``: ``{key: (dtype, shape)}`` in file order. ``header``: the file's first ``data_start``
+    bytes; ``offset[key]``: the absolute offset of ``key``'s first byte; ``size``: the file's length.
+    Knowing every offset up front lets several writers fill one file in any order (``write_at``).
     """
 
     def __init__(self, layout: dict[str, tuple[torch.dtype, tuple[int, ...]]]) -> None:
@@ -365,10 +343,7 @@ class SafetensorsLayout:
         relative: dict[str, int] = {}
         end = 0
         for key, (dtype, shape) in layout.items():
-            numel = 1
-            for d in shape:
-                numel *= d
-            nbytes = numel * dtype.itemsize
+            nbytes = math.prod(shape) * dtype.itemsize
             header[key] = {"dtype": NAMES[dtype], "shape": list(shape), "data_offsets": [end, end + nbytes]}
             relative[key] = end
             end += nbytes
@@ -430,10 +405,11 @@ def model_dir_problem(path: Union[str, os.PathLike]) -> Optional[str]:
         return "it is a symbolic link"
     if not path.is_dir():
         return "it is not a directory"
-    foreign = []
-    for child in sorted(os.scandir(path), key=lambda entry: entry.name):
-        if not child.is_file(follow_symlinks=False) or not _WRITTEN.match(child.name):
-            foreign.append(child.name + ("/" if child.is_dir(follow_symlinks=False) else ""))
+    foreign = [
+        child.name + ("/" if child.is_dir(follow_symlinks=False) else "")
+        for child in sorted(os.scandir(path), key=lambda entry: entry.name)
+        if not child.is_file(follow_symlinks=False) or not _WRITTEN.match(child.name)
+    ]
     if foreign:
         shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
         return f"it holds files this library does not write ({shown})"
@@ -446,14 +422,10 @@ _STAGING_LOCKS: dict[Path, PathLock] = {}
 def staging_dir(path: Union[str, os.PathLike], *, overwrite: bool, caller: str) -> Path:
     """Lock ``path``, check it may be written, then make (afresh) the hidden directory beside it to write into.
 
-    The lock (``files.PathLock``, held until ``end_staging``) makes two jobs writing one model
-    directory take turns: the second waits up to ``LOCK_WAIT_S``, then is refused by name.
-
-    An existing non-empty ``path`` is refused unless ``overwrite``, and even then unless it holds
-    only what this library writes (``model_dir_problem``): a folder of the user's files is never
-    replaced. A file at ``path`` always is refused. A symbolic link at ``path`` is refused (the
-    folder it points to would not be the one replaced). Nothing at ``path`` is touched here:
-    ``publish_dir`` swaps the finished directory in.
+    The lock (held until ``end_staging``) makes two jobs writing one model directory take turns.
+    A non-empty ``path`` is replaced only with ``overwrite`` and only if it holds nothing but what
+    this library writes (``model_dir_problem``); a file or a symbolic link (the folder it points to
+    would not be the one replaced) is refused. Nothing at ``path`` is touched here.
     """
     path = Path(path)
     lock = PathLock(path)
@@ -473,9 +445,7 @@ def staging_dir(path: Union[str, os.PathLike], *, overwrite: bool, caller: str) 
 
 
 def end_staging(tmp: Path) -> None:
-    """After a save: remove ``tmp`` if it is still there (the save failed before publishing) and
-    release the lock ``staging_dir`` took.
-    """
+    """After a save: remove ``tmp`` if a failed save left it, and release ``staging_dir``'s lock."""
     if os.path.lexists(tmp):
         remove_tree(tmp)
     lock = _STAGING_LOCKS.pop(Path(tmp), None)
