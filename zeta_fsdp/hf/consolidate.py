@@ -16,6 +16,7 @@ it, the weights are written under the checkpoint's own names and no ``config.jso
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 from typing import Any, Optional, Union
@@ -27,7 +28,7 @@ from ..files import publish_dir
 from ..state_dict import CheckpointError
 from ..state_dict.reader import dcp_load, open_checkpoint
 from ..wrapped import unwrapped_class
-from .files import SafetensorsLayout, end_staging, parse_size, staging_dir, write_at
+from .files import SafetensorsLayout, end_staging, parse_size, plan_shard_files, staging_dir, write_at
 from .naming import model_tensors, saved_aliases, saved_layout, saved_tensors
 from .save import cast, check_dtype, plan_hf_files, write_hf_config, write_index
 
@@ -73,21 +74,6 @@ def meta_model_from_config(config: Union[str, os.PathLike]) -> nn.Module:
 
 
 _BATCH_BYTES = 256 * 2**20  # tensors read per DCP call: fewer calls, a bounded peak
-
-
-def _batches(saved: dict[str, Any], stored: dict[str, Any], source: dict[str, str]) -> list[list[str]]:
-    """Output keys in groups of at most ``_BATCH_BYTES`` of stored bytes (a bigger tensor alone)."""
-    groups: list[list[str]] = [[]]
-    used = 0
-    for key in saved:
-        md = stored[source[key]]
-        size = int(torch.Size(md.size).numel()) * md.properties.dtype.itemsize
-        if groups[-1] and used + size > _BATCH_BYTES:
-            groups.append([])
-            used = 0
-        groups[-1].append(key)
-        used += size
-    return [g for g in groups if g]
 
 
 def consolidate_to_hf(
@@ -184,7 +170,8 @@ def consolidate_to_hf(
             plan.create(tmp / name)  # headers and sizes first: tensors then go straight to their offsets
         fds = {name: os.open(tmp / name, os.O_WRONLY) for name in plans}
         try:
-            for batch in _batches(saved, stored, source):
+            sizes = {k: math.prod(stored[source[k]].size) * stored[source[k]].properties.dtype.itemsize for k in saved}
+            for batch in plan_shard_files(sizes, _BATCH_BYTES):  # a bigger tensor gets a batch of its own
                 state: dict[str, Any] = {
                     _MODEL + source[key]: torch.empty(
                         tuple(stored[source[key]].size), dtype=stored[source[key]].properties.dtype

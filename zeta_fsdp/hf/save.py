@@ -28,7 +28,7 @@ from ..distributed import get_rank as rank
 from ..distributed import get_world_size as world
 from ..engines import engine_of
 from ..files import incomplete_path, publish_dir
-from ..state_dict.checks import on_all_ranks
+from ..state_dict.checks import CheckpointError, on_all_ranks
 from ..wrapped import unwrapped_class
 from .files import (
     INDEX_NAME,
@@ -40,6 +40,7 @@ from .files import (
     staging_dir,
     write_at,
 )
+from .load import local_box
 from .naming import is_hf_model, model_tensors, saved_aliases, saved_layout, saved_tensors
 
 __all__ = ["cast", "check_dtype", "plan_hf_files", "save_pretrained", "write_hf_config", "write_index"]
@@ -125,17 +126,11 @@ def rows_to_write(t: torch.Tensor, split: bool = True) -> Optional[tuple[int, in
     ):
         return None
     coord = t.device_mesh.get_coordinate()
-    lo, hi = 0, t.shape[0]
-    for mesh_dim, placement in enumerate(t.placements):
-        if type(placement) is Replicate:
-            if coord[mesh_dim] != 0:
-                return (0, 0)  # another replica writes these rows
-            continue
-        n = t.device_mesh.size(mesh_dim)
-        chunk = -(-(hi - lo) // n)
-        lo = min(lo + coord[mesh_dim] * chunk, hi)
-        hi = min(lo + chunk, hi)
-    if t.to_local().shape[0] != hi - lo:
+    if any(type(p) is Replicate and coord[i] != 0 for i, p in enumerate(t.placements)):
+        return (0, 0)  # another replica writes these rows
+    try:
+        (lo, hi), *_ = local_box(t)
+    except CheckpointError:
         return None  # a layout we do not recognise: gather instead of guessing
     return lo, hi - lo
 
