@@ -32,12 +32,11 @@ def checkpoint_steps(root: PathLike) -> list[int]:
     root = Path(root)
     if not root.is_dir():
         return []
-    steps = []
-    for child in root.iterdir():
-        match = _STEP_DIR.match(child.name)
-        if match and is_checkpoint(child):
-            steps.append(int(match.group(1)))
-    return sorted(steps)
+    return sorted(
+        int(match.group(1))
+        for child in root.iterdir()
+        if (match := _STEP_DIR.match(child.name)) and is_checkpoint(child)
+    )
 
 
 def latest_checkpoint(root: PathLike) -> Optional[Path]:
@@ -162,9 +161,6 @@ class CheckpointManager:
 
         Partial directories left by interrupted saves are removed first. The user's ``extra`` of
         that checkpoint is in ``manager.extra``.
-
-        Example:
-            start = manager.resume()
         """
         on_all_ranks(self._remove_stale if current_rank() == 0 else lambda: None)
         path = self.latest()
@@ -205,8 +201,7 @@ class CheckpointManager:
             # -> PosixPath('ckpt/step_120')
         """
         path = self.root / f"step_{int(step)}"
-        record = {"step": int(step), "state": {name: obj.state_dict() for name, obj in self.state.items()}}
-        record["extra"] = extra
+        record = {"step": int(step), "state": {n: obj.state_dict() for n, obj in self.state.items()}, "extra": extra}
         if self.checkpointer is not None:
             self.checkpointer.wait()
             self._prune()
@@ -218,21 +213,13 @@ class CheckpointManager:
         return path
 
     def wait(self) -> None:
-        """Wait for a background save to be complete (and prune). Every rank.
-
-        Example:
-            manager.wait()
-        """
+        """Wait for a background save to be complete (and prune). Every rank."""
         if self.checkpointer is not None:
             self.checkpointer.wait()
             self._prune()
 
     def close(self) -> None:
-        """Wait for the save in flight, restore the signal handlers, release the groups. Every rank.
-
-        Example:
-            manager.close()
-        """
+        """Wait for the save in flight, restore the signal handlers, release the groups. Every rank."""
         try:
             if self.checkpointer is not None:
                 self.wait()
