@@ -44,12 +44,11 @@ def stage_state(state: dict[str, Any], buffers: Optional[dict[str, torch.Tensor]
                 if buffers is not None:
                     buffers[key] = kept
             kept.copy_(local.detach())
-            if isinstance(value, DTensor):
-                out[key] = DTensor.from_local(
+            if isinstance(value, DTensor):  # the same mesh and placements around the CPU copy
+                kept = DTensor.from_local(
                     kept, value.device_mesh, value.placements, run_check=False, shape=value.shape, stride=value.stride()
                 )
-            else:
-                out[key] = kept
+            out[key] = kept
         else:
             out[key] = copy.deepcopy(value)
     return out
@@ -106,8 +105,6 @@ class AsyncCheckpointer:
 
     def __init__(self, *, process_group: Optional[dist.ProcessGroup] = None, reuse_buffers: bool = True) -> None:
         self._group = process_group
-        # The staged copy is kept between saves (one copy of the rank's shards, as while a write is in
-        # flight) so later saves copy into mapped memory; reuse_buffers=False frees it after each write.
         self._buffers: Optional[dict[str, torch.Tensor]] = {} if reuse_buffers else None
         self._made_group = False
         self._pending: Optional[tuple[Path, Optional[PathLock], Future]] = None
@@ -216,11 +213,7 @@ class AsyncCheckpointer:
         return path
 
     def close(self) -> None:
-        """Wait for the save in flight, then release the checkpointer's process group. Every rank.
-
-        Example:
-            checkpointer.close()
-        """
+        """Wait for the save in flight, then release the checkpointer's process group. Every rank."""
         if self._closed:
             return
         try:
