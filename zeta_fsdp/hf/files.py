@@ -23,7 +23,7 @@ from typing import Iterator, Optional, Union
 import torch
 
 from ..files import PathLock, incomplete_path, remove_tree
-from ..state_dict.checks import CheckpointError
+from ..state_dict.checks import CheckpointError, foreign_entries
 from ..state_dict.publish import LOCK_WAIT_S
 
 __all__ = [
@@ -405,15 +405,8 @@ def model_dir_problem(path: Union[str, os.PathLike]) -> Optional[str]:
         return "it is a symbolic link"
     if not path.is_dir():
         return "it is not a directory"
-    foreign = [
-        child.name + ("/" if child.is_dir(follow_symlinks=False) else "")
-        for child in sorted(os.scandir(path), key=lambda entry: entry.name)
-        if not child.is_file(follow_symlinks=False) or not _WRITTEN.match(child.name)
-    ]
-    if foreign:
-        shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
-        return f"it holds files this library does not write ({shown})"
-    return None
+    shown = foreign_entries(path, lambda e: e.is_file(follow_symlinks=False) and bool(_WRITTEN.match(e.name)))
+    return f"it holds files this library does not write ({shown})" if shown else None
 
 
 _STAGING_LOCKS: dict[Path, PathLock] = {}

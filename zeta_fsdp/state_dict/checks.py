@@ -120,6 +120,16 @@ def short_list(names: list[str], limit: int = 8) -> str:
     return f"[{shown}{f', ... and {len(names) - limit} more' if len(names) > limit else ''}]"
 
 
+def foreign_entries(path: PathLike, ours: Callable[[os.DirEntry], bool]) -> str:
+    """The entries of the directory ``path`` that ``ours`` rejects, named for an error ("" when none)."""
+    foreign = [
+        entry.name + ("/" if entry.is_dir(follow_symlinks=False) else "")
+        for entry in sorted(os.scandir(path), key=lambda entry: entry.name)
+        if not ours(entry)
+    ]
+    return ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
+
+
 def describe_mismatch(
     got: Mapping[str, Optional[tuple]], want: Mapping[str, Optional[tuple]], source: str, strict: bool
 ) -> str:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import os
 import pickle
 import re
-import stat
 import zipfile
 from pathlib import Path
 from typing import Any, Optional
@@ -21,7 +20,7 @@ from typing import Any, Optional
 import torch
 from torch.distributed.checkpoint.metadata import Metadata
 
-from .checks import METADATA_FILE, CheckpointError
+from .checks import METADATA_FILE, CheckpointError, foreign_entries
 
 __all__ = ["checkpoint_problem", "is_full_checkpoint", "load_metadata", "shard_file_name_ok"]
 
@@ -118,14 +117,11 @@ def checkpoint_problem(path: Path) -> Optional[str]:
     except CheckpointError as e:
         return str(e).lstrip(": ")
     named = {info.relative_path for info in metadata.storage_data.values()}
-    foreign = []
-    for child in sorted(os.scandir(path), key=lambda entry: entry.name):
-        mode = child.stat(follow_symlinks=False).st_mode
-        if child.name == METADATA_FILE:
-            continue
-        if not stat.S_ISREG(mode) or not (child.name in named or _SHARD_FILE.match(child.name)):
-            foreign.append(child.name + ("/" if stat.S_ISDIR(mode) else ""))
-    if foreign:
-        shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
-        return f"it holds entries a checkpoint does not have ({shown})"
-    return None
+    shown = foreign_entries(
+        path,
+        lambda e: (
+            e.name == METADATA_FILE
+            or (e.is_file(follow_symlinks=False) and bool(e.name in named or _SHARD_FILE.match(e.name)))
+        ),
+    )
+    return f"it holds entries a checkpoint does not have ({shown})" if shown else None
