@@ -142,9 +142,6 @@ class AsyncCheckpointer:
 
         Waits first for a save still in flight. Bad input raises as ``save_checkpoint`` does, before
         anything is written.
-
-        Example:
-            checkpointer.save("ckpt/step_100", model, optimizer, extra={"step": 100})
         """
         if self._closed:
             raise RuntimeError("AsyncCheckpointer.save(): the checkpointer was closed.")
@@ -193,10 +190,6 @@ class AsyncCheckpointer:
 
         Call on every rank. A failed write raises ``CheckpointError`` on every rank, and the
         partial directory is removed (the previous checkpoint stays the latest).
-
-        Example:
-            checkpointer.wait()
-            # -> PosixPath('ckpt/step_100')
         """
         if self._pending is None:
             return None
