@@ -179,12 +179,7 @@ class CheckpointManager:
         return int(saved["step"])
 
     def after_step(self, step: int, extra: Any = None) -> bool:
-        """Call at every step boundary; saves when due or preempted. ``True``: a preemption signal came, stop now.
-
-        Example:
-            if manager.after_step(step, extra={"loss": loss.item()}):
-                break
-        """
+        """Call at every step boundary; saves when due or preempted. ``True``: a preemption signal came, stop now."""
         preempted = self.preemption is not None and self.preemption.stop_requested()
         due = self.every is not None and step % self.every == 0
         if (due or preempted) and self._saved_step != step:
@@ -194,12 +189,7 @@ class CheckpointManager:
         return preempted
 
     def save(self, step: int, extra: Any = None) -> Path:
-        """Save ``root/step_<step>`` now (in the background with ``async_save``), then prune to ``keep_last``.
-
-        Example:
-            manager.save(step)
-            # -> PosixPath('ckpt/step_120')
-        """
+        """Save ``root/step_<step>`` now (in the background with ``async_save``), then prune to ``keep_last``."""
         path = self.root / f"step_{int(step)}"
         record = {"step": int(step), "state": {n: obj.state_dict() for n, obj in self.state.items()}, "extra": extra}
         if self.checkpointer is not None:
