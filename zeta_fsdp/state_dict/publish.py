@@ -82,10 +82,8 @@ def recover(path: Path, *, locked: bool = False) -> None:
 
     Then ``path`` is missing and ``.<name>.replaced`` holds what was there: the new checkpoint is
     renamed into place if ``.<name>.incomplete`` holds it complete, else the previous one is put back.
-    Done under ``path``'s lock (``locked``: the caller holds it). Another holder (a save in
-    progress, or a peer rank recovering the same path) is waited for, up to ``LOCK_WAIT_S``, so
-    every rank of a job that finds the path missing sees it back; when the lock cannot be taken
-    (a read-only folder) or the wait runs out, nothing is done.
+    Done under ``path``'s lock (``locked``: the caller holds it), waited for up to ``LOCK_WAIT_S`` so
+    every rank that finds the path missing sees it back; without the lock nothing is done.
     """
     old, tmp = replaced_path(path), incomplete_dir(path)
     if os.path.lexists(path) or not old.is_dir():
@@ -93,14 +91,12 @@ def recover(path: Path, *, locked: bool = False) -> None:
     if not locked:
         lock = PathLock(path)
         try:
-            if not lock.acquire(timeout_s=LOCK_WAIT_S):
-                return
-        except OSError:
+            got = lock.acquire(timeout_s=LOCK_WAIT_S)
+        except OSError:  # a read-only folder: no lock, nothing done
             return
-        try:
-            recover(path, locked=True)
-        finally:
-            lock.release()
+        if got:
+            with lock:
+                recover(path, locked=True)
         return
     if (tmp / METADATA_FILE).is_file():
         source = tmp
@@ -132,15 +128,6 @@ def leftovers(path: Path) -> str:
     return hint
 
 
-def fsync_dir(path: Path) -> None:
-    with contextlib.suppress(OSError):
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
 def publish_checkpoint(path: Path) -> None:
     """Rename the complete ``.<name>.incomplete`` to ``path``, replacing a checkpoint there only once it is in place.
 
@@ -151,4 +138,9 @@ def publish_checkpoint(path: Path) -> None:
     save of ``path`` finishes the job (``recover``).
     """
     publish_dir(incomplete_dir(path), path, discard=discard_checkpoint_dir)
-    fsync_dir(path.parent)
+    with contextlib.suppress(OSError):  # the rename itself on disk
+        fd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
