@@ -72,12 +72,9 @@ def _cut(full_or_rows: torch.Tensor, box: list[tuple[int, int]], rows_read: bool
 
 
 def _target_device(tensors: dict[str, torch.Tensor]) -> torch.device:
-    for t in tensors.values():
-        if isinstance(t, DTensor):
-            if t.device_mesh.device_type == "cuda":
-                return torch.device("cuda", torch.cuda.current_device())
-            return torch.device(t.device_mesh.device_type)
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    kind = next((t.device_mesh.device_type for t in tensors.values() if isinstance(t, DTensor)), None)
+    kind = kind or ("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device("cuda", torch.cuda.current_device()) if kind == "cuda" else torch.device(kind)
 
 
 def _buffer_owners(model: nn.Module) -> list[tuple[str, nn.Module]]:
