@@ -1,14 +1,8 @@
 """``save_pretrained``: a sharded model written in Hugging Face's layout, without any rank holding it whole.
 
-The files are planned before any byte moves: every kept tensor's saved names, dtypes and shapes
-(ties dropped as Hugging Face drops them; fused MoE tensors split back into transformers'
-per-expert keys), cut into files of at most ``max_shard_size``. A safetensors header holds every
-tensor's byte range, so rank 0 writes the headers and sizes the files, and then every rank writes
-its own rows of every tensor at their offsets (``os.pwrite``: a dim-0 shard is one contiguous
-byte range) and flushes them (``fdatasync``): no gather, no rank holds a whole tensor. Tensors saved under
-other names or shapes (fused MoE experts) or sharded on another dim are gathered one at a time
-and written by the rank owning their file. Everything goes into a hidden directory beside
-``path``, renamed into place once complete.
+The files are planned before any byte moves (a safetensors header holds every tensor's byte
+range), so rank 0 writes the headers and sizes the files, then every rank writes its own rows at
+their offsets: a dim-0 shard is one contiguous byte range, so nothing is gathered.
 """
 
 from __future__ import annotations
@@ -155,12 +149,10 @@ def _write_data(
     folder: Path,
     dtype: Optional[torch.dtype],
 ) -> None:
-    """Every rank writes its rows of every tensor at their offsets (``os.pwrite``), then flushes them.
+    """Every rank writes its rows of every tensor at their offsets, then flushes them.
 
-    A tensor saved under its own name and shape whose rank-local part is a row range is written
-    from the local shard, nothing gathered. The rest (fused MoE tensors split on save, shards on
-    another dim) are gathered one at a time (``full_tensor``, every rank in the same order) and
-    written by the rank owning their file.
+    The rest (fused MoE tensors split on save, shards on another dim) are gathered one at a time
+    (every rank in the same order) and written by the rank owning their file.
     """
     fds: dict[str, int] = {}
     failed: Optional[BaseException] = None
