@@ -1,16 +1,9 @@
 """``consolidate_to_hf``: a sharded ``save_checkpoint`` checkpoint -> a Hugging Face model directory, offline.
 
-One CPU process, no process group. The safetensors files are planned first (headers and sizes
-known before any tensor is read); tensors are then read from the DCP checkpoint in batches of at
-most 256 MiB (one DCP call each; DCP reads only those tensors' chunks) and written straight to
-their offsets, so the peak is one batch (or one bigger tensor), whatever the model's size.
-
-Where ``config.json`` comes from: our checkpoints hold weights, optimizer state and the user's
-``extra``, not the model's Hugging Face config. Pass ``config=`` (a model directory or a
-``config.json``; e.g. the directory the model was first loaded from). With it the output is a
-complete ``from_pretrained`` directory: the architecture's tie rules and transformers' key
-conversions (MoE experts) are applied, and the checkpoint's keys are checked against it. Without
-it, the weights are written under the checkpoint's own names and no ``config.json`` is written.
+One CPU process, no process group. The safetensors files are planned first; tensors are then read
+in batches of at most 256 MiB and written straight to their offsets, so the peak is one batch (or
+one bigger tensor), whatever the model's size. Our checkpoints do not hold the model's Hugging Face
+config: without ``config=`` the weights keep the checkpoint's names and no ``config.json`` is written.
 """
 
 from __future__ import annotations
