@@ -15,6 +15,8 @@ transformers is imported only for a model whose class comes from it.
 
 from __future__ import annotations
 
+import re
+from copy import deepcopy
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
@@ -102,8 +104,6 @@ def map_checkpoint_keys(
     name. Keys Hugging Face itself ignores on load (``_keys_to_ignore_on_load_unexpected``/
     ``_missing``, old ``position_ids``/``rotary_emb.inv_freq`` buffers) are not reported.
     """
-    import re
-
     plan = KeyPlan()
     known = {k: True for k in list(wanted) + list(aliases)}
     # A checkpoint whose every key names a model tensor needs no conversion: transformers' mapping
@@ -128,8 +128,6 @@ def map_checkpoint_keys(
         if target not in wanted:
             plan.unexpected.append(key)
         elif pattern is not None:
-            from copy import deepcopy
-
             conv, sources = groups.setdefault(target, (deepcopy(pattern_to_converter[pattern]), []))
             sources.append((key, pattern))
         elif target not in plan.direct:
@@ -138,8 +136,6 @@ def map_checkpoint_keys(
     for target, (conv, sources) in groups.items():
 
         def build(read: Callable[[str], torch.Tensor], conv: Any = conv, sources: list = sources, target: str = target):
-            from copy import deepcopy
-
             fresh = deepcopy(conv)  # convert() consumes what was collected
             for key, pattern in sources:
                 fresh.add_tensor(target, key, pattern, (lambda k=key: read(k)))
@@ -184,11 +180,9 @@ def saved_layout(
 ) -> dict[str, dict[str, tuple[torch.dtype, tuple[int, ...]]]]:
     """For each model key, the ``{saved key: (dtype, shape)}`` it is saved as (``saved_tensors``'s names).
 
-    ``tensors``: model key -> tensor (``meta`` is enough). transformers' reverse mapping is run
-    once over all of them: when it keeps every tensor as it is (most models, Llama included),
-    every key is saved under its own name; only otherwise is each key mapped on its own (a
-    fused MoE tensor into its per-expert keys). One call instead of one per key, which matters
-    for a fast save (each per-key call rebuilds transformers' reverse transforms).
+    ``tensors``: model key -> tensor (``meta`` is enough). transformers' reverse mapping is run once
+    over all of them, and per key only when it changes something (a fused MoE tensor): each call
+    rebuilds transformers' reverse transforms, too slow to repeat for every key of most models.
     """
     same = {k: {k: (t.dtype, tuple(t.shape))} for k, t in tensors.items()}
     if not is_hf_model(model):
