@@ -22,7 +22,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from ..state_dict import CheckpointError
-from ..state_dict.checks import on_all_ranks, short_list
+from ..state_dict.checks import describe_mismatch, on_all_ranks, short_list
 from ..ties import retie
 from .files import TensorEntry, read_checkpoint_index, read_rows
 from .naming import KeyPlan, is_hf_model, map_checkpoint_keys, model_tensors, saved_aliases
@@ -94,14 +94,9 @@ def _check(model: nn.Module, path: Path, strict: bool) -> tuple[dict[str, Tensor
         plan = map_checkpoint_keys(model, {k: (e.dtype, e.shape) for k, e in entries.items()}, wanted, aliases)
     except (ValueError, RuntimeError) as e:  # transformers could not convert (e.g. expert count)
         raise CheckpointError(f"{_CALLER}: {path} cannot be converted to {type(model).__name__}'s layout: {e}") from e
-    problems = []
-    if strict and plan.missing:
-        problems.append(f"missing keys (in the model, not in the checkpoint): {short_list(plan.missing)}")
-    if strict and plan.unexpected:
-        problems.append(f"unexpected keys (in the checkpoint, not in the model): {short_list(plan.unexpected)}")
-    shapes = [f"{k}: checkpoint {list(s)} vs model {list(wanted[k])}" for k, s in plan.shapes.items() if s != wanted[k]]
-    if shapes:
-        problems.append(f"shape mismatches: {short_list(shapes)}")
+    got = {**plan.shapes, **dict.fromkeys(plan.unexpected)}  # the keys plan.missing lacks, as the model names them
+    mismatch = describe_mismatch(got, {k: wanted[k] for k in (*plan.missing, *plan.shapes)}, "checkpoint", strict)
+    problems = [mismatch] if mismatch else []
     on_meta = any(t.is_meta for t in tensors.values())
     if on_meta and not strict and plan.missing:
         problems.append(
@@ -130,11 +125,9 @@ def _check(model: nn.Module, path: Path, strict: bool) -> tuple[dict[str, Tensor
 def _allocate(model: nn.Module, tensors: dict[str, torch.Tensor], aliases: dict[str, str]) -> None:
     """A model left on ``meta`` (``fsdp(..., materialize=False)``): allocate shards, no random init.
 
-    ``to_empty`` gives uninitialised memory; the checkpoint fills parameters and persistent
-    buffers right after, and non-persistent buffers (rotary ``inv_freq``, ``position_ids``,
-    ``embed_scale``) are recomputed here by the model's own code: transformers' ``_init_weights``
-    on just the modules holding them (it recomputes those buffers since transformers 5), else
-    each such module's ``reset_parameters()``.
+    The checkpoint fills parameters and persistent buffers right after; non-persistent buffers
+    (rotary ``inv_freq``, ``position_ids``) are recomputed by the model's own code: transformers'
+    ``_init_weights`` on the modules holding them (since transformers 5), else ``reset_parameters()``.
     """
     device = _target_device(tensors)
     model.to_empty(device=device)
