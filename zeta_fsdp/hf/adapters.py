@@ -96,11 +96,6 @@ def save_adapters(
 
     try:
         tensors = on_all_ranks(prepare)
-    except Exception:
-        for made in staged:
-            end_staging(made)
-        raise
-    try:
         full = {}
         for key, (_, t) in tensors.items():
             whole = t.full_tensor() if isinstance(t, DTensor) else t  # collective: every rank, same order
