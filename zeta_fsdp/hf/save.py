@@ -100,14 +100,10 @@ _CAST_CHUNK = 8 * 2**20  # bytes cast to the saved dtype at a time: a rank never
 def rows_to_write(t: torch.Tensor, split: bool = True) -> Optional[tuple[int, int]]:
     """``(first row, row count)`` of ``t`` (along dim 0) this rank writes, or ``None`` if it needs a gather.
 
-    A DTensor sharded on dim 0 only (``Shard(0)`` and ``Replicate`` placements: FULL_SHARD,
-    SHARD_GRAD, HYBRID, uneven last shards included) holds a contiguous row range of the full
-    tensor: the ranks at coordinate 0 of every ``Replicate`` mesh dim write theirs (one copy of
-    each row). A plain tensor is whole on every rank: with ``split`` (replicas known to be equal:
-    parameters on DDP's engine) rank ``r`` writes ``torch.chunk`` piece ``r`` of its rows, else
-    rank 0 writes them all (a buffer such as BatchNorm's running statistics may differ between
-    ranks: the file gets one rank's copy, never a mix). Other placements (``Shard(d>0)``,
-    strided shards) return ``None``.
+    A DTensor sharded on dim 0 only holds a contiguous row range; the ranks at coordinate 0 of every
+    ``Replicate`` mesh dim write it. A plain tensor is whole on every rank: with ``split`` (replicas
+    known equal: parameters on DDP's engine) rank ``r`` writes ``torch.chunk`` piece ``r``, else rank 0
+    writes it all (BatchNorm's running statistics may differ between ranks: one rank's copy, never a mix).
     """
     if not isinstance(t, DTensor):
         if t.dim() == 0 or not split:
@@ -280,11 +276,6 @@ def save_pretrained(
             m.reshard()
     try:
         tensors, saved, where, files, plans = on_all_ranks(prepare)
-    except Exception:
-        for made in staged:  # rank 0 staged before another rank refused: leave nothing behind
-            end_staging(made)
-        raise
-    try:
 
         def write() -> None:
             _write_data(model, tensors, saved, where, plans, tmp, dtype)
@@ -297,6 +288,6 @@ def save_pretrained(
         on_all_ranks(write)
         on_all_ranks(lambda: publish_dir(tmp, path) if rank() == 0 else None)
     finally:
-        if rank() == 0:
-            end_staging(tmp)  # removes what a failed save left; releases the path's lock
+        for made in staged:  # rank 0: removes what a refused or failed save left, releases the path's lock
+            end_staging(made)
     return path
