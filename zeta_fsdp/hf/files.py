@@ -1,11 +1,9 @@
 """Hugging Face weight files on disk: safetensors headers, index files, shard plans, writes at offsets.
 
-Pure file handling, no process group and no model: ``load``/``save`` decide what to read or write.
-The safetensors format is small enough to handle directly (8-byte little-endian header length, a
-JSON header ``{name: {"dtype", "shape", "data_offsets"}}``, then the raw bytes). Reading the header
-ourselves lets every rank pread exactly its own rows of a tensor (nothing memory-mapped, so no
-page of another rank's shard counts in this rank's RSS), and writing it ourselves lets a file be
-planned before any tensor exists, then filled by every rank at its own offsets.
+No process group and no model. The safetensors format is small enough to handle directly: reading
+the header ourselves lets every rank pread exactly its own rows (nothing memory-mapped, so no page
+of another rank's shard counts in this rank's RSS); writing it lets a file be planned before any
+tensor exists, then filled by every rank at its own offsets.
 """
 
 from __future__ import annotations
@@ -189,9 +187,7 @@ def read_checkpoint_index(path: Union[str, os.PathLike]) -> dict[str, TensorEntr
     """Every tensor of a Hugging Face checkpoint: a model directory or one ``.safetensors`` file.
 
     A directory is read through ``model.safetensors.index.json`` when present (only the files it
-    names, so a stale extra file is never read), else its ``model.safetensors``. Files the index
-    names must lie inside the directory (``contained_file``; a hub cache snapshot's links into
-    ``../../blobs`` are accepted).
+    names, which must lie inside the directory: ``contained_file``), else its ``model.safetensors``.
 
     Raises:
         FileNotFoundError: ``path``, its index's shard files, or its weights file do not exist.
