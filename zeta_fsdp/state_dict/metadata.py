@@ -1,11 +1,8 @@
 """One home for reading a checkpoint's ``.metadata``, and for telling whether a path is a checkpoint of ours.
 
-DCP pickles its ``.metadata`` with plain pickle, and DCP's own reader
-(``FileSystemReader.read_metadata``) unpickles it with plain pickle: a crafted file runs whatever
-it names. Every reader in this package (load, both consolidations, the CLI, the strategy) reads it
-here instead, with an unpickler that knows DCP's metadata types only. ``checkpoint_problem`` is
-what every destructive call (``overwrite=True``, remove, prune, retention) asks first: a directory
-is replaced or deleted only when its metadata validates and it holds nothing a checkpoint does not.
+DCP's own reader unpickles ``.metadata`` with plain pickle: a crafted file runs whatever it names.
+Every reader in this package reads it here instead, with an unpickler that knows DCP's metadata
+types only. ``checkpoint_problem`` is what every destructive call (overwrite, remove, prune) asks first.
 """
 
 from __future__ import annotations
