@@ -131,11 +131,8 @@ def leftovers(path: Path) -> str:
 def publish_checkpoint(path: Path) -> None:
     """Rename the complete ``.<name>.incomplete`` to ``path``, replacing a checkpoint there only once it is in place.
 
-    One process only (rank 0, holding ``path``'s ``PathLock``). On Linux the two directories are
-    swapped in one atomic step (``files.exchange_paths``) and the previous one deleted after.
-    Elsewhere, a crash between two renames leaves the previous checkpoint in ``.<name>.replaced``
-    and the new one, complete, in ``.<name>.incomplete``: the next ``is_checkpoint``, load or
-    save of ``path`` finishes the job (``recover``).
+    One process only (rank 0, holding ``path``'s ``PathLock``). Where the two directories cannot be
+    swapped atomically, a crash between two renames is finished by the next ``recover`` of ``path``.
     """
     publish_dir(incomplete_dir(path), path, discard=discard_checkpoint_dir)
     with contextlib.suppress(OSError):  # the rename itself on disk
