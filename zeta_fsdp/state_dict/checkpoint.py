@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import warnings
@@ -159,13 +160,9 @@ def end_save(path: Path, lock: Optional[PathLock], published: bool) -> None:
     """Rank 0, after a save: remove ``.<name>.incomplete`` unless it was published, then release the lock."""
     if lock is None:
         return
-    try:
+    with lock, contextlib.suppress(OSError):  # the lock is released whatever happens
         if not published and os.path.lexists(incomplete_dir(path)):
             remove_tree(incomplete_dir(path))
-    except OSError:
-        pass
-    finally:
-        lock.release()
 
 
 def check_save_target(
