@@ -11,10 +11,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 import torch
-from torch.distributed.checkpoint import (
-    DefaultLoadPlanner,
-    FileSystemReader,
-)
+from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
 from torch.futures import Future
@@ -37,8 +34,9 @@ def read_metadata(path: Path, caller: str) -> Metadata:
     return load_metadata(path / METADATA_FILE, caller)
 
 
-def _check_files(path: Path, metadata: Metadata, caller: str) -> None:
-    """Every shard file the metadata points to exists and is long enough (catches truncation early)."""
+def open_checkpoint(path: Path, caller: str) -> Metadata:
+    """The checkpoint's metadata, once every shard file it points to exists and is long enough."""
+    metadata = read_metadata(path, caller)
     needed: dict[str, int] = {}
     keys: dict[str, list[str]] = {}
     for index, info in metadata.storage_data.items():
@@ -55,11 +53,6 @@ def _check_files(path: Path, metadata: Metadata, caller: str) -> None:
                 f"{caller}: shard file {file} is truncated: {size} bytes, the metadata needs {end} "
                 f"(it holds {short_list(keys[name], 4)})."
             )
-
-
-def open_checkpoint(path: Path, caller: str) -> Metadata:
-    metadata = read_metadata(path, caller)
-    _check_files(path, metadata, caller)
     return metadata
 
 
