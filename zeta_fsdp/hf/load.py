@@ -62,13 +62,8 @@ def local_box(t: torch.Tensor, local: Optional[torch.Tensor] = None) -> list[tup
 
 
 def _cut(full_or_rows: torch.Tensor, box: list[tuple[int, int]], rows_read: bool) -> torch.Tensor:
-    out = full_or_rows
-    for dim, (a, b) in enumerate(box):
-        if dim == 0 and rows_read:
-            continue
-        if (a, b) != (0, out.shape[dim]):
-            out = out.narrow(dim, a, b - a)
-    return out
+    """The part ``box`` of a tensor (a view); dim 0 is kept whole when only this rank's rows were read."""
+    return full_or_rows[tuple(slice(None) if d == 0 and rows_read else slice(a, b) for d, (a, b) in enumerate(box))]
 
 
 def _target_device(tensors: dict[str, torch.Tensor]) -> torch.device:
