@@ -65,11 +65,10 @@ def save_adapters(
 ) -> Path:
     """Write the adapter ``adapter_name`` of a (sharded) PEFT model as PEFT does; returns ``path``.
 
-    Call on every rank. Each adapter tensor is gathered (one at a time) and rank 0 writes
-    ``adapter_model.safetensors`` (training dtypes) and ``adapter_config.json`` (``inference_mode``
-    true, as PEFT writes it). The base is not written (``save_pretrained(model.merge_and_unload(),
-    ...)`` saves a merged model). ``path`` must not exist or be empty unless ``overwrite=True``;
-    files are written beside it and renamed into place once complete.
+    Call on every rank. The adapter tensors are gathered one at a time and rank 0 writes
+    ``adapter_model.safetensors`` and ``adapter_config.json``; the base is not written
+    (``save_pretrained(model.merge_and_unload(), ...)`` saves a merged model). ``overwrite`` as in
+    ``save_pretrained``.
 
     Raises:
         ValueError: not a PEFT model, an unknown ``adapter_name``, or a bad ``overwrite``.
@@ -123,10 +122,9 @@ def save_adapters(
 def load_adapters(model: nn.Module, path: Union[str, os.PathLike], *, adapter_name: str = "default") -> None:
     """Load PEFT adapter weights from ``path`` into the adapter ``adapter_name`` of a (sharded) model.
 
-    Call on every rank after ``fsdp()``: each rank reads the small adapter tensors (safetensors: no
-    code runs on read) and keeps its shards, cast to each parameter's dtype. The file's tensors and
-    the model's adapter tensors must match one to one, with their shapes, and ``adapter_config.json``'s
-    ``r`` (when present) the model's; all checked on every rank before anything is copied.
+    Call on every rank after ``fsdp()``: each rank reads the small adapter file and keeps its shards.
+    Its tensors (names, shapes) and ``adapter_config.json``'s ``r`` must match the model's adapter;
+    checked on every rank before anything is copied.
 
     Raises:
         ValueError: not a PEFT model, an unknown ``adapter_name``, or a file that does not match.
