@@ -80,11 +80,9 @@ def consolidate_to_hf(
 ) -> Path:
     """Turn a ``save_checkpoint`` checkpoint into a Hugging Face model directory; one process, batch by batch.
 
-    ``config``: the model's Hugging Face config (directory or ``config.json``): written as
-    ``config.json``, and used for the architecture's tie rules, its MoE key conversions and to check
-    every key. ``dtype`` casts floating-point tensors; ``max_shard_size`` as in ``save_pretrained``.
-    ``out_dir`` must not exist or be empty unless ``overwrite=True``; it is written beside and
-    renamed into place, so a failure leaves what was there untouched. Returns ``out_dir``.
+    ``config``: the model's Hugging Face config (directory or ``config.json``), written as
+    ``config.json`` and used for the tie rules, MoE key conversions and to check every key.
+    ``dtype``, ``max_shard_size`` and ``overwrite`` as in ``save_pretrained``. Returns ``out_dir``.
 
     Also: ``python -m zeta_fsdp consolidate CKPT OUT --hf [--config DIR] [--dtype bf16]``.
 
