@@ -141,16 +141,12 @@ def _allocate(model: nn.Module, tensors: dict[str, torch.Tensor], aliases: dict[
 def load_pretrained(model: nn.Module, path: Union[str, os.PathLike], *, strict: bool = True) -> None:
     """Load Hugging Face safetensors weights into a model returned by ``fsdp()``, shard by shard.
 
-    Call on every rank. ``path``: a model directory (``model.safetensors``, or
-    ``model.safetensors.index.json`` with its shard files: only the files the index names are read)
-    or one ``.safetensors`` file. Each rank reads only the bytes of its own shards; no rank holds
-    the full model and nothing is broadcast. Works under every ``shard_strat``, on a model built
-    normally, built on ``meta`` and materialized, or left on ``meta`` by ``fsdp(...,
-    materialize=False)`` (then its shards are allocated here, with no random init, and its
-    non-persistent buffers recomputed). Tensors are converted to each parameter's dtype; a tied
-    weight stored once fills every name; checkpoints transformers 5 converts on load (Mixtral's
-    per-expert weights into fused ``experts.gate_up_proj``) are converted with transformers' own
-    mapping.
+    Call on every rank. ``path``: a model directory (``model.safetensors``, or the index and the
+    files it names) or one ``.safetensors`` file. Each rank reads only the bytes of its own shards.
+    Works under every ``shard_strat`` and on a model left on ``meta`` by ``fsdp(...,
+    materialize=False)`` (its shards are allocated here, no random init). Tensors are cast to each
+    parameter's dtype; a tied weight stored once fills every name; transformers' own conversions
+    (Mixtral's per-expert weights into fused ``experts.gate_up_proj``) are applied.
 
     ``strict=True``: every model key must be in the checkpoint and every checkpoint key in the model
     (keys Hugging Face itself ignores on load excepted). Shapes must match in either mode.
