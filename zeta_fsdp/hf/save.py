@@ -218,18 +218,15 @@ def save_pretrained(
 ) -> Path:
     """Write a model returned by ``fsdp()`` as a Hugging Face model directory; returns ``path``.
 
-    Call on every rank. Writes ``model.safetensors`` (or ``model-0000i-of-0000n.safetensors`` files
-    of at most ``max_shard_size`` plus ``model.safetensors.index.json``), and ``config.json`` /
-    ``generation_config.json`` when the model has a Hugging Face ``.config``, so
-    ``AutoModelFor*.from_pretrained(path)`` loads it. No rank holds the whole model, nor a whole
-    tensor: each rank writes its own rows at their offsets in the planned files. Tied weights are
-    stored once, as Hugging Face stores them; fused MoE tensors are written under the per-expert keys
-    transformers' own ``save_pretrained`` uses. ``dtype`` casts floating-point tensors on write.
+    Call on every rank. Writes ``model.safetensors`` (or files of at most ``max_shard_size`` and
+    their index), and ``config.json`` / ``generation_config.json`` for a Hugging Face model, so
+    ``AutoModelFor*.from_pretrained(path)`` loads it; no rank holds a whole tensor. Tied weights are
+    stored once and fused MoE tensors under transformers' per-expert keys, as transformers saves them.
+    ``dtype`` casts floating-point tensors on write.
 
-    ``path`` must not exist, or be an empty directory, unless ``overwrite=True``. The files are
-    written into ``.<name>.incomplete`` beside ``path`` and renamed into place once complete: a
-    refused or failed save leaves what was at ``path`` untouched. With several nodes, ``path``
-    must be on a file system every rank sees.
+    ``path`` must not exist, or be an empty directory, unless ``overwrite=True``; the files are
+    renamed into place once complete, so a refused or failed save leaves ``path`` untouched. With
+    several nodes, ``path`` must be on a file system every rank sees.
 
     Raises:
         FileExistsError: ``path`` exists and is not empty (without ``overwrite=True``), or is a file.
