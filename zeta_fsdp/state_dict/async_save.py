@@ -28,11 +28,9 @@ from .publish import incomplete_dir, publish_checkpoint
 def stage_state(state: dict[str, Any], buffers: Optional[dict[str, torch.Tensor]] = None) -> dict[str, Any]:
     """A copy of ``state`` in CPU memory that later training cannot change: tensors copied, objects deep-copied.
 
-    A ``DTensor`` stays a ``DTensor`` (same mesh and placements) around a CPU copy of its local shard,
-    so DCP writes exactly what ``save_checkpoint`` would. Extra memory: one copy of this rank's
-    shards. ``buffers`` (``{key: CPU tensor}``, filled on first use) are reused by later calls with
-    tensors of the same shape and dtype: copying into memory already mapped is several times faster
-    than into fresh pages (the write that read them must be finished).
+    A ``DTensor`` stays a ``DTensor`` around a CPU copy of its local shard, so DCP writes exactly what
+    ``save_checkpoint`` would. ``buffers`` (``{key: CPU tensor}``, filled on first use) are reused by
+    later calls: copying into memory already mapped is several times faster than into fresh pages.
     """
     out: dict[str, Any] = {}
     for key, value in state.items():
@@ -87,14 +85,12 @@ class _GatedWriter(FileSystemWriter):
 class AsyncCheckpointer:
     """Save checkpoints without stopping training for the write.
 
-    ``save()`` takes the same arguments as ``save_checkpoint`` and returns once every rank's shards
-    are staged (copied to CPU memory); DCP writes them in a background thread over a gloo group of
-    this checkpointer's own, and rank 0 renames the directory into place once every rank's files are
-    written. The checkpoint equals what ``save_checkpoint`` writes at that moment, however training
-    changes the parameters meanwhile, and keeps its guarantees (atomic publish, CRC-checked loads).
-    At most one save is in flight: the next ``save()``, ``wait()`` or ``close()`` waits for it (and
-    so does interpreter exit). The staged copy (one copy of the rank's shards in CPU memory) is
-    kept for the next save unless ``reuse_buffers=False``. Create it, and call ``save``/``wait``/``close``, on every rank.
+    ``save()`` takes ``save_checkpoint``'s arguments and returns once every rank's shards are copied
+    to CPU memory; DCP writes them in a background thread over a gloo group of its own, and rank 0
+    publishes the directory. The checkpoint is what ``save_checkpoint`` would write at that moment,
+    with the same guarantees. At most one save is in flight: the next ``save()``, ``wait()``,
+    ``close()`` or interpreter exit waits for it. The CPU copy is kept for the next save (copying into
+    mapped memory is faster) unless ``reuse_buffers=False``. Create it and call its methods on every rank.
 
     Example:
         checkpointer = AsyncCheckpointer()
