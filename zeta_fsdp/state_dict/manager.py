@@ -55,12 +55,9 @@ def latest_checkpoint(root: PathLike) -> Optional[Path]:
 def prune_checkpoints(root: PathLike, keep_last: int) -> list[Path]:
     """Delete complete ``root/step_<n>`` checkpoints older than the newest ``keep_last``; return what was deleted.
 
-    One process (rank 0). Never touches the newest complete checkpoint, a save in flight (a hidden
-    ``.step_<n>.incomplete``), or anything not named ``step_<n>``. Each is deleted ``.metadata`` first,
-    so an interrupted delete never leaves a complete-looking checkpoint. A ``step_<n>`` that is a
-    symbolic link loses the link only (the checkpoint it points to is kept); one that is not
-    verifiably a checkpoint written by this library (foreign files in it, say) is kept, with a
-    warning naming it and why.
+    One process (rank 0). Never touches the newest complete checkpoint, a save in flight, or anything
+    not named ``step_<n>``; a symbolic link loses the link only, and a ``step_<n>`` that is not
+    verifiably a checkpoint of ours is kept, with a warning naming it and why.
 
     Example:
         prune_checkpoints("ckpt", keep_last=2)
@@ -91,20 +88,13 @@ def _positive(name: str, value: Optional[int]) -> Optional[int]:
 class CheckpointManager:
     """Checkpoints of one training run under ``root``: periodic, pruned, resumable, preemption-safe.
 
-    * ``after_step(step)`` at every step boundary (``step`` = optimizer steps done): saves
-      ``root/step_<step>`` when ``step`` is a multiple of ``every``, and when a preemption signal
-      arrived (then it returns ``True``: stop the loop).
-    * ``keep_last=K`` keeps the K newest complete checkpoints (never the one being written, never
-      the newest complete one); ``None`` keeps all.
-    * ``resume()`` loads the latest complete checkpoint into the model, optimizer and ``state``
-      objects and returns its step, or returns 0 when there is none (first launch).
-    * ``async_save=True`` writes in the background (``AsyncCheckpointer``); training waits only for
-      the copy to CPU memory.
-    * ``state``: ``{name: object with state_dict() / load_state_dict()}`` saved with every checkpoint
-      and restored by ``resume()``: a ``ResumableLoader`` (data position), an LR scheduler.
-    * ``preemption_signals``: the signals that mean "save and stop" (default SIGTERM; ``()`` for none).
-
-    Create it and call its methods on every rank.
+    ``after_step(step)`` at every step boundary saves ``root/step_<step>`` every ``every`` steps and
+    when a preemption signal (``preemption_signals``, default SIGTERM; ``()`` for none) arrived, then
+    returns ``True``: stop the loop. ``keep_last=K`` keeps the K newest complete checkpoints (``None``:
+    all). ``resume()`` loads the latest one and returns its step (0 on first launch).
+    ``async_save=True`` writes in the background (``AsyncCheckpointer``). ``state``: ``{name: object
+    with state_dict() / load_state_dict()}`` (a ``ResumableLoader``, an LR scheduler) saved with every
+    checkpoint and restored by ``resume()``. Create it and call its methods on every rank.
 
     Example:
         manager = CheckpointManager("ckpt", model, optimizer, every=100, keep_last=3,
