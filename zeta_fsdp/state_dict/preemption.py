@@ -36,10 +36,9 @@ def resolve_signals(signals: Iterable[SignalLike]) -> list[signal.Signals]:
 class PreemptionHandler:
     """Turn a signal into a request to stop: the loop checks ``stop_requested()`` at each step boundary.
 
-    The handler only records the signal (saving from inside a signal handler is unsafe: a collective
-    may be half done); ``stop_requested()`` agrees across ranks (one tiny all-reduce over a gloo
-    group of its own), so every rank stops at the same step even when the signal reached one rank
-    first or only one rank. ``close()`` puts the previous handlers back. Create it on every rank.
+    The handler only records the signal (a collective may be half done inside a signal handler);
+    ``stop_requested()`` agrees across ranks (one tiny all-reduce), so every rank stops at the same
+    step even when the signal reached only one. ``close()`` puts the previous handlers back. Every rank.
 
     Example:
         preemption = PreemptionHandler(["SIGTERM", "SIGUSR1"])
