@@ -63,11 +63,8 @@ def error_reason(error: BaseException) -> str:
 
 
 def on_all_ranks(fn: Callable[[], Any], *, rank0_only: bool = False) -> Any:
-    """Run ``fn`` on every rank (or rank 0 only); if it raises anywhere, raise the same error everywhere.
-
-    ``distributed.on_all_ranks`` with the checkpoint code's vocabulary: DCP's exceptions count
-    (a ``BaseException``) and read as one line per failing rank, and an error of another type
-    than the built-in ones arrives as ``CheckpointError``.
+    """``distributed.on_all_ranks`` (an error on any rank raised on every rank) for checkpoint code:
+    DCP's exceptions count and read as one line per failing rank; other error types arrive as ``CheckpointError``.
     """
     return _on_all_ranks(
         fn,
