@@ -1,9 +1,7 @@
 """The full-format checkpoint: one ``torch.save`` file written and read by rank 0; removing either format.
 
-The file holds ``state_dict`` and ``optimizer_states`` (full, keyed by FQN) and small entries: the
-dict Lightning and NeMo checkpoint, ``FSDP2Strategy``'s default, loadable with ``weights_only=True``.
-Every function here touches the disk on rank 0 only and raises the same error on every rank,
-naming the path, before anything the user owns changes.
+The file is the dict Lightning and NeMo checkpoint (``state_dict``, ``optimizer_states``, small
+entries), ``FSDP2Strategy``'s default. Only rank 0 touches the disk; errors are raised on every rank.
 """
 
 from __future__ import annotations
