@@ -1,12 +1,9 @@
 """One DCP record (a ``torch.save`` zip archive) checked and decoded from bytes already in memory.
 
-Each record in a ``.distcp`` file is a stored (uncompressed) zip whose entries carry CRC-32s, which
-``torch.load`` never checks. Here every entry's CRC-32 is computed over a ``memoryview`` of the
-bytes read from the file (no copy), and a tensor record's data entry becomes a tensor that views
-those same bytes: no ``BytesIO`` copy, no second pass, no per-record ``torch.load``. ``data.pkl``
-is read by an unpickler that knows one function (``_rebuild_tensor_v2``) and the storage classes;
-anything else in it is refused. A record in another layout (compressed, ZIP64 sizes, big-endian)
-returns ``None`` from ``tensor_record`` and the caller falls back to ``torch.load``.
+Each record in a ``.distcp`` file is a stored zip whose entries carry CRC-32s, which ``torch.load``
+never checks. Here every CRC-32 is computed over a ``memoryview`` of the file's bytes, and a tensor
+record becomes a tensor viewing those same bytes (no copy, no per-record ``torch.load``); its
+``data.pkl`` is read by an unpickler that knows ``_rebuild_tensor_v2`` and the storage classes only.
 """
 
 from __future__ import annotations
