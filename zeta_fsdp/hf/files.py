@@ -97,10 +97,8 @@ def _parse_json(raw: bytes, file: Path, what: str) -> object:
 def read_safetensors_header(file: Union[str, os.PathLike]) -> dict[str, TensorEntry]:
     """The tensors of one ``.safetensors`` file (header only: no tensor byte is read).
 
-    Raises ``CheckpointError`` (a ``ValueError``) naming the file when the header is not valid
-    safetensors: not a JSON object, an entry without a known dtype, a shape of non-negative
-    ints or two offsets, a byte range that does not match its shape, lies outside the data
-    section (a truncated download, or an offset pointing into the header), or overlaps another.
+    Raises ``CheckpointError`` naming the file when the header is not valid safetensors: a malformed
+    entry, or a byte range that does not match its shape, lies outside the data section, or overlaps another.
     """
     file = Path(file)
     size = file.stat().st_size
@@ -161,9 +159,8 @@ def read_safetensors_header(file: Union[str, os.PathLike]) -> dict[str, TensorEn
 def contained_file(folder: Union[str, os.PathLike], name: object, what: str) -> Path:
     """``folder / name`` for a file name read from a file in ``folder``, refused unless it stays inside.
 
-    ``name`` must be a relative path without ``..``; the file it names, symbolic links resolved,
-    must lie inside ``folder`` (or, for a hub cache snapshot, in the cache's ``blobs``). Raises
-    ``CheckpointError`` naming ``what`` (the file that named it) otherwise.
+    ``name``, symbolic links resolved, must lie inside ``folder`` (or a hub cache snapshot's ``blobs``);
+    else ``CheckpointError`` naming ``what`` (the file that named it).
     """
     folder = Path(folder)
     if not isinstance(name, str) or not name or "\0" in name or os.path.isabs(name) or ".." in Path(name).parts:
@@ -244,10 +241,8 @@ def read_rows(
 ) -> torch.Tensor:
     """Rows ``start:start+count`` (along dim 0) of a stored tensor, read with one ``pread``.
 
-    Rows of a row-major tensor are one contiguous byte range, so a rank reads exactly the bytes
-    of its shard; nothing is memory-mapped. ``count=None`` reads to the end. ``out``: a contiguous
-    CPU tensor of the stored dtype and the rows' shape to read straight into (no extra copy).
-    ``fd``: ``entry.file`` already open for reading (a load of many tensors opens each file once).
+    ``count=None`` reads to the end. ``out``: a contiguous CPU tensor of the stored dtype and the
+    rows' shape to read straight into. ``fd``: ``entry.file`` already open for reading.
     """
     if not entry.shape:  # 0-dim
         start, count, shape = 0, 1, ()

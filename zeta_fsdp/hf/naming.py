@@ -1,16 +1,9 @@
 """Which tensor of a model is which key of a Hugging Face checkpoint: ties and transformers' conversions.
 
-Pure: no file and no process group. Two things make a model's own names differ from the keys
-``save_pretrained`` writes:
-
-* tied weights are stored once, under the name Hugging Face keeps (``all_tied_weights_keys`` maps
-  each dropped alias to it; for other models the first name a parameter is reachable under);
-* transformers 5 fuses some weights in memory (Mixtral's per-expert ``w1``/``w3`` become one
-  ``mlp.experts.gate_up_proj``) and renames on load/save. We use transformers' own conversion
-  mapping (``get_model_conversion_mapping``: the one ``from_pretrained`` applies), so every
-  architecture transformers can load converts the same way here.
-
-transformers is imported only for a model whose class comes from it.
+Pure: no file and no process group. Tied weights are stored once, under the name Hugging Face keeps;
+transformers 5 fuses some weights in memory (Mixtral's per-expert ``w1``/``w3`` into one
+``gate_up_proj``): we use transformers' own conversion mapping, the one ``from_pretrained`` applies,
+so every architecture it can load converts the same way here. transformers is imported only for its models.
 """
 
 from __future__ import annotations
