@@ -119,13 +119,8 @@ def consolidate_to_hf(
         groups: dict[str, list[str]] = {}
         for alias, kept in aliases.items():
             groups.setdefault(kept, [kept]).append(alias)
-        source = {}
-        for key in tensors:
-            if key in aliases:
-                continue
-            found = next((n for n in groups.get(key, [key]) if n in stored), None)
-            if found is not None:
-                source[key] = found
+        found = {k: next((n for n in groups.get(k, [k]) if n in stored), None) for k in tensors if k not in aliases}
+        source = {k: name for k, name in found.items() if name is not None}
         missing = [k for k in tensors if k not in aliases and k not in source]
         used = set(source.values())
         unexpected = [k for k in stored if k not in used and aliases.get(k) not in source]
