@@ -70,10 +70,8 @@ def _transforms(model: nn.Module) -> tuple[list, list]:
 class KeyPlan:
     """Where each model tensor comes from in a checkpoint.
 
-    ``direct``: model key -> checkpoint key (same tensor, maybe renamed). ``converted``: model key
-    -> (checkpoint keys in order, ``build(read)``: the full tensor from ``read(ckpt_key)``).
-    ``unexpected``: checkpoint keys that match nothing. ``missing``: model keys nothing provides.
-    ``shapes``: the full shape each model key gets from the checkpoint.
+    ``direct``: model key -> checkpoint key. ``converted``: model key -> (checkpoint keys, ``build(read)``:
+    the full tensor from ``read(ckpt_key)``). ``shapes``: the full shape each model key gets.
     """
 
     direct: dict[str, str] = field(default_factory=dict)
