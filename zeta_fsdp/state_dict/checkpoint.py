@@ -218,9 +218,7 @@ def check_save_target(
 
 def prepare_save_dir(path: Path, *, overwrite: bool) -> Optional[PathLock]:
     """Rank 0: lock ``path``, check it may be written (``check_save_target``), make an empty
-    ``.<name>.incomplete`` beside it. The held lock (``None`` off rank 0) keeps other processes from
-    saving to ``path`` (they wait ``LOCK_WAIT_S``, then raise), so the previous checkpoint survives
-    any interleaving of two jobs."""
+    ``.<name>.incomplete`` beside it. The held lock (``None`` off rank 0) makes two jobs take turns."""
     if current_rank() != 0:
         return None
     try:
