@@ -116,10 +116,8 @@ def remove_checkpoint(
 ) -> None:
     """Delete a checkpoint (full-format file or sharded directory) on rank 0, once every rank got here.
 
-    A missing path is nothing to do. A symbolic link (NeMo's "last" checkpoints) is unlinked when it
-    points to a checkpoint or nowhere; its target is never touched. A directory that is not
-    verifiably our sharded checkpoint, or a file not written by ``torch.save``, raises
-    ``CheckpointError`` and is left untouched. ``checkpoint_io`` replaces all of this.
+    A symbolic link (NeMo's "last" checkpoints) is unlinked, its target never touched. Anything not
+    verifiably a checkpoint of ours raises ``CheckpointError``. ``checkpoint_io`` replaces all of this.
     """
     path = Path(filepath)
 
