@@ -196,9 +196,8 @@ def _write_data(
             except Exception as e:
                 failed = e
         if failed is None:
-            # This rank's bytes are on disk before anyone publishes. fdatasync: the size is final since
-            # create(), so data is all there is to flush; two ranks fsync-ing one file (timestamps too)
-            # took about 2x as long at 423 MB on ext4.
+            # On disk before anyone publishes. fdatasync: the size is final since create(); fsync (timestamps
+            # too) from two ranks took about 2x as long at 423 MB on ext4.
             for fd in fds.values():
                 os.fdatasync(fd)
     finally:

@@ -44,9 +44,7 @@ def _entries(record: memoryview, where: str) -> Optional[dict[str, memoryview]]:
     if len(record) < _EOCD.size:
         raise CheckpointError(f"shard record {where} is corrupted: {len(record)} bytes is too short for a zip.")
     sig, _, _, _, count, cd_size, cd_offset, comment = _EOCD.unpack_from(record, len(record) - _EOCD.size)
-    if sig != b"PK\x05\x06" or comment:
-        return None
-    if count == 0xFFFF or _ZIP64_MARK in (cd_size, cd_offset):
+    if sig != b"PK\x05\x06" or comment or count == 0xFFFF or _ZIP64_MARK in (cd_size, cd_offset):
         return None
     out: dict[str, memoryview] = {}
     pos = cd_offset
