@@ -95,10 +95,8 @@ def is_full_checkpoint(path: Any) -> bool:
 def checkpoint_problem(path: Path) -> Optional[str]:
     """Why ``path`` is not a complete checkpoint of ours (``None`` when it is).
 
-    Ours: a real directory (not a symbolic link), whose ``.metadata`` loads with the allow-list
-    and validates, holding nothing but that file and DCP shard files (``__<rank>_<n>.distcp``),
-    each a regular file. A folder that merely contains a file named ``.metadata``, or a
-    checkpoint someone put their own files into, is not ours to replace or delete.
+    Ours: a real directory whose ``.metadata`` validates, holding nothing but that file and DCP
+    shard files. A checkpoint someone put their own files into is not ours to replace or delete.
     """
     path = Path(path)
     if path.is_symlink():

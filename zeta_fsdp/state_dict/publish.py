@@ -21,10 +21,8 @@ LOCK_WAIT_S = 60.0
 def is_checkpoint(path: PathLike) -> bool:
     """``True`` if ``path`` is a complete checkpoint (an interrupted save never leaves one).
 
-    Complete: its ``.metadata`` is there and validates (read with the allow-list unpickler; a
-    folder that merely holds a file of that name is not a checkpoint). An overwrite that stopped
-    between its two renames (see ``save_checkpoint``) is finished first, so the checkpoint is
-    found again at ``path``. A symbolic link to a checkpoint is one.
+    Complete: its ``.metadata`` is there and validates. An overwrite that stopped between its two
+    renames is finished first, so the checkpoint is found again at ``path``. A link to one is one.
 
     Example:
         >>> if is_checkpoint("ckpt/last"):
@@ -58,9 +56,8 @@ def removal_problem(path: Path) -> Optional[str]:
 def discard_checkpoint_dir(path: Path) -> None:
     """Delete a checkpoint directory of ours, its ``.metadata`` first: an interrupted delete never looks complete.
 
-    A symbolic link is unlinked (what it points to is never touched); an empty folder removed;
-    anything else that is not verifiably a checkpoint (``checkpoint_problem``) raises
-    ``CheckpointError`` naming the path and why, and is left as it is.
+    A symbolic link is unlinked (its target never touched); anything not verifiably a checkpoint
+    (``removal_problem``) raises ``CheckpointError`` naming the path and why, and is left as it is.
     """
     path = Path(path)
     problem = removal_problem(path)  # None for a link or nothing at all
