@@ -18,7 +18,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from ..distributed import get_rank, get_world_size, on_all_ranks
 from ..files import publish_dir
-from .files import end_staging, read_safetensors_header, staging_dir
+from .files import TensorEntry, end_staging, read_rows, read_safetensors_header, staging_dir
 
 __all__ = ["ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "adapter_tensors", "load_adapters", "save_adapters"]
 
@@ -134,12 +134,10 @@ def load_adapters(model: nn.Module, path: Union[str, os.PathLike], *, adapter_na
         model = fsdp(get_peft_model(base, lora_config), auto_wrap=True, mp="bf16", shard_strat="FULL_SHARD")
         load_adapters(model, "out/adapter")
     """
-    from safetensors import safe_open
-
     caller = "load_adapters()"
     path = Path(path)
 
-    def check() -> dict[str, tuple[str, torch.Tensor]]:
+    def check() -> tuple[dict[str, tuple[str, torch.Tensor]], dict[str, TensorEntry]]:
         _check_peft_model(model, adapter_name, caller)
         weights = path / ADAPTER_WEIGHTS
         if not weights.is_file():
@@ -166,12 +164,12 @@ def load_adapters(model: nn.Module, path: Union[str, os.PathLike], *, adapter_na
             own_r = getattr(model.peft_config[adapter_name], "r", None)
             if saved_r is not None and own_r is not None and saved_r != own_r:
                 raise ValueError(f"{caller}: {config_file} has r={saved_r}, the model's adapter has r={own_r}.")
-        return tensors
+        return tensors, header
 
-    tensors = on_all_ranks(check)
-    with torch.no_grad(), safe_open(str(path / ADAPTER_WEIGHTS), framework="pt") as f:
+    tensors, header = on_all_ranks(check)
+    with torch.no_grad():
         for key, (_, t) in tensors.items():
-            whole = f.get_tensor(key)
+            whole = read_rows(header[key])
             if isinstance(t, DTensor):
                 # Local chunking only (src_data_rank=None): every rank read the same file.
                 piece = distribute_tensor(whole.to(t.dtype), t.device_mesh, t.placements, src_data_rank=None)
