@@ -32,10 +32,8 @@ _MODEL = "model."  # save_checkpoint's prefix for the model's tensors
 
 
 def meta_model_from_config(config: Union[str, os.PathLike]) -> nn.Module:
-    """The Hugging Face model ``config`` (a model directory or a ``config.json``) describes, built on ``meta``.
-
-    Its class is the config's first ``architectures`` entry. Nothing is allocated.
-    """
+    """The model ``config`` (a model directory or a ``config.json``) describes, built on ``meta``:
+    its class is the config's first ``architectures`` entry."""
     import transformers
 
     config = Path(config)

@@ -186,10 +186,8 @@ def read_checkpoint_index(path: Union[str, os.PathLike]) -> dict[str, TensorEntr
     A directory is read through ``model.safetensors.index.json`` when present (only the files it
     names, which must lie inside the directory: ``contained_file``), else its ``model.safetensors``.
 
-    Raises:
-        FileNotFoundError: ``path``, its index's shard files, or its weights file do not exist.
-        CheckpointError: a malformed index or safetensors header, a file outside the directory,
-            or an index naming a key its file lacks (a ``ValueError``).
+    Raises ``FileNotFoundError`` for a missing path or file, ``CheckpointError`` for a malformed
+    index or header, a file outside the directory, or an index naming a key its file lacks.
     """
     path = Path(path)
     if not path.exists():

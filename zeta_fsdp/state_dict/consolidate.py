@@ -16,13 +16,9 @@ from .reader import dcp_load, open_checkpoint
 def consolidate_checkpoint(dcp_dir: PathLike, out_file: PathLike, *, overwrite: bool = False) -> Path:
     """Turn a checkpoint into one file of the model's weights: offline, one process, no process group.
 
-    ``out_file`` ending in ``.safetensors`` is written with ``safetensors`` (the ``safetensors``
-    extra: ``pip install 'zeta-fsdp[safetensors]'``); anything else with ``torch.save``, loadable with
-    ``torch.load(out_file, weights_only=True)``. Keys are the unwrapped model's, so
-    ``model.load_state_dict(...)`` works. Optimizer state and ``extra`` are left out. The file is
-    written next to ``out_file`` and renamed into place. Returns ``out_file``.
-
-    Also available as ``python -m zeta_fsdp consolidate DIR OUT``.
+    ``out_file`` ending in ``.safetensors`` is written with ``safetensors``, anything else with
+    ``torch.save`` (``weights_only=True`` loads it). Keys are the unwrapped model's; optimizer state and
+    ``extra`` are left out. Returns ``out_file``. Also ``python -m zeta_fsdp consolidate DIR OUT``.
 
     Example:
         consolidate_checkpoint("ckpt/step_100", "model.pt")

@@ -40,9 +40,7 @@ def checkpoint_steps(root: PathLike) -> list[int]:
 
 
 def latest_checkpoint(root: PathLike) -> Optional[Path]:
-    """``root/step_<n>`` with the largest ``n`` among complete checkpoints, or ``None``.
-
-    One process's view of the file system; ``CheckpointManager.latest()`` agrees across ranks.
+    """``root/step_<n>`` with the largest ``n`` among complete checkpoints, or ``None`` (this process's view).
 
     Example:
         latest_checkpoint("ckpt")

@@ -25,8 +25,7 @@ from .checks import (
 def get_sharded_state_dict(model: nn.Module) -> dict[str, Any]:
     """The model's state dict as it lives on this rank: ``DTensor`` shards, clean FQNs, no communication.
 
-    For users who save with ``torch.distributed.checkpoint`` themselves. Keys are exactly those of
-    the unwrapped model.
+    For users who save with DCP themselves. Keys are exactly those of the unwrapped model.
 
     Example:
         sd = get_sharded_state_dict(model)
