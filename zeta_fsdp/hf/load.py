@@ -1,8 +1,7 @@
 """``load_pretrained``: Hugging Face safetensors weights straight into a sharded model's shards.
 
-Every rank reads the checkpoint's headers, checks them against the model (keys, shapes) and only
-then reads, with one ``pread`` per tensor, the rows of its own shard: nothing is broadcast, no rank
-reads or holds another rank's shard, and nothing is memory-mapped (a mapped page counts in RSS).
+Every rank checks the checkpoint's headers against the model, then reads with one ``pread`` per
+tensor the rows of its own shard: nothing is broadcast or memory-mapped (a mapped page counts in RSS).
 
 Why not torch's ``HuggingFaceStorageReader`` (DCP): it maps whole files, so every page a rank
 touches stays in its RSS (measured 1.03-1.26x the model's bytes per rank at 2 ranks, against

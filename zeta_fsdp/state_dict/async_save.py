@@ -110,11 +110,7 @@ class AsyncCheckpointer:
 
     @property
     def in_flight(self) -> Optional[Path]:
-        """The checkpoint being written now (``None`` when none is).
-
-        Example:
-            checkpointer.in_flight  # -> PosixPath('ckpt/step_200') while that save is written
-        """
+        """The checkpoint being written now (``None`` when none is)."""
         return None if self._pending is None or self._pending[2].done() else self._pending[0]
 
     def _process_group(self) -> Optional[dist.ProcessGroup]:
@@ -163,9 +159,8 @@ class AsyncCheckpointer:
                         no_dist=not dist_on(),
                     )
 
-            # Started on every rank, or failed on every rank: a rank whose write thread started while a
-            # peer's failed to start must not wait in the write's first collective for that peer (until
-            # gloo's timeout). The threads wait at the gate, before any collective, until the ranks agree.
+            # Started on every rank, or on none: a write thread must not wait in its first collective for a
+            # peer whose write failed to start (until gloo's timeout). It waits at the gate until the ranks agree.
             try:
                 upload = on_all_ranks(start)
             except FAILURES:

@@ -136,12 +136,7 @@ class CheckpointManager:
         self._saved_step: Optional[int] = None
 
     def latest(self) -> Optional[Path]:
-        """The latest complete checkpoint under ``root`` (rank 0's view, the same on every rank), or ``None``.
-
-        Example:
-            manager.latest()
-            # -> PosixPath('ckpt/step_300')
-        """
+        """The latest complete checkpoint under ``root`` (rank 0's view, the same on every rank), or ``None``."""
         return from_rank0(lambda: latest_checkpoint(self.root))
 
     def resume(self) -> int:
