@@ -363,11 +363,8 @@ def _pwrite_all(fd: int, data: memoryview, offset: int, file: object) -> None:
 
 
 def write_at(fd: int, offset: int, tensor: torch.Tensor, *, file: object = "") -> None:
-    """Write ``tensor``'s bytes (row-major) at byte ``offset`` of the open file ``fd`` (``os.pwrite``).
-
-    Several processes may write disjoint ranges of one file at once. A non-contiguous or non-CPU
-    tensor is copied to a contiguous CPU one first.
-    """
+    """Write ``tensor``'s bytes (row-major) at byte ``offset`` of the open file ``fd``: several processes
+    may write disjoint ranges of one file at once."""
     data = tensor.detach()
     if data.device.type != "cpu" or not data.is_contiguous():
         data = data.to("cpu").contiguous()

@@ -77,10 +77,7 @@ def on_all_ranks(fn: Callable[[], Any], *, rank0_only: bool = False) -> Any:
 
 
 def from_rank0(fn: Callable[[], Any]) -> Any:
-    """``fn()`` run on rank 0 alone (it reads a file, lists a folder), its result broadcast to every rank.
-
-    An error in it is raised on every rank alike (``on_all_ranks``); the result must pickle.
-    """
+    """``fn()`` run on rank 0 alone, its result (it must pickle) or its error given to every rank."""
     result = on_all_ranks(fn, rank0_only=True)
     if dist_on() and world_size() > 1:
         box = [result]
