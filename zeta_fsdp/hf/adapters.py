@@ -18,7 +18,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from ..distributed import get_rank, get_world_size, on_all_ranks
 from ..files import publish_dir
-from .files import end_staging, read_safetensors_header, staging_dir
+from .files import TensorEntry, end_staging, read_rows, read_safetensors_header, staging_dir
 
 __all__ = ["ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "adapter_tensors", "load_adapters", "save_adapters"]
 
@@ -65,11 +65,10 @@ def save_adapters(
 ) -> Path:
     """Write the adapter ``adapter_name`` of a (sharded) PEFT model as PEFT does; returns ``path``.
 
-    Call on every rank. Each adapter tensor is gathered (one at a time) and rank 0 writes
-    ``adapter_model.safetensors`` (training dtypes) and ``adapter_config.json`` (``inference_mode``
-    true, as PEFT writes it). The base is not written (``save_pretrained(model.merge_and_unload(),
-    ...)`` saves a merged model). ``path`` must not exist or be empty unless ``overwrite=True``;
-    files are written beside it and renamed into place once complete.
+    Call on every rank. The adapter tensors are gathered one at a time and rank 0 writes
+    ``adapter_model.safetensors`` and ``adapter_config.json``; the base is not written
+    (``save_pretrained(model.merge_and_unload(), ...)`` saves a merged model). ``overwrite`` as in
+    ``save_pretrained``.
 
     Raises:
         ValueError: not a PEFT model, an unknown ``adapter_name``, or a bad ``overwrite``.
@@ -96,11 +95,6 @@ def save_adapters(
 
     try:
         tensors = on_all_ranks(prepare)
-    except Exception:
-        for made in staged:
-            end_staging(made)
-        raise
-    try:
         full = {}
         for key, (_, t) in tensors.items():
             whole = t.full_tensor() if isinstance(t, DTensor) else t  # collective: every rank, same order
@@ -128,10 +122,9 @@ def save_adapters(
 def load_adapters(model: nn.Module, path: Union[str, os.PathLike], *, adapter_name: str = "default") -> None:
     """Load PEFT adapter weights from ``path`` into the adapter ``adapter_name`` of a (sharded) model.
 
-    Call on every rank after ``fsdp()``: each rank reads the small adapter tensors (safetensors: no
-    code runs on read) and keeps its shards, cast to each parameter's dtype. The file's tensors and
-    the model's adapter tensors must match one to one, with their shapes, and ``adapter_config.json``'s
-    ``r`` (when present) the model's; all checked on every rank before anything is copied.
+    Call on every rank after ``fsdp()``: each rank reads the small adapter file and keeps its shards.
+    Its tensors (names, shapes) and ``adapter_config.json``'s ``r`` must match the model's adapter;
+    checked on every rank before anything is copied.
 
     Raises:
         ValueError: not a PEFT model, an unknown ``adapter_name``, or a file that does not match.
@@ -141,12 +134,10 @@ def load_adapters(model: nn.Module, path: Union[str, os.PathLike], *, adapter_na
         model = fsdp(get_peft_model(base, lora_config), auto_wrap=True, mp="bf16", shard_strat="FULL_SHARD")
         load_adapters(model, "out/adapter")
     """
-    from safetensors import safe_open
-
     caller = "load_adapters()"
     path = Path(path)
 
-    def check() -> dict[str, tuple[str, torch.Tensor]]:
+    def check() -> tuple[dict[str, tuple[str, torch.Tensor]], dict[str, TensorEntry]]:
         _check_peft_model(model, adapter_name, caller)
         weights = path / ADAPTER_WEIGHTS
         if not weights.is_file():
@@ -173,12 +164,12 @@ def load_adapters(model: nn.Module, path: Union[str, os.PathLike], *, adapter_na
             own_r = getattr(model.peft_config[adapter_name], "r", None)
             if saved_r is not None and own_r is not None and saved_r != own_r:
                 raise ValueError(f"{caller}: {config_file} has r={saved_r}, the model's adapter has r={own_r}.")
-        return tensors
+        return tensors, header
 
-    tensors = on_all_ranks(check)
-    with torch.no_grad(), safe_open(str(path / ADAPTER_WEIGHTS), framework="pt") as f:
+    tensors, header = on_all_ranks(check)
+    with torch.no_grad():
         for key, (_, t) in tensors.items():
-            whole = f.get_tensor(key)
+            whole = read_rows(header[key])
             if isinstance(t, DTensor):
                 # Local chunking only (src_data_rank=None): every rank read the same file.
                 piece = distribute_tensor(whole.to(t.dtype), t.device_mesh, t.placements, src_data_rank=None)

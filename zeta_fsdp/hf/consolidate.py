@@ -1,21 +1,15 @@
 """``consolidate_to_hf``: a sharded ``save_checkpoint`` checkpoint -> a Hugging Face model directory, offline.
 
-One CPU process, no process group. The safetensors files are planned first (headers and sizes
-known before any tensor is read); tensors are then read from the DCP checkpoint in batches of at
-most 256 MiB (one DCP call each; DCP reads only those tensors' chunks) and written straight to
-their offsets, so the peak is one batch (or one bigger tensor), whatever the model's size.
-
-Where ``config.json`` comes from: our checkpoints hold weights, optimizer state and the user's
-``extra``, not the model's Hugging Face config. Pass ``config=`` (a model directory or a
-``config.json``; e.g. the directory the model was first loaded from). With it the output is a
-complete ``from_pretrained`` directory: the architecture's tie rules and transformers' key
-conversions (MoE experts) are applied, and the checkpoint's keys are checked against it. Without
-it, the weights are written under the checkpoint's own names and no ``config.json`` is written.
+One CPU process, no process group. The safetensors files are planned first; tensors are then read
+in batches of at most 256 MiB and written straight to their offsets, so the peak is one batch (or
+one bigger tensor), whatever the model's size. Our checkpoints do not hold the model's Hugging Face
+config: without ``config=`` the weights keep the checkpoint's names and no ``config.json`` is written.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 from typing import Any, Optional, Union
@@ -27,7 +21,7 @@ from ..files import publish_dir
 from ..state_dict import CheckpointError
 from ..state_dict.reader import dcp_load, open_checkpoint
 from ..wrapped import unwrapped_class
-from .files import SafetensorsLayout, end_staging, parse_size, staging_dir, write_at
+from .files import SafetensorsLayout, end_staging, parse_size, plan_shard_files, staging_dir, write_at
 from .naming import model_tensors, saved_aliases, saved_layout, saved_tensors
 from .save import cast, check_dtype, plan_hf_files, write_hf_config, write_index
 
@@ -38,10 +32,8 @@ _MODEL = "model."  # save_checkpoint's prefix for the model's tensors
 
 
 def meta_model_from_config(config: Union[str, os.PathLike]) -> nn.Module:
-    """The Hugging Face model ``config`` (a model directory or a ``config.json``) describes, built on ``meta``.
-
-    Its class is the config's first ``architectures`` entry. Nothing is allocated.
-    """
+    """The model ``config`` (a model directory or a ``config.json``) describes, built on ``meta``:
+    its class is the config's first ``architectures`` entry."""
     import transformers
 
     config = Path(config)
@@ -75,21 +67,6 @@ def meta_model_from_config(config: Union[str, os.PathLike]) -> nn.Module:
 _BATCH_BYTES = 256 * 2**20  # tensors read per DCP call: fewer calls, a bounded peak
 
 
-def _batches(saved: dict[str, Any], stored: dict[str, Any], source: dict[str, str]) -> list[list[str]]:
-    """Output keys in groups of at most ``_BATCH_BYTES`` of stored bytes (a bigger tensor alone)."""
-    groups: list[list[str]] = [[]]
-    used = 0
-    for key in saved:
-        md = stored[source[key]]
-        size = int(torch.Size(md.size).numel()) * md.properties.dtype.itemsize
-        if groups[-1] and used + size > _BATCH_BYTES:
-            groups.append([])
-            used = 0
-        groups[-1].append(key)
-        used += size
-    return [g for g in groups if g]
-
-
 def consolidate_to_hf(
     ckpt_dir: Union[str, os.PathLike],
     out_dir: Union[str, os.PathLike],
@@ -101,11 +78,9 @@ def consolidate_to_hf(
 ) -> Path:
     """Turn a ``save_checkpoint`` checkpoint into a Hugging Face model directory; one process, batch by batch.
 
-    ``config``: the model's Hugging Face config (directory or ``config.json``): written as
-    ``config.json``, and used for the architecture's tie rules, its MoE key conversions and to check
-    every key. ``dtype`` casts floating-point tensors; ``max_shard_size`` as in ``save_pretrained``.
-    ``out_dir`` must not exist or be empty unless ``overwrite=True``; it is written beside and
-    renamed into place, so a failure leaves what was there untouched. Returns ``out_dir``.
+    ``config``: the model's Hugging Face config (directory or ``config.json``), written as
+    ``config.json`` and used for the tie rules, MoE key conversions and to check every key.
+    ``dtype``, ``max_shard_size`` and ``overwrite`` as in ``save_pretrained``. Returns ``out_dir``.
 
     Also: ``python -m zeta_fsdp consolidate CKPT OUT --hf [--config DIR] [--dtype bf16]``.
 
@@ -142,13 +117,8 @@ def consolidate_to_hf(
         groups: dict[str, list[str]] = {}
         for alias, kept in aliases.items():
             groups.setdefault(kept, [kept]).append(alias)
-        source = {}
-        for key in tensors:
-            if key in aliases:
-                continue
-            found = next((n for n in groups.get(key, [key]) if n in stored), None)
-            if found is not None:
-                source[key] = found
+        found = {k: next((n for n in groups.get(k, [k]) if n in stored), None) for k in tensors if k not in aliases}
+        source = {k: name for k, name in found.items() if name is not None}
         missing = [k for k in tensors if k not in aliases and k not in source]
         used = set(source.values())
         unexpected = [k for k in stored if k not in used and aliases.get(k) not in source]
@@ -184,7 +154,8 @@ def consolidate_to_hf(
             plan.create(tmp / name)  # headers and sizes first: tensors then go straight to their offsets
         fds = {name: os.open(tmp / name, os.O_WRONLY) for name in plans}
         try:
-            for batch in _batches(saved, stored, source):
+            sizes = {k: math.prod(stored[source[k]].size) * stored[source[k]].properties.dtype.itemsize for k in saved}
+            for batch in plan_shard_files(sizes, _BATCH_BYTES):  # a bigger tensor gets a batch of its own
                 state: dict[str, Any] = {
                     _MODEL + source[key]: torch.empty(
                         tuple(stored[source[key]].size), dtype=stored[source[key]].properties.dtype

@@ -1,17 +1,16 @@
 """Hugging Face weight files on disk: safetensors headers, index files, shard plans, writes at offsets.
 
-Pure file handling, no process group and no model: ``load``/``save`` decide what to read or write.
-The safetensors format is small enough to handle directly (8-byte little-endian header length, a
-JSON header ``{name: {"dtype", "shape", "data_offsets"}}``, then the raw bytes). Reading the header
-ourselves lets every rank pread exactly its own rows of a tensor (nothing memory-mapped, so no
-page of another rank's shard counts in this rank's RSS), and writing it ourselves lets a file be
-planned before any tensor exists, then filled by every rank at its own offsets.
+No process group and no model. The safetensors format is small enough to handle directly: reading
+the header ourselves lets every rank pread exactly its own rows (nothing memory-mapped, so no page
+of another rank's shard counts in this rank's RSS); writing it lets a file be planned before any
+tensor exists, then filled by every rank at its own offsets.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import re
 import struct
@@ -22,7 +21,7 @@ from typing import Iterator, Optional, Union
 import torch
 
 from ..files import PathLock, incomplete_path, remove_tree
-from ..state_dict.checks import CheckpointError
+from ..state_dict.checks import CheckpointError, foreign_entries
 from ..state_dict.publish import LOCK_WAIT_S
 
 __all__ = [
@@ -95,19 +94,11 @@ def _parse_json(raw: bytes, file: Path, what: str) -> object:
         raise CheckpointError(f"{file}: its {what} is nested too deeply to be a safetensors {what}.") from e
 
 
-def _shape(value: object) -> Optional[tuple[int, ...]]:
-    if not isinstance(value, list) or not all(type(d) is int and d >= 0 for d in value):
-        return None
-    return tuple(value)
-
-
 def read_safetensors_header(file: Union[str, os.PathLike]) -> dict[str, TensorEntry]:
     """The tensors of one ``.safetensors`` file (header only: no tensor byte is read).
 
-    Raises ``CheckpointError`` (a ``ValueError``) naming the file when the header is not valid
-    safetensors: not a JSON object, an entry without a known dtype, a shape of non-negative
-    ints or two offsets, a byte range that does not match its shape, lies outside the data
-    section (a truncated download, or an offset pointing into the header), or overlaps another.
+    Raises ``CheckpointError`` naming the file when the header is not valid safetensors: a malformed
+    entry, or a byte range that does not match its shape, lies outside the data section, or overlaps another.
     """
     file = Path(file)
     size = file.stat().st_size
@@ -133,7 +124,8 @@ def read_safetensors_header(file: Union[str, os.PathLike]) -> dict[str, TensorEn
         if not isinstance(info, dict):
             raise _bad(file, f"the header entry of {key!r} is a {type(info).__name__}, not an object")
         dtype = DTYPES.get(info.get("dtype")) if isinstance(info.get("dtype"), str) else None
-        shape = _shape(info.get("shape"))
+        shape = info.get("shape")
+        shape = tuple(shape) if isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape) else None
         offsets = info.get("data_offsets")
         if dtype is None or shape is None or not isinstance(offsets, list) or len(offsets) != 2:
             raise _bad(
@@ -142,10 +134,7 @@ def read_safetensors_header(file: Union[str, os.PathLike]) -> dict[str, TensorEn
         begin, end = offsets
         if type(begin) is not int or type(end) is not int:
             raise _bad(file, f"the data_offsets of {key!r} are not ints: {offsets!r:.100}")
-        numel = 1
-        for d in shape:
-            numel *= d
-        nbytes = numel * dtype.itemsize
+        nbytes = math.prod(shape) * dtype.itemsize
         if begin < 0 or end < begin or end - begin != nbytes:
             raise _bad(
                 file,
@@ -167,21 +156,11 @@ def read_safetensors_header(file: Union[str, os.PathLike]) -> dict[str, TensorEn
     return entries
 
 
-def _model_roots(path: Path) -> list[Path]:
-    """Where files of the model directory ``path`` may live, resolved: the directory itself, and for
-    a Hugging Face hub cache snapshot (``models--x/snapshots/<rev>``) the cache's ``blobs`` folder."""
-    roots = [path.resolve()]
-    if path.resolve().parent.name == "snapshots":
-        roots.append((path.resolve().parent.parent / "blobs").resolve())
-    return roots
-
-
 def contained_file(folder: Union[str, os.PathLike], name: object, what: str) -> Path:
     """``folder / name`` for a file name read from a file in ``folder``, refused unless it stays inside.
 
-    ``name`` must be a relative path without ``..``; the file it names, symbolic links resolved,
-    must lie inside ``folder`` (or, for a hub cache snapshot, in the cache's ``blobs``). Raises
-    ``CheckpointError`` naming ``what`` (the file that named it) otherwise.
+    ``name``, symbolic links resolved, must lie inside ``folder`` (or a hub cache snapshot's ``blobs``);
+    else ``CheckpointError`` naming ``what`` (the file that named it).
     """
     folder = Path(folder)
     if not isinstance(name, str) or not name or "\0" in name or os.path.isabs(name) or ".." in Path(name).parts:
@@ -191,7 +170,10 @@ def contained_file(folder: Union[str, os.PathLike], name: object, what: str) -> 
         )
     target = folder / name
     real = target.resolve()
-    if not any(real == root or root in real.parents for root in _model_roots(folder)):
+    roots = [folder.resolve()]
+    if roots[0].parent.name == "snapshots":  # a hub cache snapshot (models--x/snapshots/<rev>) links into blobs/
+        roots.append((roots[0].parent.parent / "blobs").resolve())
+    if not any(real == root or root in real.parents for root in roots):
         raise CheckpointError(
             f"{what} names {name!r}, which resolves to {real}, outside {folder}; refusing to read it."
         )
@@ -202,14 +184,10 @@ def read_checkpoint_index(path: Union[str, os.PathLike]) -> dict[str, TensorEntr
     """Every tensor of a Hugging Face checkpoint: a model directory or one ``.safetensors`` file.
 
     A directory is read through ``model.safetensors.index.json`` when present (only the files it
-    names, so a stale extra file is never read), else its ``model.safetensors``. Files the index
-    names must lie inside the directory (``contained_file``; a hub cache snapshot's links into
-    ``../../blobs`` are accepted).
+    names, which must lie inside the directory: ``contained_file``), else its ``model.safetensors``.
 
-    Raises:
-        FileNotFoundError: ``path``, its index's shard files, or its weights file do not exist.
-        CheckpointError: a malformed index or safetensors header, a file outside the directory,
-            or an index naming a key its file lacks (a ``ValueError``).
+    Raises ``FileNotFoundError`` for a missing path or file, ``CheckpointError`` for a malformed
+    index or header, a file outside the directory, or an index naming a key its file lacks.
     """
     path = Path(path)
     if not path.exists():
@@ -261,10 +239,8 @@ def read_rows(
 ) -> torch.Tensor:
     """Rows ``start:start+count`` (along dim 0) of a stored tensor, read with one ``pread``.
 
-    Rows of a row-major tensor are one contiguous byte range, so a rank reads exactly the bytes
-    of its shard; nothing is memory-mapped. ``count=None`` reads to the end. ``out``: a contiguous
-    CPU tensor of the stored dtype and the rows' shape to read straight into (no extra copy).
-    ``fd``: ``entry.file`` already open for reading (a load of many tensors opens each file once).
+    ``count=None`` reads to the end. ``out``: a contiguous CPU tensor of the stored dtype and the
+    rows' shape to read straight into. ``fd``: ``entry.file`` already open for reading.
     """
     if not entry.shape:  # 0-dim
         start, count, shape = 0, 1, ()
@@ -295,19 +271,12 @@ _UNITS.update({"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40})
 
 def parse_size(size: Union[int, str]) -> int:
     """``"5GB"`` (10^9, as Hugging Face counts), ``"500MiB"`` (2^20) or an int of bytes -> bytes."""
-    if isinstance(size, bool) or not isinstance(size, (int, str)):
+    m = _SIZE.match(size) if isinstance(size, str) else None
+    if isinstance(size, bool) or not (isinstance(size, int) or m):
         raise ValueError(
             f"max_shard_size={size!r} is not accepted. Accepted: bytes as an int, or '5GB', '500MB', '2GiB'."
         )
-    if isinstance(size, int):
-        value = size
-    else:
-        m = _SIZE.match(size)
-        if not m:
-            raise ValueError(
-                f"max_shard_size={size!r} is not accepted. Accepted: bytes as an int, or '5GB', '500MB', '2GiB'."
-            )
-        value = int(float(m.group(1)) * _UNITS[(m.group(2) or "").upper()])
+    value = size if isinstance(size, int) else int(float(m.group(1)) * _UNITS[(m.group(2) or "").upper()])
     if value <= 0:
         raise ValueError(f"max_shard_size={size!r} is not accepted: it must be positive.")
     return value
@@ -353,11 +322,9 @@ def _naming(file: Path) -> Iterator[None]:
 class SafetensorsLayout:
     """A safetensors file planned before any tensor exists: its header bytes and where each tensor goes.
 
-    ``layout``: ``{key: (dtype, shape)}`` in file order. ``header`` is the file's first
-    ``data_start`` bytes (8-byte length, JSON, padded so the data starts 8-byte aligned, as the
-    safetensors library writes it); ``offset[key]`` is the absolute byte offset of ``key``'s first
-    byte and ``size`` the file's length. Knowing every offset up front is what lets several
-    writers fill one file in any order (``write_at``).
+    ``layout``: ``{key: (dtype, shape)}`` in file order. ``header``: the file's first ``data_start``
+    bytes; ``offset[key]``: the absolute offset of ``key``'s first byte; ``size``: the file's length.
+    Knowing every offset up front lets several writers fill one file in any order (``write_at``).
     """
 
     def __init__(self, layout: dict[str, tuple[torch.dtype, tuple[int, ...]]]) -> None:
@@ -365,10 +332,7 @@ class SafetensorsLayout:
         relative: dict[str, int] = {}
         end = 0
         for key, (dtype, shape) in layout.items():
-            numel = 1
-            for d in shape:
-                numel *= d
-            nbytes = numel * dtype.itemsize
+            nbytes = math.prod(shape) * dtype.itemsize
             header[key] = {"dtype": NAMES[dtype], "shape": list(shape), "data_offsets": [end, end + nbytes]}
             relative[key] = end
             end += nbytes
@@ -399,11 +363,8 @@ def _pwrite_all(fd: int, data: memoryview, offset: int, file: object) -> None:
 
 
 def write_at(fd: int, offset: int, tensor: torch.Tensor, *, file: object = "") -> None:
-    """Write ``tensor``'s bytes (row-major) at byte ``offset`` of the open file ``fd`` (``os.pwrite``).
-
-    Several processes may write disjoint ranges of one file at once. A non-contiguous or non-CPU
-    tensor is copied to a contiguous CPU one first.
-    """
+    """Write ``tensor``'s bytes (row-major) at byte ``offset`` of the open file ``fd``: several processes
+    may write disjoint ranges of one file at once."""
     data = tensor.detach()
     if data.device.type != "cpu" or not data.is_contiguous():
         data = data.to("cpu").contiguous()
@@ -430,14 +391,8 @@ def model_dir_problem(path: Union[str, os.PathLike]) -> Optional[str]:
         return "it is a symbolic link"
     if not path.is_dir():
         return "it is not a directory"
-    foreign = []
-    for child in sorted(os.scandir(path), key=lambda entry: entry.name):
-        if not child.is_file(follow_symlinks=False) or not _WRITTEN.match(child.name):
-            foreign.append(child.name + ("/" if child.is_dir(follow_symlinks=False) else ""))
-    if foreign:
-        shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
-        return f"it holds files this library does not write ({shown})"
-    return None
+    shown = foreign_entries(path, lambda e: e.is_file(follow_symlinks=False) and bool(_WRITTEN.match(e.name)))
+    return f"it holds files this library does not write ({shown})" if shown else None
 
 
 _STAGING_LOCKS: dict[Path, PathLock] = {}
@@ -446,14 +401,10 @@ _STAGING_LOCKS: dict[Path, PathLock] = {}
 def staging_dir(path: Union[str, os.PathLike], *, overwrite: bool, caller: str) -> Path:
     """Lock ``path``, check it may be written, then make (afresh) the hidden directory beside it to write into.
 
-    The lock (``files.PathLock``, held until ``end_staging``) makes two jobs writing one model
-    directory take turns: the second waits up to ``LOCK_WAIT_S``, then is refused by name.
-
-    An existing non-empty ``path`` is refused unless ``overwrite``, and even then unless it holds
-    only what this library writes (``model_dir_problem``): a folder of the user's files is never
-    replaced. A file at ``path`` always is refused. A symbolic link at ``path`` is refused (the
-    folder it points to would not be the one replaced). Nothing at ``path`` is touched here:
-    ``publish_dir`` swaps the finished directory in.
+    The lock (held until ``end_staging``) makes two jobs writing one model directory take turns.
+    A non-empty ``path`` is replaced only with ``overwrite`` and only if it holds nothing but what
+    this library writes (``model_dir_problem``); a file or a symbolic link (the folder it points to
+    would not be the one replaced) is refused. Nothing at ``path`` is touched here.
     """
     path = Path(path)
     lock = PathLock(path)
@@ -473,9 +424,7 @@ def staging_dir(path: Union[str, os.PathLike], *, overwrite: bool, caller: str) 
 
 
 def end_staging(tmp: Path) -> None:
-    """After a save: remove ``tmp`` if it is still there (the save failed before publishing) and
-    release the lock ``staging_dir`` took.
-    """
+    """After a save: remove ``tmp`` if a failed save left it, and release ``staging_dir``'s lock."""
     if os.path.lexists(tmp):
         remove_tree(tmp)
     lock = _STAGING_LOCKS.pop(Path(tmp), None)

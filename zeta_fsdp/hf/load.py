@@ -1,8 +1,7 @@
 """``load_pretrained``: Hugging Face safetensors weights straight into a sharded model's shards.
 
-Every rank reads the checkpoint's headers, checks them against the model (keys, shapes) and only
-then reads, with one ``pread`` per tensor, the rows of its own shard: nothing is broadcast, no rank
-reads or holds another rank's shard, and nothing is memory-mapped (a mapped page counts in RSS).
+Every rank checks the checkpoint's headers against the model, then reads with one ``pread`` per
+tensor the rows of its own shard: nothing is broadcast or memory-mapped (a mapped page counts in RSS).
 
 Why not torch's ``HuggingFaceStorageReader`` (DCP): it maps whole files, so every page a rank
 touches stays in its RSS (measured 1.03-1.26x the model's bytes per rank at 2 ranks, against
@@ -22,7 +21,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from ..state_dict import CheckpointError
-from ..state_dict.checks import on_all_ranks, short_list
+from ..state_dict.checks import describe_mismatch, on_all_ranks, short_list
 from ..ties import retie
 from .files import TensorEntry, read_checkpoint_index, read_rows
 from .naming import KeyPlan, is_hf_model, map_checkpoint_keys, model_tensors, saved_aliases
@@ -62,22 +61,14 @@ def local_box(t: torch.Tensor, local: Optional[torch.Tensor] = None) -> list[tup
 
 
 def _cut(full_or_rows: torch.Tensor, box: list[tuple[int, int]], rows_read: bool) -> torch.Tensor:
-    out = full_or_rows
-    for dim, (a, b) in enumerate(box):
-        if dim == 0 and rows_read:
-            continue
-        if (a, b) != (0, out.shape[dim]):
-            out = out.narrow(dim, a, b - a)
-    return out
+    """The part ``box`` of a tensor (a view); dim 0 is kept whole when only this rank's rows were read."""
+    return full_or_rows[tuple(slice(None) if d == 0 and rows_read else slice(a, b) for d, (a, b) in enumerate(box))]
 
 
 def _target_device(tensors: dict[str, torch.Tensor]) -> torch.device:
-    for t in tensors.values():
-        if isinstance(t, DTensor):
-            if t.device_mesh.device_type == "cuda":
-                return torch.device("cuda", torch.cuda.current_device())
-            return torch.device(t.device_mesh.device_type)
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    kind = next((t.device_mesh.device_type for t in tensors.values() if isinstance(t, DTensor)), None)
+    kind = kind or ("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device("cuda", torch.cuda.current_device()) if kind == "cuda" else torch.device(kind)
 
 
 def _buffer_owners(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -97,14 +88,9 @@ def _check(model: nn.Module, path: Path, strict: bool) -> tuple[dict[str, Tensor
         plan = map_checkpoint_keys(model, {k: (e.dtype, e.shape) for k, e in entries.items()}, wanted, aliases)
     except (ValueError, RuntimeError) as e:  # transformers could not convert (e.g. expert count)
         raise CheckpointError(f"{_CALLER}: {path} cannot be converted to {type(model).__name__}'s layout: {e}") from e
-    problems = []
-    if strict and plan.missing:
-        problems.append(f"missing keys (in the model, not in the checkpoint): {short_list(plan.missing)}")
-    if strict and plan.unexpected:
-        problems.append(f"unexpected keys (in the checkpoint, not in the model): {short_list(plan.unexpected)}")
-    shapes = [f"{k}: checkpoint {list(s)} vs model {list(wanted[k])}" for k, s in plan.shapes.items() if s != wanted[k]]
-    if shapes:
-        problems.append(f"shape mismatches: {short_list(shapes)}")
+    got = {**plan.shapes, **dict.fromkeys(plan.unexpected)}  # the keys plan.missing lacks, as the model names them
+    mismatch = describe_mismatch(got, {k: wanted[k] for k in (*plan.missing, *plan.shapes)}, "checkpoint", strict)
+    problems = [mismatch] if mismatch else []
     on_meta = any(t.is_meta for t in tensors.values())
     if on_meta and not strict and plan.missing:
         problems.append(
@@ -133,11 +119,9 @@ def _check(model: nn.Module, path: Path, strict: bool) -> tuple[dict[str, Tensor
 def _allocate(model: nn.Module, tensors: dict[str, torch.Tensor], aliases: dict[str, str]) -> None:
     """A model left on ``meta`` (``fsdp(..., materialize=False)``): allocate shards, no random init.
 
-    ``to_empty`` gives uninitialised memory; the checkpoint fills parameters and persistent
-    buffers right after, and non-persistent buffers (rotary ``inv_freq``, ``position_ids``,
-    ``embed_scale``) are recomputed here by the model's own code: transformers' ``_init_weights``
-    on just the modules holding them (it recomputes those buffers since transformers 5), else
-    each such module's ``reset_parameters()``.
+    The checkpoint fills parameters and persistent buffers right after; non-persistent buffers
+    (rotary ``inv_freq``, ``position_ids``) are recomputed by the model's own code: transformers'
+    ``_init_weights`` on the modules holding them (since transformers 5), else ``reset_parameters()``.
     """
     device = _target_device(tensors)
     model.to_empty(device=device)
@@ -156,16 +140,12 @@ def _allocate(model: nn.Module, tensors: dict[str, torch.Tensor], aliases: dict[
 def load_pretrained(model: nn.Module, path: Union[str, os.PathLike], *, strict: bool = True) -> None:
     """Load Hugging Face safetensors weights into a model returned by ``fsdp()``, shard by shard.
 
-    Call on every rank. ``path``: a model directory (``model.safetensors``, or
-    ``model.safetensors.index.json`` with its shard files: only the files the index names are read)
-    or one ``.safetensors`` file. Each rank reads only the bytes of its own shards; no rank holds
-    the full model and nothing is broadcast. Works under every ``shard_strat``, on a model built
-    normally, built on ``meta`` and materialized, or left on ``meta`` by ``fsdp(...,
-    materialize=False)`` (then its shards are allocated here, with no random init, and its
-    non-persistent buffers recomputed). Tensors are converted to each parameter's dtype; a tied
-    weight stored once fills every name; checkpoints transformers 5 converts on load (Mixtral's
-    per-expert weights into fused ``experts.gate_up_proj``) are converted with transformers' own
-    mapping.
+    Call on every rank. ``path``: a model directory (``model.safetensors``, or the index and the
+    files it names) or one ``.safetensors`` file. Each rank reads only the bytes of its own shards.
+    Works under every ``shard_strat`` and on a model left on ``meta`` by ``fsdp(...,
+    materialize=False)`` (its shards are allocated here, no random init). Tensors are cast to each
+    parameter's dtype; a tied weight stored once fills every name; transformers' own conversions
+    (Mixtral's per-expert weights into fused ``experts.gate_up_proj``) are applied.
 
     ``strict=True``: every model key must be in the checkpoint and every checkpoint key in the model
     (keys Hugging Face itself ignores on load excepted). Shapes must match in either mode.

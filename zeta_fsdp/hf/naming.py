@@ -1,20 +1,15 @@
 """Which tensor of a model is which key of a Hugging Face checkpoint: ties and transformers' conversions.
 
-Pure: no file and no process group. Two things make a model's own names differ from the keys
-``save_pretrained`` writes:
-
-* tied weights are stored once, under the name Hugging Face keeps (``all_tied_weights_keys`` maps
-  each dropped alias to it; for other models the first name a parameter is reachable under);
-* transformers 5 fuses some weights in memory (Mixtral's per-expert ``w1``/``w3`` become one
-  ``mlp.experts.gate_up_proj``) and renames on load/save. We use transformers' own conversion
-  mapping (``get_model_conversion_mapping``: the one ``from_pretrained`` applies), so every
-  architecture transformers can load converts the same way here.
-
-transformers is imported only for a model whose class comes from it.
+Pure: no file and no process group. Tied weights are stored once, under the name Hugging Face keeps;
+transformers 5 fuses some weights in memory (Mixtral's per-expert ``w1``/``w3`` into one
+``gate_up_proj``): we use transformers' own conversion mapping, the one ``from_pretrained`` applies,
+so every architecture it can load converts the same way here. transformers is imported only for its models.
 """
 
 from __future__ import annotations
 
+import re
+from copy import deepcopy
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
@@ -75,10 +70,8 @@ def _transforms(model: nn.Module) -> tuple[list, list]:
 class KeyPlan:
     """Where each model tensor comes from in a checkpoint.
 
-    ``direct``: model key -> checkpoint key (same tensor, maybe renamed). ``converted``: model key
-    -> (checkpoint keys in order, ``build(read)``: the full tensor from ``read(ckpt_key)``).
-    ``unexpected``: checkpoint keys that match nothing. ``missing``: model keys nothing provides.
-    ``shapes``: the full shape each model key gets from the checkpoint.
+    ``direct``: model key -> checkpoint key. ``converted``: model key -> (checkpoint keys, ``build(read)``:
+    the full tensor from ``read(ckpt_key)``). ``shapes``: the full shape each model key gets.
     """
 
     direct: dict[str, str] = field(default_factory=dict)
@@ -102,8 +95,6 @@ def map_checkpoint_keys(
     name. Keys Hugging Face itself ignores on load (``_keys_to_ignore_on_load_unexpected``/
     ``_missing``, old ``position_ids``/``rotary_emb.inv_freq`` buffers) are not reported.
     """
-    import re
-
     plan = KeyPlan()
     known = {k: True for k in list(wanted) + list(aliases)}
     # A checkpoint whose every key names a model tensor needs no conversion: transformers' mapping
@@ -128,8 +119,6 @@ def map_checkpoint_keys(
         if target not in wanted:
             plan.unexpected.append(key)
         elif pattern is not None:
-            from copy import deepcopy
-
             conv, sources = groups.setdefault(target, (deepcopy(pattern_to_converter[pattern]), []))
             sources.append((key, pattern))
         elif target not in plan.direct:
@@ -138,8 +127,6 @@ def map_checkpoint_keys(
     for target, (conv, sources) in groups.items():
 
         def build(read: Callable[[str], torch.Tensor], conv: Any = conv, sources: list = sources, target: str = target):
-            from copy import deepcopy
-
             fresh = deepcopy(conv)  # convert() consumes what was collected
             for key, pattern in sources:
                 fresh.add_tensor(target, key, pattern, (lambda k=key: read(k)))
@@ -184,11 +171,9 @@ def saved_layout(
 ) -> dict[str, dict[str, tuple[torch.dtype, tuple[int, ...]]]]:
     """For each model key, the ``{saved key: (dtype, shape)}`` it is saved as (``saved_tensors``'s names).
 
-    ``tensors``: model key -> tensor (``meta`` is enough). transformers' reverse mapping is run
-    once over all of them: when it keeps every tensor as it is (most models, Llama included),
-    every key is saved under its own name; only otherwise is each key mapped on its own (a
-    fused MoE tensor into its per-expert keys). One call instead of one per key, which matters
-    for a fast save (each per-key call rebuilds transformers' reverse transforms).
+    ``tensors``: model key -> tensor (``meta`` is enough). transformers' reverse mapping is run once
+    over all of them, and per key only when it changes something (a fused MoE tensor): each call
+    rebuilds transformers' reverse transforms, too slow to repeat for every key of most models.
     """
     same = {k: {k: (t.dtype, tuple(t.shape))} for k, t in tensors.items()}
     if not is_hf_model(model):

@@ -1,14 +1,8 @@
 """``save_pretrained``: a sharded model written in Hugging Face's layout, without any rank holding it whole.
 
-The files are planned before any byte moves: every kept tensor's saved names, dtypes and shapes
-(ties dropped as Hugging Face drops them; fused MoE tensors split back into transformers'
-per-expert keys), cut into files of at most ``max_shard_size``. A safetensors header holds every
-tensor's byte range, so rank 0 writes the headers and sizes the files, and then every rank writes
-its own rows of every tensor at their offsets (``os.pwrite``: a dim-0 shard is one contiguous
-byte range) and flushes them (``fdatasync``): no gather, no rank holds a whole tensor. Tensors saved under
-other names or shapes (fused MoE experts) or sharded on another dim are gathered one at a time
-and written by the rank owning their file. Everything goes into a hidden directory beside
-``path``, renamed into place once complete.
+The files are planned before any byte moves (a safetensors header holds every tensor's byte
+range), so rank 0 writes the headers and sizes the files, then every rank writes its own rows at
+their offsets: a dim-0 shard is one contiguous byte range, so nothing is gathered.
 """
 
 from __future__ import annotations
@@ -28,7 +22,7 @@ from ..distributed import get_rank as rank
 from ..distributed import get_world_size as world
 from ..engines import engine_of
 from ..files import incomplete_path, publish_dir
-from ..state_dict.checks import on_all_ranks
+from ..state_dict.checks import CheckpointError, on_all_ranks
 from ..wrapped import unwrapped_class
 from .files import (
     INDEX_NAME,
@@ -40,6 +34,7 @@ from .files import (
     staging_dir,
     write_at,
 )
+from .load import local_box
 from .naming import is_hf_model, model_tensors, saved_aliases, saved_layout, saved_tensors
 
 __all__ = ["cast", "check_dtype", "plan_hf_files", "save_pretrained", "write_hf_config", "write_index"]
@@ -105,14 +100,10 @@ _CAST_CHUNK = 8 * 2**20  # bytes cast to the saved dtype at a time: a rank never
 def rows_to_write(t: torch.Tensor, split: bool = True) -> Optional[tuple[int, int]]:
     """``(first row, row count)`` of ``t`` (along dim 0) this rank writes, or ``None`` if it needs a gather.
 
-    A DTensor sharded on dim 0 only (``Shard(0)`` and ``Replicate`` placements: FULL_SHARD,
-    SHARD_GRAD, HYBRID, uneven last shards included) holds a contiguous row range of the full
-    tensor: the ranks at coordinate 0 of every ``Replicate`` mesh dim write theirs (one copy of
-    each row). A plain tensor is whole on every rank: with ``split`` (replicas known to be equal:
-    parameters on DDP's engine) rank ``r`` writes ``torch.chunk`` piece ``r`` of its rows, else
-    rank 0 writes them all (a buffer such as BatchNorm's running statistics may differ between
-    ranks: the file gets one rank's copy, never a mix). Other placements (``Shard(d>0)``,
-    strided shards) return ``None``.
+    A DTensor sharded on dim 0 only holds a contiguous row range; the ranks at coordinate 0 of every
+    ``Replicate`` mesh dim write it. A plain tensor is whole on every rank: with ``split`` (replicas
+    known equal: parameters on DDP's engine) rank ``r`` writes ``torch.chunk`` piece ``r``, else rank 0
+    writes it all (BatchNorm's running statistics may differ between ranks: one rank's copy, never a mix).
     """
     if not isinstance(t, DTensor):
         if t.dim() == 0 or not split:
@@ -125,17 +116,11 @@ def rows_to_write(t: torch.Tensor, split: bool = True) -> Optional[tuple[int, in
     ):
         return None
     coord = t.device_mesh.get_coordinate()
-    lo, hi = 0, t.shape[0]
-    for mesh_dim, placement in enumerate(t.placements):
-        if type(placement) is Replicate:
-            if coord[mesh_dim] != 0:
-                return (0, 0)  # another replica writes these rows
-            continue
-        n = t.device_mesh.size(mesh_dim)
-        chunk = -(-(hi - lo) // n)
-        lo = min(lo + coord[mesh_dim] * chunk, hi)
-        hi = min(lo + chunk, hi)
-    if t.to_local().shape[0] != hi - lo:
+    if any(type(p) is Replicate and coord[i] != 0 for i, p in enumerate(t.placements)):
+        return (0, 0)  # another replica writes these rows
+    try:
+        (lo, hi), *_ = local_box(t)
+    except CheckpointError:
         return None  # a layout we do not recognise: gather instead of guessing
     return lo, hi - lo
 
@@ -160,12 +145,10 @@ def _write_data(
     folder: Path,
     dtype: Optional[torch.dtype],
 ) -> None:
-    """Every rank writes its rows of every tensor at their offsets (``os.pwrite``), then flushes them.
+    """Every rank writes its rows of every tensor at their offsets, then flushes them.
 
-    A tensor saved under its own name and shape whose rank-local part is a row range is written
-    from the local shard, nothing gathered. The rest (fused MoE tensors split on save, shards on
-    another dim) are gathered one at a time (``full_tensor``, every rank in the same order) and
-    written by the rank owning their file.
+    The rest (fused MoE tensors split on save, shards on another dim) are gathered one at a time
+    (every rank in the same order) and written by the rank owning their file.
     """
     fds: dict[str, int] = {}
     failed: Optional[BaseException] = None
@@ -213,9 +196,8 @@ def _write_data(
             except Exception as e:
                 failed = e
         if failed is None:
-            # This rank's bytes are on disk before anyone publishes. fdatasync: the size is final since
-            # create(), so data is all there is to flush; two ranks fsync-ing one file (timestamps too)
-            # took about 2x as long at 423 MB on ext4.
+            # On disk before anyone publishes. fdatasync: the size is final since create(); fsync (timestamps
+            # too) from two ranks took about 2x as long at 423 MB on ext4.
             for fd in fds.values():
                 os.fdatasync(fd)
     finally:
@@ -235,18 +217,15 @@ def save_pretrained(
 ) -> Path:
     """Write a model returned by ``fsdp()`` as a Hugging Face model directory; returns ``path``.
 
-    Call on every rank. Writes ``model.safetensors`` (or ``model-0000i-of-0000n.safetensors`` files
-    of at most ``max_shard_size`` plus ``model.safetensors.index.json``), and ``config.json`` /
-    ``generation_config.json`` when the model has a Hugging Face ``.config``, so
-    ``AutoModelFor*.from_pretrained(path)`` loads it. No rank holds the whole model, nor a whole
-    tensor: each rank writes its own rows at their offsets in the planned files. Tied weights are
-    stored once, as Hugging Face stores them; fused MoE tensors are written under the per-expert keys
-    transformers' own ``save_pretrained`` uses. ``dtype`` casts floating-point tensors on write.
+    Call on every rank. Writes ``model.safetensors`` (or files of at most ``max_shard_size`` and
+    their index), and ``config.json`` / ``generation_config.json`` for a Hugging Face model, so
+    ``AutoModelFor*.from_pretrained(path)`` loads it; no rank holds a whole tensor. Tied weights are
+    stored once and fused MoE tensors under transformers' per-expert keys, as transformers saves them.
+    ``dtype`` casts floating-point tensors on write.
 
-    ``path`` must not exist, or be an empty directory, unless ``overwrite=True``. The files are
-    written into ``.<name>.incomplete`` beside ``path`` and renamed into place once complete: a
-    refused or failed save leaves what was at ``path`` untouched. With several nodes, ``path``
-    must be on a file system every rank sees.
+    ``path`` must not exist, or be an empty directory, unless ``overwrite=True``; the files are
+    renamed into place once complete, so a refused or failed save leaves ``path`` untouched. With
+    several nodes, ``path`` must be on a file system every rank sees.
 
     Raises:
         FileExistsError: ``path`` exists and is not empty (without ``overwrite=True``), or is a file.
@@ -293,11 +272,6 @@ def save_pretrained(
             m.reshard()
     try:
         tensors, saved, where, files, plans = on_all_ranks(prepare)
-    except Exception:
-        for made in staged:  # rank 0 staged before another rank refused: leave nothing behind
-            end_staging(made)
-        raise
-    try:
 
         def write() -> None:
             _write_data(model, tensors, saved, where, plans, tmp, dtype)
@@ -310,6 +284,6 @@ def save_pretrained(
         on_all_ranks(write)
         on_all_ranks(lambda: publish_dir(tmp, path) if rank() == 0 else None)
     finally:
-        if rank() == 0:
-            end_staging(tmp)  # removes what a failed save left; releases the path's lock
+        for made in staged:  # rank 0: removes what a refused or failed save left, releases the path's lock
+            end_staging(made)
     return path

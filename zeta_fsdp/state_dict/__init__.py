@@ -19,11 +19,6 @@ is written to a hidden temporary directory and renamed into place; a load valida
 (keys, shapes, files) and reads it completely into scratch tensors before the live model or
 optimizer changes.
 
-Modules, one concern each (the public names are re-exported here): ``checks`` (names, shapes,
-``CheckpointError``, agreement across ranks), ``model``, ``optimizer``, ``reader`` (the hardened DCP
-reader), ``publish`` (atomic publish, recovery of an interrupted overwrite), ``checkpoint``, ``full``
-(the one-file full format, ``FSDP2Strategy``'s default), ``consolidate``, ``async_save``, ``preemption``, ``manager``.
-
 Example:
     save_checkpoint("ckpt/step_100", model, optimizer, extra={"step": 100})
     extra = load_checkpoint("ckpt/step_100", model, optimizer)  # any world size, any strategy

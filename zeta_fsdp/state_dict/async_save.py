@@ -28,11 +28,9 @@ from .publish import incomplete_dir, publish_checkpoint
 def stage_state(state: dict[str, Any], buffers: Optional[dict[str, torch.Tensor]] = None) -> dict[str, Any]:
     """A copy of ``state`` in CPU memory that later training cannot change: tensors copied, objects deep-copied.
 
-    A ``DTensor`` stays a ``DTensor`` (same mesh and placements) around a CPU copy of its local shard,
-    so DCP writes exactly what ``save_checkpoint`` would. Extra memory: one copy of this rank's
-    shards. ``buffers`` (``{key: CPU tensor}``, filled on first use) are reused by later calls with
-    tensors of the same shape and dtype: copying into memory already mapped is several times faster
-    than into fresh pages (the write that read them must be finished).
+    A ``DTensor`` stays a ``DTensor`` around a CPU copy of its local shard, so DCP writes exactly what
+    ``save_checkpoint`` would. ``buffers`` (``{key: CPU tensor}``, filled on first use) are reused by
+    later calls: copying into memory already mapped is several times faster than into fresh pages.
     """
     out: dict[str, Any] = {}
     for key, value in state.items():
@@ -44,12 +42,11 @@ def stage_state(state: dict[str, Any], buffers: Optional[dict[str, torch.Tensor]
                 if buffers is not None:
                     buffers[key] = kept
             kept.copy_(local.detach())
-            if isinstance(value, DTensor):
-                out[key] = DTensor.from_local(
+            if isinstance(value, DTensor):  # the same mesh and placements around the CPU copy
+                kept = DTensor.from_local(
                     kept, value.device_mesh, value.placements, run_check=False, shape=value.shape, stride=value.stride()
                 )
-            else:
-                out[key] = kept
+            out[key] = kept
         else:
             out[key] = copy.deepcopy(value)
     return out
@@ -88,14 +85,12 @@ class _GatedWriter(FileSystemWriter):
 class AsyncCheckpointer:
     """Save checkpoints without stopping training for the write.
 
-    ``save()`` takes the same arguments as ``save_checkpoint`` and returns once every rank's shards
-    are staged (copied to CPU memory); DCP writes them in a background thread over a gloo group of
-    this checkpointer's own, and rank 0 renames the directory into place once every rank's files are
-    written. The checkpoint equals what ``save_checkpoint`` writes at that moment, however training
-    changes the parameters meanwhile, and keeps its guarantees (atomic publish, CRC-checked loads).
-    At most one save is in flight: the next ``save()``, ``wait()`` or ``close()`` waits for it (and
-    so does interpreter exit). The staged copy (one copy of the rank's shards in CPU memory) is
-    kept for the next save unless ``reuse_buffers=False``. Create it, and call ``save``/``wait``/``close``, on every rank.
+    ``save()`` takes ``save_checkpoint``'s arguments and returns once every rank's shards are copied
+    to CPU memory; DCP writes them in a background thread over a gloo group of its own, and rank 0
+    publishes the directory. The checkpoint is what ``save_checkpoint`` would write at that moment,
+    with the same guarantees. At most one save is in flight: the next ``save()``, ``wait()``,
+    ``close()`` or interpreter exit waits for it. The CPU copy is kept for the next save (copying into
+    mapped memory is faster) unless ``reuse_buffers=False``. Create it and call its methods on every rank.
 
     Example:
         checkpointer = AsyncCheckpointer()
@@ -106,8 +101,6 @@ class AsyncCheckpointer:
 
     def __init__(self, *, process_group: Optional[dist.ProcessGroup] = None, reuse_buffers: bool = True) -> None:
         self._group = process_group
-        # The staged copy is kept between saves (one copy of the rank's shards, as while a write is in
-        # flight) so later saves copy into mapped memory; reuse_buffers=False frees it after each write.
         self._buffers: Optional[dict[str, torch.Tensor]] = {} if reuse_buffers else None
         self._made_group = False
         self._pending: Optional[tuple[Path, Optional[PathLock], Future]] = None
@@ -117,11 +110,7 @@ class AsyncCheckpointer:
 
     @property
     def in_flight(self) -> Optional[Path]:
-        """The checkpoint being written now (``None`` when none is).
-
-        Example:
-            checkpointer.in_flight  # -> PosixPath('ckpt/step_200') while that save is written
-        """
+        """The checkpoint being written now (``None`` when none is)."""
         return None if self._pending is None or self._pending[2].done() else self._pending[0]
 
     def _process_group(self) -> Optional[dist.ProcessGroup]:
@@ -145,9 +134,6 @@ class AsyncCheckpointer:
 
         Waits first for a save still in flight. Bad input raises as ``save_checkpoint`` does, before
         anything is written.
-
-        Example:
-            checkpointer.save("ckpt/step_100", model, optimizer, extra={"step": 100})
         """
         if self._closed:
             raise RuntimeError("AsyncCheckpointer.save(): the checkpointer was closed.")
@@ -173,9 +159,8 @@ class AsyncCheckpointer:
                         no_dist=not dist_on(),
                     )
 
-            # Started on every rank, or failed on every rank: a rank whose write thread started while a
-            # peer's failed to start must not wait in the write's first collective for that peer (until
-            # gloo's timeout). The threads wait at the gate, before any collective, until the ranks agree.
+            # Started on every rank, or on none: a write thread must not wait in its first collective for a
+            # peer whose write failed to start (until gloo's timeout). It waits at the gate until the ranks agree.
             try:
                 upload = on_all_ranks(start)
             except FAILURES:
@@ -196,10 +181,6 @@ class AsyncCheckpointer:
 
         Call on every rank. A failed write raises ``CheckpointError`` on every rank, and the
         partial directory is removed (the previous checkpoint stays the latest).
-
-        Example:
-            checkpointer.wait()
-            # -> PosixPath('ckpt/step_100')
         """
         if self._pending is None:
             return None
@@ -216,11 +197,7 @@ class AsyncCheckpointer:
         return path
 
     def close(self) -> None:
-        """Wait for the save in flight, then release the checkpointer's process group. Every rank.
-
-        Example:
-            checkpointer.close()
-        """
+        """Wait for the save in flight, then release the checkpointer's process group. Every rank."""
         if self._closed:
             return
         try:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import warnings
@@ -99,12 +100,10 @@ def save_checkpoint(
     """Save a sharded checkpoint with DCP: every rank writes its own shards, in parallel.
 
     Call on every rank. Holds the model, the optimizer state keyed by parameter FQN, and ``extra``
-    (anything ``torch.load(weights_only=True)`` accepts; saved from rank 0). Written to a hidden
-    ``.<name>.incomplete`` directory and renamed into place, so a crash never leaves a
-    complete-looking checkpoint. An existing checkpoint is refused unless ``overwrite=True``, and
-    replaced only once the new one is complete (after a crash between the two renames, the next
-    ``is_checkpoint``, load or save of ``path`` puts back the new one, else the previous one). A
-    failed save removes what it wrote. Returns ``path``.
+    (anything ``torch.load(weights_only=True)`` accepts; saved from rank 0). Written beside ``path``
+    and renamed into place, so a crash never leaves a complete-looking checkpoint. An existing
+    checkpoint is refused unless ``overwrite=True``, and replaced only once the new one is complete.
+    A failed save removes what it wrote. Returns ``path``.
 
     Example:
         save_checkpoint(f"ckpt/step_{step}", model, optimizer,
@@ -159,13 +158,9 @@ def end_save(path: Path, lock: Optional[PathLock], published: bool) -> None:
     """Rank 0, after a save: remove ``.<name>.incomplete`` unless it was published, then release the lock."""
     if lock is None:
         return
-    try:
+    with lock, contextlib.suppress(OSError):  # the lock is released whatever happens
         if not published and os.path.lexists(incomplete_dir(path)):
             remove_tree(incomplete_dir(path))
-    except OSError:
-        pass
-    finally:
-        lock.release()
 
 
 def check_save_target(
@@ -223,9 +218,7 @@ def check_save_target(
 
 def prepare_save_dir(path: Path, *, overwrite: bool) -> Optional[PathLock]:
     """Rank 0: lock ``path``, check it may be written (``check_save_target``), make an empty
-    ``.<name>.incomplete`` beside it. The held lock (``None`` off rank 0) keeps other processes from
-    saving to ``path`` (they wait ``LOCK_WAIT_S``, then raise), so the previous checkpoint survives
-    any interleaving of two jobs."""
+    ``.<name>.incomplete`` beside it. The held lock (``None`` off rank 0) makes two jobs take turns."""
     if current_rank() != 0:
         return None
     try:
@@ -304,12 +297,10 @@ def load_checkpoint(
 ) -> Any:
     """Restore ``model`` (and ``optimizer``) in place from ``save_checkpoint``; return the saved ``extra``.
 
-    Call on every rank; any world size and sharding strategy (DCP reshards). Before anything
-    changes, the checkpoint is checked against the model (keys, shapes), the optimizer (parameter
-    and state names) and its files; every rank checks the CRC-32 of every record it needs, and
-    only once all ranks succeeded are model and optimizer updated. Returns ``None`` when no
-    ``extra`` was saved. ``model_weights=False`` restores the optimizer only (the weights are
-    neither read nor changed; the model is still checked, its parameter names key the state).
+    Call on every rank; any world size and sharding strategy. Before anything changes, the
+    checkpoint is checked against the model, the optimizer and its files, and every record's
+    CRC-32 on every rank. Returns ``None`` when no ``extra`` was saved. ``model_weights=False``
+    restores the optimizer only (the weights are neither read nor changed).
 
     Raises:
         FileNotFoundError: ``path`` does not exist.

@@ -63,11 +63,8 @@ def error_reason(error: BaseException) -> str:
 
 
 def on_all_ranks(fn: Callable[[], Any], *, rank0_only: bool = False) -> Any:
-    """Run ``fn`` on every rank (or rank 0 only); if it raises anywhere, raise the same error everywhere.
-
-    ``distributed.on_all_ranks`` with the checkpoint code's vocabulary: DCP's exceptions count
-    (a ``BaseException``) and read as one line per failing rank, and an error of another type
-    than the built-in ones arrives as ``CheckpointError``.
+    """``distributed.on_all_ranks`` (an error on any rank raised on every rank) for checkpoint code:
+    DCP's exceptions count and read as one line per failing rank; other error types arrive as ``CheckpointError``.
     """
     return _on_all_ranks(
         fn,
@@ -80,10 +77,7 @@ def on_all_ranks(fn: Callable[[], Any], *, rank0_only: bool = False) -> Any:
 
 
 def from_rank0(fn: Callable[[], Any]) -> Any:
-    """``fn()`` run on rank 0 alone (it reads a file, lists a folder), its result broadcast to every rank.
-
-    An error in it is raised on every rank alike (``on_all_ranks``); the result must pickle.
-    """
+    """``fn()`` run on rank 0 alone, its result (it must pickle) or its error given to every rank."""
     result = on_all_ranks(fn, rank0_only=True)
     if dist_on() and world_size() > 1:
         box = [result]
@@ -118,6 +112,16 @@ def shape_of(value: Any) -> Optional[tuple[int, ...]]:
 def short_list(names: list[str], limit: int = 8) -> str:
     shown = ", ".join(names[:limit])
     return f"[{shown}{f', ... and {len(names) - limit} more' if len(names) > limit else ''}]"
+
+
+def foreign_entries(path: PathLike, ours: Callable[[os.DirEntry], bool]) -> str:
+    """The entries of the directory ``path`` that ``ours`` rejects, named for an error ("" when none)."""
+    foreign = [
+        entry.name + ("/" if entry.is_dir(follow_symlinks=False) else "")
+        for entry in sorted(os.scandir(path), key=lambda entry: entry.name)
+        if not ours(entry)
+    ]
+    return ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
 
 
 def describe_mismatch(

@@ -16,13 +16,9 @@ from .reader import dcp_load, open_checkpoint
 def consolidate_checkpoint(dcp_dir: PathLike, out_file: PathLike, *, overwrite: bool = False) -> Path:
     """Turn a checkpoint into one file of the model's weights: offline, one process, no process group.
 
-    ``out_file`` ending in ``.safetensors`` is written with ``safetensors`` (the ``safetensors``
-    extra: ``pip install 'zeta-fsdp[safetensors]'``); anything else with ``torch.save``, loadable with
-    ``torch.load(out_file, weights_only=True)``. Keys are the unwrapped model's, so
-    ``model.load_state_dict(...)`` works. Optimizer state and ``extra`` are left out. The file is
-    written next to ``out_file`` and renamed into place. Returns ``out_file``.
-
-    Also available as ``python -m zeta_fsdp consolidate DIR OUT``.
+    ``out_file`` ending in ``.safetensors`` is written with ``safetensors``, anything else with
+    ``torch.save`` (``weights_only=True`` loads it). Keys are the unwrapped model's; optimizer state and
+    ``extra`` are left out. Returns ``out_file``. Also ``python -m zeta_fsdp consolidate DIR OUT``.
 
     Example:
         consolidate_checkpoint("ckpt/step_100", "model.pt")
@@ -41,12 +37,11 @@ def consolidate_checkpoint(dcp_dir: PathLike, out_file: PathLike, *, overwrite: 
             ) from e
     if out.exists() and not overwrite:
         raise FileExistsError(f"{caller}: {out} already exists; pass overwrite=True to replace it.")
-    state: dict[str, Any] = {}
-    for key, md in metadata.state_dict_metadata.items():
-        if key.startswith(MODEL_PREFIX):
-            state[key] = (
-                torch.empty(md.size, dtype=md.properties.dtype) if isinstance(md, TensorStorageMetadata) else None
-            )
+    state: dict[str, Any] = {
+        key: torch.empty(md.size, dtype=md.properties.dtype) if isinstance(md, TensorStorageMetadata) else None
+        for key, md in metadata.state_dict_metadata.items()
+        if key.startswith(MODEL_PREFIX)
+    }
     if not state:
         raise CheckpointError(f"{caller}: {src} holds no model weights (no '{MODEL_PREFIX}*' entries).")
     if LAYOUT_KEY in metadata.state_dict_metadata:
@@ -63,13 +58,11 @@ def consolidate_checkpoint(dcp_dir: PathLike, out_file: PathLike, *, overwrite: 
         if source in weights and alias not in weights:
             # torch.save keeps one copy of a shared tensor; safetensors refuses sharing: a copy.
             weights[alias] = weights[source].clone() if use_safetensors else weights[source]
-    order = [k for k in layout.get("keys", []) if k in weights]
-    listed = set(order)
-    weights = {k: weights[k] for k in order + [k for k in weights if k not in listed]}
-    if use_safetensors:
-        odd = [k for k, v in weights.items() if not isinstance(v, torch.Tensor)]
-        if odd:
-            raise CheckpointError(f"{caller}: safetensors holds tensors only; these entries are not: {short_list(odd)}")
+    # the unwrapped model's order first (a dict keeps the first place of a key), then any others
+    weights = {**{k: weights[k] for k in layout.get("keys", []) if k in weights}, **weights}
+    odd = [k for k, v in weights.items() if not isinstance(v, torch.Tensor)] if use_safetensors else []
+    if odd:
+        raise CheckpointError(f"{caller}: safetensors holds tensors only; these entries are not: {short_list(odd)}")
     out.parent.mkdir(parents=True, exist_ok=True)
     if use_safetensors:
         return atomic_write(out, lambda tmp: save_file({k: v.contiguous() for k, v in weights.items()}, str(tmp)))

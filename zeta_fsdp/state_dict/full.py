@@ -1,9 +1,7 @@
 """The full-format checkpoint: one ``torch.save`` file written and read by rank 0; removing either format.
 
-The file holds ``state_dict`` and ``optimizer_states`` (full, keyed by FQN) and small entries: the
-dict Lightning and NeMo checkpoint, ``FSDP2Strategy``'s default, loadable with ``weights_only=True``.
-Every function here touches the disk on rank 0 only and raises the same error on every rank,
-naming the path, before anything the user owns changes.
+The file is the dict Lightning and NeMo checkpoint (``state_dict``, ``optimizer_states``, small
+entries), ``FSDP2Strategy``'s default. Only rank 0 touches the disk; errors are raised on every rank.
 """
 
 from __future__ import annotations
@@ -118,10 +116,8 @@ def remove_checkpoint(
 ) -> None:
     """Delete a checkpoint (full-format file or sharded directory) on rank 0, once every rank got here.
 
-    A missing path is nothing to do. A symbolic link (NeMo's "last" checkpoints) is unlinked when it
-    points to a checkpoint or nowhere; its target is never touched. A directory that is not
-    verifiably our sharded checkpoint, or a file not written by ``torch.save``, raises
-    ``CheckpointError`` and is left untouched. ``checkpoint_io`` replaces all of this.
+    A symbolic link (NeMo's "last" checkpoints) is unlinked, its target never touched. Anything not
+    verifiably a checkpoint of ours raises ``CheckpointError``. ``checkpoint_io`` replaces all of this.
     """
     path = Path(filepath)
 

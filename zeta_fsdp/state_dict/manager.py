@@ -32,18 +32,15 @@ def checkpoint_steps(root: PathLike) -> list[int]:
     root = Path(root)
     if not root.is_dir():
         return []
-    steps = []
-    for child in root.iterdir():
-        match = _STEP_DIR.match(child.name)
-        if match and is_checkpoint(child):
-            steps.append(int(match.group(1)))
-    return sorted(steps)
+    return sorted(
+        int(match.group(1))
+        for child in root.iterdir()
+        if (match := _STEP_DIR.match(child.name)) and is_checkpoint(child)
+    )
 
 
 def latest_checkpoint(root: PathLike) -> Optional[Path]:
-    """``root/step_<n>`` with the largest ``n`` among complete checkpoints, or ``None``.
-
-    One process's view of the file system; ``CheckpointManager.latest()`` agrees across ranks.
+    """``root/step_<n>`` with the largest ``n`` among complete checkpoints, or ``None`` (this process's view).
 
     Example:
         latest_checkpoint("ckpt")
@@ -56,12 +53,9 @@ def latest_checkpoint(root: PathLike) -> Optional[Path]:
 def prune_checkpoints(root: PathLike, keep_last: int) -> list[Path]:
     """Delete complete ``root/step_<n>`` checkpoints older than the newest ``keep_last``; return what was deleted.
 
-    One process (rank 0). Never touches the newest complete checkpoint, a save in flight (a hidden
-    ``.step_<n>.incomplete``), or anything not named ``step_<n>``. Each is deleted ``.metadata`` first,
-    so an interrupted delete never leaves a complete-looking checkpoint. A ``step_<n>`` that is a
-    symbolic link loses the link only (the checkpoint it points to is kept); one that is not
-    verifiably a checkpoint written by this library (foreign files in it, say) is kept, with a
-    warning naming it and why.
+    One process (rank 0). Never touches the newest complete checkpoint, a save in flight, or anything
+    not named ``step_<n>``; a symbolic link loses the link only, and a ``step_<n>`` that is not
+    verifiably a checkpoint of ours is kept, with a warning naming it and why.
 
     Example:
         prune_checkpoints("ckpt", keep_last=2)
@@ -92,20 +86,13 @@ def _positive(name: str, value: Optional[int]) -> Optional[int]:
 class CheckpointManager:
     """Checkpoints of one training run under ``root``: periodic, pruned, resumable, preemption-safe.
 
-    * ``after_step(step)`` at every step boundary (``step`` = optimizer steps done): saves
-      ``root/step_<step>`` when ``step`` is a multiple of ``every``, and when a preemption signal
-      arrived (then it returns ``True``: stop the loop).
-    * ``keep_last=K`` keeps the K newest complete checkpoints (never the one being written, never
-      the newest complete one); ``None`` keeps all.
-    * ``resume()`` loads the latest complete checkpoint into the model, optimizer and ``state``
-      objects and returns its step, or returns 0 when there is none (first launch).
-    * ``async_save=True`` writes in the background (``AsyncCheckpointer``); training waits only for
-      the copy to CPU memory.
-    * ``state``: ``{name: object with state_dict() / load_state_dict()}`` saved with every checkpoint
-      and restored by ``resume()``: a ``ResumableLoader`` (data position), an LR scheduler.
-    * ``preemption_signals``: the signals that mean "save and stop" (default SIGTERM; ``()`` for none).
-
-    Create it and call its methods on every rank.
+    ``after_step(step)`` at every step boundary saves ``root/step_<step>`` every ``every`` steps and
+    when a preemption signal (``preemption_signals``, default SIGTERM; ``()`` for none) arrived, then
+    returns ``True``: stop the loop. ``keep_last=K`` keeps the K newest complete checkpoints (``None``:
+    all). ``resume()`` loads the latest one and returns its step (0 on first launch).
+    ``async_save=True`` writes in the background (``AsyncCheckpointer``). ``state``: ``{name: object
+    with state_dict() / load_state_dict()}`` (a ``ResumableLoader``, an LR scheduler) saved with every
+    checkpoint and restored by ``resume()``. Create it and call its methods on every rank.
 
     Example:
         manager = CheckpointManager("ckpt", model, optimizer, every=100, keep_last=3,
@@ -149,12 +136,7 @@ class CheckpointManager:
         self._saved_step: Optional[int] = None
 
     def latest(self) -> Optional[Path]:
-        """The latest complete checkpoint under ``root`` (rank 0's view, the same on every rank), or ``None``.
-
-        Example:
-            manager.latest()
-            # -> PosixPath('ckpt/step_300')
-        """
+        """The latest complete checkpoint under ``root`` (rank 0's view, the same on every rank), or ``None``."""
         return from_rank0(lambda: latest_checkpoint(self.root))
 
     def resume(self) -> int:
@@ -162,9 +144,6 @@ class CheckpointManager:
 
         Partial directories left by interrupted saves are removed first. The user's ``extra`` of
         that checkpoint is in ``manager.extra``.
-
-        Example:
-            start = manager.resume()
         """
         on_all_ranks(self._remove_stale if current_rank() == 0 else lambda: None)
         path = self.latest()
@@ -183,12 +162,7 @@ class CheckpointManager:
         return int(saved["step"])
 
     def after_step(self, step: int, extra: Any = None) -> bool:
-        """Call at every step boundary; saves when due or preempted. ``True``: a preemption signal came, stop now.
-
-        Example:
-            if manager.after_step(step, extra={"loss": loss.item()}):
-                break
-        """
+        """Call at every step boundary; saves when due or preempted. ``True``: a preemption signal came, stop now."""
         preempted = self.preemption is not None and self.preemption.stop_requested()
         due = self.every is not None and step % self.every == 0
         if (due or preempted) and self._saved_step != step:
@@ -198,15 +172,9 @@ class CheckpointManager:
         return preempted
 
     def save(self, step: int, extra: Any = None) -> Path:
-        """Save ``root/step_<step>`` now (in the background with ``async_save``), then prune to ``keep_last``.
-
-        Example:
-            manager.save(step)
-            # -> PosixPath('ckpt/step_120')
-        """
+        """Save ``root/step_<step>`` now (in the background with ``async_save``), then prune to ``keep_last``."""
         path = self.root / f"step_{int(step)}"
-        record = {"step": int(step), "state": {name: obj.state_dict() for name, obj in self.state.items()}}
-        record["extra"] = extra
+        record = {"step": int(step), "state": {n: obj.state_dict() for n, obj in self.state.items()}, "extra": extra}
         if self.checkpointer is not None:
             self.checkpointer.wait()
             self._prune()
@@ -218,21 +186,13 @@ class CheckpointManager:
         return path
 
     def wait(self) -> None:
-        """Wait for a background save to be complete (and prune). Every rank.
-
-        Example:
-            manager.wait()
-        """
+        """Wait for a background save to be complete (and prune). Every rank."""
         if self.checkpointer is not None:
             self.checkpointer.wait()
             self._prune()
 
     def close(self) -> None:
-        """Wait for the save in flight, restore the signal handlers, release the groups. Every rank.
-
-        Example:
-            manager.close()
-        """
+        """Wait for the save in flight, restore the signal handlers, release the groups. Every rank."""
         try:
             if self.checkpointer is not None:
                 self.wait()

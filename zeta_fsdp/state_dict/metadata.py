@@ -1,11 +1,8 @@
 """One home for reading a checkpoint's ``.metadata``, and for telling whether a path is a checkpoint of ours.
 
-DCP pickles its ``.metadata`` with plain pickle, and DCP's own reader
-(``FileSystemReader.read_metadata``) unpickles it with plain pickle: a crafted file runs whatever
-it names. Every reader in this package (load, both consolidations, the CLI, the strategy) reads it
-here instead, with an unpickler that knows DCP's metadata types only. ``checkpoint_problem`` is
-what every destructive call (``overwrite=True``, remove, prune, retention) asks first: a directory
-is replaced or deleted only when its metadata validates and it holds nothing a checkpoint does not.
+DCP's own reader unpickles ``.metadata`` with plain pickle: a crafted file runs whatever it names.
+Every reader in this package reads it here instead, with an unpickler that knows DCP's metadata
+types only. ``checkpoint_problem`` is what every destructive call (overwrite, remove, prune) asks first.
 """
 
 from __future__ import annotations
@@ -13,7 +10,6 @@ from __future__ import annotations
 import os
 import pickle
 import re
-import stat
 import zipfile
 from pathlib import Path
 from typing import Any, Optional
@@ -21,7 +17,7 @@ from typing import Any, Optional
 import torch
 from torch.distributed.checkpoint.metadata import Metadata
 
-from .checks import METADATA_FILE, CheckpointError
+from .checks import METADATA_FILE, CheckpointError, foreign_entries
 
 __all__ = ["checkpoint_problem", "is_full_checkpoint", "load_metadata", "shard_file_name_ok"]
 
@@ -99,10 +95,8 @@ def is_full_checkpoint(path: Any) -> bool:
 def checkpoint_problem(path: Path) -> Optional[str]:
     """Why ``path`` is not a complete checkpoint of ours (``None`` when it is).
 
-    Ours: a real directory (not a symbolic link), whose ``.metadata`` loads with the allow-list
-    and validates, holding nothing but that file and DCP shard files (``__<rank>_<n>.distcp``),
-    each a regular file. A folder that merely contains a file named ``.metadata``, or a
-    checkpoint someone put their own files into, is not ours to replace or delete.
+    Ours: a real directory whose ``.metadata`` validates, holding nothing but that file and DCP
+    shard files. A checkpoint someone put their own files into is not ours to replace or delete.
     """
     path = Path(path)
     if path.is_symlink():
@@ -118,14 +112,11 @@ def checkpoint_problem(path: Path) -> Optional[str]:
     except CheckpointError as e:
         return str(e).lstrip(": ")
     named = {info.relative_path for info in metadata.storage_data.values()}
-    foreign = []
-    for child in sorted(os.scandir(path), key=lambda entry: entry.name):
-        mode = child.stat(follow_symlinks=False).st_mode
-        if child.name == METADATA_FILE:
-            continue
-        if not stat.S_ISREG(mode) or not (child.name in named or _SHARD_FILE.match(child.name)):
-            foreign.append(child.name + ("/" if stat.S_ISDIR(mode) else ""))
-    if foreign:
-        shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
-        return f"it holds entries a checkpoint does not have ({shown})"
-    return None
+    shown = foreign_entries(
+        path,
+        lambda e: (
+            e.name == METADATA_FILE
+            or (e.is_file(follow_symlinks=False) and bool(e.name in named or _SHARD_FILE.match(e.name)))
+        ),
+    )
+    return f"it holds entries a checkpoint does not have ({shown})" if shown else None

@@ -25,8 +25,7 @@ from .checks import (
 def get_sharded_state_dict(model: nn.Module) -> dict[str, Any]:
     """The model's state dict as it lives on this rank: ``DTensor`` shards, clean FQNs, no communication.
 
-    For users who save with ``torch.distributed.checkpoint`` themselves. Keys are exactly those of
-    the unwrapped model.
+    For users who save with DCP themselves. Keys are exactly those of the unwrapped model.
 
     Example:
         sd = get_sharded_state_dict(model)
@@ -66,10 +65,8 @@ def gather_full(
 ) -> dict[str, Any]:
     """All-gather each ``DTensor`` in turn (every rank, same order); keep the result where asked.
 
-    One tensor at a time: the peak is the kept copy plus one full tensor in flight, never a second
-    copy of the model. The result never shares memory with the live model or optimizer. Tied
-    aliases reuse the tensor gathered for their first name, as in ``state_dict()`` of the
-    unwrapped model.
+    The peak is the kept copy plus one full tensor in flight. The result never shares memory with
+    the live model or optimizer; tied aliases reuse the tensor gathered for their first name.
     """
     keep = not rank0_only or current_rank() == 0
     out: dict[str, Any] = {}
@@ -101,9 +98,7 @@ def get_full_state_dict(model: nn.Module, *, cpu_offload: bool = True, rank0_onl
     """The model's full (unsharded) state dict: plain tensors, keys exactly the unwrapped model's.
 
     Every rank must call it (it all-gathers one tensor at a time). With ``rank0_only`` the other
-    ranks get ``{}``; with ``cpu_offload`` the tensors are moved to CPU as they arrive, so GPU
-    memory holds at most one full tensor. ``unwrapped_model.load_state_dict(sd)`` works, and so
-    does ``torch.save(sd, "model.pt")`` on rank 0.
+    ranks get ``{}``; with ``cpu_offload`` GPU memory holds at most one full tensor.
 
     Example:
         sd = get_full_state_dict(model)
@@ -123,11 +118,9 @@ def load_full_state_dict(
 ) -> None:
     """Load a full state dict (e.g. a ``torch.save`` or Hugging Face one) into a sharded model, in place.
 
-    With ``broadcast_from_rank0`` only rank 0 needs to hold ``full_sd`` (pass ``None`` or ``{}``
-    elsewhere): tensors are broadcast one at a time and each rank keeps its shard. Works for a
-    model built on ``meta`` and wrapped with ``fsdp()``; tied weights stay tied, and a state dict
-    holding only one name of a tied pair (as many exported checkpoints do) fills the other.
-    Keys and shapes are checked before anything is loaded.
+    With ``broadcast_from_rank0`` only rank 0 needs ``full_sd`` (pass ``None`` elsewhere): tensors
+    are broadcast one at a time. Works for a model built on ``meta``; one name of a tied pair fills
+    the other. Keys and shapes are checked before anything is loaded.
 
     Example:
         with torch.device("meta"):

@@ -144,9 +144,8 @@ def validate_optimizer(
 ) -> dict[int, str]:
     """Check saved flat optimizer keys against the live optimizer; return ``{id(param): saved FQN}``.
 
-    Parameter names must match both ways, and every state name the optimizer keeps (``exp_avg``,
-    ``step`` ...) must be saved. A fresh optimizer has no state yet, so this creates it first
-    (``_materialize_optimizer_state``); callers clear it again if anything fails.
+    Parameter names must match both ways, and every state name the optimizer keeps must be saved.
+    A fresh optimizer's state is created first to know those; callers clear it if anything fails.
     """
     params = _optimizer_params(model, optimizer)
     group_keys = [k[len(GROUPS_PREFIX) :] for k in saved_keys if k.startswith(GROUPS_PREFIX)]
@@ -161,9 +160,8 @@ def validate_optimizer(
             f"the optimizer state in {source} does not match the optimizer: parameters without saved "
             f"state: {short_list(missing)}; saved parameters the optimizer does not have: {short_list(unexpected)}"
         )
-    # Options (hyperparameters) the checkpoint's optimizer had and this one lacks mean another
-    # optimizer class: loading would set this one's lr/weight_decay from a different algorithm's.
-    # (Options this optimizer has and the checkpoint lacks are tolerated: a newer torch adds some.)
+    # Options the checkpoint's optimizer had and this one lacks mean another optimizer class (options
+    # only this one has are tolerated: a newer torch adds some).
     saved_options = {k.rsplit(".", 1)[1] for k in group_keys}
     live_options = {option for group in optimizer.param_groups for option in group if option != "params"}
     foreign = sorted(saved_options - live_options - _SCHEDULER_OPTIONS)
@@ -215,10 +213,8 @@ def optimizer_scratch(
 
 
 def _scratch_like(entry: Any, param: Optional[torch.Tensor]) -> Any:
-    """Something to read a saved entry into: sharded like ``param`` when it has the parameter's shape.
-
-    ``entry`` is DCP metadata (from a checkpoint) or a tensor/value (from a state dict).
-    """
+    """Something to read a saved entry (DCP metadata, a tensor or a value) into: sharded like ``param``
+    when it has the parameter's shape."""
     if isinstance(entry, TensorStorageMetadata):
         shape, dtype = tuple(entry.size), entry.properties.dtype
     elif isinstance(entry, torch.Tensor):
@@ -245,7 +241,7 @@ def get_optimizer_state_dict(
     Keys are ``"state.<fqn>.<name>"`` (e.g. ``state.blocks.0.attn.qkv.weight.exp_avg``) and
     ``"param_groups.<fqn>.<option>"``. ``full=False``: ``DTensor`` shards as they live on this rank.
     ``full=True``: plain tensors gathered one at a time (``cpu_offload`` / ``rank0_only`` as in
-    ``get_full_state_dict``). An optimizer that never stepped yields its options only.
+    ``get_full_state_dict``).
 
     Example:
         osd = get_optimizer_state_dict(model, optimizer, full=True)
@@ -253,9 +249,7 @@ def get_optimizer_state_dict(
         # -> torch.Size([37, 30])
     """
     flat = flat_optimizer_state(model, optimizer)
-    if not full:
-        return flat
-    return gather_full(flat, {}, cpu_offload=cpu_offload, rank0_only=rank0_only)
+    return gather_full(flat, {}, cpu_offload=cpu_offload, rank0_only=rank0_only) if full else flat
 
 
 def load_optimizer_state_dict(
@@ -268,9 +262,8 @@ def load_optimizer_state_dict(
 ) -> None:
     """Load an optimizer state from ``get_optimizer_state_dict`` into ``optimizer``, in place.
 
-    ``full=False``: ``osd`` holds this rank's shards. ``full=True``: ``osd`` holds plain full
-    tensors, on rank 0 only when ``broadcast_from_rank0`` (pass ``None`` elsewhere). Parameter names
-    and state names are checked first; on a mismatch nothing changes.
+    ``full=True``: ``osd`` holds plain full tensors, on rank 0 only when ``broadcast_from_rank0``
+    (pass ``None`` elsewhere). Names are checked first; on a mismatch nothing changes.
 
     Example:
         osd = get_optimizer_state_dict(model, optimizer, full=True)
@@ -279,7 +272,7 @@ def load_optimizer_state_dict(
     holds = not (full and broadcast_from_rank0 and dist_on()) or current_rank() == 0
     if holds and not isinstance(osd, Mapping):
         raise TypeError(f"load_optimizer_state_dict(): osd must be a dict, got {type(osd).__name__}.")
-    flat = {clean_fqn(k): v for k, v in osd.items()} if holds else {}
+    flat = entries = {clean_fqn(k): v for k, v in osd.items()} if holds else {}
     if full:
         # What each entry is (a shape-only meta tensor, or the option's value): every rank needs it
         # to validate and to allocate what the broadcast fills.
@@ -288,8 +281,6 @@ def load_optimizer_state_dict(
         if broadcast_from_rank0 and world_size() > 1:
             dist.broadcast_object_list(described, src=0)
         entries = described[0]
-    else:
-        entries = flat
     was_fresh = not optimizer.state
     try:
         source = "the optimizer state dict"

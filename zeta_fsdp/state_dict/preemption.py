@@ -36,10 +36,9 @@ def resolve_signals(signals: Iterable[SignalLike]) -> list[signal.Signals]:
 class PreemptionHandler:
     """Turn a signal into a request to stop: the loop checks ``stop_requested()`` at each step boundary.
 
-    The handler only records the signal (saving from inside a signal handler is unsafe: a collective
-    may be half done); ``stop_requested()`` agrees across ranks (one tiny all-reduce over a gloo
-    group of its own), so every rank stops at the same step even when the signal reached one rank
-    first or only one rank. ``close()`` puts the previous handlers back. Create it on every rank.
+    The handler only records the signal (a collective may be half done inside a signal handler);
+    ``stop_requested()`` agrees across ranks (one tiny all-reduce), so every rank stops at the same
+    step even when the signal reached only one. ``close()`` puts the previous handlers back. Every rank.
 
     Example:
         preemption = PreemptionHandler(["SIGTERM", "SIGUSR1"])
@@ -61,23 +60,14 @@ class PreemptionHandler:
         self.received = signal.Signals(signum)
 
     def stop_requested(self) -> bool:
-        """``True`` on every rank once any rank received one of the signals. Call on every rank, each step.
-
-        Example:
-            if preemption.stop_requested():
-                break
-        """
+        """``True`` on every rank once any rank received one of the signals. Call on every rank, each step."""
         flag = torch.tensor([1 if self.received is not None else 0], dtype=torch.int32)
         if self._group is not None:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
         return bool(flag.item())
 
     def close(self) -> None:
-        """Restore the handlers that were installed before (every rank).
-
-        Example:
-            preemption.close()
-        """
+        """Restore the handlers that were installed before (every rank)."""
         for sig, previous in self._previous.items():
             signal.signal(sig, previous if previous is not None else signal.SIG_DFL)
         self._previous.clear()

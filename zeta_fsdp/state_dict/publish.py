@@ -21,10 +21,8 @@ LOCK_WAIT_S = 60.0
 def is_checkpoint(path: PathLike) -> bool:
     """``True`` if ``path`` is a complete checkpoint (an interrupted save never leaves one).
 
-    Complete: its ``.metadata`` is there and validates (read with the allow-list unpickler; a
-    folder that merely holds a file of that name is not a checkpoint). An overwrite that stopped
-    between its two renames (see ``save_checkpoint``) is finished first, so the checkpoint is
-    found again at ``path``. A symbolic link to a checkpoint is one.
+    Complete: its ``.metadata`` is there and validates. An overwrite that stopped between its two
+    renames is finished first, so the checkpoint is found again at ``path``. A link to one is one.
 
     Example:
         >>> if is_checkpoint("ckpt/last"):
@@ -58,9 +56,8 @@ def removal_problem(path: Path) -> Optional[str]:
 def discard_checkpoint_dir(path: Path) -> None:
     """Delete a checkpoint directory of ours, its ``.metadata`` first: an interrupted delete never looks complete.
 
-    A symbolic link is unlinked (what it points to is never touched); an empty folder removed;
-    anything else that is not verifiably a checkpoint (``checkpoint_problem``) raises
-    ``CheckpointError`` naming the path and why, and is left as it is.
+    A symbolic link is unlinked (its target never touched); anything not verifiably a checkpoint
+    (``removal_problem``) raises ``CheckpointError`` naming the path and why, and is left as it is.
     """
     path = Path(path)
     problem = removal_problem(path)  # None for a link or nothing at all
@@ -82,10 +79,8 @@ def recover(path: Path, *, locked: bool = False) -> None:
 
     Then ``path`` is missing and ``.<name>.replaced`` holds what was there: the new checkpoint is
     renamed into place if ``.<name>.incomplete`` holds it complete, else the previous one is put back.
-    Done under ``path``'s lock (``locked``: the caller holds it). Another holder (a save in
-    progress, or a peer rank recovering the same path) is waited for, up to ``LOCK_WAIT_S``, so
-    every rank of a job that finds the path missing sees it back; when the lock cannot be taken
-    (a read-only folder) or the wait runs out, nothing is done.
+    Done under ``path``'s lock (``locked``: the caller holds it), waited for up to ``LOCK_WAIT_S`` so
+    every rank that finds the path missing sees it back; without the lock nothing is done.
     """
     old, tmp = replaced_path(path), incomplete_dir(path)
     if os.path.lexists(path) or not old.is_dir():
@@ -93,14 +88,12 @@ def recover(path: Path, *, locked: bool = False) -> None:
     if not locked:
         lock = PathLock(path)
         try:
-            if not lock.acquire(timeout_s=LOCK_WAIT_S):
-                return
-        except OSError:
+            got = lock.acquire(timeout_s=LOCK_WAIT_S)
+        except OSError:  # a read-only folder: no lock, nothing done
             return
-        try:
-            recover(path, locked=True)
-        finally:
-            lock.release()
+        if got:
+            with lock:
+                recover(path, locked=True)
         return
     if (tmp / METADATA_FILE).is_file():
         source = tmp
@@ -132,23 +125,16 @@ def leftovers(path: Path) -> str:
     return hint
 
 
-def fsync_dir(path: Path) -> None:
-    with contextlib.suppress(OSError):
-        fd = os.open(path, os.O_RDONLY)
+def publish_checkpoint(path: Path) -> None:
+    """Rename the complete ``.<name>.incomplete`` to ``path``, replacing a checkpoint there only once it is in place.
+
+    One process only (rank 0, holding ``path``'s ``PathLock``). Where the two directories cannot be
+    swapped atomically, a crash between two renames is finished by the next ``recover`` of ``path``.
+    """
+    publish_dir(incomplete_dir(path), path, discard=discard_checkpoint_dir)
+    with contextlib.suppress(OSError):  # the rename itself on disk
+        fd = os.open(path.parent, os.O_RDONLY)
         try:
             os.fsync(fd)
         finally:
             os.close(fd)
-
-
-def publish_checkpoint(path: Path) -> None:
-    """Rename the complete ``.<name>.incomplete`` to ``path``, replacing a checkpoint there only once it is in place.
-
-    One process only (rank 0, holding ``path``'s ``PathLock``). On Linux the two directories are
-    swapped in one atomic step (``files.exchange_paths``) and the previous one deleted after.
-    Elsewhere, a crash between two renames leaves the previous checkpoint in ``.<name>.replaced``
-    and the new one, complete, in ``.<name>.incomplete``: the next ``is_checkpoint``, load or
-    save of ``path`` finishes the job (``recover``).
-    """
-    publish_dir(incomplete_dir(path), path, discard=discard_checkpoint_dir)
-    fsync_dir(path.parent)

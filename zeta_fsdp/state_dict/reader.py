@@ -11,10 +11,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 import torch
-from torch.distributed.checkpoint import (
-    DefaultLoadPlanner,
-    FileSystemReader,
-)
+from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
 from torch.futures import Future
@@ -37,8 +34,9 @@ def read_metadata(path: Path, caller: str) -> Metadata:
     return load_metadata(path / METADATA_FILE, caller)
 
 
-def _check_files(path: Path, metadata: Metadata, caller: str) -> None:
-    """Every shard file the metadata points to exists and is long enough (catches truncation early)."""
+def open_checkpoint(path: Path, caller: str) -> Metadata:
+    """The checkpoint's metadata, once every shard file it points to exists and is long enough."""
+    metadata = read_metadata(path, caller)
     needed: dict[str, int] = {}
     keys: dict[str, list[str]] = {}
     for index, info in metadata.storage_data.items():
@@ -55,21 +53,15 @@ def _check_files(path: Path, metadata: Metadata, caller: str) -> None:
                 f"{caller}: shard file {file} is truncated: {size} bytes, the metadata needs {end} "
                 f"(it holds {short_list(keys[name], 4)})."
             )
-
-
-def open_checkpoint(path: Path, caller: str) -> Metadata:
-    metadata = read_metadata(path, caller)
-    _check_files(path, metadata, caller)
     return metadata
 
 
 class _VerifyingReader(FileSystemReader):
     """DCP's file reader, reading each file once and checking every record's CRC-32 before any tensor is copied.
 
-    ``torch.load`` never checks the CRC-32s of a record's zip entries: a flipped bit would load as a
-    wrong value. Each file a rank needs is mapped once (``_MAP_FILES``; else read once per run of
-    nearby records), checked in place (``records.entries``) and decoded as views (``records.tensor_record``).
-    ``read_data`` only queues ``(target, source)`` pairs; ``commit`` copies them once all are checked.
+    ``torch.load`` never checks a record's CRC-32s: a flipped bit would load as a wrong value. Each
+    file is mapped once, checked in place and decoded as views; ``read_data`` only queues
+    ``(target, source)`` pairs, which ``CheckedRead.commit`` copies once all are checked.
     """
 
     def __init__(self, path: Path, metadata: Optional[Metadata] = None) -> None:
@@ -113,7 +105,7 @@ class _VerifyingReader(FileSystemReader):
         return fut
 
     def _runs(self, items: list[Any]) -> list[list[Any]]:
-        """Group records (sorted by offset) into ``[begin, end, items]`` runs read at once: gaps under ``_GAP`` are read through."""
+        """Records (sorted by offset) as ``[begin, end, items]`` runs, each read at once."""
         runs: list[list[Any]] = []
         for item in items:
             info = self.storage_data[item.storage_index]
@@ -149,10 +141,8 @@ class _VerifyingReader(FileSystemReader):
 
 # Records closer than this in one file are read in one go (the bytes between them are read and dropped).
 _GAP = 1 << 20
-# Map the shard files instead of reading them: the CRC pass reads the page cache in place and the
-# commit copies from it into the model, so the bytes are never copied into a buffer first (about
-# half the time of a load). Checkpoint files are never modified in place (saves write a new
-# directory and rename it into place), which is what makes mapping them safe.
+# Map the shard files instead of reading them: the bytes are never copied into a buffer first (about
+# half a load's time). Safe because checkpoint files are never modified in place.
 _MAP_FILES = True
 
 
@@ -214,9 +204,8 @@ class CheckedRead:
 def read_checked(state: dict[str, Any], path: Path, metadata: Optional[Metadata] = None) -> CheckedRead:
     """Read what this rank needs of ``state`` from the checkpoint at ``path``; this rank only, no collectives.
 
-    Tensors of ``state`` are targets (sharded ``DTensor``s included: DCP's planner reshards);
-    other values are replaced by the saved objects. Every record read is CRC-checked before this
-    returns, and no tensor of ``state`` is changed until ``commit``: a damaged file raises here.
+    Tensors of ``state`` are targets (DCP's planner reshards); other values are replaced by the
+    saved objects. Every record is CRC-checked here; no tensor of ``state`` changes until ``commit``.
     """
     reader = _VerifyingReader(path, metadata)
     planner = _SafeLoadPlanner()
@@ -234,9 +223,8 @@ def read_checked(state: dict[str, Any], path: Path, metadata: Optional[Metadata]
 def dcp_load(state: dict[str, Any], path: Path, *, alone: bool = False, metadata: Optional[Metadata] = None) -> None:
     """Read ``state`` from the checkpoint at ``path`` and fill it, once every record read passed its check.
 
-    ``alone``: this rank only, no collectives. Otherwise every rank reads and checks its part, the
-    ranks agree that all of them succeeded, and only then are the tensors filled: a damaged file
-    anywhere changes no rank's tensors.
+    ``alone``: this rank only. Otherwise the tensors are filled only once every rank read and
+    checked its part: a damaged file anywhere changes no rank's tensors.
     """
     if alone or not dist_on():
         read_checked(state, path, metadata).commit()

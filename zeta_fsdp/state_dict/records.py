@@ -1,12 +1,9 @@
 """One DCP record (a ``torch.save`` zip archive) checked and decoded from bytes already in memory.
 
-Each record in a ``.distcp`` file is a stored (uncompressed) zip whose entries carry CRC-32s, which
-``torch.load`` never checks. Here every entry's CRC-32 is computed over a ``memoryview`` of the
-bytes read from the file (no copy), and a tensor record's data entry becomes a tensor that views
-those same bytes: no ``BytesIO`` copy, no second pass, no per-record ``torch.load``. ``data.pkl``
-is read by an unpickler that knows one function (``_rebuild_tensor_v2``) and the storage classes;
-anything else in it is refused. A record in another layout (compressed, ZIP64 sizes, big-endian)
-returns ``None`` from ``tensor_record`` and the caller falls back to ``torch.load``.
+Each record in a ``.distcp`` file is a stored zip whose entries carry CRC-32s, which ``torch.load``
+never checks. Here every CRC-32 is computed over a ``memoryview`` of the file's bytes, and a tensor
+record becomes a tensor viewing those same bytes (no copy, no per-record ``torch.load``); its
+``data.pkl`` is read by an unpickler that knows ``_rebuild_tensor_v2`` and the storage classes only.
 """
 
 from __future__ import annotations
@@ -47,9 +44,7 @@ def _entries(record: memoryview, where: str) -> Optional[dict[str, memoryview]]:
     if len(record) < _EOCD.size:
         raise CheckpointError(f"shard record {where} is corrupted: {len(record)} bytes is too short for a zip.")
     sig, _, _, _, count, cd_size, cd_offset, comment = _EOCD.unpack_from(record, len(record) - _EOCD.size)
-    if sig != b"PK\x05\x06" or comment:
-        return None
-    if count == 0xFFFF or _ZIP64_MARK in (cd_size, cd_offset):
+    if sig != b"PK\x05\x06" or comment or count == 0xFFFF or _ZIP64_MARK in (cd_size, cd_offset):
         return None
     out: dict[str, memoryview] = {}
     pos = cd_offset
