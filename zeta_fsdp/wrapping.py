@@ -106,17 +106,38 @@ class WrapPlan:
 
     @property
     def numel(self) -> int:
-        """Total elements the units own (tied parameters counted once)."""
+        """Total elements the units own (tied parameters counted once).
+
+        Example:
+            >>> from zeta_fsdp.models.gpt import small
+            >>> plan = build_wrap_plan(small(n_layers=2), auto_wrap=True)
+            >>> plan.numel == sum(u.numel for u in plan.units)
+            True
+        """
         return sum(u.numel for u in self.units)
 
     @property
     def nbytes(self) -> int:
-        """Total bytes the units own (tied parameters counted once)."""
+        """Total bytes the units own (tied parameters counted once).
+
+        Example:
+            >>> from zeta_fsdp.models.gpt import small
+            >>> plan = build_wrap_plan(small(n_layers=2), auto_wrap=True)
+            >>> plan.nbytes == 4 * plan.numel  # fp32
+            True
+        """
         return sum(u.nbytes for u in self.units)
 
     @property
     def blocks(self) -> list[WrapUnit]:
-        """The transformer-block units."""
+        """The transformer-block units.
+
+        Example:
+            >>> from zeta_fsdp.models.gpt import small
+            >>> plan = build_wrap_plan(small(n_layers=2), auto_wrap=True)
+            >>> [u.name for u in plan.blocks]
+            ['blocks.0', 'blocks.1']
+        """
         return [u for u in self.units if u.kind == "block"]
 
     @property
@@ -163,17 +184,38 @@ class WrapPlan:
 
     @property
     def largest(self) -> Optional[WrapUnit]:
-        """The unit owning the most elements (``None`` for a model without parameters)."""
+        """The unit owning the most elements (``None`` for a model without parameters).
+
+        Example:
+            >>> from zeta_fsdp.models.gpt import small
+            >>> plan = build_wrap_plan(small(n_layers=2), auto_wrap=True)
+            >>> plan.largest.numel == max(u.numel for u in plan.units)
+            True
+        """
         return max(self.units, key=lambda u: u.numel) if self.numel else None
 
     def share(self, unit: WrapUnit) -> float:
-        """The fraction of all (unit-owned) parameter elements ``unit`` owns."""
+        """The fraction of all (unit-owned) parameter elements ``unit`` owns.
+
+        Example:
+            >>> from zeta_fsdp.models.gpt import small
+            >>> plan = build_wrap_plan(small(n_layers=2), auto_wrap=True)
+            >>> round(sum(plan.share(u) for u in plan.units), 6)
+            1.0
+        """
         return unit.numel / self.numel if self.numel else 0.0
 
     def table(self) -> str:
         """A fixed-width table: one row per unit with its kind, parameter count, bytes and share of
         the parameters, then the largest unit; when a unit holds more than a quarter of the
-        parameters, what to pass as ``TransformerBlock`` to split it (when there is something)."""
+        parameters, what to pass as ``TransformerBlock`` to split it (when there is something).
+
+        Example:
+            >>> from zeta_fsdp.models.gpt import small
+            >>> plan = build_wrap_plan(small(n_layers=2), auto_wrap=True)
+            >>> plan.table().splitlines()[0].split()
+            ['unit', 'kind', 'params', 'numel', 'MiB', 'share']
+        """
         share = [f"{100 * self.share(u):.1f}%" for u in self.units] + ["100.0%" if self.numel else "-"]
         counts = [(u.name, u.kind, len(u.param_names), u.numel, u.nbytes) for u in self.units]
         counts.append(("total", "", sum(len(u.param_names) for u in self.units), self.numel, self.nbytes))

@@ -110,7 +110,11 @@ class AsyncCheckpointer:
 
     @property
     def in_flight(self) -> Optional[Path]:
-        """The checkpoint being written now (``None`` when none is)."""
+        """The checkpoint being written now (``None`` when none is).
+
+        Example:
+            checkpointer.in_flight  # -> PosixPath('ckpt/step_200') while that save is written
+        """
         return None if self._pending is None or self._pending[2].done() else self._pending[0]
 
     def _process_group(self) -> Optional[dist.ProcessGroup]:
@@ -134,6 +138,9 @@ class AsyncCheckpointer:
 
         Waits first for a save still in flight. Bad input raises as ``save_checkpoint`` does, before
         anything is written.
+
+        Example:
+            checkpointer.save("ckpt/step_100", model, optimizer, extra={"step": 100})
         """
         if self._closed:
             raise RuntimeError("AsyncCheckpointer.save(): the checkpointer was closed.")
@@ -181,6 +188,10 @@ class AsyncCheckpointer:
 
         Call on every rank. A failed write raises ``CheckpointError`` on every rank, and the
         partial directory is removed (the previous checkpoint stays the latest).
+
+        Example:
+            checkpointer.wait()
+            # -> PosixPath('ckpt/step_100')
         """
         if self._pending is None:
             return None
@@ -197,7 +208,11 @@ class AsyncCheckpointer:
         return path
 
     def close(self) -> None:
-        """Wait for the save in flight, then release the checkpointer's process group. Every rank."""
+        """Wait for the save in flight, then release the checkpointer's process group. Every rank.
+
+        Example:
+            checkpointer.close()
+        """
         if self._closed:
             return
         try:

@@ -136,7 +136,12 @@ class CheckpointManager:
         self._saved_step: Optional[int] = None
 
     def latest(self) -> Optional[Path]:
-        """The latest complete checkpoint under ``root`` (rank 0's view, the same on every rank), or ``None``."""
+        """The latest complete checkpoint under ``root`` (rank 0's view, the same on every rank), or ``None``.
+
+        Example:
+            manager.latest()
+            # -> PosixPath('ckpt/step_300')
+        """
         return from_rank0(lambda: latest_checkpoint(self.root))
 
     def resume(self) -> int:
@@ -144,6 +149,9 @@ class CheckpointManager:
 
         Partial directories left by interrupted saves are removed first. The user's ``extra`` of
         that checkpoint is in ``manager.extra``.
+
+        Example:
+            start = manager.resume()
         """
         on_all_ranks(self._remove_stale if current_rank() == 0 else lambda: None)
         path = self.latest()
@@ -162,7 +170,12 @@ class CheckpointManager:
         return int(saved["step"])
 
     def after_step(self, step: int, extra: Any = None) -> bool:
-        """Call at every step boundary; saves when due or preempted. ``True``: a preemption signal came, stop now."""
+        """Call at every step boundary; saves when due or preempted. ``True``: a preemption signal came, stop now.
+
+        Example:
+            if manager.after_step(step, extra={"loss": loss.item()}):
+                break
+        """
         preempted = self.preemption is not None and self.preemption.stop_requested()
         due = self.every is not None and step % self.every == 0
         if (due or preempted) and self._saved_step != step:
@@ -172,7 +185,12 @@ class CheckpointManager:
         return preempted
 
     def save(self, step: int, extra: Any = None) -> Path:
-        """Save ``root/step_<step>`` now (in the background with ``async_save``), then prune to ``keep_last``."""
+        """Save ``root/step_<step>`` now (in the background with ``async_save``), then prune to ``keep_last``.
+
+        Example:
+            manager.save(step)
+            # -> PosixPath('ckpt/step_120')
+        """
         path = self.root / f"step_{int(step)}"
         record = {"step": int(step), "state": {n: obj.state_dict() for n, obj in self.state.items()}, "extra": extra}
         if self.checkpointer is not None:
@@ -186,13 +204,21 @@ class CheckpointManager:
         return path
 
     def wait(self) -> None:
-        """Wait for a background save to be complete (and prune). Every rank."""
+        """Wait for a background save to be complete (and prune). Every rank.
+
+        Example:
+            manager.wait()
+        """
         if self.checkpointer is not None:
             self.checkpointer.wait()
             self._prune()
 
     def close(self) -> None:
-        """Wait for the save in flight, restore the signal handlers, release the groups. Every rank."""
+        """Wait for the save in flight, restore the signal handlers, release the groups. Every rank.
+
+        Example:
+            manager.close()
+        """
         try:
             if self.checkpointer is not None:
                 self.wait()

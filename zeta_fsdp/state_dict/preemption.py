@@ -60,14 +60,23 @@ class PreemptionHandler:
         self.received = signal.Signals(signum)
 
     def stop_requested(self) -> bool:
-        """``True`` on every rank once any rank received one of the signals. Call on every rank, each step."""
+        """``True`` on every rank once any rank received one of the signals. Call on every rank, each step.
+
+        Example:
+            if preemption.stop_requested():
+                break
+        """
         flag = torch.tensor([1 if self.received is not None else 0], dtype=torch.int32)
         if self._group is not None:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
         return bool(flag.item())
 
     def close(self) -> None:
-        """Restore the handlers that were installed before (every rank)."""
+        """Restore the handlers that were installed before (every rank).
+
+        Example:
+            preemption.close()
+        """
         for sig, previous in self._previous.items():
             signal.signal(sig, previous if previous is not None else signal.SIG_DFL)
         self._previous.clear()
