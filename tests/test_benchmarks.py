@@ -14,8 +14,9 @@ import json
 import math
 import subprocess
 import sys
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import pytest
 import torch
@@ -29,11 +30,55 @@ BENCH = ROOT / "benchmarks"
 def run_bench(script: str, out: Path, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     """``python benchmarks/<script> --quick --out <out> ...`` from the repository root."""
     cmd = [sys.executable, str(BENCH / script), "--quick", "--out", str(out), *args]
-    proc = subprocess.run(cmd, cwd=ROOT, env=rank_env(), capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(cmd, cwd=ROOT, env=rank_env(), capture_output=True, text=True, timeout=timeout)
+
+
+# Every script this module runs: test name -> (script, extra arguments). The runs are independent
+# processes whose figures nothing here compares against a clock, so they start together, two at a
+# time (most of a quick run is process start-up and rendezvous, not compute), and each test waits
+# for its own: the module takes about half the time of running them one after another.
+RUNS = {
+    "facade": ("bench_facade.py", "--wrap-reps", "1"),
+    "step_time": ("bench_step_time.py",),
+    "prefetch": ("bench_prefetch.py", "--blocks", "1"),
+    "no_shard": ("bench_no_shard.py",),
+    "hf": ("bench_hf.py",),
+    "memory": ("bench_memory.py", "--world-sizes", "4"),  # 4 ranks: every strategy, HYBRID included
+    "accumulation": ("bench_accumulation.py",),  # 4 ranks, 2x2 HYBRID mesh
+    # accelerate is a benchmark-only extra: without it, the clean one-line skip is what runs
+    "accelerate": ("bench_accelerate.py", "--wrap-reps", "1")
+    if importlib.util.find_spec("accelerate")
+    else ("bench_accelerate.py",),
+    "checkpoint": ("bench_checkpoint.py",),
+}
+if importlib.util.find_spec("peft") is not None:
+    RUNS["lora"] = ("bench_lora.py",)
+if not torch.cuda.is_available():
+    RUNS["gpu"] = ("bench_gpu.py",)
+
+
+@pytest.fixture(scope="module")
+def bench(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, tuple[Future, Path]]]:
+    """Every run in ``RUNS`` started (two at a time); ``finished(bench, name)`` waits for one."""
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        started = {}
+        for name, (script, *args) in RUNS.items():
+            out = tmp_path_factory.mktemp(name)
+            started[name] = (pool.submit(run_bench, script, out, *args), out)
+        yield started
+        for future, _ in started.values():
+            future.cancel()
+
+
+def finished(bench: dict[str, tuple[Future, Path]], name: str) -> tuple[subprocess.CompletedProcess, Path]:
+    """The completed run ``name`` (it must have exited 0) and its output folder."""
+    future, out = bench[name]
+    proc = future.result()
+    script = RUNS[name][0]
     assert proc.returncode == 0, (
         f"{script} failed (rc={proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     )
-    return proc
+    return proc, out
 
 
 def results(out: Path, name: str) -> dict[str, Any]:
@@ -71,8 +116,8 @@ def same_losses(losses: dict[str, float]) -> None:
     assert max(values) - min(values) < 1e-5, losses
 
 
-def test_bench_facade(tmp_path: Path) -> None:
-    run_bench("bench_facade.py", tmp_path, "--wrap-reps", "1")
+def test_bench_facade(bench) -> None:
+    _, tmp_path = finished(bench, "facade")
     data = results(tmp_path, "facade")
     step = data["step"]
     check_timing(step["timing"], ["fsdp()", "hand-written"])
@@ -87,15 +132,15 @@ def test_bench_facade(tmp_path: Path) -> None:
     assert all(len(v) == 1 and positive(v[0]) for v in wrap["wrap_s"].values()), wrap["wrap_s"]
 
 
-def test_bench_step_time(tmp_path: Path) -> None:
-    run_bench("bench_step_time.py", tmp_path)
+def test_bench_step_time(bench) -> None:
+    _, tmp_path = finished(bench, "step_time")
     data = results(tmp_path, "step_time")
     check_timing(data["timing"], ["fsdp() FULL_SHARD", "hand-written", "fsdp() NO_SHARD", "DDP"])
     same_losses(data["first_loss"])
 
 
-def test_bench_prefetch(tmp_path: Path) -> None:
-    run_bench("bench_prefetch.py", tmp_path, "--blocks", "1")
+def test_bench_prefetch(bench) -> None:
+    _, tmp_path = finished(bench, "prefetch")
     data = results(tmp_path, "prefetch")
     check_timing(data["timing"], list(data["peak_bytes_per_rank"]))
     same_losses(data["first_loss"])
@@ -113,8 +158,8 @@ def test_bench_prefetch(tmp_path: Path) -> None:
     assert all(n <= gathers[plain] for n in gathers.values()), gathers
 
 
-def test_bench_no_shard(tmp_path: Path) -> None:
-    run_bench("bench_no_shard.py", tmp_path)
+def test_bench_no_shard(bench) -> None:
+    _, tmp_path = finished(bench, "no_shard")
     data = results(tmp_path, "no_shard")
     variants = ["FSDP2 (world,1) per-block units", "FSDP2 (world,1) root unit", "fsdp() NO_SHARD"]
     variants += ["fsdp() NO_SHARD, mesh=(world,1)", "composable replicate", "DDP", "replicate_with_fsdp"]
@@ -128,8 +173,8 @@ def test_bench_no_shard(tmp_path: Path) -> None:
     assert data["first_loss_bf16"][bf16[0]] == data["first_loss_bf16"][bf16[2]], data["first_loss_bf16"]
 
 
-def test_bench_hf(tmp_path: Path) -> None:
-    run_bench("bench_hf.py", tmp_path)
+def test_bench_hf(bench) -> None:
+    _, tmp_path = finished(bench, "hf")
     data = results(tmp_path, "hf")
     quick = data["sizes"]["quick"]
     rows = ["load_floor", "load_ours", "load_ours_e2e", "load_ours_written"]
@@ -142,8 +187,8 @@ def test_bench_hf(tmp_path: Path) -> None:
     assert quick["save_ours_bit_identical"] is True  # what save_pretrained wrote == save_pretrained's tensors
 
 
-def test_bench_memory(tmp_path: Path) -> None:
-    run_bench("bench_memory.py", tmp_path, "--world-sizes", "4")  # 4 ranks: every strategy, HYBRID included
+def test_bench_memory(bench) -> None:
+    _, tmp_path = finished(bench, "memory")  # 4 ranks: every strategy, HYBRID included
     data = results(tmp_path, "memory")
     assert list(data["world_sizes"]) == ["4"], list(data["world_sizes"])
     unsharded = data["unsharded_param_bytes"]
@@ -166,8 +211,8 @@ def test_bench_memory(tmp_path: Path) -> None:
         assert (tmp_path / "memory.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_bench_accumulation(tmp_path: Path) -> None:
-    run_bench("bench_accumulation.py", tmp_path)  # 4 ranks, 2x2 HYBRID mesh
+def test_bench_accumulation(bench) -> None:
+    _, tmp_path = finished(bench, "accumulation")  # 4 ranks, 2x2 HYBRID mesh
     data = results(tmp_path, "accumulation")
     variants = ["sync every micro-batch", 'no_sync(defer="all")', 'no_sync(defer="all_reduce")']
     check_timing(data["timing"], variants)
@@ -183,13 +228,12 @@ def test_bench_accumulation(tmp_path: Path) -> None:
     assert predicted[variants[1]]["grad_bytes"] == 2 * predicted[variants[2]]["grad_bytes"]  # unsharded vs 1/2
 
 
-def test_bench_accelerate(tmp_path: Path) -> None:
+def test_bench_accelerate(bench) -> None:
+    proc, tmp_path = finished(bench, "accelerate")
     if importlib.util.find_spec("accelerate") is None:
-        proc = run_bench("bench_accelerate.py", tmp_path)
         assert proc.stdout.strip().startswith("bench_accelerate: skipped:"), proc.stdout
         assert len(proc.stdout.strip().splitlines()) == 1 and not any(tmp_path.iterdir())
         return  # accelerate is a benchmark-only extra: without it, the clean one-line skip is what runs
-    run_bench("bench_accelerate.py", tmp_path, "--wrap-reps", "1")
     data = results(tmp_path, "accelerate")
     check_timing(data["timing"], ["fsdp()", "accelerate"])
     assert all(len(v) == 1 and positive(v[0]) for v in data["wrap_s"].values()), data["wrap_s"]
@@ -198,16 +242,16 @@ def test_bench_accelerate(tmp_path: Path) -> None:
     same_losses(data["first_loss"])
 
 
-def test_bench_gpu_skips_cleanly_without_cuda(tmp_path: Path) -> None:
+def test_bench_gpu_skips_cleanly_without_cuda(bench) -> None:
     if torch.cuda.is_available():
         pytest.skip("a GPU is present: the skip path cannot be reached here")
-    proc = run_bench("bench_gpu.py", tmp_path, timeout=120)
+    proc, tmp_path = finished(bench, "gpu")
     assert proc.stdout.strip() == "bench_gpu: skipped: no CUDA device (torch.cuda.is_available() is False)"
     assert not any(tmp_path.iterdir()), "a skipped run must not write results"
 
 
-def test_bench_checkpoint(tmp_path: Path) -> None:
-    run_bench("bench_checkpoint.py", tmp_path)
+def test_bench_checkpoint(bench) -> None:
+    _, tmp_path = finished(bench, "checkpoint")
     data = results(tmp_path, "checkpoint")
     timing = data["timing"]
     assert "save_checkpoint" in timing and "load_checkpoint" in timing, sorted(timing)
@@ -224,9 +268,9 @@ def test_bench_checkpoint(tmp_path: Path) -> None:
     assert data["model_bytes"] <= sum(data["files"].values()) < 1.5 * data["model_bytes"], data["files"]
 
 
-def test_bench_lora(tmp_path: Path) -> None:
+def test_bench_lora(bench) -> None:
     pytest.importorskip("peft")
-    run_bench("bench_lora.py", tmp_path)
+    _, tmp_path = finished(bench, "lora")
     data = results(tmp_path, "lora")
     check_timing(data["times"], ["full", "lora"])
     full, lora = data["counts"]["full"], data["counts"]["lora"]
