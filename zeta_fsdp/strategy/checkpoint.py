@@ -14,7 +14,7 @@ from torch.distributed.tensor import DTensor
 
 from .. import state_dict as sd
 from ..state_dict import CheckpointError, is_checkpoint
-from ..state_dict.checkpoint import check_loadable, check_save_target
+from ..state_dict.checkpoint import check_loadable
 from ..state_dict.checks import PathLike, on_all_ranks
 from ..state_dict.full import TENSOR_KEYS, read_full_checkpoint, write_full_checkpoint
 
@@ -145,10 +145,3 @@ def restore_optimizer_states(module: torch.nn.Module, optimizers: Sequence[Any],
             sd.load_checkpoint(state[SHARDED_REF], module, optimizer, model_weights=False)
         else:
             sd.load_optimizer_state_dict(module, optimizer, state, full=True, broadcast_from_rank0=True)
-
-
-def check_target(strategy: Any, filepath: PathLike) -> None:
-    """Refuse, on every rank and before anything changes, a path this save would fail at or destroy."""
-    full = strategy.checkpoint_format == "full"
-    caller = "FSDP2Strategy.save_checkpoint()"
-    on_all_ranks(lambda: check_save_target(filepath, overwrite=True, caller=caller, full=full), rank0_only=True)

@@ -27,6 +27,7 @@ from ..distributed import (
     on_all_ranks,
     shutdown,
 )
+from ..state_dict.checkpoint import check_save_target
 from ..state_dict.checks import from_rank0
 from ..state_dict.full import remove_checkpoint
 from ..training import clip_grad_norm_, no_sync
@@ -129,7 +130,7 @@ class FSDP2Strategy:
     ) -> None:
         # Every option is checked now, before any change; the sizes against the world in setup_environment().
         self.options = opts = validate_strategy_options(
-            data_parallel_size, tensor_parallel_size, data_sampler, checkpoint_io, mp_policy, parallelize_fn, **kwargs
+            data_parallel_size, tensor_parallel_size, checkpoint_io, mp_policy, parallelize_fn, **kwargs
         )
         self.checkpoint_format, self.mp_policy = opts.checkpoint_format, opts.mp_policy
         self.fsdp_kwargs = opts.fsdp_kwargs
@@ -467,7 +468,9 @@ class FSDP2Strategy:
     ) -> None:
         """Save the model, every optimizer and ``checkpoint``'s other entries to ``filepath``; every rank calls it.
         Example: ``strategy.save_checkpoint({"note": "nightly"}, "ckpt/step_100.ckpt")``."""
-        ckpt_io.check_target(self, filepath)
+        # Refused on every rank, before anything changes: a path this save would fail at or destroy.
+        full, caller = self.checkpoint_format == "full", "FSDP2Strategy.save_checkpoint()"
+        on_all_ranks(lambda: check_save_target(filepath, overwrite=True, caller=caller, full=full), rank0_only=True)
         if storage_options is not None and self.checkpoint_io is None:
             raise TypeError(
                 f"FSDP2Strategy.save_checkpoint(): storage_options={storage_options!r} is for a checkpoint_io; "
