@@ -81,12 +81,9 @@ class _GlobalMeanReduction:
     def forward(self, batch: Any, forward_out: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """``(loss_for_backward, record)`` for one micro-batch on this rank.
 
-        Training: ``loss_sum * dp_size / global_count``. FSDP averages gradients over the
-        ``dp_size`` ranks, so the gradients equal those of ``sum of all ranks' losses / global
-        count``: the global mean. Getting ``global_count`` costs one all-reduce of one number
-        (it depends only on the batch, not on the model). With ``validation_step=True`` there is
-        no backward, so the loss is this rank's own mean and nothing is communicated.
-        A rank whose tokens are all masked contributes a zero loss (never NaN).
+        Training: ``loss_sum * dp_size / global_count`` (one all-reduce of the count), so that FSDP's gradient
+        average over the ``dp_size`` ranks is the gradient of the global mean. ``validation_step=True``: this
+        rank's own mean, nothing communicated. A rank whose tokens are all masked gives a zero loss (never NaN).
 
         Example:
             >>> reduction = MaskedTokenLossReduction(validation_step=True)

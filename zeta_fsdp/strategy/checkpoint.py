@@ -10,7 +10,6 @@ from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from .. import state_dict as sd
 from ..state_dict import CheckpointError, is_checkpoint
@@ -25,7 +24,7 @@ SHARDED_REF = "zeta_fsdp_sharded_checkpoint"
 
 
 class Restored(dict):
-    """A state dict ``load_checkpoint`` already loaded into the model: ``load_model_weights`` skips it."""
+    """A state dict ``load_checkpoint`` already loaded into the model: ``load_model_state_dict`` skips it."""
 
 
 class Gathered(dict):
@@ -115,19 +114,6 @@ def load_strategy_checkpoint(strategy: Any, filepath: PathLike, weights_only: Op
     for scheduler, state in zip(strategy.lr_schedulers, ckpt.get("lr_schedulers", [])):
         scheduler.load_state_dict(state)
     return ckpt
-
-
-def load_model_weights(module: torch.nn.Module, ckpt: Any, strict: bool = True) -> None:
-    """``ckpt["state_dict"]`` (or ``ckpt``) into the sharded ``module``, now: a full one (rank 0's copy; other
-    ranks may pass ``{}``) or a sharded one (DTensors). Keys and shapes are checked first (``strict``)."""
-    state = ckpt.get("state_dict", ckpt) if isinstance(ckpt, Mapping) else ckpt
-    if isinstance(state, Restored):
-        return
-    state = state or {}
-    if any(isinstance(v, DTensor) for v in state.values()):
-        sd.load_sharded_state_dict(module, state, strict=strict)
-    else:
-        sd.load_full_state_dict(module, state, broadcast_from_rank0=True, strict=strict)
 
 
 def restore_optimizer_states(module: torch.nn.Module, optimizers: Sequence[Any], pending: Sequence[Any]) -> None:

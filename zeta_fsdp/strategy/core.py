@@ -16,6 +16,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.distributed.tensor import DTensor
 
 from .. import state_dict as sd
 from ..data import shard_dataloader
@@ -438,7 +439,13 @@ class FSDP2Strategy:
         ``strict=False`` loads a part (adapters). What ``load_checkpoint`` returned is not loaded twice.
         Example: ``strategy.load_model_state_dict({"state_dict": torch.load("weights.pt", weights_only=True)})``."""
         self.parallelize()
-        ckpt_io.load_model_weights(self._require_module(), ckpt, strict)
+        state = ckpt.get("state_dict", ckpt) if isinstance(ckpt, Mapping) else ckpt
+        if isinstance(state, ckpt_io.Restored):
+            return
+        if any(isinstance(v, DTensor) for v in (state or {}).values()):
+            sd.load_sharded_state_dict(self._require_module(), state, strict=strict)
+        else:  # a full one: rank 0's copy (other ranks may pass {}), broadcast
+            sd.load_full_state_dict(self._require_module(), state or {}, broadcast_from_rank0=True, strict=strict)
 
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         """Queue ``checkpoint["optimizer_states"]`` (one entry per optimizer) and restore it later, exactly once.
