@@ -148,11 +148,7 @@ class ResumableLoader:
 
     def order(self, epoch: int) -> torch.Tensor:
         """The sample indices of ``epoch`` in stream order (the same on every rank and at every world size).
-
-        Example:
-            loader.order(0)[:4]
-            # -> tensor([ 3, 81, 47, 12])
-        """
+        Example: ``loader.order(0)[:4]`` -> ``tensor([ 3, 81, 47, 12])``."""
         if not self.shuffle:
             return torch.arange(len(self.dataset))
         return torch.randperm(len(self.dataset), generator=torch.Generator().manual_seed(self.seed + epoch))
@@ -173,20 +169,13 @@ class ResumableLoader:
 
     def state_dict(self) -> dict[str, Any]:
         """Where the stream is: epoch, samples consumed in it, seed (and what must match to resume).
-
-        Example:
-            loader.state_dict()["consumed"]
-            # -> 64
-        """
+        Example: ``loader.state_dict()["consumed"]`` -> ``64``."""
         keys = ("epoch", "consumed", "seed", "global_batch_size", "shuffle")
         return {**{key: getattr(self, key) for key in keys}, "dataset_len": len(self.dataset)}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Continue from a saved position (any world size); the global batch size and dataset must match.
-
-        Example:
-            loader.load_state_dict(saved["data"])
-        """
+        Example: ``loader.load_state_dict(saved["data"])``."""
         mine = self.state_dict()
         for key in ("global_batch_size", "dataset_len", "shuffle"):
             if key in state and state[key] != mine[key]:
