@@ -1,11 +1,5 @@
-"""Data for data-parallel ranks: splitting a ``DataLoader`` by rank, and a loader that resumes exactly.
-
-``shard_dataloader`` is what ``FSDP2Strategy.process_dataloader`` does (a ``DistributedSampler``
-over the data-parallel ranks). ``ResumableLoader`` defines the data stream by *global* batches, so
-its position (epoch, samples consumed, seed) means the same thing at any world size: saved at 2
-ranks and resumed at 1 or 4 with the same global batch size, the run sees the same global batches in
-the same order as if it had never stopped.
-"""
+"""Data for data-parallel ranks: ``shard_dataloader`` splits a ``DataLoader`` by rank (what
+``FSDP2Strategy.process_dataloader`` does); ``ResumableLoader`` resumes exactly, at any world size."""
 
 from __future__ import annotations
 
@@ -87,19 +81,16 @@ def shard_dataloader(
 class ResumableLoader:
     """Batches for this data-parallel rank from a stream of global batches that resumes exactly, at any world size.
 
-    Epoch ``e`` orders the dataset by ``torch.randperm(len, seed + e)`` (or in order without
-    ``shuffle``) and cuts it into global batches of ``global_batch_size`` (a last partial batch is
-    dropped); rank ``r`` of ``W`` gets the ``r``-th contiguous ``global_batch_size / W`` samples of
-    each, so the ranks' batches concatenated in rank order are the global batch. Iterating gives the
-    rest of the current epoch, then moves to the next. ``state_dict()`` records the epoch, the
-    samples consumed in it (a batch counts as consumed once handed out) and the seed;
-    ``load_state_dict`` continues from there at any world size that divides the global batch.
-    Pass it to ``CheckpointManager(state={"data": loader})`` to save and restore it with the model.
+    The stream is defined by *global* batches, so its position means the same at any world size: epoch
+    ``e`` orders the dataset by ``torch.randperm(len, seed + e)`` (in order without ``shuffle``), cut into
+    global batches of ``global_batch_size`` (a last partial one dropped); rank ``r`` of ``W`` gets the
+    ``r``-th contiguous ``global_batch_size / W`` samples of each (docs/long_jobs.md). Iterating gives the
+    rest of the current epoch; ``state_dict()`` (epoch, samples handed out, seed) resumes at any world size
+    that divides the global batch, e.g. saved with ``CheckpointManager(state={"data": loader})``.
 
-    ``rank`` / ``world_size`` default to the default process group's; before one exists, to the
-    launcher's (torchrun's ``RANK`` / ``WORLD_SIZE``); one process without either. Pass the
-    data-parallel ones under tensor parallelism. Other keyword arguments go to the
-    ``DataLoader`` that reads the samples (``collate_fn``, ``num_workers``, ``pin_memory`` ...).
+    ``rank`` / ``world_size`` default to the process group's, else the launcher's (``RANK`` / ``WORLD_SIZE``),
+    else one process; pass the data-parallel ones under tensor parallelism. Other keyword arguments go to
+    the ``DataLoader`` that reads the samples (``collate_fn``, ``num_workers``, ``pin_memory`` ...).
 
     Example:
         loader = ResumableLoader(dataset, global_batch_size=32, seed=0)
@@ -157,11 +148,7 @@ class ResumableLoader:
 
     def order(self, epoch: int) -> torch.Tensor:
         """The sample indices of ``epoch`` in stream order (the same on every rank and at every world size).
-
-        Example:
-            loader.order(0)[:4]
-            # -> tensor([ 3, 81, 47, 12])
-        """
+        Example: ``loader.order(0)[:4]`` -> ``tensor([ 3, 81, 47, 12])``."""
         if not self.shuffle:
             return torch.arange(len(self.dataset))
         return torch.randperm(len(self.dataset), generator=torch.Generator().manual_seed(self.seed + epoch))
@@ -182,20 +169,13 @@ class ResumableLoader:
 
     def state_dict(self) -> dict[str, Any]:
         """Where the stream is: epoch, samples consumed in it, seed (and what must match to resume).
-
-        Example:
-            loader.state_dict()["consumed"]
-            # -> 64
-        """
+        Example: ``loader.state_dict()["consumed"]`` -> ``64``."""
         keys = ("epoch", "consumed", "seed", "global_batch_size", "shuffle")
         return {**{key: getattr(self, key) for key in keys}, "dataset_len": len(self.dataset)}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Continue from a saved position (any world size); the global batch size and dataset must match.
-
-        Example:
-            loader.load_state_dict(saved["data"])
-        """
+        Example: ``loader.load_state_dict(saved["data"])``."""
         mine = self.state_dict()
         for key in ("global_batch_size", "dataset_len", "shuffle"):
             if key in state and state[key] != mine[key]:

@@ -126,12 +126,9 @@ def _core_method(name: str) -> Callable[..., Any]:
 class FSDP2Strategy(ParallelStrategy):
     """Lightning strategy running ``zeta_fsdp.FSDP2Strategy``: FSDP2 (+ tensor parallel) in a ``Trainer``.
 
-    Takes ``zeta_fsdp.FSDP2Strategy``'s arguments (and Lightning's ``process_group_backend`` /
-    ``timeout`` / ``save_distributed_checkpoint``); mesh dims ``"data_parallel"`` / ``"tensor_parallel"``.
-    ``Trainer(precision="bf16-mixed" | "16-mixed")`` becomes the FSDP2 policy (fp32 master weights);
-    ``gradient_clip_val`` clips with ``zeta_fsdp.clip_grad_norm_``. The module is sharded in ``setup``
-    (after ``configure_model``, keeping what it parallelized itself); checkpoints are zeta's, resumable
-    with ``trainer.fit(model, ckpt_path=...)``. NeMo's calls work as in NeMo; ``val_loss`` / ``test_loss`` logged.
+    Takes ``zeta_fsdp.FSDP2Strategy``'s arguments (and Lightning's ``process_group_backend`` / ``timeout`` /
+    ``save_distributed_checkpoint``); ``Trainer(precision="bf16-mixed" | "16-mixed")`` becomes the FSDP2 policy,
+    ``gradient_clip_val`` clips with ``zeta_fsdp.clip_grad_norm_``; docs/lightning.md has the rest.
 
     Example:
         trainer = L.Trainer(devices=2, accelerator="cpu", precision="bf16-mixed",
@@ -231,11 +228,6 @@ class FSDP2Strategy(ParallelStrategy):
     @property
     def restore_checkpoint_after_setup(self) -> bool:
         """``True``: a checkpoint loads into the sharded module and its optimizers."""
-        return True
-
-    @property
-    def lightning_restore_optimizer(self) -> bool:
-        """``True`` (NeMo's): Lightning hands the optimizer state to ``load_optimizer_state_dict``."""
         return True
 
     def _configure_launcher(self) -> None:

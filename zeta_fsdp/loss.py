@@ -2,22 +2,8 @@
 
 Averaging per-rank mean losses is wrong when ranks hold different numbers of valid tokens (a
 rank with 10 tokens would weigh as much as one with 1000). These reductions compute the global
-token-weighted (or sample-weighted) mean instead:
-
-* ``forward(batch, forward_out) -> (loss_for_backward, record)``: the loss to call
-  ``backward()`` on, scaled so that after FSDP averages gradients over the data-parallel group
-  they equal the gradients of the global mean; ``record`` holds this rank's detached
-  ``[loss_sum, count]`` for logging.
-* ``reduce(records) -> tensor``: the global mean over the records of any number of
-  micro-batches, with one all-reduce of two numbers.
-
-Example:
-    >>> reduction = MaskedTokenLossReduction()
-    >>> logits = torch.zeros(1, 3, 5)  # uniform over a vocabulary of 5
-    >>> batch = {"labels": torch.tensor([[1, 2, -100]]), "loss_mask": torch.tensor([[1, 1, 0]])}
-    >>> loss, record = reduction.forward(batch, logits)  # loss.backward() in training
-    >>> round(reduction.reduce([record]).item(), 4)  # the global token-weighted mean: log(5)
-    1.6094
+token-weighted (or sample-weighted) mean instead, with one all-reduce of two numbers; docs/strategy.md
+("Loss reduction") says how the training loss is scaled so that FSDP's gradient average is the global one.
 """
 
 from __future__ import annotations
@@ -74,10 +60,12 @@ class _GlobalMeanReduction:
     def _per_token(self, batch: Any, forward_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-position losses and weights (0 where masked), same shape, from logits or losses."""
         labels, mask = _labels_and_mask(batch)
+        if mask is None:
+            mask = (
+                labels != self.ignore_index if labels is not None else torch.ones_like(forward_out, dtype=torch.float)
+            )
+        mask = mask.to(forward_out.device)
         if labels is not None and forward_out.dim() == labels.dim() + 1:
-            if mask is None:
-                mask = labels != self.ignore_index
-            mask = mask.to(forward_out.device)
             # Masked positions may hold any label (-100, padding ids): give them a valid one so
             # cross_entropy never sees an out-of-range target, then weight them by zero.
             safe = torch.where(mask.bool(), labels, torch.zeros_like(labels))
@@ -86,9 +74,6 @@ class _GlobalMeanReduction:
             ).view(labels.shape)
         else:
             losses = forward_out.float()
-            if mask is None:
-                mask = (labels != self.ignore_index) if labels is not None else torch.ones_like(losses)
-            mask = mask.to(losses.device)
         weights = mask.to(losses.dtype)
         # torch.where, not a product: an inf/NaN loss at a masked position must not leak in.
         return torch.where(weights != 0, losses * weights, torch.zeros_like(losses)), weights
@@ -96,12 +81,9 @@ class _GlobalMeanReduction:
     def forward(self, batch: Any, forward_out: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """``(loss_for_backward, record)`` for one micro-batch on this rank.
 
-        Training: ``loss_sum * dp_size / global_count``. FSDP averages gradients over the
-        ``dp_size`` ranks, so the gradients equal those of ``sum of all ranks' losses / global
-        count``: the global mean. Getting ``global_count`` costs one all-reduce of one number
-        (it depends only on the batch, not on the model). With ``validation_step=True`` there is
-        no backward, so the loss is this rank's own mean and nothing is communicated.
-        A rank whose tokens are all masked contributes a zero loss (never NaN).
+        Training: ``loss_sum * dp_size / global_count`` (one all-reduce of the count), so that FSDP's gradient
+        average over the ``dp_size`` ranks is the gradient of the global mean. ``validation_step=True``: this
+        rank's own mean, nothing communicated. A rank whose tokens are all masked gives a zero loss (never NaN).
 
         Example:
             >>> reduction = MaskedTokenLossReduction(validation_step=True)

@@ -1,7 +1,7 @@
 """``FSDP2Strategy``: NeMo's strategy API on top of ``fsdp()``, the class and the plain functions it delegates to.
 
-``core``: the class; ``options``: its arguments; ``parallel``: sharding; ``steps``: steps and losses;
-``checkpoint``: what goes in a checkpoint (``zeta_fsdp.state_dict`` writes it); ``progress``: step counts.
+``core``: the class and its ``EpochStep``; ``options``: its arguments; ``parallel``: sharding; ``steps``: steps and
+losses; ``checkpoint``: what goes in a checkpoint (``zeta_fsdp.state_dict`` writes it).
 
 Example:
     >>> from zeta_fsdp.strategy import FSDP2Strategy
@@ -9,7 +9,6 @@ Example:
     'full'
 """
 
-from .core import FSDP2Strategy
-from .progress import EpochStep
+from .core import EpochStep, FSDP2Strategy
 
 __all__ = ["EpochStep", "FSDP2Strategy"]

@@ -10,11 +10,10 @@ from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from .. import state_dict as sd
 from ..state_dict import CheckpointError, is_checkpoint
-from ..state_dict.checkpoint import check_loadable, check_save_target
+from ..state_dict.checkpoint import check_loadable
 from ..state_dict.checks import PathLike, on_all_ranks
 from ..state_dict.full import TENSOR_KEYS, read_full_checkpoint, write_full_checkpoint
 
@@ -25,7 +24,7 @@ SHARDED_REF = "zeta_fsdp_sharded_checkpoint"
 
 
 class Restored(dict):
-    """A state dict ``load_checkpoint`` already loaded into the model: ``load_model_weights`` skips it."""
+    """A state dict ``load_checkpoint`` already loaded into the model: ``load_model_state_dict`` skips it."""
 
 
 class Gathered(dict):
@@ -117,19 +116,6 @@ def load_strategy_checkpoint(strategy: Any, filepath: PathLike, weights_only: Op
     return ckpt
 
 
-def load_model_weights(module: torch.nn.Module, ckpt: Any, strict: bool = True) -> None:
-    """``ckpt["state_dict"]`` (or ``ckpt``) into the sharded ``module``, now: a full one (rank 0's copy; other
-    ranks may pass ``{}``) or a sharded one (DTensors). Keys and shapes are checked first (``strict``)."""
-    state = ckpt.get("state_dict", ckpt) if isinstance(ckpt, Mapping) else ckpt
-    if isinstance(state, Restored):
-        return
-    state = state or {}
-    if any(isinstance(v, DTensor) for v in state.values()):
-        sd.load_sharded_state_dict(module, state, strict=strict)
-    else:
-        sd.load_full_state_dict(module, state, broadcast_from_rank0=True, strict=strict)
-
-
 def restore_optimizer_states(module: torch.nn.Module, optimizers: Sequence[Any], pending: Sequence[Any]) -> None:
     """Load queued optimizer states (full, keyed by FQN, rank 0's copy; or a sharded-checkpoint reference)."""
     if len(pending) != len(optimizers):
@@ -145,10 +131,3 @@ def restore_optimizer_states(module: torch.nn.Module, optimizers: Sequence[Any],
             sd.load_checkpoint(state[SHARDED_REF], module, optimizer, model_weights=False)
         else:
             sd.load_optimizer_state_dict(module, optimizer, state, full=True, broadcast_from_rank0=True)
-
-
-def check_target(strategy: Any, filepath: PathLike) -> None:
-    """Refuse, on every rank and before anything changes, a path this save would fail at or destroy."""
-    full = strategy.checkpoint_format == "full"
-    caller = "FSDP2Strategy.save_checkpoint()"
-    on_all_ranks(lambda: check_save_target(filepath, overwrite=True, caller=caller, full=full), rank0_only=True)

@@ -16,6 +16,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.distributed.tensor import DTensor
 
 from .. import state_dict as sd
 from ..data import shard_dataloader
@@ -27,6 +28,7 @@ from ..distributed import (
     on_all_ranks,
     shutdown,
 )
+from ..state_dict.checkpoint import check_save_target
 from ..state_dict.checks import from_rank0
 from ..state_dict.full import remove_checkpoint
 from ..training import clip_grad_norm_, no_sync
@@ -34,12 +36,58 @@ from ..training.accumulation import resolve_defer
 from . import checkpoint as ckpt_io
 from . import parallel as strategy_parallel
 from .options import resolve_sizes, validate_strategy_options
-from .progress import EpochStep, StepCounter
 from .steps import StepLosses, parse_optimizers, run_step
 
 __all__ = ["EpochStep", "FSDP2Strategy"]
 
 StepType = Literal["training", "validation", "test", "predict"]
+
+
+class EpochStep(int):
+    """``strategy.current_epoch_step``: the number of optimizer steps taken, which also knows its epoch.
+
+    It is the step number wherever an int is (``step >= 4``, ``step + 1``, ``int(step)``, NeMo's
+    int), and unpacks / indexes as ``(epoch, step)``.
+
+    Example:
+        >>> s = EpochStep(epoch=1, step=250)
+        >>> s + 1, s.epoch, s.step, tuple(s)
+        (251, 1, 250, (1, 250))
+    """
+
+    epoch: int
+
+    def __new__(cls, epoch: int = 0, step: int = 0) -> EpochStep:
+        obj = super().__new__(cls, int(step))
+        obj.epoch = int(epoch)
+        return obj
+
+    @property
+    def step(self) -> int:
+        """The step number as a plain int.
+
+        Example:
+            >>> EpochStep(0, 7).step
+            7
+        """
+        return int(self)
+
+    def __iter__(self):
+        return iter((self.epoch, int(self)))
+
+    def __getitem__(self, index: int) -> int:
+        return (self.epoch, int(self))[index]
+
+    def __eq__(self, other: object) -> bool:
+        return (self.epoch, int(self)) == other if isinstance(other, tuple) else int(self) == other
+
+    __hash__ = int.__hash__
+
+    def __repr__(self) -> str:
+        return f"EpochStep(epoch={self.epoch}, step={int(self)})"
+
+    def __reduce__(self):
+        return (EpochStep, (self.epoch, int(self)))
 
 
 class FSDP2Strategy:
@@ -83,7 +131,7 @@ class FSDP2Strategy:
     ) -> None:
         # Every option is checked now, before any change; the sizes against the world in setup_environment().
         self.options = opts = validate_strategy_options(
-            data_parallel_size, tensor_parallel_size, data_sampler, checkpoint_io, mp_policy, parallelize_fn, **kwargs
+            data_parallel_size, tensor_parallel_size, checkpoint_io, mp_policy, parallelize_fn, **kwargs
         )
         self.checkpoint_format, self.mp_policy = opts.checkpoint_format, opts.mp_policy
         self.fsdp_kwargs = opts.fsdp_kwargs
@@ -102,7 +150,9 @@ class FSDP2Strategy:
         self._parallelized, self._epoch = False, 0
         self._optimizer_fn: Optional[Callable[[nn.Module], Any]] = None
         self._optimizers: list[torch.optim.Optimizer] = []
-        self._counter = StepCounter()
+        # The first optimizer's steps, counted by a step post-hook: opt.step() by the user (as the seeds
+        # do), by optimizer_step() or by Lightning all count.
+        self._steps, self._step_hook = 0, None
         self.lr_schedulers: list[Any] = []
         # Optimizer state from a checkpoint, applied once at the next training step, then dropped.
         self._optimizer_state_to_restore: Optional[list[Any]] = None
@@ -245,7 +295,13 @@ class FSDP2Strategy:
     @optimizers.setter
     def optimizers(self, optimizers: list[torch.optim.Optimizer]) -> None:
         self._optimizers = list(optimizers)
-        self._counter.watch(self._optimizers[0] if self._optimizers else None)  # opt.step() by anyone counts
+        if self._step_hook is not None:
+            self._step_hook.remove()
+        first = self._optimizers[0] if self._optimizers else None
+        self._step_hook = first.register_step_post_hook(self._count_step) if first is not None else None
+
+    def _count_step(self, *_: Any) -> None:
+        self._steps += 1
 
     # ----------------------------------------------------------------------------- steps
 
@@ -321,14 +377,14 @@ class FSDP2Strategy:
     def current_epoch_step(self) -> EpochStep:
         """The optimizer steps taken (an int, as NeMo's), with ``.epoch`` (``set_epoch``); saved in checkpoints.
         Example: ``strategy.current_epoch_step  # -> EpochStep(epoch=0, step=12); >= 12 is True``."""
-        return EpochStep(self._epoch, self._counter.step)
+        return EpochStep(self._epoch, self._steps)
 
     @current_epoch_step.setter
     def current_epoch_step(self, value: Union[int, tuple[int, int]]) -> None:
         if isinstance(value, (tuple, EpochStep)):
-            self._epoch, self._counter.step = int(value[0]), int(value[1])
+            self._epoch, self._steps = int(value[0]), int(value[1])
         else:
-            self._counter.step = int(value)
+            self._steps = int(value)
 
     def set_epoch(self, epoch: int) -> None:
         """Set the epoch, and reshuffle the samplers of dataloaders from ``process_dataloader``.
@@ -383,7 +439,13 @@ class FSDP2Strategy:
         ``strict=False`` loads a part (adapters). What ``load_checkpoint`` returned is not loaded twice.
         Example: ``strategy.load_model_state_dict({"state_dict": torch.load("weights.pt", weights_only=True)})``."""
         self.parallelize()
-        ckpt_io.load_model_weights(self._require_module(), ckpt, strict)
+        state = ckpt.get("state_dict", ckpt) if isinstance(ckpt, Mapping) else ckpt
+        if isinstance(state, ckpt_io.Restored):
+            return
+        if any(isinstance(v, DTensor) for v in (state or {}).values()):
+            sd.load_sharded_state_dict(self._require_module(), state, strict=strict)
+        else:  # a full one: rank 0's copy (other ranks may pass {}), broadcast
+            sd.load_full_state_dict(self._require_module(), state or {}, broadcast_from_rank0=True, strict=strict)
 
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         """Queue ``checkpoint["optimizer_states"]`` (one entry per optimizer) and restore it later, exactly once.
@@ -399,8 +461,11 @@ class FSDP2Strategy:
         pending = self._optimizer_state_to_restore
         if pending is None:
             return
-        with self._counter.paused():  # restoring steps the optimizer to create its state: not a step
+        steps = self._steps  # restoring steps the optimizer to create its state: not a step
+        try:
             ckpt_io.restore_optimizer_states(self._require_module(), self.optimizers, pending)
+        finally:
+            self._steps = steps
         self._optimizer_state_to_restore = None  # applied once; drop the checkpoint's tensors
 
     # ----------------------------------------------------------------------------- checkpoints
@@ -410,7 +475,9 @@ class FSDP2Strategy:
     ) -> None:
         """Save the model, every optimizer and ``checkpoint``'s other entries to ``filepath``; every rank calls it.
         Example: ``strategy.save_checkpoint({"note": "nightly"}, "ckpt/step_100.ckpt")``."""
-        ckpt_io.check_target(self, filepath)
+        # Refused on every rank, before anything changes: a path this save would fail at or destroy.
+        full, caller = self.checkpoint_format == "full", "FSDP2Strategy.save_checkpoint()"
+        on_all_ranks(lambda: check_save_target(filepath, overwrite=True, caller=caller, full=full), rank0_only=True)
         if storage_options is not None and self.checkpoint_io is None:
             raise TypeError(
                 f"FSDP2Strategy.save_checkpoint(): storage_options={storage_options!r} is for a checkpoint_io; "

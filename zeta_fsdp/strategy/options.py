@@ -18,7 +18,7 @@ from ..fsdp import fsdp
 from ..options import resolve_mixed_precision, resolve_sharding
 from ..state_dict.preemption import resolve_signals
 
-__all__ = ["StrategyOptions", "resolve_sizes", "tp_style", "validate_strategy_options"]
+__all__ = ["StrategyOptions", "resolve_sizes", "validate_strategy_options"]
 
 CHECKPOINT_FORMATS = ("full", "sharded")
 # Options that never reach fsdp(): the strategy's own, Lightning's (process_group_backend ...), NeMo's (last five).
@@ -48,15 +48,9 @@ class StrategyOptions:
     preemption_signals: tuple = ()
 
 
-def _check_size(name: str, value: Any) -> None:
-    if value != "auto" and not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
-        raise ValueError(f"FSDP2Strategy: {name}={value!r} is not accepted. Accepted: 'auto' or an int >= 1.")
-
-
 def resolve_sizes(dp: Union[str, int], tp: Union[str, int], world: int) -> tuple[int, int]:
-    """``"auto"`` sizes to numbers: tp 1 unless given, dp = world / tp; the product must be the world."""
-    _check_size("data_parallel_size", dp)
-    _check_size("tensor_parallel_size", tp)
+    """``"auto"`` sizes (checked by ``validate_strategy_options``) to numbers: tp 1 unless given, dp = world / tp;
+    the product must be the world."""
     tp_size = 1 if tp == "auto" else tp
     if dp == "auto" and world % tp_size != 0:
         raise ValueError(
@@ -70,18 +64,6 @@ def resolve_sizes(dp: Union[str, int], tp: Union[str, int], world: int) -> tuple
             f"{dp_size * tp_size}, but the world size is {world}; the product must equal it."
         )
     return dp_size, tp_size
-
-
-def tp_style(style: Any) -> Any:
-    """Hugging Face style plan strings to torch ``ParallelStyle`` objects; objects pass through."""
-    if not isinstance(style, str):
-        return style
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
-
-    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
-    if style.lower() not in styles:
-        raise ValueError(f"FSDP2Strategy: unknown tensor-parallel style {style!r}. Accepted: {sorted(styles)}.")
-    return styles[style.lower()]()
 
 
 def fsdp_option_names(parallelize_fn: Optional[Callable[..., Any]] = None) -> list[str]:
@@ -100,19 +82,18 @@ def fsdp_option_names(parallelize_fn: Optional[Callable[..., Any]] = None) -> li
 
 
 def validate_strategy_options(
-    data_parallel_size: Union[str, int] = "auto",
-    tensor_parallel_size: Union[str, int] = "auto",
-    data_sampler: Any = None,
-    checkpoint_io: Any = None,
-    mp_policy: Union[MixedPrecisionPolicy, str, None] = None,
-    parallelize_fn: Optional[Callable[..., Optional[nn.Module]]] = None,
+    data_parallel_size: Union[str, int],
+    tensor_parallel_size: Union[str, int],
+    checkpoint_io: Any,
+    mp_policy: Union[MixedPrecisionPolicy, str, None],
+    parallelize_fn: Optional[Callable[..., Optional[nn.Module]]],
     **kwargs: Any,
 ) -> StrategyOptions:
-    """Check every ``FSDP2Strategy`` argument (``ValueError`` naming it and what is accepted); sizes are
-    checked for their form here, against the world size in ``resolve_sizes``."""
-    _check_size("data_parallel_size", data_parallel_size)
-    _check_size("tensor_parallel_size", tensor_parallel_size)
-    kwargs = dict(kwargs)
+    """Check every ``FSDP2Strategy`` argument (``ValueError`` naming it and what is accepted; ``data_sampler``
+    when used); sizes are checked for their form here, against the world size in ``resolve_sizes``."""
+    for name, size in (("data_parallel_size", data_parallel_size), ("tensor_parallel_size", tensor_parallel_size)):
+        if size != "auto" and not (isinstance(size, int) and not isinstance(size, bool) and size >= 1):
+            raise ValueError(f"FSDP2Strategy: {name}={size!r} is not accepted. Accepted: 'auto' or an int >= 1.")
     _nemo_arguments(kwargs)
     checkpoint_format = _checkpoint_format(kwargs)
     if checkpoint_format not in CHECKPOINT_FORMATS:

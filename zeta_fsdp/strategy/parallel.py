@@ -15,7 +15,6 @@ from ..materialize import materialize_meta_model
 from ..options import resolve_sharding
 from ..ties import tied_parameter_groups
 from ..wrapped import is_fsdp_wrapped
-from .options import tp_style
 
 __all__ = ["default_parallelize", "shard_module"]
 
@@ -23,6 +22,18 @@ __all__ = ["default_parallelize", "shard_module"]
 def user_parallelized(module: nn.Module) -> bool:
     """``True`` when the module holds FSDP units or ``DTensor`` parameters (the user parallelized it)."""
     return is_fsdp_wrapped(module) or any(isinstance(p, DTensor) for p in module.parameters())
+
+
+def tp_style(style: Any) -> Any:
+    """Hugging Face style plan strings to torch ``ParallelStyle`` objects; objects pass through."""
+    if not isinstance(style, str):
+        return style
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+    if style.lower() not in styles:
+        raise ValueError(f"FSDP2Strategy: unknown tensor-parallel style {style!r}. Accepted: {sorted(styles)}.")
+    return styles[style.lower()]()
 
 
 def default_parallelize(
@@ -75,15 +86,6 @@ def default_parallelize(
     return fsdp(module, mp=mp_policy, device=device, **options)
 
 
-def current_ties(module: nn.Module, before: list[list[str]]) -> list[list[str]]:
-    """Tie groups to restore: those recorded before ``parallelize_fn`` whose names still exist, plus
-    ties the module still shows under names a wrapper may have changed."""
-    names = {n for n, _ in module.named_parameters(remove_duplicate=False)}
-    ties = [group for group in before if all(n in names for n in group)]
-    covered = {n for group in ties for n in group}
-    return ties + [group for group in tied_parameter_groups(module) if not covered.intersection(group)]
-
-
 def shard_module(
     module: nn.Module,
     parallelize_fn: Optional[Callable[..., Optional[nn.Module]]],
@@ -106,6 +108,11 @@ def shard_module(
             "for the default (tensor parallel when configured, then fsdp())."
         )
     if any(t.is_meta for t in (*module.parameters(), *module.buffers())):
-        # ties as they were before parallelize_fn ran: sharding may replace the shared parameter
-        materialize_meta_model(module, device, current_ties(module, tied))
+        # The ties recorded before parallelize_fn (sharding may replace the shared parameter) whose names
+        # still exist, plus ties the module still shows under names a wrapper may have changed.
+        names = {n for n, _ in module.named_parameters(remove_duplicate=False)}
+        ties = [group for group in tied if all(n in names for n in group)]
+        covered = {n for group in ties for n in group}
+        ties += [group for group in tied_parameter_groups(module) if not covered.intersection(group)]
+        materialize_meta_model(module, device, ties)
     return module

@@ -20,12 +20,6 @@ __all__ = ["StepLosses", "call_through_root", "nemo_step_result", "parse_optimiz
 STEP_TYPES = ("training", "validation", "test", "predict")
 
 
-def defines(module: nn.Module, name: str) -> bool:
-    """``True`` when the module's class defines ``name`` itself (not a plain ``nn.Module``)."""
-    attr = getattr(type(module), name, None)
-    return callable(attr) and getattr(nn.Module, name, None) is not attr
-
-
 def call_through_root(module: nn.Module, method: str, *args: Any) -> Any:
     """Call ``module.<method>(*args)`` from inside ``module(...)``, so FSDP's root hooks wrap it.
 
@@ -144,11 +138,12 @@ def run_step(
     ``reduce(step_type, batch)`` (``"predict"``: the module's output). Evaluation runs in eval mode
     without gradients, the previous mode restored after."""
     name, training = f"{step_type}_step", step_type == "training"
+    own = getattr(type(module), name, None)  # the module's class defines the step itself (not nn.Module)
     was_training = module.training
     module.train(training)
     try:
         with contextlib.nullcontext() if training else torch.no_grad():
-            if defines(module, name):
+            if callable(own) and own is not getattr(nn.Module, name, None):
                 return call_through_root(module, name, batch, batch_idx)
             return forward_batch(module, batch) if step_type == "predict" else reduce(step_type, batch)
     finally:
