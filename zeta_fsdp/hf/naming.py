@@ -29,7 +29,7 @@ __all__ = [
 ]
 
 
-def is_hf_model(model: nn.Module) -> bool:
+def is_hf_model(model: Optional[nn.Module]) -> bool:
     """``True`` for a transformers ``PreTrainedModel`` (sharded or not), without importing transformers otherwise."""
     if not any(c.__module__.startswith("transformers.") for c in type(model).__mro__):
         return False
@@ -167,7 +167,7 @@ def saved_tensors(model: nn.Module, key: str, tensor: torch.Tensor) -> dict[str,
 
 
 def saved_layout(
-    model: nn.Module, tensors: dict[str, torch.Tensor]
+    model: Optional[nn.Module], tensors: dict[str, torch.Tensor]
 ) -> dict[str, dict[str, tuple[torch.dtype, tuple[int, ...]]]]:
     """For each model key, the ``{saved key: (dtype, shape)}`` it is saved as (``saved_tensors``'s names).
 

@@ -24,20 +24,11 @@ from ..engines import engine_of
 from ..files import incomplete_path, publish_dir
 from ..state_dict.checks import CheckpointError, on_all_ranks
 from ..wrapped import unwrapped_class
-from .files import (
-    INDEX_NAME,
-    SafetensorsLayout,
-    end_staging,
-    parse_size,
-    plan_shard_files,
-    shard_file_names,
-    staging_dir,
-    write_at,
-)
+from .files import INDEX_NAME, SafetensorsLayout, end_staging, parse_size, plan_hf_files, staging_dir, write_at
 from .load import local_box
 from .naming import is_hf_model, model_tensors, saved_aliases, saved_layout, saved_tensors
 
-__all__ = ["cast", "check_dtype", "plan_hf_files", "save_pretrained", "write_hf_config", "write_index"]
+__all__ = ["cast", "check_dtype", "save_pretrained", "write_hf_config", "write_index"]
 
 _CALLER = "save_pretrained()"
 
@@ -54,18 +45,6 @@ def check_dtype(dtype: Optional[torch.dtype], caller: str) -> None:
 def cast(t: torch.Tensor, dtype: Optional[torch.dtype]) -> torch.Tensor:
     """Floating-point tensors to ``dtype`` (integers and bools keep theirs)."""
     return t.to(dtype) if dtype is not None and t.is_floating_point() else t
-
-
-def plan_hf_files(
-    layout: dict[str, tuple[torch.dtype, tuple[int, ...]]], max_shard_size: int
-) -> tuple[dict[str, str], dict[str, dict[str, tuple[torch.dtype, tuple[int, ...]]]]]:
-    """``({saved key: file name}, {file name: its layout})`` for saved keys in order."""
-    sizes = {k: d.itemsize * int(torch.Size(s).numel()) for k, (d, s) in layout.items()}
-    groups = plan_shard_files(sizes, max_shard_size)
-    names = shard_file_names(len(groups))
-    where = {k: name for name, keys in zip(names, groups) for k in keys}
-    files = {name: {k: layout[k] for k in keys} for name, keys in zip(names, groups)}
-    return where, files
 
 
 def write_hf_config(model_or_config: Any, out: Path, dtype: Optional[torch.dtype], architecture: Optional[str]) -> None:
@@ -85,11 +64,11 @@ def write_hf_config(model_or_config: Any, out: Path, dtype: Optional[torch.dtype
         generation.save_pretrained(out)
 
 
-def write_index(out: Path, where: dict[str, str], files: dict[str, dict]) -> None:
+def write_index(out: Path, where: dict[str, str], plans: dict[str, SafetensorsLayout]) -> None:
     """``model.safetensors.index.json`` into ``out`` when there is more than one file."""
-    if len(files) < 2:
+    if len(plans) < 2:
         return
-    total = sum(d.itemsize * int(torch.Size(s).numel()) for f in files.values() for d, s in f.values())
+    total = sum(plan.size - plan.data_start for plan in plans.values())
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(where.items()))}
     (out / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
 
@@ -239,7 +218,7 @@ def save_pretrained(
     tmp = incomplete_path(path)  # where staging_dir (rank 0) stages: every rank knows it, nothing to broadcast
     staged: list[Path] = []
 
-    def prepare() -> tuple[dict, dict, dict, dict, dict]:
+    def prepare() -> tuple[dict, dict, dict, dict]:
         check_dtype(dtype, _CALLER)
         limit = parse_size(max_shard_size)
         if not isinstance(overwrite, bool):
@@ -259,24 +238,23 @@ def save_pretrained(
         }
         saved = saved_layout(model, metas)
         layout = {k: v for entries in saved.values() for k, v in entries.items()}
-        where, files = plan_hf_files(layout, limit)
-        plans = {name: SafetensorsLayout(file_layout) for name, file_layout in files.items()}
+        where, plans = plan_hf_files(layout, limit)
         if rank() == 0:
             staged.append(staging_dir(path, overwrite=overwrite, caller=_CALLER))
             for name, plan in plans.items():  # headers and final sizes first: every rank then fills its rows
                 plan.create(tmp / name)
-        return tensors, saved, where, files, plans
+        return tensors, saved, where, plans
 
     for m in model.modules():  # gather from shards, not from unsharded parameters left by a forward
         if isinstance(m, FSDPModule):
             m.reshard()
     try:
-        tensors, saved, where, files, plans = on_all_ranks(prepare)
+        tensors, saved, where, plans = on_all_ranks(prepare)
 
         def write() -> None:
             _write_data(model, tensors, saved, where, plans, tmp, dtype)
             if rank() == world() - 1:  # rank 0 created the files (and writes every plain buffer)
-                write_index(tmp, where, files)
+                write_index(tmp, where, plans)
                 if is_hf_model(model):
                     saved_dtype = dtype or next((t.dtype for t in tensors.values() if t.is_floating_point()), None)
                     write_hf_config(model, tmp, saved_dtype, unwrapped_class(model).__name__)
