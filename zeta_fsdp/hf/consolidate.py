@@ -114,14 +114,12 @@ def consolidate_to_hf(
     if model is not None:
         tensors = model_tensors(model)
         aliases = saved_aliases(model, tensors)
-        groups: dict[str, list[str]] = {}
-        for alias, kept in aliases.items():
-            groups.setdefault(kept, [kept]).append(alias)
-        found = {k: next((n for n in groups.get(k, [k]) if n in stored), None) for k in tensors if k not in aliases}
-        source = {k: name for k, name in found.items() if name is not None}
+        source = {}
+        for name in [*(k for k in tensors if k not in aliases), *aliases]:  # a kept name before its aliases
+            if name in stored:
+                source.setdefault(aliases.get(name, name), name)
         missing = [k for k in tensors if k not in aliases and k not in source]
-        used = set(source.values())
-        unexpected = [k for k in stored if k not in used and aliases.get(k) not in source]
+        unexpected = [k for k in stored if k not in tensors]  # a stored alias serves its kept name
         wrong = [
             f"{k}: checkpoint {list(stored[s].size)} vs model {list(tensors[k].shape)}"
             for k, s in source.items()

@@ -65,12 +65,6 @@ def _cut(full_or_rows: torch.Tensor, box: list[tuple[int, int]], rows_read: bool
     return full_or_rows[tuple(slice(None) if d == 0 and rows_read else slice(a, b) for d, (a, b) in enumerate(box))]
 
 
-def _target_device(tensors: dict[str, torch.Tensor]) -> torch.device:
-    kind = next((t.device_mesh.device_type for t in tensors.values() if isinstance(t, DTensor)), None)
-    kind = kind or ("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device("cuda", torch.cuda.current_device()) if kind == "cuda" else torch.device(kind)
-
-
 def _buffer_owners(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """Modules holding non-persistent buffers (not in the checkpoint: they must be recomputed)."""
     return [(name, m) for name, m in model.named_modules() if m._non_persistent_buffers_set]
@@ -123,8 +117,9 @@ def _allocate(model: nn.Module, tensors: dict[str, torch.Tensor], aliases: dict[
     (rotary ``inv_freq``, ``position_ids``) are recomputed by the model's own code: transformers'
     ``_init_weights`` on the modules holding them (since transformers 5), else ``reset_parameters()``.
     """
-    device = _target_device(tensors)
-    model.to_empty(device=device)
+    kind = next((t.device_mesh.device_type for t in tensors.values() if isinstance(t, DTensor)), None)
+    kind = kind or ("cuda" if torch.cuda.is_available() else "cpu")
+    model.to_empty(device=torch.device("cuda", torch.cuda.current_device()) if kind == "cuda" else torch.device(kind))
     # to_empty may hand tied names separate tensors: one again (tied parameters; buffers stay apart)
     params = dict(model.named_parameters(remove_duplicate=False))
     retie(model, [[kept, alias] for alias, kept in aliases.items() if alias in params and kept in params])
@@ -196,7 +191,7 @@ def load_pretrained(model: nn.Module, path: Union[str, os.PathLike], *, strict: 
                         read(entry, rows, out=local.view(local.shape))
                     else:
                         local.copy_(_cut(read(entry, rows), box, rows_read=True).reshape(local.shape))
-                for key, (_, build) in plan.converted.items():
+                for key, build in plan.converted.items():
                     t = tensors[key]
                     full = build(lambda k: read(entries[k]))  # one fused tensor at a time
                     local = t.to_local() if isinstance(t, DTensor) else t
