@@ -86,8 +86,6 @@ def save_adapters(
     staged: list[Path] = []
 
     def prepare() -> dict[str, tuple[str, torch.Tensor]]:
-        if not isinstance(overwrite, bool):
-            raise ValueError(f"{caller}: overwrite={overwrite!r} is not accepted. Accepted: True or False.")
         _check_peft_model(model, adapter_name, caller)
         tensors = adapter_tensors(model, adapter_name)
         if get_rank() == 0:

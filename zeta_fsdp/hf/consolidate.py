@@ -22,7 +22,7 @@ from ..state_dict import CheckpointError
 from ..state_dict.reader import dcp_load, open_checkpoint
 from ..wrapped import unwrapped_class
 from .files import end_staging, parse_size, plan_hf_files, plan_shard_files, staging_dir, write_at
-from .naming import model_tensors, saved_aliases, saved_layout, saved_tensors
+from .naming import saved_aliases, saved_layout, saved_tensors
 from .save import cast, check_dtype, write_hf_config, write_index
 
 __all__ = ["consolidate_to_hf", "meta_model_from_config"]
@@ -112,7 +112,7 @@ def consolidate_to_hf(
     model: Optional[nn.Module] = meta_model_from_config(config) if config is not None else None
     source: dict[str, str] = {k: k for k in stored}  # output key (model's kept name) -> stored name
     if model is not None:
-        tensors = model_tensors(model)
+        tensors = model.state_dict(keep_vars=True)
         aliases = saved_aliases(model, tensors)
         source = {}
         for name in [*(k for k in tensors if k not in aliases), *aliases]:  # a kept name before its aliases

@@ -94,11 +94,8 @@ def _parse_json(raw: bytes, file: Path, what: str) -> object:
 
 
 def read_safetensors_header(file: Union[str, os.PathLike]) -> dict[str, TensorEntry]:
-    """The tensors of one ``.safetensors`` file (header only: no tensor byte is read).
-
-    Raises ``CheckpointError`` naming the file when the header is not valid safetensors: a malformed
-    entry, or a byte range that does not match its shape, lies outside the data section, or overlaps another.
-    """
+    """The tensors of one ``.safetensors`` file, from its header alone. ``CheckpointError`` naming the file for a
+    malformed entry, or a byte range that does not match its shape, leaves the data section or overlaps another."""
     file = Path(file)
     size = file.stat().st_size
     with open(file, "rb") as f:
@@ -156,11 +153,8 @@ def read_safetensors_header(file: Union[str, os.PathLike]) -> dict[str, TensorEn
 
 
 def contained_file(folder: Union[str, os.PathLike], name: object, what: str) -> Path:
-    """``folder / name`` for a file name read from a file in ``folder``, refused unless it stays inside.
-
-    ``name``, symbolic links resolved, must lie inside ``folder`` (or a hub cache snapshot's ``blobs``);
-    else ``CheckpointError`` naming ``what`` (the file that named it).
-    """
+    """``folder / name`` for a name read from ``what`` (a file in ``folder``); ``CheckpointError`` unless it lies
+    inside ``folder`` (or a hub cache snapshot's ``blobs``), symbolic links resolved."""
     folder = Path(folder)
     if not isinstance(name, str) or not name or "\0" in name or os.path.isabs(name) or ".." in Path(name).parts:
         raise CheckpointError(
@@ -180,13 +174,11 @@ def contained_file(folder: Union[str, os.PathLike], name: object, what: str) -> 
 
 
 def read_checkpoint_index(path: Union[str, os.PathLike]) -> dict[str, TensorEntry]:
-    """Every tensor of a Hugging Face checkpoint: a model directory or one ``.safetensors`` file.
+    """Every tensor of a Hugging Face checkpoint: one ``.safetensors`` file, or a model directory read through
+    its index when present (only the files it names, each ``contained_file``), else its ``model.safetensors``.
 
-    A directory is read through ``model.safetensors.index.json`` when present (only the files it
-    names, which must lie inside the directory: ``contained_file``), else its ``model.safetensors``.
-
-    Raises ``FileNotFoundError`` for a missing path or file, ``CheckpointError`` for a malformed
-    index or header, a file outside the directory, or an index naming a key its file lacks.
+    ``FileNotFoundError`` for a missing path or file; ``CheckpointError`` for a malformed index or header,
+    a file outside the directory, or an index naming a key its file lacks.
     """
     path = Path(path)
     if not path.exists():
@@ -353,17 +345,9 @@ class SafetensorsLayout:
             fd = os.open(file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
             try:
                 os.ftruncate(fd, self.size)
-                _pwrite_all(fd, memoryview(self.header), 0, file)
+                write_at(fd, 0, torch.frombuffer(bytearray(self.header), dtype=torch.uint8), file=file)
             finally:
                 os.close(fd)
-
-
-def _pwrite_all(fd: int, data: memoryview, offset: int, file: object) -> None:
-    while len(data):
-        done = os.pwrite(fd, data, offset)
-        if done <= 0:
-            raise OSError(f"{file}: write returned {done} at byte {offset}.")
-        data, offset = data[done:], offset + done
 
 
 def write_at(fd: int, offset: int, tensor: torch.Tensor, *, file: object = "") -> None:
@@ -372,9 +356,13 @@ def write_at(fd: int, offset: int, tensor: torch.Tensor, *, file: object = "") -
     data = tensor.detach()
     if data.device.type != "cpu" or not data.is_contiguous():
         data = data.to("cpu").contiguous()
-    if data.numel():
-        with _naming(Path(str(file))):  # a full disk names the file and says what to do
-            _pwrite_all(fd, memoryview(data.reshape(-1).view(torch.uint8).numpy()), offset, file)
+    view = memoryview(data.reshape(-1).view(torch.uint8).numpy())
+    with _naming(Path(str(file))):  # a full disk names the file and says what to do
+        while len(view):
+            done = os.pwrite(fd, view, offset)
+            if done <= 0:
+                raise OSError(f"{file}: write returned {done} at byte {offset}.")
+            view, offset = view[done:], offset + done
 
 
 _WRITTEN = re.compile(
@@ -393,6 +381,8 @@ def staging_dir(path: Union[str, os.PathLike], *, overwrite: bool, caller: str) 
     tokenizer or ``.git`` is not ours to replace. A file or a symbolic link (the folder it points to
     would not be the one replaced) is refused. Nothing at ``path`` is touched here.
     """
+    if not isinstance(overwrite, bool):
+        raise ValueError(f"{caller}: overwrite={overwrite!r} is not accepted. Accepted: True or False.")
     path = Path(path)
     lock = PathLock(path)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -24,7 +24,7 @@ from ..state_dict import CheckpointError
 from ..state_dict.checks import describe_mismatch, on_all_ranks, short_list
 from ..ties import retie
 from .files import TensorEntry, read_checkpoint_index, read_rows
-from .naming import KeyPlan, is_hf_model, map_checkpoint_keys, model_tensors, saved_aliases
+from .naming import KeyPlan, is_hf_model, map_checkpoint_keys, saved_aliases
 
 __all__ = ["load_pretrained"]
 
@@ -75,7 +75,7 @@ def _check(model: nn.Module, path: Path, strict: bool) -> tuple[dict[str, Tensor
         entries = read_checkpoint_index(path)
     except ValueError as e:
         raise CheckpointError(f"{_CALLER}: {e}") from e
-    tensors = model_tensors(model)
+    tensors = model.state_dict(keep_vars=True)  # every name, tied aliases included
     aliases = saved_aliases(model, tensors)
     wanted = {k: tuple(t.shape) for k, t in tensors.items() if k not in aliases}
     try:
@@ -166,7 +166,7 @@ def load_pretrained(model: nn.Module, path: Union[str, os.PathLike], *, strict: 
         nonlocal tensors
         if any(t.is_meta for t in tensors.values()):  # checked on every rank: now allocate, then read
             _allocate(model, tensors, aliases)
-            tensors = model_tensors(model)
+            tensors = model.state_dict(keep_vars=True)
         fds: dict[Path, int] = {}  # each file opened once, not once per tensor
 
         def read(entry: TensorEntry, rows: tuple = (), out: Optional[torch.Tensor] = None) -> torch.Tensor:

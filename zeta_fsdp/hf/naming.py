@@ -22,7 +22,6 @@ __all__ = [
     "KeyPlan",
     "is_hf_model",
     "map_checkpoint_keys",
-    "model_tensors",
     "saved_layout",
     "saved_tensors",
     "saved_aliases",
@@ -38,14 +37,9 @@ def is_hf_model(model: Optional[nn.Module]) -> bool:
     return isinstance(model, PreTrainedModel)
 
 
-def model_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Every parameter and persistent buffer under every name (aliases included), in state-dict order."""
-    return dict(model.state_dict(keep_vars=True))
-
-
 def saved_aliases(model: nn.Module, tensors: dict[str, torch.Tensor]) -> dict[str, str]:
-    """``{alias: kept name}`` for every tensor of ``model`` (``tensors``: its ``model_tensors``) reachable under
-    several names: the kept name is the one Hugging Face keeps (``all_tied_weights_keys``), else the first."""
+    """``{alias: kept name}`` for every tensor of ``tensors`` (``model.state_dict(keep_vars=True)``: every
+    name) reachable under several names: the name Hugging Face keeps (``all_tied_weights_keys``), else the first."""
     keep = dict(getattr(model, "all_tied_weights_keys", None) or {}) if is_hf_model(model) else {}
     return tied_aliases(tensors, keep)
 

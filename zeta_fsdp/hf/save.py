@@ -26,7 +26,7 @@ from ..state_dict.checks import CheckpointError, on_all_ranks
 from ..wrapped import unwrapped_class
 from .files import INDEX_NAME, SafetensorsLayout, end_staging, parse_size, plan_hf_files, staging_dir, write_at
 from .load import local_box
-from .naming import is_hf_model, model_tensors, saved_aliases, saved_layout, saved_tensors
+from .naming import is_hf_model, saved_aliases, saved_layout, saved_tensors
 
 __all__ = ["cast", "check_dtype", "save_pretrained", "write_hf_config", "write_index"]
 
@@ -48,10 +48,8 @@ def cast(t: torch.Tensor, dtype: Optional[torch.dtype]) -> torch.Tensor:
 
 
 def write_hf_config(model_or_config: Any, out: Path, dtype: Optional[torch.dtype], architecture: Optional[str]) -> None:
-    """``config.json`` (and ``generation_config.json`` when the model generates) into ``out``.
-
-    The written config names the saved dtype and the model's own class (not FSDP's subclass).
-    """
+    """``config.json`` (and ``generation_config.json`` when the model generates) into ``out``, naming the
+    saved dtype and the model's own class (not FSDP's subclass)."""
     config = copy.deepcopy(getattr(model_or_config, "config", model_or_config))
     if dtype is not None:
         config.dtype = str(dtype).removeprefix("torch.")
@@ -221,9 +219,7 @@ def save_pretrained(
     def prepare() -> tuple[dict, dict, dict, dict]:
         check_dtype(dtype, _CALLER)
         limit = parse_size(max_shard_size)
-        if not isinstance(overwrite, bool):
-            raise ValueError(f"{_CALLER}: overwrite={overwrite!r} is not accepted. Accepted: True or False.")
-        tensors = model_tensors(model)
+        tensors = model.state_dict(keep_vars=True)  # every name, tied aliases included
         on_meta = [k for k, t in tensors.items() if t.is_meta]
         if on_meta:
             raise ValueError(
@@ -231,12 +227,8 @@ def save_pretrained(
                 "Load or initialise the model first (load_pretrained, or fsdp(..., materialize=True))."
             )
         aliases = saved_aliases(model, tensors)
-        metas = {
-            key: torch.empty(t.shape, dtype=cast(torch.empty((), dtype=t.dtype), dtype).dtype, device="meta")
-            for key, t in tensors.items()
-            if key not in aliases
-        }
-        saved = saved_layout(model, metas)
+        metas = {k: torch.empty(t.shape, dtype=t.dtype, device="meta") for k, t in tensors.items() if k not in aliases}
+        saved = saved_layout(model, {k: cast(t, dtype) for k, t in metas.items()})
         layout = {k: v for entries in saved.values() for k, v in entries.items()}
         where, plans = plan_hf_files(layout, limit)
         if rank() == 0:
