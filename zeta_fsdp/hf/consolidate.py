@@ -23,7 +23,7 @@ from ..state_dict.reader import dcp_load, open_checkpoint
 from ..wrapped import unwrapped_class
 from .files import end_staging, parse_size, plan_hf_files, plan_shard_files, staging_dir, write_at
 from .naming import saved_aliases, saved_layout, saved_tensors
-from .save import cast, check_dtype, write_hf_config, write_index
+from .save import cast, check_dtype, write_metadata
 
 __all__ = ["consolidate_to_hf", "meta_model_from_config"]
 
@@ -169,10 +169,7 @@ def consolidate_to_hf(
         finally:
             for fd in fds.values():
                 os.close(fd)
-        write_index(tmp, where, plans)
-        if model is not None:
-            first = next((d for d, _ in layout.values() if d.is_floating_point), None)
-            write_hf_config(model, tmp, dtype or first, unwrapped_class(model).__name__)
+        write_metadata(model, tmp, layout, where, dtype)
         publish_dir(tmp, out_dir)
     finally:
         end_staging(tmp)  # removes what a failed run left; releases the path's lock

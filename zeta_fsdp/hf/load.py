@@ -111,12 +111,8 @@ def _check(model: nn.Module, path: Path, strict: bool) -> tuple[dict[str, Tensor
 
 
 def _allocate(model: nn.Module, tensors: dict[str, torch.Tensor], aliases: dict[str, str]) -> None:
-    """A model left on ``meta`` (``fsdp(..., materialize=False)``): allocate shards, no random init.
-
-    The checkpoint fills parameters and persistent buffers right after; non-persistent buffers
-    (rotary ``inv_freq``, ``position_ids``) are recomputed by the model's own code: transformers'
-    ``_init_weights`` on the modules holding them (since transformers 5), else ``reset_parameters()``.
-    """
+    """Allocate the shards of a model left on ``meta`` (no random init: the checkpoint fills them). Non-persistent
+    buffers (rotary ``inv_freq``) are recomputed by transformers' ``_init_weights``, else ``reset_parameters()``."""
     kind = next((t.device_mesh.device_type for t in tensors.values() if isinstance(t, DTensor)), None)
     kind = kind or ("cuda" if torch.cuda.is_available() else "cpu")
     model.to_empty(device=torch.device("cuda", torch.cuda.current_device()) if kind == "cuda" else torch.device(kind))

@@ -134,11 +134,8 @@ def map_checkpoint_keys(
 
 
 def saved_tensors(model: nn.Module, key: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
-    """The checkpoint entries one model tensor is saved as (``save_pretrained``'s names and layout).
-
-    Usually ``{key: tensor}``; a fused MoE tensor becomes its per-expert tensors, under the names
-    transformers' own ``save_pretrained`` writes. Works on ``meta`` tensors (to plan files ahead).
-    """
+    """The checkpoint entries one model tensor is saved as: ``{key: tensor}``, or a fused MoE tensor's per-expert
+    tensors under the names transformers' own ``save_pretrained`` writes. ``meta`` tensors plan files ahead."""
     if not is_hf_model(model):
         return {key: tensor}
     from transformers.core_model_loading import revert_weight_conversion

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import os
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Optional, Union
 
 import torch
 import torch.nn as nn
@@ -28,7 +29,7 @@ from .files import INDEX_NAME, SafetensorsLayout, end_staging, parse_size, plan_
 from .load import local_box
 from .naming import is_hf_model, saved_aliases, saved_layout, saved_tensors
 
-__all__ = ["cast", "check_dtype", "save_pretrained", "write_hf_config", "write_index"]
+__all__ = ["cast", "check_dtype", "save_pretrained", "write_metadata"]
 
 _CALLER = "save_pretrained()"
 
@@ -47,28 +48,30 @@ def cast(t: torch.Tensor, dtype: Optional[torch.dtype]) -> torch.Tensor:
     return t.to(dtype) if dtype is not None and t.is_floating_point() else t
 
 
-def write_hf_config(model_or_config: Any, out: Path, dtype: Optional[torch.dtype], architecture: Optional[str]) -> None:
-    """``config.json`` (and ``generation_config.json`` when the model generates) into ``out``, naming the
-    saved dtype and the model's own class (not FSDP's subclass)."""
-    config = copy.deepcopy(getattr(model_or_config, "config", model_or_config))
-    if dtype is not None:
-        config.dtype = str(dtype).removeprefix("torch.")
-    if architecture is not None:
-        config.architectures = [architecture]
-    config.save_pretrained(out)
-    generation = getattr(model_or_config, "generation_config", None)
-    can_generate = getattr(model_or_config, "can_generate", None)
-    if generation is not None and callable(can_generate) and can_generate():
-        generation.save_pretrained(out)
-
-
-def write_index(out: Path, where: dict[str, str], plans: dict[str, SafetensorsLayout]) -> None:
-    """``model.safetensors.index.json`` into ``out`` when there is more than one file."""
-    if len(plans) < 2:
+def write_metadata(
+    model: Optional[nn.Module],
+    out: Path,
+    layout: dict[str, tuple[torch.dtype, tuple[int, ...]]],
+    where: dict[str, str],
+    dtype: Optional[torch.dtype],
+) -> None:
+    """The index when there is more than one file and, for a Hugging Face model, ``config.json`` (and
+    ``generation_config.json`` when it generates) naming the saved dtype and the model's own class (not FSDP's)."""
+    if len(set(where.values())) > 1:
+        total = sum(math.prod(shape) * d.itemsize for d, shape in layout.values())
+        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(where.items()))}
+        (out / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
+    if not is_hf_model(model):
         return
-    total = sum(plan.size - plan.data_start for plan in plans.values())
-    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(where.items()))}
-    (out / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
+    config = copy.deepcopy(model.config)
+    saved_dtype = dtype or next((d for d, _ in layout.values() if d.is_floating_point), None)
+    if saved_dtype is not None:
+        config.dtype = str(saved_dtype).removeprefix("torch.")
+    config.architectures = [unwrapped_class(model).__name__]
+    config.save_pretrained(out)
+    generation = getattr(model, "generation_config", None)
+    if generation is not None and model.can_generate():
+        generation.save_pretrained(out)
 
 
 _CAST_CHUNK = 8 * 2**20  # bytes cast to the saved dtype at a time: a rank never holds a whole cast tensor
@@ -122,11 +125,9 @@ def _write_data(
     folder: Path,
     dtype: Optional[torch.dtype],
 ) -> None:
-    """Every rank writes its rows of every tensor at their offsets, then flushes them.
-
-    The rest (fused MoE tensors split on save, shards on another dim) are gathered one at a time
-    (every rank in the same order) and written by the rank owning their file.
-    """
+    """Every rank writes its rows of every tensor at their offsets, then flushes them. The rest (fused MoE
+    tensors split on save, shards on another dim) are gathered one at a time, in the same order on every
+    rank, and written by the rank owning their file."""
     fds: dict[str, int] = {}
     failed: Optional[BaseException] = None
     files = {name: folder / name for name in plans}
@@ -216,7 +217,7 @@ def save_pretrained(
     tmp = incomplete_path(path)  # where staging_dir (rank 0) stages: every rank knows it, nothing to broadcast
     staged: list[Path] = []
 
-    def prepare() -> tuple[dict, dict, dict, dict]:
+    def prepare() -> tuple[dict, dict, dict, dict, dict]:
         check_dtype(dtype, _CALLER)
         limit = parse_size(max_shard_size)
         tensors = model.state_dict(keep_vars=True)  # every name, tied aliases included
@@ -235,21 +236,18 @@ def save_pretrained(
             staged.append(staging_dir(path, overwrite=overwrite, caller=_CALLER))
             for name, plan in plans.items():  # headers and final sizes first: every rank then fills its rows
                 plan.create(tmp / name)
-        return tensors, saved, where, plans
+        return tensors, saved, layout, where, plans
 
     for m in model.modules():  # gather from shards, not from unsharded parameters left by a forward
         if isinstance(m, FSDPModule):
             m.reshard()
     try:
-        tensors, saved, where, plans = on_all_ranks(prepare)
+        tensors, saved, layout, where, plans = on_all_ranks(prepare)
 
         def write() -> None:
             _write_data(model, tensors, saved, where, plans, tmp, dtype)
             if rank() == world() - 1:  # rank 0 created the files (and writes every plain buffer)
-                write_index(tmp, where, plans)
-                if is_hf_model(model):
-                    saved_dtype = dtype or next((t.dtype for t in tensors.values() if t.is_floating_point()), None)
-                    write_hf_config(model, tmp, saved_dtype, unwrapped_class(model).__name__)
+                write_metadata(model, tmp, layout, where, dtype)
 
         on_all_ranks(write)
         on_all_ranks(lambda: publish_dir(tmp, path) if rank() == 0 else None)
