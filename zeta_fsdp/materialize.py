@@ -15,7 +15,7 @@ from torch.overrides import TorchFunctionMode
 from .ties import retie
 from .wrapped import unwrapped_class
 
-__all__ = ["materialize_meta_model", "run_own_initialisers"]
+__all__ = ["materialize_meta_model"]
 
 # Written into every floating-point tensor (and the most negative value into integer ones) after
 # ``to_empty``: whatever still holds it after initialisation was not initialised.
@@ -35,42 +35,10 @@ def _still_sentinel(t: torch.Tensor) -> bool:
     return bool((local == torch.iinfo(local.dtype).min).any())
 
 
-def _agreed_seed() -> int:
-    """A seed drawn from this rank's generator and made the same on every rank (rank 0's).
-
-    Ranks' generators differ unless the user seeded them alike (torchrun starts each rank with a
-    random seed), and replicas must be initialised identically whatever the user did.
-    """
-    seed = torch.randint(0, 2**31 - 1, (1,), dtype=torch.int64)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.broadcast(seed, src=0)
-    return int(seed.item())
-
-
-def run_own_initialisers(model: nn.Module) -> None:
-    """Run every module's own initialiser, children before parents (as their constructors did):
-    ``reset_parameters()`` (``nn.Linear``, ``nn.LayerNorm``, yours), else torch.nn's private
-    ``_reset_parameters()`` (``nn.MultiheadAttention``'s ``in_proj_weight``; ``nn.Transformer``
-    re-drawing every matrix xavier-uniform over its children's init, as its constructor does).
-    """
-    for module in _children_first(model):
-        init = getattr(module, "reset_parameters", None) or getattr(module, "_reset_parameters", None)
-        if callable(init):
-            init()
-
-
 def _children_first(module: nn.Module) -> Iterable[nn.Module]:
     for child in module.children():
         yield from _children_first(child)
     yield module
-
-
-def _forget_hf_init_flags(model: nn.Module) -> None:
-    """Hugging Face skips modules and tensors flagged ``_is_hf_initialized`` (set when weights
-    were loaded); after ``to_empty`` nothing is, so the flags would only leave memory unset."""
-    for obj in [*model.modules(), *model.parameters(), *model.buffers()]:
-        if getattr(obj, "_is_hf_initialized", False):
-            obj._is_hf_initialized = False
 
 
 class _RealConstants(TorchFunctionMode):
@@ -84,11 +52,9 @@ class _RealConstants(TorchFunctionMode):
 
 
 def _fill_constructor_constants(model: nn.Module, unset: list[str], tensors: dict[str, torch.Tensor]) -> None:
-    """Hugging Face models set some parameters from config values in their constructor and leave
-    them out of their weight init (CLIP's ``logit_scale = nn.Parameter(torch.tensor(config.
-    logit_scale_init_value))``). Rebuild the model on ``meta`` from its config with tensors made
-    from data kept real (nothing else is allocated) and copy those values in: what eager
-    construction would have given. Models without a ``config`` are left alone (the caller raises)."""
+    """The parameters a Hugging Face model sets from its config in its constructor and its weight init skips
+    (CLIP's ``logit_scale``), as eager construction sets them: copied from a ``meta`` twin built with
+    tensors made from data kept real. Models without a ``config`` are left alone (the caller raises)."""
     config = getattr(model, "config", None)
     if config is None or not callable(getattr(model, "_init_weights", None)):
         return
@@ -120,20 +86,17 @@ def materialize_meta_model(
     shard_index: int = 0,
     offload_to_cpu: bool = False,
 ) -> bool:
-    """Allocate a sharded ``meta`` model on ``device`` and initialise it. Returns ``True`` if it did.
+    """Allocate a sharded ``meta`` model on ``device`` (each rank its shards) and initialise it; ``True`` if it did.
 
-    Each rank allocates only its shards (``to_empty``), then runs, in order: every module's own
-    initialiser, children first (``run_own_initialisers``); the root's ``init_weights()`` if it has
-    one (a model-wide scheme, buffers such as a causal mask, a Hugging Face model's weight init);
-    for a Hugging Face model, the config-valued parameters its weight init skips (CLIP's
-    ``logit_scale``: ``_fill_constructor_constants``); then ties are restored. Every tensor is
-    first filled with a marker (``_SENTINEL``): one still holding it was initialised by nobody, and
-    the call raises ``RuntimeError`` naming it (boolean buffers cannot be checked this way).
+    In order: every module's own initialiser, children first as their constructors ran them; the root's
+    ``init_weights()`` (a model-wide scheme, a causal mask, a Hugging Face model's init); the config-valued
+    parameters that init skips (``_fill_constructor_constants``); the ties. Every tensor first holds
+    ``_SENTINEL``: one still holding it was initialised by nobody and raises ``RuntimeError`` naming it.
 
-    ``shard_index``: this rank's coordinate on the mesh's shard dimension. On CPU, DTensor random
-    ops draw from each rank's own generator, so every shard would get the same numbers (a weight
-    of one repeated block); there the init is seeded with ``shard_index``: distinct across shards,
-    equal across replicas (HYBRID/NO_SHARD). The caller's RNG state is left as it was.
+    ``shard_index``: this rank's coordinate on the mesh's shard dimension. On CPU, DTensor random ops
+    draw from each rank's own generator, so every shard would get the same numbers (a weight of one
+    repeated block): there the init is seeded with ``shard_index`` (distinct across shards, equal across
+    replicas). The caller's RNG state is left as it was.
     """
     meta_names = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     if not meta_names:
@@ -154,10 +117,24 @@ def materialize_meta_model(
             elif local.dtype != torch.bool:
                 local.fill_(torch.iinfo(local.dtype).min)
         if device.type == "cpu":
-            torch.manual_seed(_agreed_seed() + 7919 * shard_index)
-        run_own_initialisers(model)
+            # Ranks' generators differ unless the user seeded them alike (torchrun seeds each rank at
+            # random), and replicas must be initialised identically: rank 0's draw is everyone's.
+            seed = torch.randint(0, 2**31 - 1, (1,), dtype=torch.int64)
+            if dist.is_initialized() and dist.get_world_size() > 1:
+                dist.broadcast(seed, src=0)
+            torch.manual_seed(int(seed.item()) + 7919 * shard_index)
+        # reset_parameters(), else torch.nn's private _reset_parameters(): nn.MultiheadAttention's
+        # in_proj_weight, nn.Transformer's xavier re-draw over its children's init.
+        for module in _children_first(model):
+            init = getattr(module, "reset_parameters", None) or getattr(module, "_reset_parameters", None)
+            if callable(init):
+                init()
         if callable(getattr(model, "init_weights", None)):
-            _forget_hf_init_flags(model)
+            # Hugging Face skips what is flagged ``_is_hf_initialized`` (set when weights were loaded);
+            # after to_empty nothing is, so the flags would only leave memory unset.
+            for obj in [*model.modules(), *model.parameters(), *model.buffers()]:
+                if getattr(obj, "_is_hf_initialized", False):
+                    obj._is_hf_initialized = False
             model.init_weights()  # a Hugging Face model's own scheme too (its init_weights)
         unset = [n for n in meta_names if _still_sentinel(fresh[n])]
         if unset:

@@ -29,11 +29,8 @@ def tied_parameter_groups(model: nn.Module) -> list[list[str]]:
 
 
 def tied_aliases(tensors: Mapping[str, torch.Tensor], keep: Optional[Mapping[str, str]] = None) -> dict[str, str]:
-    """``{alias: kept name}`` for every tensor reachable under several names.
-
-    The kept name of a group is the one ``keep`` maps an alias of it to (Hugging Face's
-    ``all_tied_weights_keys``), else the group's first name.
-    """
+    """``{alias: kept name}`` for every tensor reachable under several names; the kept name is the one ``keep``
+    maps an alias of the group to (Hugging Face's ``all_tied_weights_keys``), else the group's first name."""
     keep = keep or {}
     aliases: dict[str, str] = {}
     for group in tied_groups(tensors):
@@ -43,10 +40,7 @@ def tied_aliases(tensors: Mapping[str, torch.Tensor], keep: Optional[Mapping[str
 
 
 def retie(model: nn.Module, groups: list[list[str]]) -> None:
-    """Make every name of each group hold the group's first parameter again.
-
-    ``to_empty`` (meta init, loading into a meta model) hands tied names separate tensors.
-    """
+    """Make every name of each group hold the group's first parameter again (``to_empty`` unties them)."""
     for names in groups:
         first = model.get_parameter(names[0])
         for name in names[1:]:

@@ -1,9 +1,4 @@
-"""Hugging Face weights in and out of sharded models: ``load_pretrained``, ``save_pretrained``, ``consolidate_to_hf``.
-
-Example:
-    load_pretrained(model, "llama-dir")
-    save_pretrained(model, "out/llama")
-"""
+"""Hugging Face weights in and out of sharded models: ``load_pretrained``, ``save_pretrained``, ``consolidate_to_hf``."""
 
 from .consolidate import consolidate_to_hf
 from .load import load_pretrained

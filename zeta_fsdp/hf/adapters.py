@@ -18,6 +18,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from ..distributed import get_rank, get_world_size, on_all_ranks
 from ..files import publish_dir
+from ..state_dict.checks import short_list
 from .files import TensorEntry, end_staging, read_rows, read_safetensors_header, staging_dir
 
 __all__ = ["ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "adapter_tensors", "load_adapters", "save_adapters"]
@@ -85,8 +86,6 @@ def save_adapters(
     staged: list[Path] = []
 
     def prepare() -> dict[str, tuple[str, torch.Tensor]]:
-        if not isinstance(overwrite, bool):
-            raise ValueError(f"{caller}: overwrite={overwrite!r} is not accepted. Accepted: True or False.")
         _check_peft_model(model, adapter_name, caller)
         tensors = adapter_tensors(model, adapter_name)
         if get_rank() == 0:
@@ -146,10 +145,9 @@ def load_adapters(model: nn.Module, path: Union[str, os.PathLike], *, adapter_na
         header = read_safetensors_header(weights)
         missing, unexpected = sorted(set(tensors) - set(header)), sorted(set(header) - set(tensors))
         if missing or unexpected:
-            more = [" ..." if len(keys) > 5 else "" for keys in (missing, unexpected)]
             raise ValueError(
-                f"{caller}: {weights} does not match adapter {adapter_name!r}: missing {missing[:5]}{more[0]}, "
-                f"unexpected {unexpected[:5]}{more[1]}."
+                f"{caller}: {weights} does not match adapter {adapter_name!r}: missing {short_list(missing)}, "
+                f"unexpected {short_list(unexpected)}."
             )
         bad = [k for k, (_, t) in tensors.items() if tuple(header[k].shape) != tuple(t.shape)]
         if bad:

@@ -21,9 +21,9 @@ from ..files import publish_dir
 from ..state_dict import CheckpointError
 from ..state_dict.reader import dcp_load, open_checkpoint
 from ..wrapped import unwrapped_class
-from .files import SafetensorsLayout, end_staging, parse_size, plan_shard_files, staging_dir, write_at
-from .naming import model_tensors, saved_aliases, saved_layout, saved_tensors
-from .save import cast, check_dtype, plan_hf_files, write_hf_config, write_index
+from .files import end_staging, parse_size, plan_hf_files, plan_shard_files, staging_dir, write_at
+from .naming import saved_aliases, saved_layout, saved_tensors
+from .save import cast, check_dtype, write_metadata
 
 __all__ = ["consolidate_to_hf", "meta_model_from_config"]
 
@@ -112,16 +112,14 @@ def consolidate_to_hf(
     model: Optional[nn.Module] = meta_model_from_config(config) if config is not None else None
     source: dict[str, str] = {k: k for k in stored}  # output key (model's kept name) -> stored name
     if model is not None:
-        tensors = model_tensors(model)
+        tensors = model.state_dict(keep_vars=True)
         aliases = saved_aliases(model, tensors)
-        groups: dict[str, list[str]] = {}
-        for alias, kept in aliases.items():
-            groups.setdefault(kept, [kept]).append(alias)
-        found = {k: next((n for n in groups.get(k, [k]) if n in stored), None) for k in tensors if k not in aliases}
-        source = {k: name for k, name in found.items() if name is not None}
+        source = {}
+        for name in [*(k for k in tensors if k not in aliases), *aliases]:  # a kept name before its aliases
+            if name in stored:
+                source.setdefault(aliases.get(name, name), name)
         missing = [k for k in tensors if k not in aliases and k not in source]
-        used = set(source.values())
-        unexpected = [k for k in stored if k not in used and aliases.get(k) not in source]
+        unexpected = [k for k in stored if k not in tensors]  # a stored alias serves its kept name
         wrong = [
             f"{k}: checkpoint {list(stored[s].size)} vs model {list(tensors[k].shape)}"
             for k, s in source.items()
@@ -132,24 +130,15 @@ def consolidate_to_hf(
                 f"{_CALLER}: {src} does not match the {unwrapped_class(model).__name__} of {config}: "
                 f"missing {missing[:8]}, unexpected {unexpected[:8]}, shape mismatches {wrong[:8]}"
             )
-
-    def pieces(key: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
-        return saved_tensors(model, key, tensor) if model is not None else {key: tensor}
-
     metas = {
         key: cast(torch.empty(tuple(stored[name].size), dtype=stored[name].properties.dtype, device="meta"), dtype)
         for key, name in source.items()
     }
-    saved = (
-        saved_layout(model, metas)
-        if model is not None
-        else {k: {k: (t.dtype, tuple(t.shape))} for k, t in metas.items()}
-    )
+    saved = saved_layout(model, metas)  # without a model: every key saved as it is
     layout = {k: v for entries in saved.values() for k, v in entries.items()}
-    where, files = plan_hf_files(layout, limit)
+    where, plans = plan_hf_files(layout, limit)
     tmp = staging_dir(out_dir, overwrite=overwrite, caller=_CALLER)
     try:
-        plans = {name: SafetensorsLayout(file_layout) for name, file_layout in files.items()}
         for name, plan in plans.items():
             plan.create(tmp / name)  # headers and sizes first: tensors then go straight to their offsets
         fds = {name: os.open(tmp / name, os.O_WRONLY) for name in plans}
@@ -170,7 +159,7 @@ def consolidate_to_hf(
                 for key in batch:
                     value = cast(state.pop(_MODEL + source[key]), dtype)
                     plain = list(saved[key]) == [key] and saved[key][key][1] == tuple(value.shape)
-                    out = {key: value} if plain else pieces(key, value)
+                    out = {key: value} if plain else saved_tensors(model, key, value)
                     for k in saved[key]:
                         name = where[k]
                         write_at(fds[name], plans[name].offset[k], out[k], file=tmp / name)
@@ -180,10 +169,7 @@ def consolidate_to_hf(
         finally:
             for fd in fds.values():
                 os.close(fd)
-        write_index(tmp, where, files)
-        if model is not None:
-            first = next((d for d, _ in layout.values() if d.is_floating_point), None)
-            write_hf_config(model, tmp, dtype or first, unwrapped_class(model).__name__)
+        write_metadata(model, tmp, layout, where, dtype)
         publish_dir(tmp, out_dir)
     finally:
         end_staging(tmp)  # removes what a failed run left; releases the path's lock

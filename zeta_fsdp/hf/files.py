@@ -31,12 +31,11 @@ __all__ = [
     "TensorEntry",
     "contained_file",
     "parse_size",
+    "plan_hf_files",
     "plan_shard_files",
     "read_checkpoint_index",
     "read_rows",
     "read_safetensors_header",
-    "shard_file_names",
-    "model_dir_problem",
     "end_staging",
     "staging_dir",
     "write_at",
@@ -95,11 +94,8 @@ def _parse_json(raw: bytes, file: Path, what: str) -> object:
 
 
 def read_safetensors_header(file: Union[str, os.PathLike]) -> dict[str, TensorEntry]:
-    """The tensors of one ``.safetensors`` file (header only: no tensor byte is read).
-
-    Raises ``CheckpointError`` naming the file when the header is not valid safetensors: a malformed
-    entry, or a byte range that does not match its shape, lies outside the data section, or overlaps another.
-    """
+    """The tensors of one ``.safetensors`` file, from its header alone. ``CheckpointError`` naming the file for a
+    malformed entry, or a byte range that does not match its shape, leaves the data section or overlaps another."""
     file = Path(file)
     size = file.stat().st_size
     with open(file, "rb") as f:
@@ -157,11 +153,8 @@ def read_safetensors_header(file: Union[str, os.PathLike]) -> dict[str, TensorEn
 
 
 def contained_file(folder: Union[str, os.PathLike], name: object, what: str) -> Path:
-    """``folder / name`` for a file name read from a file in ``folder``, refused unless it stays inside.
-
-    ``name``, symbolic links resolved, must lie inside ``folder`` (or a hub cache snapshot's ``blobs``);
-    else ``CheckpointError`` naming ``what`` (the file that named it).
-    """
+    """``folder / name`` for a name read from ``what`` (a file in ``folder``); ``CheckpointError`` unless it lies
+    inside ``folder`` (or a hub cache snapshot's ``blobs``), symbolic links resolved."""
     folder = Path(folder)
     if not isinstance(name, str) or not name or "\0" in name or os.path.isabs(name) or ".." in Path(name).parts:
         raise CheckpointError(
@@ -181,13 +174,11 @@ def contained_file(folder: Union[str, os.PathLike], name: object, what: str) -> 
 
 
 def read_checkpoint_index(path: Union[str, os.PathLike]) -> dict[str, TensorEntry]:
-    """Every tensor of a Hugging Face checkpoint: a model directory or one ``.safetensors`` file.
+    """Every tensor of a Hugging Face checkpoint: one ``.safetensors`` file, or a model directory read through
+    its index when present (only the files it names, each ``contained_file``), else its ``model.safetensors``.
 
-    A directory is read through ``model.safetensors.index.json`` when present (only the files it
-    names, which must lie inside the directory: ``contained_file``), else its ``model.safetensors``.
-
-    Raises ``FileNotFoundError`` for a missing path or file, ``CheckpointError`` for a malformed
-    index or header, a file outside the directory, or an index naming a key its file lacks.
+    ``FileNotFoundError`` for a missing path or file; ``CheckpointError`` for a malformed index or header,
+    a file outside the directory, or an index naming a key its file lacks.
     """
     path = Path(path)
     if not path.exists():
@@ -298,11 +289,16 @@ def plan_shard_files(sizes: dict[str, int], max_shard_size: int) -> list[list[st
     return files if files[0] else []
 
 
-def shard_file_names(count: int) -> list[str]:
-    """``model.safetensors`` for one file, else ``model-0000i-of-0000n.safetensors``."""
-    if count == 1:
-        return [SINGLE_NAME]
-    return [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
+def plan_hf_files(
+    layout: dict[str, tuple[torch.dtype, tuple[int, ...]]], max_shard_size: int
+) -> tuple[dict[str, str], dict[str, SafetensorsLayout]]:
+    """``({saved key: file name}, {file name: its layout})`` for saved keys in order, files named as
+    Hugging Face names them (``model.safetensors``, else ``model-0000i-of-0000n.safetensors``)."""
+    groups = plan_shard_files({k: math.prod(s) * d.itemsize for k, (d, s) in layout.items()}, max_shard_size)
+    names = [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
+    names = [SINGLE_NAME] if len(groups) == 1 else names
+    where = {k: name for name, keys in zip(names, groups) for k in keys}
+    return where, {name: SafetensorsLayout({k: layout[k] for k in keys}) for name, keys in zip(names, groups)}
 
 
 @contextlib.contextmanager
@@ -349,17 +345,9 @@ class SafetensorsLayout:
             fd = os.open(file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
             try:
                 os.ftruncate(fd, self.size)
-                _pwrite_all(fd, memoryview(self.header), 0, file)
+                write_at(fd, 0, torch.frombuffer(bytearray(self.header), dtype=torch.uint8), file=file)
             finally:
                 os.close(fd)
-
-
-def _pwrite_all(fd: int, data: memoryview, offset: int, file: object) -> None:
-    while len(data):
-        done = os.pwrite(fd, data, offset)
-        if done <= 0:
-            raise OSError(f"{file}: write returned {done} at byte {offset}.")
-        data, offset = data[done:], offset + done
 
 
 def write_at(fd: int, offset: int, tensor: torch.Tensor, *, file: object = "") -> None:
@@ -368,33 +356,19 @@ def write_at(fd: int, offset: int, tensor: torch.Tensor, *, file: object = "") -
     data = tensor.detach()
     if data.device.type != "cpu" or not data.is_contiguous():
         data = data.to("cpu").contiguous()
-    if data.numel():
-        with _naming(Path(str(file))):  # a full disk names the file and says what to do
-            _pwrite_all(fd, memoryview(data.reshape(-1).view(torch.uint8).numpy()), offset, file)
+    view = memoryview(data.reshape(-1).view(torch.uint8).numpy())
+    with _naming(Path(str(file))):  # a full disk names the file and says what to do
+        while len(view):
+            done = os.pwrite(fd, view, offset)
+            if done <= 0:
+                raise OSError(f"{file}: write returned {done} at byte {offset}.")
+            view, offset = view[done:], offset + done
 
 
 _WRITTEN = re.compile(
     r"^(model\.safetensors|model-\d{5}-of-\d{5}\.safetensors|model\.safetensors\.index\.json|config\.json|"
     r"generation_config\.json)$"
 )
-
-
-def model_dir_problem(path: Union[str, os.PathLike]) -> Optional[str]:
-    """Why ``path`` is not a model directory this library could have written (``None`` when it could).
-
-    Ours holds regular files only, each one ``save_pretrained`` / ``consolidate_to_hf`` writes
-    (``model*.safetensors``, the index, ``config.json``, ``generation_config.json``). A folder
-    holding anything else (notes, a tokenizer, ``.git``) is not ours to replace.
-    """
-    path = Path(path)
-    if path.is_symlink():
-        return "it is a symbolic link"
-    if not path.is_dir():
-        return "it is not a directory"
-    shown = foreign_entries(path, lambda e: e.is_file(follow_symlinks=False) and bool(_WRITTEN.match(e.name)))
-    return f"it holds files this library does not write ({shown})" if shown else None
-
-
 _STAGING_LOCKS: dict[Path, PathLock] = {}
 
 
@@ -402,10 +376,13 @@ def staging_dir(path: Union[str, os.PathLike], *, overwrite: bool, caller: str) 
     """Lock ``path``, check it may be written, then make (afresh) the hidden directory beside it to write into.
 
     The lock (held until ``end_staging``) makes two jobs writing one model directory take turns.
-    A non-empty ``path`` is replaced only with ``overwrite`` and only if it holds nothing but what
-    this library writes (``model_dir_problem``); a file or a symbolic link (the folder it points to
+    A non-empty ``path`` is replaced only with ``overwrite`` and only if it holds nothing but regular
+    files ``save_pretrained`` / ``consolidate_to_hf`` write (``_WRITTEN``): a folder holding notes, a
+    tokenizer or ``.git`` is not ours to replace. A file or a symbolic link (the folder it points to
     would not be the one replaced) is refused. Nothing at ``path`` is touched here.
     """
+    if not isinstance(overwrite, bool):
+        raise ValueError(f"{caller}: overwrite={overwrite!r} is not accepted. Accepted: True or False.")
     path = Path(path)
     lock = PathLock(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -415,7 +392,26 @@ def staging_dir(path: Union[str, os.PathLike], *, overwrite: bool, caller: str) 
             f"{LOCK_WAIT_S:.0f} s; wait for it, or save elsewhere."
         )
     try:
-        tmp = _checked_staging_dir(path, overwrite, caller)
+        if path.is_symlink():
+            raise FileExistsError(
+                f"{caller}: {path} is a symbolic link (to {os.path.realpath(path)}); pass the directory itself."
+            )
+        if path.exists() and not path.is_dir():
+            raise FileExistsError(f"{caller}: {path} exists and is a file; pass a directory path.")
+        if path.exists() and any(path.iterdir()):
+            if not overwrite:
+                raise FileExistsError(f"{caller}: {path} exists and is not empty; pass overwrite=True to replace it.")
+            shown = foreign_entries(path, lambda e: e.is_file(follow_symlinks=False) and bool(_WRITTEN.match(e.name)))
+            if shown:
+                raise FileExistsError(
+                    f"{caller}: {path} is not a model directory written by this library (it holds files this "
+                    f"library does not write ({shown})); refusing to replace it, even with overwrite=True. "
+                    "Save elsewhere, or remove it yourself."
+                )
+        tmp = incomplete_path(path)
+        if os.path.lexists(tmp):  # left by an interrupted save: ours, never the user's
+            remove_tree(tmp)
+        tmp.mkdir()
     except BaseException:
         lock.release()
         raise
@@ -430,28 +426,3 @@ def end_staging(tmp: Path) -> None:
     lock = _STAGING_LOCKS.pop(Path(tmp), None)
     if lock is not None:
         lock.release()
-
-
-def _checked_staging_dir(path: Path, overwrite: bool, caller: str) -> Path:
-    if path.is_symlink():
-        raise FileExistsError(
-            f"{caller}: {path} is a symbolic link (to {os.path.realpath(path)}); pass the directory itself."
-        )
-    if path.exists():
-        if not path.is_dir():
-            raise FileExistsError(f"{caller}: {path} exists and is a file; pass a directory path.")
-        if any(path.iterdir()):
-            if not overwrite:
-                raise FileExistsError(f"{caller}: {path} exists and is not empty; pass overwrite=True to replace it.")
-            problem = model_dir_problem(path)
-            if problem is not None:
-                raise FileExistsError(
-                    f"{caller}: {path} is not a model directory written by this library ({problem}); "
-                    "refusing to replace it, even with overwrite=True. Save elsewhere, or remove it yourself."
-                )
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = incomplete_path(path)
-    if os.path.lexists(tmp):  # left by an interrupted save: ours, never the user's
-        remove_tree(tmp)
-    tmp.mkdir()
-    return tmp

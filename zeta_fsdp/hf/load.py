@@ -24,7 +24,7 @@ from ..state_dict import CheckpointError
 from ..state_dict.checks import describe_mismatch, on_all_ranks, short_list
 from ..ties import retie
 from .files import TensorEntry, read_checkpoint_index, read_rows
-from .naming import KeyPlan, is_hf_model, map_checkpoint_keys, model_tensors, saved_aliases
+from .naming import KeyPlan, is_hf_model, map_checkpoint_keys, saved_aliases
 
 __all__ = ["load_pretrained"]
 
@@ -65,12 +65,6 @@ def _cut(full_or_rows: torch.Tensor, box: list[tuple[int, int]], rows_read: bool
     return full_or_rows[tuple(slice(None) if d == 0 and rows_read else slice(a, b) for d, (a, b) in enumerate(box))]
 
 
-def _target_device(tensors: dict[str, torch.Tensor]) -> torch.device:
-    kind = next((t.device_mesh.device_type for t in tensors.values() if isinstance(t, DTensor)), None)
-    kind = kind or ("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device("cuda", torch.cuda.current_device()) if kind == "cuda" else torch.device(kind)
-
-
 def _buffer_owners(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """Modules holding non-persistent buffers (not in the checkpoint: they must be recomputed)."""
     return [(name, m) for name, m in model.named_modules() if m._non_persistent_buffers_set]
@@ -81,7 +75,7 @@ def _check(model: nn.Module, path: Path, strict: bool) -> tuple[dict[str, Tensor
         entries = read_checkpoint_index(path)
     except ValueError as e:
         raise CheckpointError(f"{_CALLER}: {e}") from e
-    tensors = model_tensors(model)
+    tensors = model.state_dict(keep_vars=True)  # every name, tied aliases included
     aliases = saved_aliases(model, tensors)
     wanted = {k: tuple(t.shape) for k, t in tensors.items() if k not in aliases}
     try:
@@ -117,14 +111,11 @@ def _check(model: nn.Module, path: Path, strict: bool) -> tuple[dict[str, Tensor
 
 
 def _allocate(model: nn.Module, tensors: dict[str, torch.Tensor], aliases: dict[str, str]) -> None:
-    """A model left on ``meta`` (``fsdp(..., materialize=False)``): allocate shards, no random init.
-
-    The checkpoint fills parameters and persistent buffers right after; non-persistent buffers
-    (rotary ``inv_freq``, ``position_ids``) are recomputed by the model's own code: transformers'
-    ``_init_weights`` on the modules holding them (since transformers 5), else ``reset_parameters()``.
-    """
-    device = _target_device(tensors)
-    model.to_empty(device=device)
+    """Allocate the shards of a model left on ``meta`` (no random init: the checkpoint fills them). Non-persistent
+    buffers (rotary ``inv_freq``) are recomputed by transformers' ``_init_weights``, else ``reset_parameters()``."""
+    kind = next((t.device_mesh.device_type for t in tensors.values() if isinstance(t, DTensor)), None)
+    kind = kind or ("cuda" if torch.cuda.is_available() else "cpu")
+    model.to_empty(device=torch.device("cuda", torch.cuda.current_device()) if kind == "cuda" else torch.device(kind))
     # to_empty may hand tied names separate tensors: one again (tied parameters; buffers stay apart)
     params = dict(model.named_parameters(remove_duplicate=False))
     retie(model, [[kept, alias] for alias, kept in aliases.items() if alias in params and kept in params])
@@ -171,7 +162,7 @@ def load_pretrained(model: nn.Module, path: Union[str, os.PathLike], *, strict: 
         nonlocal tensors
         if any(t.is_meta for t in tensors.values()):  # checked on every rank: now allocate, then read
             _allocate(model, tensors, aliases)
-            tensors = model_tensors(model)
+            tensors = model.state_dict(keep_vars=True)
         fds: dict[Path, int] = {}  # each file opened once, not once per tensor
 
         def read(entry: TensorEntry, rows: tuple = (), out: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -196,7 +187,7 @@ def load_pretrained(model: nn.Module, path: Union[str, os.PathLike], *, strict: 
                         read(entry, rows, out=local.view(local.shape))
                     else:
                         local.copy_(_cut(read(entry, rows), box, rows_read=True).reshape(local.shape))
-                for key, (_, build) in plan.converted.items():
+                for key, build in plan.converted.items():
                     t = tensors[key]
                     full = build(lambda k: read(entries[k]))  # one fused tensor at a time
                     local = t.to_local() if isinstance(t, DTensor) else t

@@ -22,14 +22,13 @@ __all__ = [
     "KeyPlan",
     "is_hf_model",
     "map_checkpoint_keys",
-    "model_tensors",
     "saved_layout",
     "saved_tensors",
     "saved_aliases",
 ]
 
 
-def is_hf_model(model: nn.Module) -> bool:
+def is_hf_model(model: Optional[nn.Module]) -> bool:
     """``True`` for a transformers ``PreTrainedModel`` (sharded or not), without importing transformers otherwise."""
     if not any(c.__module__.startswith("transformers.") for c in type(model).__mro__):
         return False
@@ -38,46 +37,23 @@ def is_hf_model(model: nn.Module) -> bool:
     return isinstance(model, PreTrainedModel)
 
 
-def model_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Every parameter and persistent buffer under every name (aliases included), in state-dict order."""
-    return dict(model.state_dict(keep_vars=True))
-
-
-def saved_aliases(model: nn.Module, tensors: Optional[dict[str, torch.Tensor]] = None) -> dict[str, str]:
-    """``{alias: kept name}`` for every tensor of ``model`` reachable under several names: the kept
-    name is the one Hugging Face keeps (``all_tied_weights_keys``), else the first in state-dict order.
-    """
-    tensors = model_tensors(model) if tensors is None else tensors
+def saved_aliases(model: nn.Module, tensors: dict[str, torch.Tensor]) -> dict[str, str]:
+    """``{alias: kept name}`` for every tensor of ``tensors`` (``model.state_dict(keep_vars=True)``: every
+    name) reachable under several names: the name Hugging Face keeps (``all_tied_weights_keys``), else the first."""
     keep = dict(getattr(model, "all_tied_weights_keys", None) or {}) if is_hf_model(model) else {}
     return tied_aliases(tensors, keep)
-
-
-def _transforms(model: nn.Module) -> tuple[list, list]:
-    """transformers' (renamings, converters) for ``model``; empty for other models."""
-    if not is_hf_model(model):
-        return [], []
-    from transformers.conversion_mapping import get_model_conversion_mapping
-    from transformers.core_model_loading import WeightConverter, WeightRenaming
-
-    transforms = get_model_conversion_mapping(model)
-    return (
-        [t for t in transforms if isinstance(t, WeightRenaming)],
-        [t for t in transforms if isinstance(t, WeightConverter)],
-    )
 
 
 @dataclass
 class KeyPlan:
     """Where each model tensor comes from in a checkpoint.
 
-    ``direct``: model key -> checkpoint key. ``converted``: model key -> (checkpoint keys, ``build(read)``:
-    the full tensor from ``read(ckpt_key)``). ``shapes``: the full shape each model key gets.
+    ``direct``: model key -> checkpoint key. ``converted``: model key -> ``build(read)``, the full tensor
+    from ``read(ckpt_key)``. ``shapes``: the full shape each model key gets.
     """
 
     direct: dict[str, str] = field(default_factory=dict)
-    converted: dict[str, tuple[list[str], Callable[[Callable[[str], torch.Tensor]], torch.Tensor]]] = field(
-        default_factory=dict
-    )
+    converted: dict[str, Callable[[Callable[[str], torch.Tensor]], torch.Tensor]] = field(default_factory=dict)
     unexpected: list[str] = field(default_factory=list)
     missing: list[str] = field(default_factory=list)
     shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
@@ -100,12 +76,17 @@ def map_checkpoint_keys(
     # A checkpoint whose every key names a model tensor needs no conversion: transformers' mapping
     # is built only for checkpoints that need it (its first build compiles ~900 regexes, most of a
     # small model's load time).
-    renamings, converters = ([], []) if all(k in known for k in checkpoint) else _transforms(model)
+    renamings, converters = [], []
+    if is_hf_model(model) and not all(k in known for k in checkpoint):
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightConverter, WeightRenaming, dot_natural_key, rename_source_key
+
+        transforms = get_model_conversion_mapping(model)
+        renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
+        converters = [t for t in transforms if isinstance(t, WeightConverter)]
     groups: dict[str, tuple[Any, list[tuple[str, str]]]] = {}
     keys = list(checkpoint)
     if renamings or converters:
-        from transformers.core_model_loading import dot_natural_key, rename_source_key
-
         keys.sort(key=dot_natural_key)  # experts 0, 1, ..., 10 in numeric order: the fused tensor's order
         pattern_to_converter = {p: c for c in converters for p in c.source_patterns}
         prefix = getattr(model, "base_model_prefix", None) or None
@@ -136,7 +117,7 @@ def map_checkpoint_keys(
             value = out[target]
             return value[0] if isinstance(value, list) else value
 
-        plan.converted[target] = ([k for k, _ in sources], build)
+        plan.converted[target] = build
         meta = build(lambda k: torch.empty(checkpoint[k][1], dtype=checkpoint[k][0], device="meta"))
         plan.shapes[target] = tuple(meta.shape)
     ignore_unexpected = list(getattr(model, "_keys_to_ignore_on_load_unexpected", None) or [])
@@ -153,13 +134,9 @@ def map_checkpoint_keys(
 
 
 def saved_tensors(model: nn.Module, key: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
-    """The checkpoint entries one model tensor is saved as (``save_pretrained``'s names and layout).
-
-    Usually ``{key: tensor}``; a fused MoE tensor becomes its per-expert tensors, under the names
-    transformers' own ``save_pretrained`` writes. Works on ``meta`` tensors (to plan files ahead).
-    """
-    renamings, converters = _transforms(model)
-    if not renamings and not converters:
+    """The checkpoint entries one model tensor is saved as: ``{key: tensor}``, or a fused MoE tensor's per-expert
+    tensors under the names transformers' own ``save_pretrained`` writes. ``meta`` tensors plan files ahead."""
+    if not is_hf_model(model):
         return {key: tensor}
     from transformers.core_model_loading import revert_weight_conversion
 
@@ -167,7 +144,7 @@ def saved_tensors(model: nn.Module, key: str, tensor: torch.Tensor) -> dict[str,
 
 
 def saved_layout(
-    model: nn.Module, tensors: dict[str, torch.Tensor]
+    model: Optional[nn.Module], tensors: dict[str, torch.Tensor]
 ) -> dict[str, dict[str, tuple[torch.dtype, tuple[int, ...]]]]:
     """For each model key, the ``{saved key: (dtype, shape)}`` it is saved as (``saved_tensors``'s names).
 

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import os
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Optional, Union
 
 import torch
 import torch.nn as nn
@@ -24,20 +25,11 @@ from ..engines import engine_of
 from ..files import incomplete_path, publish_dir
 from ..state_dict.checks import CheckpointError, on_all_ranks
 from ..wrapped import unwrapped_class
-from .files import (
-    INDEX_NAME,
-    SafetensorsLayout,
-    end_staging,
-    parse_size,
-    plan_shard_files,
-    shard_file_names,
-    staging_dir,
-    write_at,
-)
+from .files import INDEX_NAME, SafetensorsLayout, end_staging, parse_size, plan_hf_files, staging_dir, write_at
 from .load import local_box
-from .naming import is_hf_model, model_tensors, saved_aliases, saved_layout, saved_tensors
+from .naming import is_hf_model, saved_aliases, saved_layout, saved_tensors
 
-__all__ = ["cast", "check_dtype", "plan_hf_files", "save_pretrained", "write_hf_config", "write_index"]
+__all__ = ["cast", "check_dtype", "save_pretrained", "write_metadata"]
 
 _CALLER = "save_pretrained()"
 
@@ -56,42 +48,30 @@ def cast(t: torch.Tensor, dtype: Optional[torch.dtype]) -> torch.Tensor:
     return t.to(dtype) if dtype is not None and t.is_floating_point() else t
 
 
-def plan_hf_files(
-    layout: dict[str, tuple[torch.dtype, tuple[int, ...]]], max_shard_size: int
-) -> tuple[dict[str, str], dict[str, dict[str, tuple[torch.dtype, tuple[int, ...]]]]]:
-    """``({saved key: file name}, {file name: its layout})`` for saved keys in order."""
-    sizes = {k: d.itemsize * int(torch.Size(s).numel()) for k, (d, s) in layout.items()}
-    groups = plan_shard_files(sizes, max_shard_size)
-    names = shard_file_names(len(groups))
-    where = {k: name for name, keys in zip(names, groups) for k in keys}
-    files = {name: {k: layout[k] for k in keys} for name, keys in zip(names, groups)}
-    return where, files
-
-
-def write_hf_config(model_or_config: Any, out: Path, dtype: Optional[torch.dtype], architecture: Optional[str]) -> None:
-    """``config.json`` (and ``generation_config.json`` when the model generates) into ``out``.
-
-    The written config names the saved dtype and the model's own class (not FSDP's subclass).
-    """
-    config = copy.deepcopy(getattr(model_or_config, "config", model_or_config))
-    if dtype is not None:
-        config.dtype = str(dtype).removeprefix("torch.")
-    if architecture is not None:
-        config.architectures = [architecture]
-    config.save_pretrained(out)
-    generation = getattr(model_or_config, "generation_config", None)
-    can_generate = getattr(model_or_config, "can_generate", None)
-    if generation is not None and callable(can_generate) and can_generate():
-        generation.save_pretrained(out)
-
-
-def write_index(out: Path, where: dict[str, str], files: dict[str, dict]) -> None:
-    """``model.safetensors.index.json`` into ``out`` when there is more than one file."""
-    if len(files) < 2:
+def write_metadata(
+    model: Optional[nn.Module],
+    out: Path,
+    layout: dict[str, tuple[torch.dtype, tuple[int, ...]]],
+    where: dict[str, str],
+    dtype: Optional[torch.dtype],
+) -> None:
+    """The index when there is more than one file and, for a Hugging Face model, ``config.json`` (and
+    ``generation_config.json`` when it generates) naming the saved dtype and the model's own class (not FSDP's)."""
+    if len(set(where.values())) > 1:
+        total = sum(math.prod(shape) * d.itemsize for d, shape in layout.values())
+        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(where.items()))}
+        (out / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
+    if not is_hf_model(model):
         return
-    total = sum(d.itemsize * int(torch.Size(s).numel()) for f in files.values() for d, s in f.values())
-    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(where.items()))}
-    (out / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
+    config = copy.deepcopy(model.config)
+    saved_dtype = dtype or next((d for d, _ in layout.values() if d.is_floating_point), None)
+    if saved_dtype is not None:
+        config.dtype = str(saved_dtype).removeprefix("torch.")
+    config.architectures = [unwrapped_class(model).__name__]
+    config.save_pretrained(out)
+    generation = getattr(model, "generation_config", None)
+    if generation is not None and model.can_generate():
+        generation.save_pretrained(out)
 
 
 _CAST_CHUNK = 8 * 2**20  # bytes cast to the saved dtype at a time: a rank never holds a whole cast tensor
@@ -145,11 +125,9 @@ def _write_data(
     folder: Path,
     dtype: Optional[torch.dtype],
 ) -> None:
-    """Every rank writes its rows of every tensor at their offsets, then flushes them.
-
-    The rest (fused MoE tensors split on save, shards on another dim) are gathered one at a time
-    (every rank in the same order) and written by the rank owning their file.
-    """
+    """Every rank writes its rows of every tensor at their offsets, then flushes them. The rest (fused MoE
+    tensors split on save, shards on another dim) are gathered one at a time, in the same order on every
+    rank, and written by the rank owning their file."""
     fds: dict[str, int] = {}
     failed: Optional[BaseException] = None
     files = {name: folder / name for name in plans}
@@ -242,9 +220,7 @@ def save_pretrained(
     def prepare() -> tuple[dict, dict, dict, dict, dict]:
         check_dtype(dtype, _CALLER)
         limit = parse_size(max_shard_size)
-        if not isinstance(overwrite, bool):
-            raise ValueError(f"{_CALLER}: overwrite={overwrite!r} is not accepted. Accepted: True or False.")
-        tensors = model_tensors(model)
+        tensors = model.state_dict(keep_vars=True)  # every name, tied aliases included
         on_meta = [k for k, t in tensors.items() if t.is_meta]
         if on_meta:
             raise ValueError(
@@ -252,34 +228,26 @@ def save_pretrained(
                 "Load or initialise the model first (load_pretrained, or fsdp(..., materialize=True))."
             )
         aliases = saved_aliases(model, tensors)
-        metas = {
-            key: torch.empty(t.shape, dtype=cast(torch.empty((), dtype=t.dtype), dtype).dtype, device="meta")
-            for key, t in tensors.items()
-            if key not in aliases
-        }
-        saved = saved_layout(model, metas)
+        metas = {k: torch.empty(t.shape, dtype=t.dtype, device="meta") for k, t in tensors.items() if k not in aliases}
+        saved = saved_layout(model, {k: cast(t, dtype) for k, t in metas.items()})
         layout = {k: v for entries in saved.values() for k, v in entries.items()}
-        where, files = plan_hf_files(layout, limit)
-        plans = {name: SafetensorsLayout(file_layout) for name, file_layout in files.items()}
+        where, plans = plan_hf_files(layout, limit)
         if rank() == 0:
             staged.append(staging_dir(path, overwrite=overwrite, caller=_CALLER))
             for name, plan in plans.items():  # headers and final sizes first: every rank then fills its rows
                 plan.create(tmp / name)
-        return tensors, saved, where, files, plans
+        return tensors, saved, layout, where, plans
 
     for m in model.modules():  # gather from shards, not from unsharded parameters left by a forward
         if isinstance(m, FSDPModule):
             m.reshard()
     try:
-        tensors, saved, where, files, plans = on_all_ranks(prepare)
+        tensors, saved, layout, where, plans = on_all_ranks(prepare)
 
         def write() -> None:
             _write_data(model, tensors, saved, where, plans, tmp, dtype)
             if rank() == world() - 1:  # rank 0 created the files (and writes every plain buffer)
-                write_index(tmp, where, files)
-                if is_hf_model(model):
-                    saved_dtype = dtype or next((t.dtype for t in tensors.values() if t.is_floating_point()), None)
-                    write_hf_config(model, tmp, saved_dtype, unwrapped_class(model).__name__)
+                write_metadata(model, tmp, layout, where, dtype)
 
         on_all_ranks(write)
         on_all_ranks(lambda: publish_dir(tmp, path) if rank() == 0 else None)
