@@ -183,6 +183,7 @@ def test_bench_hf(bench) -> None:
     for row in rows:
         assert positive(quick[row]["seconds"]) and positive(quick[row]["min_seconds"]), (row, quick[row])
         assert quick[row]["min_seconds"] <= quick[row]["seconds"], (row, quick[row])
+        assert 0 <= quick[row]["min_cpu_seconds"] <= quick[row]["cpu_seconds"], (row, quick[row])
         assert len(quick[row]["rss_x_model"]) == 2, (row, quick[row])
     assert quick["save_ours_bit_identical"] is True  # what save_pretrained wrote == save_pretrained's tensors
 
