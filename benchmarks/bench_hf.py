@@ -463,7 +463,7 @@ def write_results(out: Path, results: dict, args: argparse.Namespace) -> None:
         "copied anyway).",
         "* A `load_pretrained` call's fixed cost (106 MB, per rank, CPU time): FSDP2's `to_empty` of "
         "the meta shards 5-6 ms (57 tensors, ~90 us each: the meta-to-CPU `empty_like` runs through "
-        "Python decompositions, then the parameter swap; the allocation itself is ~15 us; "
+        "Python decompositions, then the parameter swap; the allocation itself is 15-35 us; "
         "`bench_first_touch.py --alloc` times the public alternatives, none cheaper), the key and shape check ~1 ms, two rank syncs ~1 ms (one before any change, "
         "one so an I/O error raises on every rank), ~3 ms of bookkeeping; the reads cost what the "
         "floor's do. That is why small models sit further above the floor than big ones.",
