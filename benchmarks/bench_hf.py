@@ -23,7 +23,9 @@ save (of the loaded FULL_SHARD model)
 * ``save_pretrained`` (ours: every rank writes its rows at their offsets);
 * one-process ``model.save_pretrained`` (transformers, rank 0, plain model) + ``fdatasync``.
 
-Time = the slowest rank's wall time, median (and min) over rounds. Peak RSS growth per rank = ``VmHWM``
+Time = the slowest rank's wall time, median (and min) over rounds; CPU = the same for the rank's
+CPU time (``time.process_time``: user + system, page faults included), which other jobs on a
+shared machine disturb far less than wall time. Peak RSS growth per rank = ``VmHWM``
 (reset through ``/proc/self/clear_refs`` just before the call) minus ``VmRSS`` then; page cache
 does not count, mapped file pages do. ``MALLOC_MMAP_THRESHOLD_`` is fixed so freed tensors go
 back to the OS between variants. Files are read warm (page cache), as the floor is.
@@ -93,8 +95,17 @@ def rss_kib(field: str) -> int:
     raise RuntimeError(f"no {field} in /proc/self/status")
 
 
+def clock() -> tuple[float, float]:
+    return time.perf_counter(), time.process_time()
+
+
+def since(start: tuple[float, float]) -> tuple[float, float]:
+    """(wall, CPU) seconds since ``start``, a ``clock()``."""
+    return tuple(b - a for a, b in zip(start, clock()))
+
+
 def measured(fn) -> tuple[dict, object]:
-    """Run ``fn`` (every rank, started together); its wall time and peak RSS growth above the RSS before it."""
+    """Run ``fn`` (every rank, started together); its wall and CPU time, and peak RSS growth above the RSS before it."""
     import gc
 
     import torch.distributed as dist
@@ -104,10 +115,10 @@ def measured(fn) -> tuple[dict, object]:
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # VmHWM := current RSS (Linux >= 4.0)
     base = rss_kib("VmRSS")
-    t0 = time.perf_counter()
+    t0 = clock()
     value = fn()
-    seconds = time.perf_counter() - t0
-    return {"seconds": seconds, "peak_growth_bytes": (rss_kib("VmHWM") - base) * 1024}, value
+    seconds, cpu = since(t0)
+    return {"seconds": seconds, "cpu_seconds": cpu, "peak_growth_bytes": (rss_kib("VmHWM") - base) * 1024}, value
 
 
 def rank_main(args: argparse.Namespace) -> None:
@@ -153,23 +164,28 @@ def rank_main(args: argparse.Namespace) -> None:
     def locals_of(model):
         return [(t.to_local() if hasattr(t, "to_local") else t) for t in model.state_dict().values()]
 
-    def first_touches(model) -> tuple[float, float]:
-        """Seconds to read every local shard once, then to write each once in place: what a first
-        step does (its forward reads the weights, its optimizer writes them)."""
-        t0 = time.perf_counter()
+    def first_touches(model) -> tuple[tuple[float, float], tuple[float, float]]:
+        """(wall, CPU) seconds to read every local shard once, then to write each once in place:
+        what a first step does (its forward reads the weights, its optimizer writes them)."""
+        t0 = clock()
         with torch.no_grad():
             for t in locals_of(model):
                 t.sum()
-            t1 = time.perf_counter()
+            read, t1 = since(t0), clock()
             for t in locals_of(model):
                 t.mul_(1)
-        return t1 - t0, time.perf_counter() - t1
+        return read, since(t1)
 
     def load_ours():
         model = meta_fsdp()
-        t0 = time.perf_counter()
+        t0 = clock()
         load_pretrained(model, weights)
-        return model, (time.perf_counter() - t0, *first_touches(model))
+        return model, (since(t0), *first_touches(model))
+
+    def less(fig: dict, *phases: tuple[float, float]) -> dict:
+        """``fig`` with the (wall, CPU) seconds of ``phases`` taken off."""
+        wall, cpu = (sum(p[i] for p in phases) for i in (0, 1))
+        return {**fig, "seconds": fig["seconds"] - wall, "cpu_seconds": fig["cpu_seconds"] - cpu}
 
     def load_transformers():
         model = transformers.LlamaForCausalLM.from_pretrained(
@@ -182,20 +198,17 @@ def rank_main(args: argparse.Namespace) -> None:
     for r in range(args.rounds):
         for name, fn in order if r % 2 == 0 else order[::-1]:
             fig, value = measured(fn)
-            rss = fig["peak_growth_bytes"]
             if name == "load_ours":
                 # end to end: meta model + fsdp() + load (+ first read and write); the call is timed inside
                 call, read, write = value[1]
                 figures["load_ours_written"].append(dict(fig))
-                figures["load_ours_e2e"].append({"seconds": fig["seconds"] - read - write, "peak_growth_bytes": rss})
-                fig = {"seconds": call, "peak_growth_bytes": rss}
+                figures["load_ours_e2e"].append(less(fig, read, write))
+                fig = {**fig, "seconds": call[0], "cpu_seconds": call[1]}
             if name == "load_transformers":
                 read, write = value[1]
                 figures["load_transformers_written"].append(dict(fig))
-                figures["load_transformers_touched"].append(
-                    {"seconds": fig["seconds"] - write, "peak_growth_bytes": rss}
-                )
-                fig = {"seconds": fig["seconds"] - read - write, "peak_growth_bytes": rss}
+                figures["load_transformers_touched"].append(less(fig, write))
+                fig = less(fig, read, write)
             figures[name].append(fig)
             del value
 
@@ -307,13 +320,14 @@ def run(cmd: list[str]) -> None:
 
 
 def summarize(per_rank: list[dict], model_bytes: int) -> dict:
-    """Per variant: median and min over rounds of the slowest rank's seconds; the largest RSS growth per rank."""
+    """Per variant: median and min over rounds of the slowest rank's wall and CPU seconds; the largest RSS growth per rank."""
     out = {}
     for name in LOAD_ROWS + SAVE_ROWS:
         rounds = len(per_rank[0][name])
-        slowest = [max(r[name][i]["seconds"] for r in per_rank) for i in range(rounds)]
-        rss = [max(x["peak_growth_bytes"] for x in r[name]) / model_bytes for r in per_rank]
-        out[name] = {"seconds": statistics.median(slowest), "min_seconds": min(slowest), "rss_x_model": rss}
+        out[name] = {"rss_x_model": [max(x["peak_growth_bytes"] for x in r[name]) / model_bytes for r in per_rank]}
+        for key in ("seconds", "cpu_seconds"):
+            slowest = [max(r[name][i][key] for r in per_rank) for i in range(rounds)]
+            out[name].update({key: statistics.median(slowest), f"min_{key}": min(slowest)})
     out["save_ours_bit_identical"] = per_rank[0]["save_ours_bit_identical"]
     return out
 
@@ -382,7 +396,8 @@ def write_results(out: Path, results: dict, args: argparse.Namespace) -> None:
         "",
         f"Llama (`LlamaForCausalLM`, fp32, untied) in one `model.safetensors`, {args.nproc} ranks (gloo, CPU), "
         "loaded into FULL_SHARD. Time: slowest rank, median over rounds; every variant runs in the same "
-        "launch, interleaved (order flipped each round). RSS: peak growth per rank during the call, as a "
+        "launch, interleaved (order flipped each round). CPU: the slowest rank's CPU time (user + system, "
+        "page faults included), less disturbed than wall time by other jobs on the machine. RSS: peak growth per rank during the call, as a "
         "multiple of the model's bytes (page cache does not count). Files warm in the page cache.",
         "",
     ]
@@ -391,15 +406,19 @@ def write_results(out: Path, results: dict, args: argparse.Namespace) -> None:
         lines += [
             f"## {size} ({mb:.0f} MB, {r['rounds']} rounds, recorded {r.get('recorded', '?')})",
             "",
-            "| variant | time (s), median | min | x floor (median) | peak RSS growth per rank (x model) |",
-            "|---|---|---|---|---|",
+            "| variant | time (s), median | min | x floor (median) | CPU (s), median (min) | CPU x floor | "
+            "peak RSS growth per rank (x model) |",
+            "|---|---|---|---|---|---|---|",
         ]
         for group, floor in ((LOAD_ROWS, "load_floor"), (SAVE_ROWS, "save_floor")):
             for name in group:
                 s = r[name]["seconds"]
                 rss = ", ".join(f"{x:.2f}" for x in r[name]["rss_x_model"])
-                low = r[name]["min_seconds"]
-                lines.append(f"| {NAMES[name]} | {s:.3f} | {low:.3f} | {s / r[floor]['seconds']:.2f} | {rss} |")
+                low, cpu = r[name]["min_seconds"], r[name]["cpu_seconds"]
+                lines.append(
+                    f"| {NAMES[name]} | {s:.3f} | {low:.3f} | {s / r[floor]['seconds']:.2f} | {cpu:.3f} "
+                    f"({r[name]['min_cpu_seconds']:.3f}) | {cpu / r[floor]['cpu_seconds']:.2f} | {rss} |"
+                )
         lines += [
             "",
             f"`save_pretrained`'s file holds `model.save_pretrained`'s tensors bit for bit: {r['save_ours_bit_identical']}.",
@@ -427,8 +446,11 @@ def write_results(out: Path, results: dict, args: argparse.Namespace) -> None:
         "",
         "Reading the figures:",
         "",
-        "* The load floor reads into fresh memory: most of its time is the page faults of the new "
-        "pages (the kernel zeroes each 4 KiB page), which `load_pretrained` pays alike.",
+        "* Most of a load's CPU time is page faults: one per 4 KiB page of the rank's shards (~2 us "
+        "each on this VM). The floor and `load_pretrained` pay them during the read, into fresh, "
+        "zero-filled pages; transformers' map pays them at the first write (copy on write). "
+        "`benchmarks/bench_first_touch.py` times the mechanisms alone (one process, 800 MB): their "
+        "CPU costs are the same, so compare the 'written once' rows by CPU when the machine is shared.",
         "* transformers' FSDP2 loading leaves each rank's shards as views of a private memory map "
         "of the file (checked: every local shard's `data_ptr` lies in the file's mapping): the call "
         "copies nothing, so it can sit below the pread floor. The copy only moves: the first "
@@ -440,8 +462,9 @@ def write_results(out: Path, results: dict, args: argparse.Namespace) -> None:
         "place, a bf16 checkpoint into fp32 master weights and FSDP2's padded uneven shards are "
         "copied anyway).",
         "* A `load_pretrained` call's fixed cost (106 MB, per rank, CPU time): FSDP2's `to_empty` of "
-        "the meta shards 6-9 ms (25-45 us per tensor in DTensor dispatch, parameter swap and "
-        "re-padding), the key and shape check ~1 ms, two rank syncs ~1 ms (one before any change, "
+        "the meta shards 5-6 ms (57 tensors, ~90 us each: the meta-to-CPU `empty_like` runs through "
+        "Python decompositions, then the parameter swap; the allocation itself is 15-35 us; "
+        "`bench_first_touch.py --alloc` times the public alternatives, none cheaper), the key and shape check ~1 ms, two rank syncs ~1 ms (one before any change, "
         "one so an I/O error raises on every rank), ~3 ms of bookkeeping; the reads cost what the "
         "floor's do. That is why small models sit further above the floor than big ones.",
         "* Every save row flushes with `fdatasync` (the file's size is set before its data is "

@@ -43,6 +43,7 @@ RUNS = {
     "prefetch": ("bench_prefetch.py", "--blocks", "1"),
     "no_shard": ("bench_no_shard.py",),
     "hf": ("bench_hf.py",),
+    "first_touch": ("bench_first_touch.py",),  # one process, then 2 ranks
     "memory": ("bench_memory.py", "--world-sizes", "4"),  # 4 ranks: every strategy, HYBRID included
     "accumulation": ("bench_accumulation.py",),  # 4 ranks, 2x2 HYBRID mesh
     # accelerate is a benchmark-only extra: without it, the clean one-line skip is what runs
@@ -183,8 +184,20 @@ def test_bench_hf(bench) -> None:
     for row in rows:
         assert positive(quick[row]["seconds"]) and positive(quick[row]["min_seconds"]), (row, quick[row])
         assert quick[row]["min_seconds"] <= quick[row]["seconds"], (row, quick[row])
+        assert 0 <= quick[row]["min_cpu_seconds"] <= quick[row]["cpu_seconds"], (row, quick[row])
         assert len(quick[row]["rss_x_model"]) == 2, (row, quick[row])
     assert quick["save_ours_bit_identical"] is True  # what save_pretrained wrote == save_pretrained's tensors
+
+
+def test_bench_first_touch(bench) -> None:
+    _, tmp_path = finished(bench, "first_touch")
+    data = results(tmp_path, "first_touch")
+    assert len(data["first_touch"]) == 8 and len(data["alloc"]) == 4, data
+    for name, (loaded, wall, cpu, faults) in data["first_touch"].items():
+        assert len(wall) == data["rounds"] and all(0 <= a <= b for a, b in zip(loaded, wall)), (name, data)
+        assert all(positive(c) for c in cpu) and all(f >= 0 for f in faults), (name, data)
+    for name, (cpu_ms, tensors) in data["alloc"].items():
+        assert all(positive(c) for c in cpu_ms) and tensors[0] > 0, (name, data)
 
 
 def test_bench_memory(bench) -> None:
