@@ -52,25 +52,10 @@ def stage_state(state: dict[str, Any], buffers: Optional[dict[str, torch.Tensor]
     return out
 
 
-class _AlreadyStaged:
-    """DCP's stager protocol for a state dict ``stage_state`` copied already (no second copy)."""
-
-    _synchronize_after_execute = False
-    should_synchronize_after_execute = False
-
-    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
-        return state_dict
-
-    def synchronize_staging(self) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
 class _GatedWriter(FileSystemWriter):
     """DCP's file writer whose ``reset`` (the first thing the write thread does, before any collective)
-    waits for ``gate``: ``True`` once every rank started its write, ``False`` to cancel it."""
+    waits for ``gate``: ``True`` once every rank started its write, ``False`` to cancel it. As DCP's
+    stager it hands back the state dict ``stage_state`` copied already (no second copy)."""
 
     def __init__(self, path: Path, gate: Future) -> None:
         super().__init__(path)
@@ -80,6 +65,9 @@ class _GatedWriter(FileSystemWriter):
         if not self._gate.result():
             raise CheckpointError("the save did not start on every rank; this rank's write was cancelled")
         super().reset(checkpoint_id)
+
+    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        return state_dict
 
 
 class AsyncCheckpointer:
@@ -117,14 +105,6 @@ class AsyncCheckpointer:
         """
         return None if self._pending is None or self._pending[2].done() else self._pending[0]
 
-    def _process_group(self) -> Optional[dist.ProcessGroup]:
-        if self._group is None and dist_on() and world_size() > 1:
-            # A gloo group of its own: the background thread's collectives never interleave with
-            # training's (and CPU tensors need a CPU backend even when training runs on nccl).
-            self._group = dist.new_group(backend="gloo")
-            self._made_group = True
-        return self._group
-
     def save(
         self,
         path: PathLike,
@@ -146,7 +126,11 @@ class AsyncCheckpointer:
             raise RuntimeError("AsyncCheckpointer.save(): the checkpointer was closed.")
         self.wait()
         path = Path(path)
-        group = self._process_group()
+        if self._group is None and dist_on() and world_size() > 1:
+            # A gloo group of its own: the background thread's collectives never interleave with
+            # training's (and CPU tensors need a CPU backend even when training runs on nccl).
+            self._group = dist.new_group(backend="gloo")
+            self._made_group = True
         lock = start_save(path, optimizer, extra, overwrite=overwrite)
         try:
             # every rank staged, or every rank raises; the live tensors are not referenced afterwards
@@ -161,8 +145,7 @@ class AsyncCheckpointer:
                         checkpoint_id=incomplete_dir(path),  # DCP then calls the writer's reset() first, in the thread
                         storage_writer=_GatedWriter(incomplete_dir(path), gate),
                         planner=DefaultSavePlanner(flatten_state_dict=False),
-                        process_group=group,
-                        async_stager=_AlreadyStaged(),
+                        process_group=self._group,
                         no_dist=not dist_on(),
                     )
 
