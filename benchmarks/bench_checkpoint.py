@@ -137,8 +137,8 @@ def load_steps() -> list[tuple[str, Any, str]]:
         ("read + check every record, nothing copied yet (`read_checked`)", ckpt_mod, "read_checked"),
         ("- of which DCP planning (`create_local_plan`)", reader_mod._SafeLoadPlanner, "create_local_plan"),
         ("- of which mapping the files (`_map`)", reader_mod, "_map"),
-        ("- of which zip parse + CRC-32 of every entry (`records.entries`)", reader_mod, "entries"),
-        ("- of which tensor views of the checked bytes (`records.tensor_record`)", reader_mod, "tensor_record"),
+        ("- of which zip parse + CRC-32 of every entry (`reader.entries`)", reader_mod, "entries"),
+        ("- of which tensor views of the checked bytes (`reader.tensor_record`)", reader_mod, "tensor_record"),
         ("copy into the live shards, after all ranks agree (`CheckedRead.commit`)", reader_mod.CheckedRead, "commit"),
     ]
 
