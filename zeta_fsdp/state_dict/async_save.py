@@ -18,10 +18,10 @@ import torch.nn as nn
 from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemWriter
 from torch.distributed.tensor import DTensor
 
-from ..files import PathLock
+from ..files import PathLock, incomplete_path
 from .checkpoint import checkpoint_state, end_save, save_failure, start_save
 from .checks import FAILURES, CheckpointError, PathLike, current_rank, dist_on, on_all_ranks, world_size
-from .publish import incomplete_dir, publish_checkpoint
+from .publish import publish_checkpoint
 
 
 @torch.no_grad()
@@ -142,8 +142,8 @@ class AsyncCheckpointer:
                     warnings.filterwarnings("ignore", message="torch.distributed is disabled")
                     return dcp.async_save(
                         staged,
-                        checkpoint_id=incomplete_dir(path),  # DCP then calls the writer's reset() first, in the thread
-                        storage_writer=_GatedWriter(incomplete_dir(path), gate),
+                        checkpoint_id=incomplete_path(path),  # DCP then calls the writer's reset() first, in the thread
+                        storage_writer=_GatedWriter(incomplete_path(path), gate),
                         planner=DefaultSavePlanner(flatten_state_dict=False),
                         process_group=self._group,
                         no_dist=not dist_on(),

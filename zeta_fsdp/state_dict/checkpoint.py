@@ -17,7 +17,7 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.tensor import DTensor
 
-from ..files import PathLock, remove_tree
+from ..files import PathLock, incomplete_path, remove_tree
 from ..ties import tied_aliases
 from .checks import (
     EXTRA_KEY,
@@ -38,7 +38,6 @@ from .checks import (
     on_all_ranks,
     shape_of,
 )
-from .metadata import checkpoint_problem, is_full_checkpoint
 from .model import get_sharded_state_dict
 from .optimizer import (
     check_group_consistency,
@@ -47,7 +46,7 @@ from .optimizer import (
     set_flat_optimizer_state,
     validate_optimizer,
 )
-from .publish import LOCK_WAIT_S, incomplete_dir, is_checkpoint, publish_checkpoint, recover
+from .publish import LOCK_WAIT_S, checkpoint_problem, is_checkpoint, is_full_checkpoint, publish_checkpoint, recover
 from .reader import dcp_load, open_checkpoint, read_checked
 
 # Types ``torch.load(weights_only=True)`` always accepts (a dict key too). Objects built only of
@@ -116,7 +115,7 @@ def save_checkpoint(
         state = checkpoint_state(model, optimizer, extra)
         try:
             # DCP's own collectives carry a failure on any rank to every rank: no extra agreement needed.
-            write_state(state, incomplete_dir(path))
+            write_state(state, incomplete_path(path))
         except FAILURES as e:
             raise save_failure(path, f"writing {path}", e) from e
         finish_save(path)
@@ -159,8 +158,8 @@ def end_save(path: Path, lock: Optional[PathLock], published: bool) -> None:
     if lock is None:
         return
     with lock, contextlib.suppress(OSError):  # the lock is released whatever happens
-        if not published and os.path.lexists(incomplete_dir(path)):
-            remove_tree(incomplete_dir(path))
+        if not published and os.path.lexists(incomplete_path(path)):
+            remove_tree(incomplete_path(path))
 
 
 def check_save_target(
@@ -235,7 +234,7 @@ def prepare_save_dir(path: Path, *, overwrite: bool) -> Optional[PathLock]:
     try:
         recover(path, locked=True)
         check_save_target(path, overwrite=overwrite)
-        tmp = incomplete_dir(path)
+        tmp = incomplete_path(path)
         if os.path.lexists(tmp):  # left by an interrupted save (the lock says no one writes it now)
             remove_tree(tmp)
         tmp.mkdir()
@@ -278,7 +277,7 @@ def finish_save(path: Path) -> None:
     try:
         on_all_ranks(lambda: publish_checkpoint(path) if current_rank() == 0 else None)
     except FAILURES as e:
-        raise save_failure(path, f"renaming {incomplete_dir(path)} to {path}", e) from e
+        raise save_failure(path, f"renaming {incomplete_path(path)} to {path}", e) from e
 
 
 def save_failure(path: Path, what: str, error: BaseException) -> CheckpointError:

@@ -18,8 +18,7 @@ import torch.distributed as dist
 from ..files import atomic_write
 from .checkpoint import check_save_target
 from .checks import CheckpointError, PathLike, current_rank, from_rank0, on_all_ranks
-from .metadata import is_full_checkpoint
-from .publish import discard_checkpoint_dir, is_checkpoint, removal_problem
+from .publish import discard_checkpoint_dir, is_checkpoint, is_full_checkpoint, removal_problem
 
 __all__ = ["TENSOR_KEYS", "read_full_checkpoint", "remove_checkpoint", "write_full_checkpoint"]
 

@@ -29,8 +29,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.futures import Future
 
 from .checks import METADATA_FILE, CheckpointError, dist_on, on_all_ranks, short_list
-from .metadata import load_metadata
-from .publish import leftovers, recover
+from .publish import leftovers, load_metadata, recover
 
 
 def read_metadata(path: Path, caller: str) -> Metadata:
