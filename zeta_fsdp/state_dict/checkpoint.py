@@ -115,10 +115,17 @@ def save_checkpoint(
         state = checkpoint_state(model, optimizer, extra)
         try:
             # DCP's own collectives carry a failure on any rank to every rank: no extra agreement needed.
-            write_state(state, incomplete_path(path))
+            writer = FileSystemWriter(incomplete_path(path))
+            planner = DefaultSavePlanner(flatten_state_dict=False)
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+                dcp.save(state, storage_writer=writer, planner=planner, no_dist=not dist_on())
         except FAILURES as e:
             raise save_failure(path, f"writing {path}", e) from e
-        finish_save(path)
+        try:  # rank 0 publishes; no rank returns before the checkpoint is in place
+            on_all_ranks(lambda: publish_checkpoint(path) if current_rank() == 0 else None)
+        except FAILURES as e:
+            raise save_failure(path, f"renaming {incomplete_path(path)} to {path}", e) from e
         published = True
     finally:
         end_save(path, lock, published)
@@ -264,22 +271,6 @@ def checkpoint_state(model: nn.Module, optimizer: Optional[torch.optim.Optimizer
     return state
 
 
-def write_state(state: dict[str, Any], directory: Path) -> None:
-    """Every rank writes its part of ``state`` into ``directory`` with DCP (rank 0 also the metadata)."""
-    planner = DefaultSavePlanner(flatten_state_dict=False)
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.save(state, storage_writer=FileSystemWriter(directory), planner=planner, no_dist=not dist_on())
-
-
-def finish_save(path: Path) -> None:
-    """Publish the written ``.<name>.incomplete`` at ``path`` (rank 0); no rank returns before it is in place."""
-    try:
-        on_all_ranks(lambda: publish_checkpoint(path) if current_rank() == 0 else None)
-    except FAILURES as e:
-        raise save_failure(path, f"renaming {incomplete_path(path)} to {path}", e) from e
-
-
 def save_failure(path: Path, what: str, error: BaseException) -> CheckpointError:
     """The error a failed save raises: what failed, and whether the checkpoint already at ``path`` is intact."""
     kept = " The checkpoint already there is untouched." if is_checkpoint(path) else ""
@@ -318,8 +309,14 @@ def load_checkpoint(
         # One collective for every check that needs no optimizer: files, records, model keys/shapes.
         metadata = open_checkpoint(path, caller)
         saved = metadata.state_dict_metadata
-        small = [k for k in (PACKED_GROUPS_KEY, EXTRA_KEY, LAYOUT_KEY) if k in saved]
-        objects = _read_objects(path, small, metadata) if small else {}
+        # The small non-tensor records (options, ``extra``, layout), read on this rank alone before the real load.
+        objects: dict[str, Any] = {k: None for k in (PACKED_GROUPS_KEY, EXTRA_KEY, LAYOUT_KEY) if k in saved}
+        try:
+            dcp_load(objects, path, alone=True, metadata=metadata)
+        except FAILURES as e:
+            raise CheckpointError(
+                f"{caller}: reading {path} failed; the model and optimizer were not changed. {error_reason(e)}"
+            ) from e
         # Where each model key is stored: under its own name, or under the name it is tied to.
         stored = {k[len(MODEL_PREFIX) :]: k for k in saved if k.startswith(MODEL_PREFIX)}
         for alias, source in (objects.get(LAYOUT_KEY) or {}).get("tied", {}).items():
@@ -391,15 +388,3 @@ def _storage_of(tensor: torch.Tensor) -> int:
     if isinstance(tensor, DTensor):
         tensor = tensor.to_local()
     return tensor.untyped_storage().data_ptr()
-
-
-def _read_objects(path: Path, keys: list[str], metadata: Metadata) -> dict[str, Any]:
-    """Read small non-tensor records (options, ``extra``) on this rank alone, before the real load."""
-    state: dict[str, Any] = dict.fromkeys(keys)
-    try:
-        dcp_load(state, path, alone=True, metadata=metadata)
-    except FAILURES as e:
-        raise CheckpointError(
-            f"load_checkpoint(): reading {path} failed; the model and optimizer were not changed. {error_reason(e)}"
-        ) from e
-    return state
