@@ -18,7 +18,7 @@ import torch.distributed as dist
 from ..files import atomic_write
 from .checkpoint import check_save_target
 from .checks import CheckpointError, PathLike, current_rank, from_rank0, on_all_ranks
-from .publish import discard_checkpoint_dir, is_checkpoint, is_full_checkpoint, removal_problem
+from .publish import discard_checkpoint_dir, is_checkpoint, is_full_checkpoint
 
 __all__ = ["TENSOR_KEYS", "read_full_checkpoint", "remove_checkpoint", "write_full_checkpoint"]
 
@@ -133,13 +133,7 @@ def remove_checkpoint(
                 )
             path.unlink()  # the link only, as NeMo does: the checkpoint it points to stays
         elif path.is_dir():
-            problem = removal_problem(path)
-            if problem is not None:
-                raise CheckpointError(
-                    f"{caller}: {path} is a directory but not a sharded checkpoint written by this library "
-                    f"({problem}); refusing to delete it."
-                )
-            discard_checkpoint_dir(path)
+            discard_checkpoint_dir(path, caller)
         elif path.exists():
             if not is_full_checkpoint(path):
                 raise CheckpointError(

@@ -21,7 +21,7 @@ from .async_save import AsyncCheckpointer
 from .checkpoint import load_checkpoint, save_checkpoint
 from .checks import CheckpointError, PathLike, current_rank, from_rank0, on_all_ranks
 from .preemption import PreemptionHandler, SignalLike
-from .publish import discard_checkpoint_dir, is_checkpoint, removal_problem
+from .publish import discard_checkpoint_dir, is_checkpoint
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 _STALE = re.compile(r"^\.step_\d+\.incomplete$")
@@ -65,15 +65,11 @@ def prune_checkpoints(root: PathLike, keep_last: int) -> list[Path]:
         raise ValueError(f"prune_checkpoints(): keep_last must be a positive int, got {keep_last!r}.")
     deleted = []
     for path in [Path(root) / f"step_{step}" for step in checkpoint_steps(root)[:-keep_last]]:
-        problem = removal_problem(path)
-        if problem is not None:
-            warnings.warn(
-                f"prune_checkpoints(): kept {path}: it is not a checkpoint written by this library ({problem}).",
-                stacklevel=2,
-            )
-            continue
-        discard_checkpoint_dir(path)
-        deleted.append(path)
+        try:
+            discard_checkpoint_dir(path, "prune_checkpoints()")
+            deleted.append(path)
+        except CheckpointError as e:  # not ours: kept, and a warning names it and why
+            warnings.warn(str(e), stacklevel=2)
     return deleted
 
 

@@ -150,32 +150,22 @@ def is_checkpoint(path: PathLike) -> bool:
     return True
 
 
-def removal_problem(path: Path) -> Optional[str]:
-    """Why ``discard_checkpoint_dir`` would refuse ``path`` (``None``: a link, an empty folder, or a checkpoint of ours)."""
-    path = Path(path)
-    if path.is_symlink() or not os.path.lexists(path):
-        return None
-    if path.is_dir() and not any(path.iterdir()):
-        return None
-    return checkpoint_problem(path)
-
-
-def discard_checkpoint_dir(path: Path) -> None:
+def discard_checkpoint_dir(path: Path, caller: str = "") -> None:
     """Delete a checkpoint directory of ours, its ``.metadata`` first: an interrupted delete never looks complete.
 
-    A symbolic link is unlinked (its target never touched); anything not verifiably a checkpoint
-    (``removal_problem``) raises ``CheckpointError`` naming the path and why, and is left as it is.
+    A symbolic link is unlinked (its target never touched), an empty folder removed; anything not verifiably
+    a checkpoint of ours (``checkpoint_problem``) raises ``CheckpointError`` naming the path and why, untouched.
     """
     path = Path(path)
-    problem = removal_problem(path)  # None for a link or nothing at all
-    if problem is not None:
-        raise CheckpointError(
-            f"{path} is not a checkpoint written by this library ({problem}); refusing to delete it. "
-            "Remove it yourself if it is yours to delete."
-        )
     if path.is_symlink() or not os.path.lexists(path):
         path.unlink(missing_ok=True)
         return
+    problem = None if path.is_dir() and not any(path.iterdir()) else checkpoint_problem(path)
+    if problem is not None:
+        raise CheckpointError(
+            f"{caller + ': ' if caller else ''}{path} is not a checkpoint written by this library ({problem}); "
+            "refusing to delete it. Remove it yourself if it is yours to delete."
+        )
     with contextlib.suppress(OSError):
         (path / METADATA_FILE).unlink()
     shutil.rmtree(path, ignore_errors=True)
