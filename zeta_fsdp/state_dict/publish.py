@@ -96,11 +96,8 @@ def is_full_checkpoint(path: Any) -> bool:
 
 
 def checkpoint_problem(path: Path) -> Optional[str]:
-    """Why ``path`` is not a complete checkpoint of ours (``None`` when it is).
-
-    Ours: a real directory whose ``.metadata`` validates, holding nothing but that file and DCP
-    shard files. A checkpoint someone put their own files into is not ours to replace or delete.
-    """
+    """Why ``path`` is not a complete checkpoint of ours (``None`` when it is): a real directory whose ``.metadata``
+    validates, holding nothing else but DCP shard files (one someone put their files into is not ours to delete)."""
     path = Path(path)
     if path.is_symlink():
         return "it is a symbolic link"
@@ -139,15 +136,24 @@ def is_checkpoint(path: PathLike) -> bool:
         >>> if is_checkpoint("ckpt/last"):
         ...     extra = load_checkpoint("ckpt/last", model, optimizer)
     """
-    path = Path(path)
-    recover(path)
-    if not (path / METADATA_FILE).is_file():
-        return False
     try:
-        load_metadata(path / METADATA_FILE, "is_checkpoint()")
-    except CheckpointError:
+        read_metadata(Path(path), "is_checkpoint()")
+    except (OSError, CheckpointError):
         return False
     return True
+
+
+def read_metadata(path: Path, caller: str) -> Metadata:
+    """The validated metadata of the checkpoint directory ``path`` (an interrupted overwrite recovered first)."""
+    recover(path)
+    if not path.exists():
+        raise FileNotFoundError(f"{caller}: {path} does not exist.{leftovers(path)}")
+    if not path.is_dir():
+        raise CheckpointError(f"{caller}: {path} is a file, not a checkpoint directory.")
+    if not (path / METADATA_FILE).is_file():
+        hint = leftovers(path)
+        raise CheckpointError(f"{caller}: {path} is not a checkpoint (it has no {METADATA_FILE} file).{hint}")
+    return load_metadata(path / METADATA_FILE, caller)
 
 
 def discard_checkpoint_dir(path: Path, caller: str = "") -> None:
@@ -172,13 +178,10 @@ def discard_checkpoint_dir(path: Path, caller: str = "") -> None:
 
 
 def recover(path: Path, *, locked: bool = False) -> None:
-    """Finish an overwrite that stopped between its two renames (``save_checkpoint``'s last step).
-
-    Then ``path`` is missing and ``.<name>.replaced`` holds what was there: the new checkpoint is
-    renamed into place if ``.<name>.incomplete`` holds it complete, else the previous one is put back.
-    Done under ``path``'s lock (``locked``: the caller holds it), waited for up to ``LOCK_WAIT_S`` so
-    every rank that finds the path missing sees it back; without the lock nothing is done.
-    """
+    """Finish an overwrite that stopped between its two renames: ``path`` missing, ``.<name>.replaced`` holding
+    what was there. The new checkpoint goes into place if ``.<name>.incomplete`` holds it complete, else the
+    previous one. Under ``path``'s lock (``locked``: the caller holds it; else waited for, so every rank that
+    finds the path missing sees it back)."""
     old, tmp = replaced_path(path), incomplete_path(path)
     if os.path.lexists(path) or not old.is_dir():
         return
@@ -223,11 +226,8 @@ def leftovers(path: Path) -> str:
 
 
 def publish_checkpoint(path: Path) -> None:
-    """Rename the complete ``.<name>.incomplete`` to ``path``, replacing a checkpoint there only once it is in place.
-
-    One process only (rank 0, holding ``path``'s ``PathLock``). Where the two directories cannot be
-    swapped atomically, a crash between two renames is finished by the next ``recover`` of ``path``.
-    """
+    """Rename the complete ``.<name>.incomplete`` to ``path`` (rank 0, holding ``path``'s ``PathLock``); a crash
+    between the two renames of a non-atomic swap is finished by the next ``recover`` of ``path``."""
     publish_dir(incomplete_path(path), path, discard=discard_checkpoint_dir)
     with contextlib.suppress(OSError):  # the rename itself on disk
         fd = os.open(path.parent, os.O_RDONLY)

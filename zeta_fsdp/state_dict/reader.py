@@ -28,20 +28,8 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
 from torch.futures import Future
 
-from .checks import METADATA_FILE, CheckpointError, dist_on, on_all_ranks, short_list
-from .publish import leftovers, load_metadata, recover
-
-
-def read_metadata(path: Path, caller: str) -> Metadata:
-    recover(path)
-    if not path.exists():
-        raise FileNotFoundError(f"{caller}: {path} does not exist.{leftovers(path)}")
-    if not path.is_dir():
-        raise CheckpointError(f"{caller}: {path} is a file, not a checkpoint directory.")
-    if not (path / METADATA_FILE).is_file():
-        hint = leftovers(path)
-        raise CheckpointError(f"{caller}: {path} is not a checkpoint (it has no {METADATA_FILE} file).{hint}")
-    return load_metadata(path / METADATA_FILE, caller)
+from .checks import CheckpointError, dist_on, on_all_ranks, short_list
+from .publish import read_metadata
 
 
 def open_checkpoint(path: Path, caller: str) -> Metadata:
