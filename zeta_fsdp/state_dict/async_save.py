@@ -26,12 +26,9 @@ from .publish import publish_checkpoint
 
 @torch.no_grad()
 def stage_state(state: dict[str, Any], buffers: Optional[dict[str, torch.Tensor]] = None) -> dict[str, Any]:
-    """A copy of ``state`` in CPU memory that later training cannot change: tensors copied, objects deep-copied.
-
-    A ``DTensor`` stays a ``DTensor`` around a CPU copy of its local shard, so DCP writes exactly what
-    ``save_checkpoint`` would. ``buffers`` (``{key: CPU tensor}``, filled on first use) are reused by
-    later calls: copying into memory already mapped is several times faster than into fresh pages.
-    """
+    """A CPU copy of ``state`` later training cannot change (a ``DTensor`` around a copy of its local shard, so DCP
+    writes what ``save_checkpoint`` would). ``buffers`` (``{key: CPU tensor}``) are reused by later calls:
+    copying into memory already mapped is several times faster than into fresh pages."""
     out: dict[str, Any] = {}
     for key, value in state.items():
         if isinstance(value, torch.Tensor):

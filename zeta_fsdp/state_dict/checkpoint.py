@@ -138,10 +138,8 @@ def save_checkpoint(
 def start_save(
     path: Path, optimizer: Optional[torch.optim.Optimizer], extra: Any, *, overwrite: bool
 ) -> Optional[PathLock]:
-    """Check ``extra`` and the optimizer's options load back, then ``prepare_save_dir``, in one collective.
-
-    Returns rank 0's held ``PathLock`` of ``path`` (``None`` elsewhere), for ``end_save``.
-    """
+    """Check ``extra`` and the optimizer's options load back, then ``prepare_save_dir``, in one collective;
+    returns rank 0's held ``PathLock`` of ``path`` (``None`` elsewhere), for ``end_save``."""
     holder: list[PathLock] = []
 
     def start() -> Optional[PathLock]:

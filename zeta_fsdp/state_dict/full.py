@@ -113,11 +113,8 @@ def read_full_checkpoint(
 def remove_checkpoint(
     filepath: PathLike, *, checkpoint_io: Any = None, caller: str = "FSDP2Strategy.remove_checkpoint()"
 ) -> None:
-    """Delete a checkpoint (full-format file or sharded directory) on rank 0, once every rank got here.
-
-    A symbolic link (NeMo's "last" checkpoints) is unlinked, its target never touched. Anything not
-    verifiably a checkpoint of ours raises ``CheckpointError``. ``checkpoint_io`` replaces all of this.
-    """
+    """Delete a checkpoint (full-format file or sharded directory) on rank 0, once every rank got here; a symbolic
+    link (NeMo's "last") is unlinked, anything not verifiably ours refused. ``checkpoint_io`` replaces all of this."""
     path = Path(filepath)
 
     def remove() -> None:

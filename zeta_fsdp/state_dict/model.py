@@ -63,11 +63,8 @@ def load_sharded_state_dict(model: nn.Module, state_dict: Mapping[str, Any], *, 
 def gather_full(
     sharded: Mapping[str, Any], aliases: Mapping[str, str], *, cpu_offload: bool, rank0_only: bool
 ) -> dict[str, Any]:
-    """All-gather each ``DTensor`` in turn (every rank, same order); keep the result where asked.
-
-    The peak is the kept copy plus one full tensor in flight. The result never shares memory with
-    the live model or optimizer; tied aliases reuse the tensor gathered for their first name.
-    """
+    """All-gather each ``DTensor`` in turn (every rank, same order; the peak is the kept copy plus one full tensor),
+    kept where asked, never sharing memory with the live model or optimizer; tied aliases reuse their first name's."""
     keep = not rank0_only or current_rank() == 0
     out: dict[str, Any] = {}
     gathered: set[str] = set()

@@ -56,11 +56,8 @@ def flat_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> 
 
 
 def _materialize_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
-    """Create the optimizer's state (its names and shapes) with one step at lr 0 on zero gradients.
-
-    What torch's ``set_optimizer_state_dict`` does itself, except that the user's gradients are
-    kept aside (torch skips the step when any gradient exists, and then loads no state at all).
-    """
+    """Create the optimizer's state (names, shapes) with one step at lr 0 on zero gradients, as torch's
+    ``set_optimizer_state_dict`` does, but the user's gradients kept aside (torch skips the step if any exists)."""
     grads = [(p, p.grad) for g in optimizer.param_groups for p in g["params"]]
     lrs = [g.get("lr") for g in optimizer.param_groups]
     try:
@@ -142,11 +139,8 @@ _SCHEDULER_OPTIONS = {"initial_lr", "max_lr", "min_lr", "max_momentum", "base_mo
 def validate_optimizer(
     saved_keys: list[str], model: nn.Module, optimizer: torch.optim.Optimizer, source: str
 ) -> dict[int, str]:
-    """Check saved flat optimizer keys against the live optimizer; return ``{id(param): saved FQN}``.
-
-    Parameter names must match both ways, and every state name the optimizer keeps must be saved.
-    A fresh optimizer's state is created first to know those; callers clear it if anything fails.
-    """
+    """Check saved flat optimizer keys against the live optimizer (names both ways, every state name it keeps), and
+    return ``{id(param): saved FQN}``. A fresh optimizer gets its state to know those (callers clear it on failure)."""
     params = _optimizer_params(model, optimizer)
     group_keys = [k[len(GROUPS_PREFIX) :] for k in saved_keys if k.startswith(GROUPS_PREFIX)]
     if not group_keys:

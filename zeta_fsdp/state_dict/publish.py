@@ -55,11 +55,8 @@ def shard_file_name_ok(name: Any) -> bool:
 
 
 def load_metadata(file: Path, caller: str) -> Metadata:
-    """The DCP ``Metadata`` in ``file``, unpickled with the allow-list and checked; ``CheckpointError`` otherwise.
-
-    Every storage record must name a shard file inside the checkpoint directory, at a
-    non-negative offset: a crafted ``.metadata`` cannot make a reader open another file.
-    """
+    """The DCP ``Metadata`` in ``file``, unpickled with the allow-list and checked: every record names a shard file
+    inside the checkpoint directory at a non-negative offset (a crafted one cannot make a reader open another file)."""
     try:
         with open(file, "rb") as f:
             metadata = _MetadataUnpickler(f).load()
@@ -157,11 +154,8 @@ def read_metadata(path: Path, caller: str) -> Metadata:
 
 
 def discard_checkpoint_dir(path: Path, caller: str = "") -> None:
-    """Delete a checkpoint directory of ours, its ``.metadata`` first: an interrupted delete never looks complete.
-
-    A symbolic link is unlinked (its target never touched), an empty folder removed; anything not verifiably
-    a checkpoint of ours (``checkpoint_problem``) raises ``CheckpointError`` naming the path and why, untouched.
-    """
+    """Delete a checkpoint directory of ours, ``.metadata`` first (an interrupted delete never looks complete); a link
+    is unlinked, never followed. Anything else not verifiably ours (``checkpoint_problem``) raises, untouched."""
     path = Path(path)
     if path.is_symlink() or not os.path.lexists(path):
         path.unlink(missing_ok=True)

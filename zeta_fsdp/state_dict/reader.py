@@ -114,7 +114,12 @@ class _VerifyingReader(FileSystemReader):
     def _read_record(self, item: Any, record: memoryview, where: str, planner: LoadPlanner) -> None:
         files = entries(record, where)
         if files is None:  # a zip layout the fast path does not parse: zipfile checks it
-            _testzip(record, where)
+            try:
+                bad = zipfile.ZipFile(io.BytesIO(bytes(record))).testzip()
+            except (zipfile.BadZipFile, OSError, EOFError, ValueError) as e:
+                raise CheckpointError(f"shard record {where} is corrupted: {e}") from e
+            if bad is not None:
+                raise CheckpointError(f"shard record {where} is corrupted: {bad} fails its CRC-32 check.")
         if item.type == LoadItemType.BYTE_IO:
             planner.load_bytes(item, io.BytesIO(bytes(record)))
             return
@@ -262,21 +267,9 @@ def _map(f: Any) -> Optional[memoryview]:
     return memoryview(mmap.mmap(f.fileno(), size, access=mmap.ACCESS_READ)) if size else None
 
 
-def _testzip(record: memoryview, where: str) -> None:
-    try:
-        bad = zipfile.ZipFile(io.BytesIO(bytes(record))).testzip()
-    except (zipfile.BadZipFile, OSError, EOFError, ValueError) as e:
-        raise CheckpointError(f"shard record {where} is corrupted: {e}") from e
-    if bad is not None:
-        raise CheckpointError(f"shard record {where} is corrupted: {bad} fails its CRC-32 check.")
-
-
 class _SafeLoadPlanner(DefaultLoadPlanner):
-    """DCP's load planner, but non-tensor entries load with ``torch.load(weights_only=True)``.
-
-    Keys are matched as given (no nested flattening: ``extra`` is one object), and keys absent
-    from the checkpoint are skipped (they were validated before loading).
-    """
+    """DCP's load planner, but non-tensor entries load with ``torch.load(weights_only=True)``; keys matched as
+    given (``extra`` is one object), keys absent from the checkpoint skipped (validated before loading)."""
 
     def __init__(self) -> None:
         super().__init__(flatten_state_dict=False, allow_partial_load=True)
@@ -289,11 +282,8 @@ class _SafeLoadPlanner(DefaultLoadPlanner):
 
 
 class CheckedRead:
-    """Everything this rank needs from a checkpoint, read and CRC-checked, not yet copied into its targets.
-
-    Returned by ``read_checked``; ``commit`` copies the checked tensors into the state dict's tensors
-    (non-tensor entries are already in the state dict). Holding it holds the file bytes read.
-    """
+    """What this rank needs from a checkpoint, read and CRC-checked (non-tensor entries already in the state
+    dict), not yet copied into its tensors: ``commit`` does that. Holding it holds the file bytes read."""
 
     def __init__(self, reader: _VerifyingReader, planner: _SafeLoadPlanner) -> None:
         self._reader, self._planner = reader, planner
@@ -312,11 +302,8 @@ class CheckedRead:
 
 
 def read_checked(state: dict[str, Any], path: Path, metadata: Optional[Metadata] = None) -> CheckedRead:
-    """Read what this rank needs of ``state`` from the checkpoint at ``path``; this rank only, no collectives.
-
-    Tensors of ``state`` are targets (DCP's planner reshards); other values are replaced by the
-    saved objects. Every record is CRC-checked here; no tensor of ``state`` changes until ``commit``.
-    """
+    """Read and CRC-check what this rank needs of ``state`` (tensors are targets, DCP's planner reshards; other
+    values are replaced by the saved objects); no collectives, and no tensor of ``state`` changes until ``commit``."""
     reader = _VerifyingReader(path, metadata)
     planner = _SafeLoadPlanner()
     metadata = reader.read_metadata()
@@ -331,11 +318,8 @@ def read_checked(state: dict[str, Any], path: Path, metadata: Optional[Metadata]
 
 
 def dcp_load(state: dict[str, Any], path: Path, *, alone: bool = False, metadata: Optional[Metadata] = None) -> None:
-    """Read ``state`` from the checkpoint at ``path`` and fill it, once every record read passed its check.
-
-    ``alone``: this rank only. Otherwise the tensors are filled only once every rank read and
-    checked its part: a damaged file anywhere changes no rank's tensors.
-    """
+    """Fill ``state`` from the checkpoint at ``path`` once every record read passed its check: on every rank
+    (a damaged file anywhere changes no rank's tensors), or ``alone`` on this rank only."""
     if alone or not dist_on():
         read_checked(state, path, metadata).commit()
         return
