@@ -18,9 +18,10 @@ import torch.nn as nn
 from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemWriter
 from torch.distributed.tensor import DTensor
 
+from ..distributed import get_rank, get_world_size, is_distributed
 from ..files import PathLock, incomplete_path
 from .checkpoint import checkpoint_state, end_save, save_failure, start_save
-from .checks import FAILURES, CheckpointError, PathLike, current_rank, dist_on, on_all_ranks, world_size
+from .checks import FAILURES, CheckpointError, PathLike, on_all_ranks
 from .publish import publish_checkpoint
 
 
@@ -123,7 +124,7 @@ class AsyncCheckpointer:
             raise RuntimeError("AsyncCheckpointer.save(): the checkpointer was closed.")
         self.wait()
         path = Path(path)
-        if self._group is None and dist_on() and world_size() > 1:
+        if self._group is None and is_distributed() and get_world_size() > 1:
             # A gloo group of its own: the background thread's collectives never interleave with
             # training's (and CPU tensors need a CPU backend even when training runs on nccl).
             self._group = dist.new_group(backend="gloo")
@@ -143,7 +144,7 @@ class AsyncCheckpointer:
                         storage_writer=_GatedWriter(incomplete_path(path), gate),
                         planner=DefaultSavePlanner(flatten_state_dict=False),
                         process_group=self._group,
-                        no_dist=not dist_on(),
+                        no_dist=not is_distributed(),
                     )
 
             # Started on every rank, or on none: a write thread must not wait in its first collective for a
@@ -158,7 +159,7 @@ class AsyncCheckpointer:
             end_save(path, lock, published=False)
             raise save_failure(path, f"staging {path}", e) from e
         done: Future = Future()
-        publisher = current_rank() == 0
+        publisher = get_rank() == 0
         threading.Thread(target=_finish, args=(upload, path, publisher, done), daemon=True).start()
         self._pending = (path, lock, done)
         return path
@@ -200,7 +201,7 @@ class AsyncCheckpointer:
         finally:
             self._closed = True
             self._buffers = None
-            if self._made_group and dist_on():
+            if self._made_group and is_distributed():
                 dist.destroy_process_group(self._group)
             self._group = None
 

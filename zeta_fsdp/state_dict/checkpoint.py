@@ -17,6 +17,7 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.tensor import DTensor
 
+from ..distributed import get_rank, is_distributed
 from ..files import PathLock, incomplete_path, remove_tree
 from ..ties import tied_aliases
 from .checks import (
@@ -30,9 +31,7 @@ from .checks import (
     STATE_PREFIX,
     CheckpointError,
     PathLike,
-    current_rank,
     describe_mismatch,
-    dist_on,
     error_reason,
     named_parameters,
     on_all_ranks,
@@ -119,11 +118,11 @@ def save_checkpoint(
             planner = DefaultSavePlanner(flatten_state_dict=False)
             with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-                dcp.save(state, storage_writer=writer, planner=planner, no_dist=not dist_on())
+                dcp.save(state, storage_writer=writer, planner=planner, no_dist=not is_distributed())
         except FAILURES as e:
             raise save_failure(path, f"writing {path}", e) from e
         try:  # rank 0 publishes; no rank returns before the checkpoint is in place
-            on_all_ranks(lambda: publish_checkpoint(path) if current_rank() == 0 else None)
+            on_all_ranks(lambda: publish_checkpoint(path) if get_rank() == 0 else None)
         except FAILURES as e:
             raise save_failure(path, f"renaming {incomplete_path(path)} to {path}", e) from e
         published = True
@@ -223,7 +222,7 @@ def check_save_target(
 def prepare_save_dir(path: Path, *, overwrite: bool) -> Optional[PathLock]:
     """Rank 0: lock ``path``, check it may be written (``check_save_target``), make an empty
     ``.<name>.incomplete`` beside it. The held lock (``None`` off rank 0) makes two jobs take turns."""
-    if current_rank() != 0:
+    if get_rank() != 0:
         return None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -257,14 +256,14 @@ def checkpoint_state(model: nn.Module, optimizer: Optional[torch.optim.Optimizer
     model_sd = get_sharded_state_dict(model)
     tied = {alias: source for alias, source in tied_aliases(named_parameters(model)).items() if alias in model_sd}
     state: dict[str, Any] = {MODEL_PREFIX + k: v for k, v in model_sd.items() if k not in tied}
-    if current_rank() == 0:
+    if get_rank() == 0:
         state[LAYOUT_KEY] = {"keys": list(model_sd), "tied": tied}
     if optimizer is not None:
         flat = flat_optimizer_state(model, optimizer)
         state.update({OPTIM_PREFIX + k: v for k, v in flat.items() if not k.startswith(GROUPS_PREFIX)})
-        if current_rank() == 0:
+        if get_rank() == 0:
             state[PACKED_GROUPS_KEY] = {k: v for k, v in flat.items() if k.startswith(GROUPS_PREFIX)}
-    if extra is not None and current_rank() == 0:
+    if extra is not None and get_rank() == 0:
         state[EXTRA_KEY] = extra
     return state
 

@@ -10,7 +10,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.checkpoint import CheckpointException
 
-from ..distributed import get_rank, get_world_size, is_distributed
+from ..distributed import get_world_size, is_distributed
 from ..distributed import on_all_ranks as _on_all_ranks
 
 PathLike = Union[str, os.PathLike]
@@ -47,12 +47,6 @@ class CheckpointError(ValueError):
     """
 
 
-# The rank helpers' one home is ``zeta_fsdp.distributed``; these are the names this package uses.
-dist_on = is_distributed
-current_rank = get_rank
-world_size = get_world_size
-
-
 def error_reason(error: BaseException) -> str:
     """One readable line per failing rank (DCP's exception text holds every rank's traceback)."""
     if isinstance(error, CheckpointException):
@@ -79,7 +73,7 @@ def on_all_ranks(fn: Callable[[], Any], *, rank0_only: bool = False) -> Any:
 def from_rank0(fn: Callable[[], Any]) -> Any:
     """``fn()`` run on rank 0 alone, its result (it must pickle) or its error given to every rank."""
     result = on_all_ranks(fn, rank0_only=True)
-    if dist_on() and world_size() > 1:
+    if is_distributed() and get_world_size() > 1:
         box = [result]
         dist.broadcast_object_list(box, src=0)
         result = box[0]

@@ -15,9 +15,10 @@ from typing import Any, Mapping, Optional
 import torch
 import torch.distributed as dist
 
+from ..distributed import get_rank, is_distributed
 from ..files import atomic_write
 from .checkpoint import check_save_target
-from .checks import CheckpointError, PathLike, current_rank, from_rank0, on_all_ranks
+from .checks import CheckpointError, PathLike, from_rank0, on_all_ranks
 from .publish import discard_checkpoint_dir, is_checkpoint, is_full_checkpoint
 
 __all__ = ["TENSOR_KEYS", "read_full_checkpoint", "remove_checkpoint", "write_full_checkpoint"]
@@ -105,7 +106,7 @@ def read_full_checkpoint(
         return small
 
     small = from_rank0(read)
-    if current_rank() == 0:
+    if get_rank() == 0:
         return held
     return {**small, "state_dict": {}, "optimizer_states": [None] * small["optimizer_states"]}
 
@@ -138,6 +139,6 @@ def remove_checkpoint(
                 )
             path.unlink()
 
-    if dist.is_available() and dist.is_initialized():
+    if is_distributed():
         dist.barrier()  # no rank may still be reading it
     on_all_ranks(remove, rank0_only=True)

@@ -16,10 +16,11 @@ from typing import Any, Iterable, Mapping, Optional
 import torch
 import torch.nn as nn
 
+from ..distributed import get_rank
 from ..files import PathLock, remove_tree
 from .async_save import AsyncCheckpointer
 from .checkpoint import load_checkpoint, save_checkpoint
-from .checks import CheckpointError, PathLike, current_rank, from_rank0, on_all_ranks
+from .checks import CheckpointError, PathLike, from_rank0, on_all_ranks
 from .preemption import PreemptionHandler, SignalLike
 from .publish import discard_checkpoint_dir, is_checkpoint
 
@@ -149,7 +150,7 @@ class CheckpointManager:
         Example:
             start = manager.resume()
         """
-        on_all_ranks(self._remove_stale if current_rank() == 0 else lambda: None)
+        on_all_ranks(self._remove_stale if get_rank() == 0 else lambda: None)
         path = self.latest()
         if path is None:
             return 0
@@ -227,7 +228,7 @@ class CheckpointManager:
         """Rank 0 deletes complete checkpoints older than the newest ``keep_last`` (the in-flight one is hidden)."""
         if self.keep_last is not None:
             keep = self.keep_last
-            on_all_ranks(lambda: prune_checkpoints(self.root, keep) if current_rank() == 0 else None)
+            on_all_ranks(lambda: prune_checkpoints(self.root, keep) if get_rank() == 0 else None)
 
     def _remove_stale(self) -> None:
         if not self.root.is_dir():

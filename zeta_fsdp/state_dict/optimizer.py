@@ -12,19 +12,16 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimi
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict as _dcp_get_optimizer_state_dict
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from ..distributed import comm_device
+from ..distributed import comm_device, get_rank, get_world_size, is_distributed
 from .checks import (
     FAILURES,
     GROUPS_PREFIX,
     STATE_PREFIX,
     CheckpointError,
     clean_fqn,
-    current_rank,
-    dist_on,
     on_all_ranks,
     param_names,
     short_list,
-    world_size,
 )
 from .model import gather_full
 
@@ -263,7 +260,7 @@ def load_optimizer_state_dict(
         osd = get_optimizer_state_dict(model, optimizer, full=True)
         load_optimizer_state_dict(model, optimizer, osd, full=True)
     """
-    holds = not (full and broadcast_from_rank0 and dist_on()) or current_rank() == 0
+    holds = not (full and broadcast_from_rank0 and is_distributed()) or get_rank() == 0
     if holds and not isinstance(osd, Mapping):
         raise TypeError(f"load_optimizer_state_dict(): osd must be a dict, got {type(osd).__name__}.")
     flat = entries = {clean_fqn(k): v for k, v in osd.items()} if holds else {}
@@ -272,7 +269,7 @@ def load_optimizer_state_dict(
         # to validate and to allocate what the broadcast fills.
         tensors = [k for k, v in flat.items() if k.startswith(STATE_PREFIX) and isinstance(v, torch.Tensor)]
         described = [{**flat, **{k: torch.empty_like(flat[k], device="meta") for k in tensors}}]
-        if broadcast_from_rank0 and world_size() > 1:
+        if broadcast_from_rank0 and get_world_size() > 1:
             dist.broadcast_object_list(described, src=0)
         entries = described[0]
     was_fresh = not optimizer.state
@@ -281,7 +278,7 @@ def load_optimizer_state_dict(
         chosen = on_all_ranks(lambda: validate_optimizer(list(entries), model, optimizer, source))
         if full:
             scratch = optimizer_scratch(entries, model, optimizer, chosen)
-            flat = _distribute_full(flat, entries, scratch, broadcast=broadcast_from_rank0 and world_size() > 1)
+            flat = _distribute_full(flat, entries, scratch, broadcast=broadcast_from_rank0 and get_world_size() > 1)
         on_all_ranks(lambda: check_group_consistency(model, optimizer, flat))
     except FAILURES:
         if was_fresh:
