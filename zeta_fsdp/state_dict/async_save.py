@@ -71,12 +71,10 @@ class _GatedWriter(FileSystemWriter):
 class AsyncCheckpointer:
     """Save checkpoints without stopping training for the write.
 
-    ``save()`` takes ``save_checkpoint``'s arguments and returns once every rank's shards are copied
-    to CPU memory; DCP writes them in a background thread over a gloo group of its own, and rank 0
-    publishes the directory. The checkpoint is what ``save_checkpoint`` would write at that moment,
-    with the same guarantees. At most one save is in flight: the next ``save()``, ``wait()``,
-    ``close()`` or interpreter exit waits for it. The CPU copy is kept for the next save (copying into
-    mapped memory is faster) unless ``reuse_buffers=False``. Create it and call its methods on every rank.
+    ``save()`` takes ``save_checkpoint``'s arguments and returns once every rank's shards are copied to CPU
+    memory; DCP writes them in a background thread on a gloo group of its own, rank 0 publishes: what
+    ``save_checkpoint`` would write, with its guarantees. At most one save is in flight (the next call, or
+    exit, waits for it); the CPU copy is reused unless ``reuse_buffers=False``. Every rank (docs/long_jobs.md).
 
     Example:
         checkpointer = AsyncCheckpointer()

@@ -83,13 +83,11 @@ def _positive(name: str, value: Optional[int]) -> Optional[int]:
 class CheckpointManager:
     """Checkpoints of one training run under ``root``: periodic, pruned, resumable, preemption-safe.
 
-    ``after_step(step)`` at every step boundary saves ``root/step_<step>`` every ``every`` steps and
-    when a preemption signal (``preemption_signals``, default SIGTERM; ``()`` for none) arrived, then
-    returns ``True``: stop the loop. ``keep_last=K`` keeps the K newest complete checkpoints (``None``:
-    all). ``resume()`` loads the latest one and returns its step (0 on first launch).
-    ``async_save=True`` writes in the background (``AsyncCheckpointer``). ``state``: ``{name: object
-    with state_dict() / load_state_dict()}`` (a ``ResumableLoader``, an LR scheduler) saved with every
-    checkpoint and restored by ``resume()``. Create it and call its methods on every rank.
+    ``after_step(step)`` saves ``root/step_<step>`` every ``every`` steps and once a preemption signal
+    (``preemption_signals``; ``()`` for none) arrived, then returns ``True``: stop the loop. ``keep_last=K``
+    keeps the K newest; ``resume()`` loads the latest and returns its step (0 on first launch). ``state``:
+    ``{name: object with state_dict() / load_state_dict()}`` (a ``ResumableLoader``, an LR scheduler) saved
+    and restored with them. Every rank (docs/long_jobs.md).
 
     Example:
         manager = CheckpointManager("ckpt", model, optimizer, every=100, keep_last=3,
@@ -190,12 +188,10 @@ class CheckpointManager:
         """
         path = self.root / f"step_{int(step)}"
         record = {"step": int(step), "state": {n: obj.state_dict() for n, obj in self.state.items()}, "extra": extra}
-        if self.checkpointer is not None:
-            self.checkpointer.wait()
-            self._prune()
-            self.checkpointer.save(path, self.model, self.optimizer, extra=record, overwrite=True)
-        else:
-            save_checkpoint(path, self.model, self.optimizer, extra=record, overwrite=True)
+        self.wait()  # a background save still in flight completes (and is pruned) first
+        save = save_checkpoint if self.checkpointer is None else self.checkpointer.save
+        save(path, self.model, self.optimizer, extra=record, overwrite=True)
+        if self.checkpointer is None:
             self._prune()
         self._saved_step = int(step)
         return path
