@@ -31,14 +31,13 @@ def stage_state(state: dict[str, Any], buffers: Optional[dict[str, torch.Tensor]
     writes what ``save_checkpoint`` would). ``buffers`` (``{key: CPU tensor}``) are reused by later calls:
     copying into memory already mapped is several times faster than into fresh pages."""
     out: dict[str, Any] = {}
+    buffers = {} if buffers is None else buffers
     for key, value in state.items():
         if isinstance(value, torch.Tensor):
             local = value.to_local() if isinstance(value, DTensor) else value
-            kept = buffers.get(key) if buffers is not None else None
+            kept = buffers.get(key)
             if kept is None or kept.shape != local.shape or kept.dtype != local.dtype:
-                kept = torch.empty(local.shape, dtype=local.dtype, device="cpu")
-                if buffers is not None:
-                    buffers[key] = kept
+                kept = buffers[key] = torch.empty(local.shape, dtype=local.dtype, device="cpu")
             kept.copy_(local.detach())
             if isinstance(value, DTensor):  # the same mesh and placements around the CPU copy
                 kept = DTensor.from_local(

@@ -91,14 +91,6 @@ def named_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
     return {clean_fqn(name): param for name, param in model.named_parameters(remove_duplicate=False)}
 
 
-def param_names(model: nn.Module) -> dict[int, list[str]]:
-    """Every name of every parameter (tied parameters have several), keyed by ``id(param)``."""
-    names: dict[int, list[str]] = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        names.setdefault(id(param), []).append(clean_fqn(name))
-    return names
-
-
 def shape_of(value: Any) -> Optional[tuple[int, ...]]:
     return tuple(value.shape) if isinstance(value, torch.Tensor) else None
 

@@ -20,15 +20,16 @@ from .checks import (
     CheckpointError,
     clean_fqn,
     on_all_ranks,
-    param_names,
     short_list,
 )
 from .model import gather_full
 
 
 def _optimizer_params(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[tuple[nn.Parameter, list[str], dict]]:
-    """``(param, its names, its param group)`` for every parameter the optimizer updates."""
-    names = param_names(model)
+    """``(param, its names, its param group)`` for every parameter the optimizer updates (a tied one has several)."""
+    names: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(clean_fqn(name))
     out = []
     for group in optimizer.param_groups:
         for param in group["params"]:
