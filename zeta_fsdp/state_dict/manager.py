@@ -227,17 +227,12 @@ class CheckpointManager:
             on_all_ranks(lambda: prune_checkpoints(self.root, keep) if get_rank() == 0 else None)
 
     def _remove_stale(self) -> None:
-        if not self.root.is_dir():
-            return
-        for child in self.root.iterdir():
+        for child in self.root.iterdir() if self.root.is_dir() else ():
             if not _STALE.match(child.name):
                 continue
             # A save in flight (another job on this root) holds the lock of its step: leave it.
             lock = PathLock(child.parent / child.name[1 : -len(".incomplete")])
-            try:
-                if not lock.acquire(timeout_s=0):
-                    continue
-            except OSError:
-                continue
-            with lock, contextlib.suppress(OSError):
-                remove_tree(child)
+            with contextlib.suppress(OSError):  # a read-only root, or a file we cannot remove: left as it is
+                if lock.acquire(timeout_s=0):
+                    with lock:
+                        remove_tree(child)
