@@ -48,12 +48,6 @@ class _MetadataUnpickler(pickle.Unpickler):
         return super().find_class(module, name)
 
 
-def shard_file_name_ok(name: Any) -> bool:
-    """``True`` for a file name a checkpoint may point to: one plain name inside its directory."""
-    plain = isinstance(name, str) and not any(c in name for c in "/\\\0")
-    return plain and name not in ("", ".", "..") and not os.path.isabs(name)
-
-
 def load_metadata(file: Path, caller: str) -> Metadata:
     """The DCP ``Metadata`` in ``file``, unpickled with the allow-list and checked: every record names a shard file
     inside the checkpoint directory at a non-negative offset (a crafted one cannot make a reader open another file)."""
@@ -69,7 +63,9 @@ def load_metadata(file: Path, caller: str) -> Metadata:
     for index, info in metadata.storage_data.items():
         name = getattr(info, "relative_path", None)
         offset, length = getattr(info, "offset", None), getattr(info, "length", None)
-        if not shard_file_name_ok(name):
+        # A file a checkpoint may point to: one plain name inside its directory.
+        plain = isinstance(name, str) and not any(c in name for c in "/\\\0") and name not in ("", ".", "..")
+        if not plain or os.path.isabs(name):
             raise CheckpointError(
                 f"{caller}: {file} points {getattr(index, 'fqn', index)!r} at {name!r}, which is not a file "
                 "inside the checkpoint directory; refusing to read it."
