@@ -139,14 +139,14 @@ def start_save(
 ) -> Optional[PathLock]:
     """Check ``extra`` and the optimizer's options load back, then ``prepare_save_dir``, in one collective;
     returns rank 0's held ``PathLock`` of ``path`` (``None`` elsewhere), for ``end_save``."""
-    holder: list[PathLock] = []
+    holder: list[Optional[PathLock]] = []
 
     def start() -> Optional[PathLock]:
         check_loadable(extra, "extra")
         if optimizer is not None:
             check_loadable(list(optimizer.param_groups), "the optimizer's param_groups")
         lock = prepare_save_dir(path, overwrite=overwrite)
-        holder.extend([lock] if lock is not None else [])
+        holder.append(lock)  # None off rank 0: end_save ignores it
         return lock
 
     try:
@@ -382,6 +382,5 @@ def load_checkpoint(
 
 
 def _storage_of(tensor: torch.Tensor) -> int:
-    if isinstance(tensor, DTensor):
-        tensor = tensor.to_local()
-    return tensor.untyped_storage().data_ptr()
+    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    return local.untyped_storage().data_ptr()

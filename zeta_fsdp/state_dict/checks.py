@@ -35,9 +35,8 @@ _WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped
 
 
 class CheckpointError(ValueError):
-    """A checkpoint or state dict that cannot be used: not a checkpoint, corrupted, or of another model.
-
-    Raised before the live model or optimizer is changed.
+    """A checkpoint or state dict that cannot be used (not a checkpoint, corrupted, or of another model), raised
+    before the live model or optimizer is changed.
 
     Example:
         try:
