@@ -133,12 +133,12 @@ def load_steps() -> list[tuple[str, Any, str]]:
     return [
         ("live sharded state dict (`get_sharded_state_dict`)", ckpt_mod, "get_sharded_state_dict"),
         ("metadata read (allow-list unpickler) + file sizes (`open_checkpoint`)", ckpt_mod, "open_checkpoint"),
-        ("small records: layout, `extra` (`_read_objects`)", ckpt_mod, "_read_objects"),
+        ("small records: layout, `extra` (`dcp_load`)", ckpt_mod, "dcp_load"),
         ("read + check every record, nothing copied yet (`read_checked`)", ckpt_mod, "read_checked"),
         ("- of which DCP planning (`create_local_plan`)", reader_mod._SafeLoadPlanner, "create_local_plan"),
         ("- of which mapping the files (`_map`)", reader_mod, "_map"),
-        ("- of which zip parse + CRC-32 of every entry (`records.entries`)", reader_mod, "entries"),
-        ("- of which tensor views of the checked bytes (`records.tensor_record`)", reader_mod, "tensor_record"),
+        ("- of which zip parse + CRC-32 of every entry (`reader.entries`)", reader_mod, "entries"),
+        ("- of which tensor views of the checked bytes (`reader.tensor_record`)", reader_mod, "tensor_record"),
         ("copy into the live shards, after all ranks agree (`CheckedRead.commit`)", reader_mod.CheckedRead, "commit"),
     ]
 
@@ -147,12 +147,16 @@ def save_steps() -> list[tuple[str, Any, str]]:
     return [
         ("input checks + make `.incomplete` dir (`check_save_inputs`, `prepare_save_dir`)", ckpt_mod, "start_save"),
         ("state dict build (`checkpoint_state`)", ckpt_mod, "checkpoint_state"),
-        ("DCP save: plan, write, fsync, metadata (`write_state`)", ckpt_mod, "write_state"),
+        ("DCP save: plan, write, fsync, metadata (`dcp.save`)", dcp, "save"),
         ("- of which local planning (`create_local_plan`)", DefaultSavePlanner, "create_local_plan"),
         ("- of which global planning, rank 0 (`create_global_plan`)", DefaultSavePlanner, "create_global_plan"),
         ("- of which serialize + write each record (`_write_item`)", dcp_fs, "_write_item"),
-        ("- of which fsync (data file, `.metadata`; also the parent-dir fsync of `finish_save`)", os, "fsync"),
-        ("publish: rename into place + fsync parent dir (`finish_save`)", ckpt_mod, "finish_save"),
+        ("- of which fsync (data file, `.metadata`; also the parent-dir fsync of `publish_checkpoint`)", os, "fsync"),
+        (
+            "publish: rename into place + fsync parent dir (`publish_checkpoint`, rank 0)",
+            ckpt_mod,
+            "publish_checkpoint",
+        ),
     ]
 
 

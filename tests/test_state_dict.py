@@ -621,13 +621,13 @@ def test_path_lock_is_exclusive_and_leaves_nothing(tmp_path):
 def test_record_reader_never_returns_a_wrong_tensor(tensor):
     """Every single-bit flip anywhere in a record: an error, a fall-back to torch.load, or the exact tensor.
 
-    ``records.entries`` checks every entry's CRC-32 over the bytes in memory and
-    ``records.tensor_record`` views the data entry; a damaged record must never decode to a
+    ``reader.entries`` checks every entry's CRC-32 over the bytes in memory and
+    ``reader.tensor_record`` views the data entry; a damaged record must never decode to a
     different tensor.
     """
     import io
 
-    from zeta_fsdp.state_dict.records import entries, tensor_record
+    from zeta_fsdp.state_dict.reader import entries, tensor_record
 
     buffer = io.BytesIO()
     torch.save(tensor, buffer)

@@ -33,13 +33,9 @@ def replaced_path(path: Union[str, Path]) -> Path:
 
 
 class PathLock:
-    """An exclusive lock on ``path`` between processes: ``flock`` on ``.<name>.lock`` beside it.
-
-    Every writer of ``path`` holds it from the moment it looks at ``path`` until what it wrote is
-    in place, so two jobs writing one path take turns. The lock file is removed on release (a
-    waiter that locked a removed file sees its inode gone and locks the new one); the kernel
-    releases the lock when the process dies. A second ``acquire`` in one process waits too.
-    """
+    """An exclusive lock on ``path`` between processes (``flock`` on ``.<name>.lock`` beside it), held by every writer
+    of ``path`` from its first look until what it wrote is in place. The lock file is removed on release (a waiter
+    that locked a removed file sees its inode gone and locks the new one); the kernel drops it if the process dies."""
 
     def __init__(self, path: Union[str, Path]) -> None:
         self.path = Path(path)
@@ -96,11 +92,8 @@ _AT_FDCWD = -100
 
 
 def exchange_paths(a: Union[str, Path], b: Union[str, Path]) -> bool:
-    """Swap the entries ``a`` and ``b`` in one atomic step (Linux ``renameat2(RENAME_EXCHANGE)``).
-
-    Returns ``False`` where the system or file system cannot (then nothing changed); raises
-    ``OSError`` for other failures. A reader of ``b`` sees the old entry or the new one, never none.
-    """
+    """Swap the entries ``a`` and ``b`` in one atomic step (Linux ``renameat2(RENAME_EXCHANGE)``): a reader of ``b``
+    sees the old entry or the new one, never none. ``False`` where the system cannot (nothing changed)."""
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         renameat2 = libc.renameat2
@@ -127,13 +120,9 @@ def remove_tree(path: Union[str, Path]) -> None:
 def publish_dir(
     tmp: Union[str, Path], path: Union[str, Path], *, discard: Callable[[Path], object] = remove_tree
 ) -> Path:
-    """Rename the finished directory ``tmp`` to ``path``; what was at ``path`` goes only once ``tmp`` is in place.
-
-    Where the system can, the two are swapped in one atomic step (``exchange_paths``): ``path``
-    never stops existing. Elsewhere the previous directory waits in ``replaced_path(path)``
-    between two renames and is put back if the second fails. ``discard`` deletes the previous
-    entry afterwards. A symbolic link at ``path`` is replaced itself, never what it points to.
-    """
+    """Rename the finished directory ``tmp`` to ``path``; what was there goes (``discard``) only once ``tmp`` is in
+    place: swapped in one atomic step where the system can, else it waits in ``replaced_path(path)`` between two
+    renames and is put back if the second fails. A symbolic link at ``path`` is replaced, never what it points to."""
     tmp, path = Path(tmp), Path(path)
     old = replaced_path(path)
     replacing = path.exists() or path.is_symlink()

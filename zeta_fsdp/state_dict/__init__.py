@@ -1,23 +1,16 @@
-"""State dicts and checkpoints of sharded models, on PyTorch's own machinery.
+"""State dicts and checkpoints of sharded models, on PyTorch's own machinery (DCP and
+``torch.distributed.checkpoint.state_dict``; no file format of our own). A checkpoint is a plain DCP
+directory (one ``.metadata`` file plus one ``.distcp`` file per rank) holding:
 
-Everything here is built on ``torch.distributed.checkpoint`` (DCP) and
-``torch.distributed.checkpoint.state_dict``; there is no file format of our own. A checkpoint is a
-plain DCP directory (one ``.metadata`` file plus one ``.distcp`` file per rank) holding:
-
-* ``model.<fqn>``: the model's tensors, sharded as they live on the ranks (each rank writes its
-  own); a tied tensor once, under its first name,
+* ``model.<fqn>``: the model's tensors, sharded as they live on the ranks; a tied tensor once, under its first name,
 * ``optim.state.<fqn>.<name>``: optimizer state keyed by parameter name (never by index), so it
   loads at any world size and sharding strategy; ``optim.param_groups``: one record of
   ``{"param_groups.<fqn>.<option>": value}`` (torch's flattened optimizer format),
 * ``model_layout``: the model's keys in order and its tied names (for consolidation),
 * ``extra``: one object of the user's (step, epoch, scheduler, RNG), saved from rank 0.
 
-Safety rules: nothing in a checkpoint is unpickled with ``weights_only=False`` (DCP's ``.metadata``
-goes through an allow-list unpickler, ``extra`` and optimizer options through
-``torch.load(weights_only=True)``, and every record's zip CRC-32 is checked while reading); a save
-is written to a hidden temporary directory and renamed into place; a load validates the checkpoint
-(keys, shapes, files) and reads it completely into scratch tensors before the live model or
-optimizer changes.
+What a save and a load guarantee (nothing unpickled with ``weights_only=False``, atomic publish, every
+record's CRC-32 checked before anything changes) is in docs/checkpoints.md.
 
 Example:
     save_checkpoint("ckpt/step_100", model, optimizer, extra={"step": 100})
@@ -35,7 +28,6 @@ from .manager import CheckpointManager, latest_checkpoint, prune_checkpoints
 from .model import get_full_state_dict, get_sharded_state_dict, load_full_state_dict, load_sharded_state_dict
 from .optimizer import get_optimizer_state_dict, load_optimizer_state_dict
 from .preemption import PreemptionHandler
-from .preemption import resolve_signals as resolve_signals  # for strategy.py
 from .publish import is_checkpoint
 
 __all__ = ["AsyncCheckpointer", "CheckpointError", "CheckpointManager", "PreemptionHandler", "consolidate_checkpoint"]

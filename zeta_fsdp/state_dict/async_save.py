@@ -18,29 +18,26 @@ import torch.nn as nn
 from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemWriter
 from torch.distributed.tensor import DTensor
 
-from ..files import PathLock
+from ..distributed import get_rank, get_world_size, is_distributed
+from ..files import PathLock, incomplete_path
 from .checkpoint import checkpoint_state, end_save, save_failure, start_save
-from .checks import FAILURES, CheckpointError, PathLike, current_rank, dist_on, on_all_ranks, world_size
-from .publish import incomplete_dir, publish_checkpoint
+from .checks import FAILURES, CheckpointError, PathLike, on_all_ranks
+from .publish import publish_checkpoint
 
 
 @torch.no_grad()
 def stage_state(state: dict[str, Any], buffers: Optional[dict[str, torch.Tensor]] = None) -> dict[str, Any]:
-    """A copy of ``state`` in CPU memory that later training cannot change: tensors copied, objects deep-copied.
-
-    A ``DTensor`` stays a ``DTensor`` around a CPU copy of its local shard, so DCP writes exactly what
-    ``save_checkpoint`` would. ``buffers`` (``{key: CPU tensor}``, filled on first use) are reused by
-    later calls: copying into memory already mapped is several times faster than into fresh pages.
-    """
+    """A CPU copy of ``state`` later training cannot change (a ``DTensor`` around a copy of its local shard, so DCP
+    writes what ``save_checkpoint`` would). ``buffers`` (``{key: CPU tensor}``) are reused by later calls:
+    copying into memory already mapped is several times faster than into fresh pages."""
     out: dict[str, Any] = {}
+    buffers = {} if buffers is None else buffers
     for key, value in state.items():
         if isinstance(value, torch.Tensor):
             local = value.to_local() if isinstance(value, DTensor) else value
-            kept = buffers.get(key) if buffers is not None else None
+            kept = buffers.get(key)
             if kept is None or kept.shape != local.shape or kept.dtype != local.dtype:
-                kept = torch.empty(local.shape, dtype=local.dtype, device="cpu")
-                if buffers is not None:
-                    buffers[key] = kept
+                kept = buffers[key] = torch.empty(local.shape, dtype=local.dtype, device="cpu")
             kept.copy_(local.detach())
             if isinstance(value, DTensor):  # the same mesh and placements around the CPU copy
                 kept = DTensor.from_local(
@@ -52,25 +49,10 @@ def stage_state(state: dict[str, Any], buffers: Optional[dict[str, torch.Tensor]
     return out
 
 
-class _AlreadyStaged:
-    """DCP's stager protocol for a state dict ``stage_state`` copied already (no second copy)."""
-
-    _synchronize_after_execute = False
-    should_synchronize_after_execute = False
-
-    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
-        return state_dict
-
-    def synchronize_staging(self) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
 class _GatedWriter(FileSystemWriter):
     """DCP's file writer whose ``reset`` (the first thing the write thread does, before any collective)
-    waits for ``gate``: ``True`` once every rank started its write, ``False`` to cancel it."""
+    waits for ``gate``: ``True`` once every rank started its write, ``False`` to cancel it. As DCP's
+    stager it hands back the state dict ``stage_state`` copied already (no second copy)."""
 
     def __init__(self, path: Path, gate: Future) -> None:
         super().__init__(path)
@@ -81,16 +63,17 @@ class _GatedWriter(FileSystemWriter):
             raise CheckpointError("the save did not start on every rank; this rank's write was cancelled")
         super().reset(checkpoint_id)
 
+    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        return state_dict
+
 
 class AsyncCheckpointer:
     """Save checkpoints without stopping training for the write.
 
-    ``save()`` takes ``save_checkpoint``'s arguments and returns once every rank's shards are copied
-    to CPU memory; DCP writes them in a background thread over a gloo group of its own, and rank 0
-    publishes the directory. The checkpoint is what ``save_checkpoint`` would write at that moment,
-    with the same guarantees. At most one save is in flight: the next ``save()``, ``wait()``,
-    ``close()`` or interpreter exit waits for it. The CPU copy is kept for the next save (copying into
-    mapped memory is faster) unless ``reuse_buffers=False``. Create it and call its methods on every rank.
+    ``save()`` takes ``save_checkpoint``'s arguments and returns once every rank's shards are copied to CPU
+    memory; DCP writes them in a background thread on a gloo group of its own, rank 0 publishes: what
+    ``save_checkpoint`` would write, with its guarantees. At most one save is in flight (the next call, or
+    exit, waits for it); the CPU copy is reused unless ``reuse_buffers=False``. Every rank (docs/long_jobs.md).
 
     Example:
         checkpointer = AsyncCheckpointer()
@@ -117,14 +100,6 @@ class AsyncCheckpointer:
         """
         return None if self._pending is None or self._pending[2].done() else self._pending[0]
 
-    def _process_group(self) -> Optional[dist.ProcessGroup]:
-        if self._group is None and dist_on() and world_size() > 1:
-            # A gloo group of its own: the background thread's collectives never interleave with
-            # training's (and CPU tensors need a CPU backend even when training runs on nccl).
-            self._group = dist.new_group(backend="gloo")
-            self._made_group = True
-        return self._group
-
     def save(
         self,
         path: PathLike,
@@ -146,7 +121,11 @@ class AsyncCheckpointer:
             raise RuntimeError("AsyncCheckpointer.save(): the checkpointer was closed.")
         self.wait()
         path = Path(path)
-        group = self._process_group()
+        if self._group is None and is_distributed() and get_world_size() > 1:
+            # A gloo group of its own: the background thread's collectives never interleave with
+            # training's (and CPU tensors need a CPU backend even when training runs on nccl).
+            self._group = dist.new_group(backend="gloo")
+            self._made_group = True
         lock = start_save(path, optimizer, extra, overwrite=overwrite)
         try:
             # every rank staged, or every rank raises; the live tensors are not referenced afterwards
@@ -158,12 +137,11 @@ class AsyncCheckpointer:
                     warnings.filterwarnings("ignore", message="torch.distributed is disabled")
                     return dcp.async_save(
                         staged,
-                        checkpoint_id=incomplete_dir(path),  # DCP then calls the writer's reset() first, in the thread
-                        storage_writer=_GatedWriter(incomplete_dir(path), gate),
+                        checkpoint_id=incomplete_path(path),  # DCP then calls the writer's reset() first, in the thread
+                        storage_writer=_GatedWriter(incomplete_path(path), gate),
                         planner=DefaultSavePlanner(flatten_state_dict=False),
-                        process_group=group,
-                        async_stager=_AlreadyStaged(),
-                        no_dist=not dist_on(),
+                        process_group=self._group,
+                        no_dist=not is_distributed(),
                     )
 
             # Started on every rank, or on none: a write thread must not wait in its first collective for a
@@ -178,7 +156,7 @@ class AsyncCheckpointer:
             end_save(path, lock, published=False)
             raise save_failure(path, f"staging {path}", e) from e
         done: Future = Future()
-        publisher = current_rank() == 0
+        publisher = get_rank() == 0
         threading.Thread(target=_finish, args=(upload, path, publisher, done), daemon=True).start()
         self._pending = (path, lock, done)
         return path
@@ -220,7 +198,7 @@ class AsyncCheckpointer:
         finally:
             self._closed = True
             self._buffers = None
-            if self._made_group and dist_on():
+            if self._made_group and is_distributed():
                 dist.destroy_process_group(self._group)
             self._group = None
 

@@ -17,7 +17,8 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.tensor import DTensor
 
-from ..files import PathLock, remove_tree
+from ..distributed import get_rank, is_distributed
+from ..files import PathLock, incomplete_path, remove_tree
 from ..ties import tied_aliases
 from .checks import (
     EXTRA_KEY,
@@ -30,15 +31,12 @@ from .checks import (
     STATE_PREFIX,
     CheckpointError,
     PathLike,
-    current_rank,
     describe_mismatch,
-    dist_on,
     error_reason,
     named_parameters,
     on_all_ranks,
     shape_of,
 )
-from .metadata import checkpoint_problem, is_full_checkpoint
 from .model import get_sharded_state_dict
 from .optimizer import (
     check_group_consistency,
@@ -47,7 +45,7 @@ from .optimizer import (
     set_flat_optimizer_state,
     validate_optimizer,
 )
-from .publish import LOCK_WAIT_S, incomplete_dir, is_checkpoint, publish_checkpoint, recover
+from .publish import LOCK_WAIT_S, checkpoint_problem, is_checkpoint, is_full_checkpoint, publish_checkpoint, recover
 from .reader import dcp_load, open_checkpoint, read_checked
 
 # Types ``torch.load(weights_only=True)`` always accepts (a dict key too). Objects built only of
@@ -116,10 +114,17 @@ def save_checkpoint(
         state = checkpoint_state(model, optimizer, extra)
         try:
             # DCP's own collectives carry a failure on any rank to every rank: no extra agreement needed.
-            write_state(state, incomplete_dir(path))
+            writer = FileSystemWriter(incomplete_path(path))
+            planner = DefaultSavePlanner(flatten_state_dict=False)
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+                dcp.save(state, storage_writer=writer, planner=planner, no_dist=not is_distributed())
         except FAILURES as e:
             raise save_failure(path, f"writing {path}", e) from e
-        finish_save(path)
+        try:  # rank 0 publishes; no rank returns before the checkpoint is in place
+            on_all_ranks(lambda: publish_checkpoint(path) if get_rank() == 0 else None)
+        except FAILURES as e:
+            raise save_failure(path, f"renaming {incomplete_path(path)} to {path}", e) from e
         published = True
     finally:
         end_save(path, lock, published)
@@ -132,18 +137,16 @@ def save_checkpoint(
 def start_save(
     path: Path, optimizer: Optional[torch.optim.Optimizer], extra: Any, *, overwrite: bool
 ) -> Optional[PathLock]:
-    """Check ``extra`` and the optimizer's options load back, then ``prepare_save_dir``, in one collective.
-
-    Returns rank 0's held ``PathLock`` of ``path`` (``None`` elsewhere), for ``end_save``.
-    """
-    holder: list[PathLock] = []
+    """Check ``extra`` and the optimizer's options load back, then ``prepare_save_dir``, in one collective;
+    returns rank 0's held ``PathLock`` of ``path`` (``None`` elsewhere), for ``end_save``."""
+    holder: list[Optional[PathLock]] = []
 
     def start() -> Optional[PathLock]:
         check_loadable(extra, "extra")
         if optimizer is not None:
             check_loadable(list(optimizer.param_groups), "the optimizer's param_groups")
         lock = prepare_save_dir(path, overwrite=overwrite)
-        holder.extend([lock] if lock is not None else [])
+        holder.append(lock)  # None off rank 0: end_save ignores it
         return lock
 
     try:
@@ -159,8 +162,8 @@ def end_save(path: Path, lock: Optional[PathLock], published: bool) -> None:
     if lock is None:
         return
     with lock, contextlib.suppress(OSError):  # the lock is released whatever happens
-        if not published and os.path.lexists(incomplete_dir(path)):
-            remove_tree(incomplete_dir(path))
+        if not published and os.path.lexists(incomplete_path(path)):
+            remove_tree(incomplete_path(path))
 
 
 def check_save_target(
@@ -219,7 +222,7 @@ def check_save_target(
 def prepare_save_dir(path: Path, *, overwrite: bool) -> Optional[PathLock]:
     """Rank 0: lock ``path``, check it may be written (``check_save_target``), make an empty
     ``.<name>.incomplete`` beside it. The held lock (``None`` off rank 0) makes two jobs take turns."""
-    if current_rank() != 0:
+    if get_rank() != 0:
         return None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -235,7 +238,7 @@ def prepare_save_dir(path: Path, *, overwrite: bool) -> Optional[PathLock]:
     try:
         recover(path, locked=True)
         check_save_target(path, overwrite=overwrite)
-        tmp = incomplete_dir(path)
+        tmp = incomplete_path(path)
         if os.path.lexists(tmp):  # left by an interrupted save (the lock says no one writes it now)
             remove_tree(tmp)
         tmp.mkdir()
@@ -253,32 +256,16 @@ def checkpoint_state(model: nn.Module, optimizer: Optional[torch.optim.Optimizer
     model_sd = get_sharded_state_dict(model)
     tied = {alias: source for alias, source in tied_aliases(named_parameters(model)).items() if alias in model_sd}
     state: dict[str, Any] = {MODEL_PREFIX + k: v for k, v in model_sd.items() if k not in tied}
-    if current_rank() == 0:
+    if get_rank() == 0:
         state[LAYOUT_KEY] = {"keys": list(model_sd), "tied": tied}
     if optimizer is not None:
         flat = flat_optimizer_state(model, optimizer)
         state.update({OPTIM_PREFIX + k: v for k, v in flat.items() if not k.startswith(GROUPS_PREFIX)})
-        if current_rank() == 0:
+        if get_rank() == 0:
             state[PACKED_GROUPS_KEY] = {k: v for k, v in flat.items() if k.startswith(GROUPS_PREFIX)}
-    if extra is not None and current_rank() == 0:
+    if extra is not None and get_rank() == 0:
         state[EXTRA_KEY] = extra
     return state
-
-
-def write_state(state: dict[str, Any], directory: Path) -> None:
-    """Every rank writes its part of ``state`` into ``directory`` with DCP (rank 0 also the metadata)."""
-    planner = DefaultSavePlanner(flatten_state_dict=False)
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.save(state, storage_writer=FileSystemWriter(directory), planner=planner, no_dist=not dist_on())
-
-
-def finish_save(path: Path) -> None:
-    """Publish the written ``.<name>.incomplete`` at ``path`` (rank 0); no rank returns before it is in place."""
-    try:
-        on_all_ranks(lambda: publish_checkpoint(path) if current_rank() == 0 else None)
-    except FAILURES as e:
-        raise save_failure(path, f"renaming {incomplete_dir(path)} to {path}", e) from e
 
 
 def save_failure(path: Path, what: str, error: BaseException) -> CheckpointError:
@@ -319,8 +306,14 @@ def load_checkpoint(
         # One collective for every check that needs no optimizer: files, records, model keys/shapes.
         metadata = open_checkpoint(path, caller)
         saved = metadata.state_dict_metadata
-        small = [k for k in (PACKED_GROUPS_KEY, EXTRA_KEY, LAYOUT_KEY) if k in saved]
-        objects = _read_objects(path, small, metadata) if small else {}
+        # The small non-tensor records (options, ``extra``, layout), read on this rank alone before the real load.
+        objects: dict[str, Any] = {k: None for k in (PACKED_GROUPS_KEY, EXTRA_KEY, LAYOUT_KEY) if k in saved}
+        try:
+            dcp_load(objects, path, alone=True, metadata=metadata)
+        except FAILURES as e:
+            raise CheckpointError(
+                f"{caller}: reading {path} failed; the model and optimizer were not changed. {error_reason(e)}"
+            ) from e
         # Where each model key is stored: under its own name, or under the name it is tied to.
         stored = {k[len(MODEL_PREFIX) :]: k for k in saved if k.startswith(MODEL_PREFIX)}
         for alias, source in (objects.get(LAYOUT_KEY) or {}).get("tied", {}).items():
@@ -389,18 +382,5 @@ def load_checkpoint(
 
 
 def _storage_of(tensor: torch.Tensor) -> int:
-    if isinstance(tensor, DTensor):
-        tensor = tensor.to_local()
-    return tensor.untyped_storage().data_ptr()
-
-
-def _read_objects(path: Path, keys: list[str], metadata: Metadata) -> dict[str, Any]:
-    """Read small non-tensor records (options, ``extra``) on this rank alone, before the real load."""
-    state: dict[str, Any] = dict.fromkeys(keys)
-    try:
-        dcp_load(state, path, alone=True, metadata=metadata)
-    except FAILURES as e:
-        raise CheckpointError(
-            f"load_checkpoint(): reading {path} failed; the model and optimizer were not changed. {error_reason(e)}"
-        ) from e
-    return state
+    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    return local.untyped_storage().data_ptr()

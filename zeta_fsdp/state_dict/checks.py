@@ -10,7 +10,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.checkpoint import CheckpointException
 
-from ..distributed import get_rank, get_world_size, is_distributed
+from ..distributed import get_world_size, is_distributed
 from ..distributed import on_all_ranks as _on_all_ranks
 
 PathLike = Union[str, os.PathLike]
@@ -35,9 +35,8 @@ _WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped
 
 
 class CheckpointError(ValueError):
-    """A checkpoint or state dict that cannot be used: not a checkpoint, corrupted, or of another model.
-
-    Raised before the live model or optimizer is changed.
+    """A checkpoint or state dict that cannot be used (not a checkpoint, corrupted, or of another model), raised
+    before the live model or optimizer is changed.
 
     Example:
         try:
@@ -45,12 +44,6 @@ class CheckpointError(ValueError):
         except CheckpointError as e:
             print(e)  # names the path and the mismatching keys/shapes
     """
-
-
-# The rank helpers' one home is ``zeta_fsdp.distributed``; these are the names this package uses.
-dist_on = is_distributed
-current_rank = get_rank
-world_size = get_world_size
 
 
 def error_reason(error: BaseException) -> str:
@@ -79,7 +72,7 @@ def on_all_ranks(fn: Callable[[], Any], *, rank0_only: bool = False) -> Any:
 def from_rank0(fn: Callable[[], Any]) -> Any:
     """``fn()`` run on rank 0 alone, its result (it must pickle) or its error given to every rank."""
     result = on_all_ranks(fn, rank0_only=True)
-    if dist_on() and world_size() > 1:
+    if is_distributed() and get_world_size() > 1:
         box = [result]
         dist.broadcast_object_list(box, src=0)
         result = box[0]
@@ -95,14 +88,6 @@ def clean_fqn(name: str) -> str:
 def named_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
     """Every name of every parameter (tied ones too), without wrapper prefixes."""
     return {clean_fqn(name): param for name, param in model.named_parameters(remove_duplicate=False)}
-
-
-def param_names(model: nn.Module) -> dict[int, list[str]]:
-    """Every name of every parameter (tied parameters have several), keyed by ``id(param)``."""
-    names: dict[int, list[str]] = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        names.setdefault(id(param), []).append(clean_fqn(name))
-    return names
 
 
 def shape_of(value: Any) -> Optional[tuple[int, ...]]:

@@ -48,10 +48,8 @@ def consolidate_checkpoint(dcp_dir: PathLike, out_file: PathLike, *, overwrite: 
         state[LAYOUT_KEY] = None
     try:
         dcp_load(state, src, alone=True)
-    except FAILURES as e:  # DCP's CheckpointException is a BaseException: one readable line instead
-        failures = getattr(e, "failures", None) or {}
-        reason = error_reason(next(iter(failures.values()))[0] if len(failures) == 1 else e)
-        raise CheckpointError(f"{caller}: reading {src} failed: {reason}") from e
+    except FAILURES as e:  # one readable line, not a traceback
+        raise CheckpointError(f"{caller}: reading {src} failed: {error_reason(e)}") from e
     layout = state.pop(LAYOUT_KEY, None) or {}
     weights = {k[len(MODEL_PREFIX) :]: v for k, v in state.items()}
     for alias, source in layout.get("tied", {}).items():

@@ -15,11 +15,11 @@ from typing import Any, Mapping, Optional
 import torch
 import torch.distributed as dist
 
+from ..distributed import get_rank, is_distributed
 from ..files import atomic_write
 from .checkpoint import check_save_target
-from .checks import CheckpointError, PathLike, current_rank, from_rank0, on_all_ranks
-from .metadata import is_full_checkpoint
-from .publish import discard_checkpoint_dir, is_checkpoint, removal_problem
+from .checks import CheckpointError, PathLike, from_rank0, on_all_ranks
+from .publish import discard_checkpoint_dir, is_checkpoint, is_full_checkpoint
 
 __all__ = ["TENSOR_KEYS", "read_full_checkpoint", "remove_checkpoint", "write_full_checkpoint"]
 
@@ -106,7 +106,7 @@ def read_full_checkpoint(
         return small
 
     small = from_rank0(read)
-    if current_rank() == 0:
+    if get_rank() == 0:
         return held
     return {**small, "state_dict": {}, "optimizer_states": [None] * small["optimizer_states"]}
 
@@ -114,11 +114,8 @@ def read_full_checkpoint(
 def remove_checkpoint(
     filepath: PathLike, *, checkpoint_io: Any = None, caller: str = "FSDP2Strategy.remove_checkpoint()"
 ) -> None:
-    """Delete a checkpoint (full-format file or sharded directory) on rank 0, once every rank got here.
-
-    A symbolic link (NeMo's "last" checkpoints) is unlinked, its target never touched. Anything not
-    verifiably a checkpoint of ours raises ``CheckpointError``. ``checkpoint_io`` replaces all of this.
-    """
+    """Delete a checkpoint (full-format file or sharded directory) on rank 0, once every rank got here; a symbolic
+    link (NeMo's "last") is unlinked, anything not verifiably ours refused. ``checkpoint_io`` replaces all of this."""
     path = Path(filepath)
 
     def remove() -> None:
@@ -134,13 +131,7 @@ def remove_checkpoint(
                 )
             path.unlink()  # the link only, as NeMo does: the checkpoint it points to stays
         elif path.is_dir():
-            problem = removal_problem(path)
-            if problem is not None:
-                raise CheckpointError(
-                    f"{caller}: {path} is a directory but not a sharded checkpoint written by this library "
-                    f"({problem}); refusing to delete it."
-                )
-            discard_checkpoint_dir(path)
+            discard_checkpoint_dir(path, caller)
         elif path.exists():
             if not is_full_checkpoint(path):
                 raise CheckpointError(
@@ -148,6 +139,6 @@ def remove_checkpoint(
                 )
             path.unlink()
 
-    if dist.is_available() and dist.is_initialized():
+    if is_distributed():
         dist.barrier()  # no rank may still be reading it
     on_all_ranks(remove, rank0_only=True)

@@ -16,12 +16,13 @@ from typing import Any, Iterable, Mapping, Optional
 import torch
 import torch.nn as nn
 
+from ..distributed import get_rank
 from ..files import PathLock, remove_tree
 from .async_save import AsyncCheckpointer
 from .checkpoint import load_checkpoint, save_checkpoint
-from .checks import CheckpointError, PathLike, current_rank, from_rank0, on_all_ranks
+from .checks import CheckpointError, PathLike, from_rank0, on_all_ranks
 from .preemption import PreemptionHandler, SignalLike
-from .publish import discard_checkpoint_dir, is_checkpoint, removal_problem
+from .publish import discard_checkpoint_dir, is_checkpoint
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 _STALE = re.compile(r"^\.step_\d+\.incomplete$")
@@ -65,15 +66,11 @@ def prune_checkpoints(root: PathLike, keep_last: int) -> list[Path]:
         raise ValueError(f"prune_checkpoints(): keep_last must be a positive int, got {keep_last!r}.")
     deleted = []
     for path in [Path(root) / f"step_{step}" for step in checkpoint_steps(root)[:-keep_last]]:
-        problem = removal_problem(path)
-        if problem is not None:
-            warnings.warn(
-                f"prune_checkpoints(): kept {path}: it is not a checkpoint written by this library ({problem}).",
-                stacklevel=2,
-            )
-            continue
-        discard_checkpoint_dir(path)
-        deleted.append(path)
+        try:
+            discard_checkpoint_dir(path, "prune_checkpoints()")
+            deleted.append(path)
+        except CheckpointError as e:  # not ours: kept, and a warning names it and why
+            warnings.warn(str(e), stacklevel=2)
     return deleted
 
 
@@ -86,13 +83,11 @@ def _positive(name: str, value: Optional[int]) -> Optional[int]:
 class CheckpointManager:
     """Checkpoints of one training run under ``root``: periodic, pruned, resumable, preemption-safe.
 
-    ``after_step(step)`` at every step boundary saves ``root/step_<step>`` every ``every`` steps and
-    when a preemption signal (``preemption_signals``, default SIGTERM; ``()`` for none) arrived, then
-    returns ``True``: stop the loop. ``keep_last=K`` keeps the K newest complete checkpoints (``None``:
-    all). ``resume()`` loads the latest one and returns its step (0 on first launch).
-    ``async_save=True`` writes in the background (``AsyncCheckpointer``). ``state``: ``{name: object
-    with state_dict() / load_state_dict()}`` (a ``ResumableLoader``, an LR scheduler) saved with every
-    checkpoint and restored by ``resume()``. Create it and call its methods on every rank.
+    ``after_step(step)`` saves ``root/step_<step>`` every ``every`` steps and once a preemption signal
+    (``preemption_signals``; ``()`` for none) arrived, then returns ``True``: stop the loop. ``keep_last=K``
+    keeps the K newest; ``resume()`` loads the latest and returns its step (0 on first launch). ``state``:
+    ``{name: object with state_dict() / load_state_dict()}`` (a ``ResumableLoader``, an LR scheduler) saved
+    and restored with them. Every rank (docs/long_jobs.md).
 
     Example:
         manager = CheckpointManager("ckpt", model, optimizer, every=100, keep_last=3,
@@ -153,7 +148,7 @@ class CheckpointManager:
         Example:
             start = manager.resume()
         """
-        on_all_ranks(self._remove_stale if current_rank() == 0 else lambda: None)
+        on_all_ranks(self._remove_stale if get_rank() == 0 else lambda: None)
         path = self.latest()
         if path is None:
             return 0
@@ -193,12 +188,10 @@ class CheckpointManager:
         """
         path = self.root / f"step_{int(step)}"
         record = {"step": int(step), "state": {n: obj.state_dict() for n, obj in self.state.items()}, "extra": extra}
-        if self.checkpointer is not None:
-            self.checkpointer.wait()
-            self._prune()
-            self.checkpointer.save(path, self.model, self.optimizer, extra=record, overwrite=True)
-        else:
-            save_checkpoint(path, self.model, self.optimizer, extra=record, overwrite=True)
+        self.wait()  # a background save still in flight completes (and is pruned) first
+        save = save_checkpoint if self.checkpointer is None else self.checkpointer.save
+        save(path, self.model, self.optimizer, extra=record, overwrite=True)
+        if self.checkpointer is None:
             self._prune()
         self._saved_step = int(step)
         return path
@@ -231,20 +224,15 @@ class CheckpointManager:
         """Rank 0 deletes complete checkpoints older than the newest ``keep_last`` (the in-flight one is hidden)."""
         if self.keep_last is not None:
             keep = self.keep_last
-            on_all_ranks(lambda: prune_checkpoints(self.root, keep) if current_rank() == 0 else None)
+            on_all_ranks(lambda: prune_checkpoints(self.root, keep) if get_rank() == 0 else None)
 
     def _remove_stale(self) -> None:
-        if not self.root.is_dir():
-            return
-        for child in self.root.iterdir():
+        for child in self.root.iterdir() if self.root.is_dir() else ():
             if not _STALE.match(child.name):
                 continue
             # A save in flight (another job on this root) holds the lock of its step: leave it.
             lock = PathLock(child.parent / child.name[1 : -len(".incomplete")])
-            try:
-                if not lock.acquire(timeout_s=0):
-                    continue
-            except OSError:
-                continue
-            with lock, contextlib.suppress(OSError):
-                remove_tree(child)
+            with contextlib.suppress(OSError):  # a read-only root, or a file we cannot remove: left as it is
+                if lock.acquire(timeout_s=0):
+                    with lock:
+                        remove_tree(child)

@@ -9,17 +9,9 @@ import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 from torch.distributed.tensor import DTensor
 
+from ..distributed import get_rank, is_distributed
 from ..ties import tied_aliases
-from .checks import (
-    CheckpointError,
-    clean_fqn,
-    current_rank,
-    describe_mismatch,
-    dist_on,
-    named_parameters,
-    on_all_ranks,
-    shape_of,
-)
+from .checks import CheckpointError, clean_fqn, describe_mismatch, named_parameters, on_all_ranks, shape_of
 
 
 def get_sharded_state_dict(model: nn.Module) -> dict[str, Any]:
@@ -63,12 +55,9 @@ def load_sharded_state_dict(model: nn.Module, state_dict: Mapping[str, Any], *, 
 def gather_full(
     sharded: Mapping[str, Any], aliases: Mapping[str, str], *, cpu_offload: bool, rank0_only: bool
 ) -> dict[str, Any]:
-    """All-gather each ``DTensor`` in turn (every rank, same order); keep the result where asked.
-
-    The peak is the kept copy plus one full tensor in flight. The result never shares memory with
-    the live model or optimizer; tied aliases reuse the tensor gathered for their first name.
-    """
-    keep = not rank0_only or current_rank() == 0
+    """All-gather each ``DTensor`` in turn (every rank, same order; the peak is the kept copy plus one full tensor),
+    kept where asked, never sharing memory with the live model or optimizer; tied aliases reuse their first name's."""
+    keep = not rank0_only or get_rank() == 0
     out: dict[str, Any] = {}
     gathered: set[str] = set()
     for key, value in sharded.items():
@@ -130,7 +119,7 @@ def load_full_state_dict(
         load_full_state_dict(model, sd)
     """
     live = {k: shape_of(v) for k, v in get_sharded_state_dict(model).items()}
-    holds = not (broadcast_from_rank0 and dist_on()) or current_rank() == 0
+    holds = not (broadcast_from_rank0 and is_distributed()) or get_rank() == 0
 
     def prepare() -> dict[str, Any]:
         if not holds:
@@ -149,7 +138,7 @@ def load_full_state_dict(
         return {k: v for k, v in sd.items() if k in live}
 
     sd = on_all_ranks(prepare)
-    if not dist_on():
+    if not is_distributed():
         model.load_state_dict(sd, strict=strict)
         return
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=broadcast_from_rank0, strict=strict)

@@ -12,26 +12,24 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimi
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict as _dcp_get_optimizer_state_dict
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from ..distributed import comm_device
+from ..distributed import comm_device, get_rank, get_world_size, is_distributed
 from .checks import (
     FAILURES,
     GROUPS_PREFIX,
     STATE_PREFIX,
     CheckpointError,
     clean_fqn,
-    current_rank,
-    dist_on,
     on_all_ranks,
-    param_names,
     short_list,
-    world_size,
 )
 from .model import gather_full
 
 
 def _optimizer_params(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[tuple[nn.Parameter, list[str], dict]]:
-    """``(param, its names, its param group)`` for every parameter the optimizer updates."""
-    names = param_names(model)
+    """``(param, its names, its param group)`` for every parameter the optimizer updates (a tied one has several)."""
+    names: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(clean_fqn(name))
     out = []
     for group in optimizer.param_groups:
         for param in group["params"]:
@@ -56,11 +54,8 @@ def flat_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> 
 
 
 def _materialize_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
-    """Create the optimizer's state (its names and shapes) with one step at lr 0 on zero gradients.
-
-    What torch's ``set_optimizer_state_dict`` does itself, except that the user's gradients are
-    kept aside (torch skips the step when any gradient exists, and then loads no state at all).
-    """
+    """Create the optimizer's state (names, shapes) with one step at lr 0 on zero gradients, as torch's
+    ``set_optimizer_state_dict`` does, but the user's gradients kept aside (torch skips the step if any exists)."""
     grads = [(p, p.grad) for g in optimizer.param_groups for p in g["params"]]
     lrs = [g.get("lr") for g in optimizer.param_groups]
     try:
@@ -142,11 +137,8 @@ _SCHEDULER_OPTIONS = {"initial_lr", "max_lr", "min_lr", "max_momentum", "base_mo
 def validate_optimizer(
     saved_keys: list[str], model: nn.Module, optimizer: torch.optim.Optimizer, source: str
 ) -> dict[int, str]:
-    """Check saved flat optimizer keys against the live optimizer; return ``{id(param): saved FQN}``.
-
-    Parameter names must match both ways, and every state name the optimizer keeps must be saved.
-    A fresh optimizer's state is created first to know those; callers clear it if anything fails.
-    """
+    """Check saved flat optimizer keys against the live optimizer (names both ways, every state name it keeps), and
+    return ``{id(param): saved FQN}``. A fresh optimizer gets its state to know those (callers clear it on failure)."""
     params = _optimizer_params(model, optimizer)
     group_keys = [k[len(GROUPS_PREFIX) :] for k in saved_keys if k.startswith(GROUPS_PREFIX)]
     if not group_keys:
@@ -269,7 +261,7 @@ def load_optimizer_state_dict(
         osd = get_optimizer_state_dict(model, optimizer, full=True)
         load_optimizer_state_dict(model, optimizer, osd, full=True)
     """
-    holds = not (full and broadcast_from_rank0 and dist_on()) or current_rank() == 0
+    holds = not (full and broadcast_from_rank0 and is_distributed()) or get_rank() == 0
     if holds and not isinstance(osd, Mapping):
         raise TypeError(f"load_optimizer_state_dict(): osd must be a dict, got {type(osd).__name__}.")
     flat = entries = {clean_fqn(k): v for k, v in osd.items()} if holds else {}
@@ -278,7 +270,7 @@ def load_optimizer_state_dict(
         # to validate and to allocate what the broadcast fills.
         tensors = [k for k, v in flat.items() if k.startswith(STATE_PREFIX) and isinstance(v, torch.Tensor)]
         described = [{**flat, **{k: torch.empty_like(flat[k], device="meta") for k in tensors}}]
-        if broadcast_from_rank0 and world_size() > 1:
+        if broadcast_from_rank0 and get_world_size() > 1:
             dist.broadcast_object_list(described, src=0)
         entries = described[0]
     was_fresh = not optimizer.state
@@ -287,7 +279,7 @@ def load_optimizer_state_dict(
         chosen = on_all_ranks(lambda: validate_optimizer(list(entries), model, optimizer, source))
         if full:
             scratch = optimizer_scratch(entries, model, optimizer, chosen)
-            flat = _distribute_full(flat, entries, scratch, broadcast=broadcast_from_rank0 and world_size() > 1)
+            flat = _distribute_full(flat, entries, scratch, broadcast=broadcast_from_rank0 and get_world_size() > 1)
         on_all_ranks(lambda: check_group_consistency(model, optimizer, flat))
     except FAILURES:
         if was_fresh:

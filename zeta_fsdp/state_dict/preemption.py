@@ -8,7 +8,7 @@ from typing import Any, Iterable, Optional, Union
 import torch
 import torch.distributed as dist
 
-from .checks import dist_on, world_size
+from ..distributed import get_world_size, is_distributed
 
 SignalLike = Union[int, signal.Signals, str]
 
@@ -53,7 +53,7 @@ class PreemptionHandler:
     def __init__(self, signals: Iterable[SignalLike] = (signal.SIGTERM,)) -> None:
         self.signals = resolve_signals(signals)
         self.received: Optional[signal.Signals] = None
-        self._group = dist.new_group(backend="gloo") if dist_on() and world_size() > 1 else None
+        self._group = dist.new_group(backend="gloo") if is_distributed() and get_world_size() > 1 else None
         self._previous = {sig: signal.signal(sig, self._record) for sig in self.signals}
 
     def _record(self, signum: int, frame: Any) -> None:
@@ -80,6 +80,6 @@ class PreemptionHandler:
         for sig, previous in self._previous.items():
             signal.signal(sig, previous if previous is not None else signal.SIG_DFL)
         self._previous.clear()
-        if self._group is not None and dist_on():
+        if self._group is not None and is_distributed():
             dist.destroy_process_group(self._group)
         self._group = None
