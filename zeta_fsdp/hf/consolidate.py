@@ -153,7 +153,7 @@ def consolidate_to_hf(
                 }
                 try:
                     # Every record CRC-checked before it is used; one readable error, no DCP traceback.
-                    dcp_load(state, src, alone=True, metadata=metadata)
+                    dcp_load(state, src, metadata=metadata)
                 except CheckpointError as e:
                     raise CheckpointError(f"{_CALLER}: reading {batch} from {src} failed: {e}") from None
                 for key in batch:

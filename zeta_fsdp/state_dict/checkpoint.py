@@ -309,7 +309,7 @@ def load_checkpoint(
         # The small non-tensor records (options, ``extra``, layout), read on this rank alone before the real load.
         objects: dict[str, Any] = {k: None for k in (PACKED_GROUPS_KEY, EXTRA_KEY, LAYOUT_KEY) if k in saved}
         try:
-            dcp_load(objects, path, alone=True, metadata=metadata)
+            dcp_load(objects, path, metadata=metadata)
         except FAILURES as e:
             raise CheckpointError(
                 f"{caller}: reading {path} failed; the model and optimizer were not changed. {error_reason(e)}"

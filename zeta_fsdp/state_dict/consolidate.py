@@ -47,7 +47,7 @@ def consolidate_checkpoint(dcp_dir: PathLike, out_file: PathLike, *, overwrite: 
     if LAYOUT_KEY in metadata.state_dict_metadata:
         state[LAYOUT_KEY] = None
     try:
-        dcp_load(state, src, alone=True)
+        dcp_load(state, src)
     except FAILURES as e:  # one readable line, not a traceback
         raise CheckpointError(f"{caller}: reading {src} failed: {error_reason(e)}") from e
     layout = state.pop(LAYOUT_KEY, None) or {}

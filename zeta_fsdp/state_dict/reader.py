@@ -28,8 +28,7 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
 from torch.futures import Future
 
-from ..distributed import is_distributed
-from .checks import CheckpointError, on_all_ranks, short_list
+from .checks import CheckpointError, short_list
 from .publish import read_metadata
 
 
@@ -318,10 +317,6 @@ def read_checked(state: dict[str, Any], path: Path, metadata: Optional[Metadata]
     return CheckedRead(reader, planner)
 
 
-def dcp_load(state: dict[str, Any], path: Path, *, alone: bool = False, metadata: Optional[Metadata] = None) -> None:
-    """Fill ``state`` from the checkpoint at ``path`` once every record read passed its check: on every rank
-    (a damaged file anywhere changes no rank's tensors), or ``alone`` on this rank only."""
-    if alone or not is_distributed():
-        read_checked(state, path, metadata).commit()
-        return
-    on_all_ranks(lambda: read_checked(state, path, metadata)).commit()
+def dcp_load(state: dict[str, Any], path: Path, *, metadata: Optional[Metadata] = None) -> None:
+    """Fill ``state`` from the checkpoint at ``path``, on this rank alone, once every record read passed its check."""
+    read_checked(state, path, metadata).commit()
