@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import Any, Iterable, Optional, Union
 
@@ -30,7 +31,7 @@ from ..costs import AccumulationCost, accumulation_costs, accumulation_table, gr
 from ..engines import engine_named
 from ..options import choose_engine, resolve_master_dtype, resolve_mixed_precision, resolve_sharding, stored_dtype
 from ..report import format_bytes, render_table
-from ..wrapping import BlockSpec, build_wrap_plan
+from ..wrapping import BlockSpec, WrapUnit, build_wrap_plan
 from .common import dtype_name as _dtype_name
 from .common import resolve_world_and_mesh as _resolve_world_and_mesh
 from .dry_run import DryRunResult, dry_run_batch, dry_run_job
@@ -70,11 +71,11 @@ class UnitEstimate:
     kind: str
     num_params: int
     numel: int
-    unsharded_bytes: int
-    param_bytes: int
-    local_param_bytes: int
-    grad_bytes: int
-    optimizer_bytes: int
+    unsharded_bytes: int = 0
+    param_bytes: int = 0
+    local_param_bytes: int = 0
+    grad_bytes: int = 0
+    optimizer_bytes: int = 0
     unsharded_grad_bytes: int = 0
     partial_grad_bytes: int = 0
 
@@ -86,7 +87,6 @@ def _units_total(attribute: str, doc: str, example: int, plus: str = "") -> prop
     def total(self: MemoryPlan) -> int:
         return sum(getattr(u, attribute) for u in self.units) + (getattr(self, plus) if plus else 0)
 
-    total.__name__ = attribute
     doc += f"""
 
         Example:
@@ -151,26 +151,12 @@ class MemoryPlan:
         """
         return self.mesh_shape[-1]
 
+    # Sums over the units; ignored parameters (kept whole on every rank) are added to the byte figures.
     numel = _units_total("numel", "Parameters of the model (tied ones once).", 34950)
-    param_bytes = _units_total(
-        "param_bytes",
-        "Sharded parameter storage per rank (ignored parameters, kept whole, included).",
-        69960,
-        "ignored_bytes",
-    )
-    local_param_bytes = _units_total(
-        "local_param_bytes",
-        "Logical (unpadded) local parameter shards per rank, ignored parameters included.",
-        69960,
-        "ignored_bytes",
-    )
+    param_bytes = _units_total("param_bytes", "Sharded parameter storage per rank.", 69960, "ignored_bytes")
+    local_param_bytes = _units_total("local_param_bytes", "Logical local shards per rank.", 69960, "ignored_bytes")
     grad_bytes = _units_total("grad_bytes", "Sharded gradient storage per rank.", 69960, "ignored_bytes")
-    optimizer_bytes = _units_total(
-        "optimizer_bytes",
-        "Optimizer state per rank (ignored parameters' state is whole too).",
-        140068,
-        "ignored_optimizer_bytes",
-    )
+    optimizer_bytes = _units_total("optimizer_bytes", "Optimizer state per rank.", 140068, "ignored_optimizer_bytes")
 
     @property
     def total_bytes(self) -> int:
@@ -374,18 +360,19 @@ def plan(
         spec, policy, has_ignored=bool(ignored), has_trainable=any(p.requires_grad for p in params.values())
     )
 
-    units = [_estimate_unit(u, params, policy, shard_size, shard_rank, n_state, master) for u in wrap.units]
-    grads = [(stored_dtype(p, master), p.numel() * _stored_size(p, master)) for p in params.values() if p.requires_grad]
+    stored = {name: stored_dtype(p, master) for name, p in params.items()}  # what fsdp(master_dtype=) keeps
+    units = [_estimate_unit(u, params, stored, policy, shard_size, shard_rank, n_state) for u in wrap.units]
+    grads = [(stored[n], p.numel() * stored[n].itemsize) for n, p in params.items() if p.requires_grad]
     terms = (model, units, policy, spec.reshard_after_forward, shard_size, grads, why)
     peak, all_reduces, notes = engine_named(engine).plan_costs(*terms)
     # Ignored parameters stay whole (and unsharded) on every rank, as do their gradients.
-    ignored_sizes = {n: params[n].numel() * _stored_size(params[n], master) for n in wrap.ignored_param_names}
+    ignored_sizes = {n: params[n].numel() * stored[n].itemsize for n in wrap.ignored_param_names}
     ignored_bytes = sum(ignored_sizes.values())
     ignored_state = sum(
         n_state * b + _STEP_BYTES for n, b in ignored_sizes.items() if n_state and params[n].requires_grad
     )
-    stored = sorted({_dtype_name(stored_dtype(p, master)) for p in params.values() if p.is_floating_point()})
-    stored_label = stored[0] if len(stored) == 1 else ("mixed: " + ", ".join(stored) if stored else "none")
+    names = sorted({_dtype_name(stored[n]) for n, p in params.items() if p.is_floating_point()})
+    stored_label = names[0] if len(names) == 1 else ("mixed: " + ", ".join(names) if names else "none")
     result = MemoryPlan(
         model_name=type(model).__name__,
         model_bytes=wrap.nbytes + ignored_bytes,
@@ -421,40 +408,25 @@ def plan(
             f"shard is {result.local_param_bytes:,} (optimizer state follows the logical shard)"
         )
     if dry_run:  # (the flag shadows the function dry_run(): call what it calls)
-        job = dry_run_job(
-            world_size,
-            spec.name,
-            policy,
-            auto_wrap,
-            TransformerBlock,
-            rank,
-            replicate_size=shape[0] if len(shape) == 2 else None,
-            ignored_param_names=wrap.ignored_param_names,
-            master_dtype=master,
-        )
+        args = (world_size, spec.name, policy, auto_wrap, TransformerBlock, rank, shape[0] if len(shape) == 2 else None)
+        job = dry_run_job(*args, ignored_param_names=wrap.ignored_param_names, master_dtype=master)
         result.dry_run = dry_run_batch(model, [job])[0]
     return result
 
 
-def _stored_size(param: torch.Tensor, master: Optional[torch.dtype]) -> int:
-    return stored_dtype(param, master).itemsize
-
-
 def _estimate_unit(
-    unit: Any,
+    unit: WrapUnit,
     params: dict[str, nn.Parameter],
+    stored: dict[str, torch.dtype],
     policy: MixedPrecisionPolicy,
     shard_size: int,
     shard_rank: int,
     n_state: int,
-    master: Optional[torch.dtype] = torch.float32,
 ) -> UnitEstimate:
-    sizes = dict.fromkeys(("unsharded_bytes", "param_bytes", "local_param_bytes", "grad_bytes"), 0)
-    sizes.update(dict.fromkeys(("optimizer_bytes", "unsharded_grad_bytes", "partial_grad_bytes"), 0))
+    sizes: Counter = Counter()
     for name in unit.param_names:
-        param = params[name]
+        param, dtype = params[name], stored[name]
         padded, local, gathered = _shard_geometry(param, shard_size, shard_rank)
-        dtype = stored_dtype(param, master)
         # FSDP2 casts only floating-point parameters to the compute dtype.
         compute = policy.param_dtype if policy.param_dtype and param.is_floating_point() else dtype
         sizes["unsharded_bytes"] += gathered * compute.itemsize
