@@ -32,9 +32,9 @@ from ..engines import engine_named
 from ..options import choose_engine, resolve_master_dtype, resolve_mixed_precision, resolve_sharding, stored_dtype
 from ..report import format_bytes, render_table
 from ..wrapping import BlockSpec, WrapUnit, build_wrap_plan
-from .common import dtype_name as _dtype_name
-from .common import resolve_world_and_mesh as _resolve_world_and_mesh
 from .dry_run import DryRunResult, dry_run_batch, dry_run_job
+from .dry_run import dtype_name as _dtype_name
+from .dry_run import resolve_world_and_mesh as _resolve_world_and_mesh
 
 __all__ = ["OPTIMIZERS", "MemoryPlan", "UnitEstimate", "plan"]
 
