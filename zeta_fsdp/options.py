@@ -172,14 +172,10 @@ def choose_engine(
 ) -> tuple[str, str]:
     """Which engine runs ``spec``: ``("replicate", why)`` or ``("fully_shard", why)``.
 
-    NO_SHARD keeps a whole copy of every parameter on every rank: that is DDP. PyTorch's DDP
-    engine (composable ``replicate``: bucketed all-reduce, plain tensor parameters, keys
-    unchanged) steps at DDP speed, while FSDP2 on a ``(world, 1)`` mesh pays for DTensor
-    parameters in every optimizer op and for copies through its buffers (1.4-1.5x DDP's step
-    time, ``benchmarks/results/no_shard.md``). So NO_SHARD runs on ``replicate`` unless it needs
-    what only FSDP2 has: casting beyond ``"bf16"``'s autocast (``autocast_dtype``), offloading,
-    ignored parameters, the caller's ``mesh`` (the way to ask for DTensor parameters), or nothing
-    to train (DDP refuses that). Every other strategy shards: ``fully_shard``.
+    NO_SHARD keeps a whole copy of every parameter on every rank: that is DDP, and PyTorch's DDP
+    engine (composable ``replicate``) steps at DDP speed where FSDP2 on a ``(world, 1)`` mesh takes
+    1.4-1.5x (``benchmarks/results/no_shard.md``). So NO_SHARD runs on ``replicate`` unless it needs
+    what only FSDP2 has (docs/options.md, "NO_SHARD runs on DDP's engine"). Every other strategy shards.
 
     Example:
         >>> choose_engine(resolve_sharding("NO_SHARD"), resolve_mixed_precision("fp32"))[0]
