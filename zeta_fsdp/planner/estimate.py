@@ -241,8 +241,11 @@ class MemoryPlan:
         ]
         header = ("unit", "kind", "params", "numel", "all-gathered", "shard/rank")
         rows = [header]
-        for first, last, count in _fold_units(self.units):
-            name = first.name if count == 1 else f"{first.name} .. {last.name} (x{count})"
+        # runs of identical consecutive units (the blocks of a transformer): one row each
+        keys = ("kind", "num_params", "numel", "unsharded_bytes", "param_bytes", "grad_bytes", "optimizer_bytes")
+        for _, run in itertools.groupby(self.units, key=lambda u: tuple(getattr(u, k) for k in keys)):
+            first, *rest = run
+            name = f"{first.name} .. {rest[-1].name} (x{len(rest) + 1})" if rest else first.name
             sizes = (f"{first.numel:,}", format_bytes(first.unsharded_bytes), format_bytes(first.param_bytes))
             rows.append((name, first.kind, str(first.num_params), *sizes))
         lines += render_table(rows, align="llrrrr").splitlines()
@@ -271,20 +274,6 @@ class MemoryPlan:
                 f"-> {verdict} ({self.param_bytes:,} / {self.local_param_bytes:,})",
             ]
         return "\n".join(lines)
-
-
-def _fold_units(units: list[UnitEstimate]) -> Iterable[tuple[UnitEstimate, UnitEstimate, int]]:
-    """Runs of identical consecutive units (the blocks of a transformer), one row each."""
-    keys = ("kind", "num_params", "numel", "unsharded_bytes", "param_bytes", "grad_bytes", "optimizer_bytes")
-    for _, run in itertools.groupby(units, key=lambda u: tuple(getattr(u, k) for k in keys)):
-        run = list(run)
-        yield run[0], run[-1], len(run)
-
-
-def _mp_label(policy: MixedPrecisionPolicy) -> str:
-    if policy.param_dtype is None and policy.reduce_dtype is None:
-        return "fp32 (no casting)"
-    return f"compute {_dtype_name(policy.param_dtype)}, reduce {_dtype_name(policy.reduce_dtype)}"
 
 
 def _shard_geometry(param: torch.Tensor, shard_size: int, shard_rank: int) -> tuple[int, int, int]:
@@ -373,6 +362,8 @@ def plan(
     )
     names = sorted({_dtype_name(stored[n]) for n, p in params.items() if p.is_floating_point()})
     stored_label = names[0] if len(names) == 1 else ("mixed: " + ", ".join(names) if names else "none")
+    casts = policy.param_dtype is not None or policy.reduce_dtype is not None
+    mp_label = f"compute {_dtype_name(policy.param_dtype)}, reduce {_dtype_name(policy.reduce_dtype)}"
     result = MemoryPlan(
         model_name=type(model).__name__,
         model_bytes=wrap.nbytes + ignored_bytes,
@@ -380,7 +371,7 @@ def plan(
         rank=rank,
         strategy=spec.name,
         mesh_shape=tuple(shape),
-        mp=_mp_label(policy),
+        mp=mp_label if casts else "fp32 (no casting)",
         optimizer=optimizer,
         reshard_after_forward=spec.reshard_after_forward,
         units=units,
