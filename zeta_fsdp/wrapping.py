@@ -477,13 +477,12 @@ def _resolve_ties(
         conflict = next((c for c in claims if len(c) > 1), None)
         if conflict is None:
             return units
-        kinds = {units[i].kind for i in conflict}
-        mergeable = all(
+        mergeable = all(  # (never the root)
             units[i].kind in ("embedding", "head", "embedding+head")
             or (units[i].kind == "block" and units[i].module_names[0] in singletons)
             for i in conflict
         )
-        if mergeable and len(conflict) == 2 and "root" not in kinds:
+        if mergeable and len(conflict) == 2:
             a, b = (units[i] for i in conflict)
             merged = WrapUnit("embedding+head", a.module_names + b.module_names, a.modules + b.modules)
             keep = [u for i, u in enumerate(units) if i not in conflict]
@@ -500,7 +499,7 @@ def _resolve_ties(
 
 
 def _fill_params(units: list[WrapUnit], model: nn.Module, ignored: set[int]) -> tuple[list[str], list[str]]:
-    """Give each parameter to its unit; returns (ignored names, 0-dim names: ignored as well)."""
+    """Give each parameter to its unit (bytes: ``WrapPlan.recount``); returns (ignored names, 0-dim ones among them)."""
     ignored_names, scalar_names = [], []
     for name, param in model.named_parameters():  # a tied parameter once, under its first name
         if id(param) in ignored or param.dim() == 0:
@@ -511,8 +510,6 @@ def _fill_params(units: list[WrapUnit], model: nn.Module, ignored: set[int]) -> 
         unit = units[_claiming_unit(name.rpartition(".")[0], units)]
         unit.param_names.append(name)
         unit.numel += param.numel()
-        unit.nbytes += param.numel() * param.element_size()
-        unit.dtypes.add(param.dtype)
     return ignored_names, scalar_names
 
 
@@ -588,6 +585,7 @@ def build_wrap_plan(
     plan = WrapPlan(
         units, classes, tied, ignored_param_names=ignored_names, scalar_param_names=scalar_names, notes=notes
     )
+    plan.recount(model)
     largest = plan.largest
     if largest is not None and len(units) > 1:
         share = plan.share(largest)
