@@ -32,9 +32,7 @@ from ..engines import engine_named
 from ..options import choose_engine, resolve_master_dtype, resolve_mixed_precision, resolve_sharding, stored_dtype
 from ..report import format_bytes, render_table
 from ..wrapping import BlockSpec, WrapUnit, build_wrap_plan
-from .dry_run import DryRunResult, dry_run_batch, dry_run_job
-from .dry_run import dtype_name as _dtype_name
-from .dry_run import resolve_world_and_mesh as _resolve_world_and_mesh
+from .dry_run import DryRunResult, dry_run_batch, dry_run_job, dtype_name, resolve_world_and_mesh
 
 __all__ = ["OPTIMIZERS", "MemoryPlan", "UnitEstimate", "plan"]
 
@@ -334,7 +332,7 @@ def plan(
     policy = resolve_mixed_precision(mp, caller="plan")
     master = resolve_master_dtype(master_dtype, caller="plan")
     spec = resolve_sharding(shard_strat, caller="plan")
-    world_size, shape = _resolve_world_and_mesh(spec, world_size, replicate_size, local_world_size, "plan")
+    world_size, shape = resolve_world_and_mesh(spec, world_size, replicate_size, local_world_size, "plan")
     if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
         raise ValueError(f"plan(): rank={rank!r} is not accepted. Accepted: an int in [0, {world_size - 1}].")
     shard_size = shape[-1]
@@ -360,10 +358,10 @@ def plan(
     ignored_state = sum(
         n_state * b + _STEP_BYTES for n, b in ignored_sizes.items() if n_state and params[n].requires_grad
     )
-    names = sorted({_dtype_name(stored[n]) for n, p in params.items() if p.is_floating_point()})
+    names = sorted({dtype_name(stored[n]) for n, p in params.items() if p.is_floating_point()})
     stored_label = names[0] if len(names) == 1 else ("mixed: " + ", ".join(names) if names else "none")
     casts = policy.param_dtype is not None or policy.reduce_dtype is not None
-    mp_label = f"compute {_dtype_name(policy.param_dtype)}, reduce {_dtype_name(policy.reduce_dtype)}"
+    mp_label = f"compute {dtype_name(policy.param_dtype)}, reduce {dtype_name(policy.reduce_dtype)}"
     result = MemoryPlan(
         model_name=type(model).__name__,
         model_bytes=wrap.nbytes + ignored_bytes,
