@@ -151,12 +151,8 @@ def resolve_sharding(shard_strat: Union[str, enum.Enum, None], *, caller: str = 
 
 
 def autocast_dtype(mp_policy: MixedPrecisionPolicy) -> Optional[torch.dtype]:
-    """``torch.bfloat16`` when ``mp_policy`` is the ``mp="bf16"`` preset, else ``None``.
-
-    That preset (bf16 compute, fp32 reduction) is what DDP's engine gives with ``torch.autocast``
-    around the forward. fp16 needs a loss scaler, and a custom policy may ask for what autocast
-    cannot do (bf16 reduction, an output dtype): those stay on FSDP2.
-    """
+    """``torch.bfloat16`` for the ``mp="bf16"`` preset, which DDP's engine gives with ``torch.autocast``;
+    else ``None`` (fp16 needs a loss scaler, a custom policy what autocast cannot do: FSDP2 casts)."""
     bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     return torch.bfloat16 if mp_policy == bf16 else None
 
@@ -206,12 +202,8 @@ def choose_engine(
 def validate_reshard_after_forward(
     value: Union[bool, int, None], shard_group_size: Optional[int] = None
 ) -> Union[bool, int, None]:
-    """Check a ``reshard_after_forward`` override: ``None``, a bool, or an int dividing the shard group.
-
-    An int ``k`` keeps parameters sharded over groups of ``k`` ranks between forward and backward
-    (less memory than ``False``, cheaper intra-node all-gather than ``True``). ``k`` equal to the
-    shard group size is the same as ``True``; ``k == 1`` is the same as ``False``.
-    """
+    """Check a ``reshard_after_forward`` override: ``None``, a bool, or an int ``k`` dividing the shard group
+    (parameters stay sharded over ``k`` ranks between forward and backward: ``False`` is 1, ``True`` all)."""
     if value is None or isinstance(value, bool):
         return value
     if not isinstance(value, int):
@@ -283,12 +275,9 @@ def resolve_master_dtype(master_dtype: Union[str, torch.dtype, None], *, caller:
 
 
 def stored_dtype(param: torch.Tensor, master: Optional[torch.dtype]) -> torch.dtype:
-    """The dtype ``fsdp(master_dtype=master)`` stores ``param`` in (``master`` as resolved above).
-
-    Master weights are for what an optimizer steps: a trainable floating-point parameter is stored
-    in ``master``; a frozen one (a LoRA base: no optimizer reads it, so a bf16 base stays bf16),
-    an integer one, and any under ``master=None`` keep their own dtype.
-    """
+    """The dtype ``fsdp(master_dtype=master)`` stores ``param`` in: ``master`` for trainable floating-point
+    parameters (masters are what an optimizer steps); frozen (a LoRA base) and integer ones, and every
+    one under ``master=None``, keep their own."""
     if master is None or not param.is_floating_point() or not param.requires_grad:
         return param.dtype
     return master
