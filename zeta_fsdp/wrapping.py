@@ -467,10 +467,9 @@ def _resolve_ties(
 ) -> list[WrapUnit]:
     """Merge or drop units so that every tied parameter's holders fall in a single unit.
 
-    ``singletons``: block units whose class occurs once in the model. Hugging Face lists the
-    embeddings module in ``_no_split_modules`` (BERT/RoBERTa/XLM-R ``*Embeddings``); tied to the
-    MLM head it is merged with the head into one ``embedding+head`` unit instead of both falling
-    back into the root (which would hold the largest tensor unsharded through the step).
+    ``singletons``: block units of a class occurring once, like the ``*Embeddings`` Hugging Face lists in
+    ``_no_split_modules`` (BERT): tied to the head, they merge into one ``embedding+head`` unit rather
+    than both falling back into the root (the largest tensor unsharded through the step).
     """
     while True:
         claims = (sorted({_claiming_unit(n.rpartition(".")[0], units) for n in names}) for names in tied)
