@@ -1,7 +1,8 @@
 """Dry run: the real ``fsdp()`` on a meta copy under PyTorch's fake process group, in a subprocess.
 
 Checks the memory estimate (``plan(..., dry_run=True)``) against what ``fsdp()`` builds, at any
-world size, on one CPU: nothing allocated, nothing communicated.
+world size, on one CPU: nothing allocated, nothing communicated. The job's size and mesh (and the
+dtype names the subprocess reads) are resolved here for ``plan()`` too.
 """
 
 from __future__ import annotations
