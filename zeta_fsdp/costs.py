@@ -20,15 +20,9 @@ __all__ = ["AccumulationCost", "accumulation_costs", "accumulation_table", "grad
 
 @dataclass(frozen=True)
 class AccumulationCost:
-    """What one way of accumulating K micro-batches costs one rank (``accumulation_costs``).
-
-    Attributes:
-        choice: ``"sync"`` (reduce every micro-batch, no ``no_sync``), ``"all"`` or ``"all_reduce"``
-            (``no_sync(defer=...)`` for the first K-1 micro-batches).
-        grad_bytes: gradient bytes the rank holds between micro-batches (FSDP2's storage: padded
-            shards, the reduce dtype where gradients wait in it).
-        reduce_scatters, all_reduces: gradient collectives per K micro-batches, all units together.
-    """
+    """What one way of accumulating K micro-batches costs one rank: ``choice`` (``"sync"``, or ``no_sync``'s
+    ``"all"`` / ``"all_reduce"``), the gradient bytes held between micro-batches (FSDP2's padded storage,
+    in the dtype gradients wait in) and the gradient collectives per K micro-batches, all units."""
 
     choice: str
     grad_bytes: int
@@ -52,13 +46,9 @@ def accumulation_costs(
     reduce_scatter_units: int,
     all_reduce_units: int,
 ) -> dict[str, AccumulationCost]:
-    """Gradient bytes held and collectives per ``micro_batches`` micro-batches, for each choice.
-
-    Bytes kept between micro-batches: ``sharded`` syncing every one, ``unsharded`` under
-    ``defer="all"``, ``partial`` (the reduce-scattered sum) under ``defer="all_reduce"`` with
-    replicas (without, nothing is deferred: ``sharded``). ``*_units``: units that reduce-scatter /
-    all-reduce in one synced backward. ``micro_batches`` < 1 is a ``ValueError``.
-    """
+    """Each choice's ``AccumulationCost`` from the bytes each keeps (``partial``: the reduce-scattered sum
+    ``defer="all_reduce"`` keeps with replicas; without, it keeps ``sharded``) and the units that
+    reduce-scatter / all-reduce in one synced backward. ``micro_batches`` < 1 is a ``ValueError``."""
     if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 1:
         raise ValueError(f"micro_batches={micro_batches!r} is not accepted. Accepted: an int >= 1.")
     k, rs, ar = micro_batches, reduce_scatter_units, all_reduce_units

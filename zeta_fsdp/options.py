@@ -151,12 +151,8 @@ def resolve_sharding(shard_strat: Union[str, enum.Enum, None], *, caller: str = 
 
 
 def autocast_dtype(mp_policy: MixedPrecisionPolicy) -> Optional[torch.dtype]:
-    """``torch.bfloat16`` when ``mp_policy`` is the ``mp="bf16"`` preset, else ``None``.
-
-    That preset (bf16 compute, fp32 reduction) is what DDP's engine gives with ``torch.autocast``
-    around the forward. fp16 needs a loss scaler, and a custom policy may ask for what autocast
-    cannot do (bf16 reduction, an output dtype): those stay on FSDP2.
-    """
+    """``torch.bfloat16`` for the ``mp="bf16"`` preset, which DDP's engine gives with ``torch.autocast``;
+    else ``None`` (fp16 needs a loss scaler, a custom policy what autocast cannot do: FSDP2 casts)."""
     bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     return torch.bfloat16 if mp_policy == bf16 else None
 
@@ -172,14 +168,10 @@ def choose_engine(
 ) -> tuple[str, str]:
     """Which engine runs ``spec``: ``("replicate", why)`` or ``("fully_shard", why)``.
 
-    NO_SHARD keeps a whole copy of every parameter on every rank: that is DDP. PyTorch's DDP
-    engine (composable ``replicate``: bucketed all-reduce, plain tensor parameters, keys
-    unchanged) steps at DDP speed, while FSDP2 on a ``(world, 1)`` mesh pays for DTensor
-    parameters in every optimizer op and for copies through its buffers (1.4-1.5x DDP's step
-    time, ``benchmarks/results/no_shard.md``). So NO_SHARD runs on ``replicate`` unless it needs
-    what only FSDP2 has: casting beyond ``"bf16"``'s autocast (``autocast_dtype``), offloading,
-    ignored parameters, the caller's ``mesh`` (the way to ask for DTensor parameters), or nothing
-    to train (DDP refuses that). Every other strategy shards: ``fully_shard``.
+    NO_SHARD keeps a whole copy of every parameter on every rank: that is DDP, and PyTorch's DDP
+    engine (composable ``replicate``) steps at DDP speed where FSDP2 on a ``(world, 1)`` mesh takes
+    1.4-1.5x (``benchmarks/results/no_shard.md``). So NO_SHARD runs on ``replicate`` unless it needs
+    what only FSDP2 has (docs/options.md, "NO_SHARD runs on DDP's engine"). Every other strategy shards.
 
     Example:
         >>> choose_engine(resolve_sharding("NO_SHARD"), resolve_mixed_precision("fp32"))[0]
@@ -210,12 +202,8 @@ def choose_engine(
 def validate_reshard_after_forward(
     value: Union[bool, int, None], shard_group_size: Optional[int] = None
 ) -> Union[bool, int, None]:
-    """Check a ``reshard_after_forward`` override: ``None``, a bool, or an int dividing the shard group.
-
-    An int ``k`` keeps parameters sharded over groups of ``k`` ranks between forward and backward
-    (less memory than ``False``, cheaper intra-node all-gather than ``True``). ``k`` equal to the
-    shard group size is the same as ``True``; ``k == 1`` is the same as ``False``.
-    """
+    """Check a ``reshard_after_forward`` override: ``None``, a bool, or an int ``k`` dividing the shard group
+    (parameters stay sharded over ``k`` ranks between forward and backward: ``False`` is 1, ``True`` all)."""
     if value is None or isinstance(value, bool):
         return value
     if not isinstance(value, int):
@@ -287,12 +275,9 @@ def resolve_master_dtype(master_dtype: Union[str, torch.dtype, None], *, caller:
 
 
 def stored_dtype(param: torch.Tensor, master: Optional[torch.dtype]) -> torch.dtype:
-    """The dtype ``fsdp(master_dtype=master)`` stores ``param`` in (``master`` as resolved above).
-
-    Master weights are for what an optimizer steps: a trainable floating-point parameter is stored
-    in ``master``; a frozen one (a LoRA base: no optimizer reads it, so a bf16 base stays bf16),
-    an integer one, and any under ``master=None`` keep their own dtype.
-    """
+    """The dtype ``fsdp(master_dtype=master)`` stores ``param`` in: ``master`` for trainable floating-point
+    parameters (masters are what an optimizer steps); frozen (a LoRA base) and integer ones, and every
+    one under ``master=None``, keep their own."""
     if master is None or not param.is_floating_point() or not param.requires_grad:
         return param.dtype
     return master

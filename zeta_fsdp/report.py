@@ -30,13 +30,8 @@ def render_table(
     rules: Sequence[int] = (0,),
     max_width: Optional[int] = None,
 ) -> str:
-    """Fixed-width columns separated by two spaces, with dashed rules after the given rows.
-
-    ``align``: one letter per column, ``"l"`` or ``"r"`` (default: first column left, the rest
-    right). ``rules``: indices of the rows a dashed line follows (negative counts from the end:
-    ``-2`` puts one above a total row). ``max_width``: cells longer than this are cut with
-    ``...``. Trailing spaces are stripped.
-    """
+    """Fixed-width columns, two spaces apart; ``align``: ``"l"``/``"r"`` per column (default: first left);
+    a dashed rule after each row in ``rules`` (``-2``: above a total row); cells over ``max_width`` end in ``...``."""
     columns = len(rows[0])
     align = align or "l" + "r" * (columns - 1)
     if max_width is not None:

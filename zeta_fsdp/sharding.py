@@ -31,12 +31,8 @@ def cast_to_master(model: nn.Module, master: Optional[torch.dtype]) -> list[str]
 
 
 def apply_activation_checkpointing(plan: WrapPlan) -> None:
-    """Recompute each block's activations in backward instead of storing them.
-
-    The block's ``forward`` is wrapped in place (no wrapper module), so parameter names and
-    state-dict keys stay exactly those of the unwrapped model, and FSDP's hooks still run around
-    the whole checkpointed call.
-    """
+    """Recompute each block's activations in backward instead of storing them. ``forward`` is wrapped in
+    place (no wrapper module): names and state-dict keys stay the model's; FSDP's hooks run around it."""
     for unit in plan.blocks:
         for module in unit.modules:
             if "forward" not in vars(module):

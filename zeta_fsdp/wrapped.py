@@ -74,10 +74,7 @@ def fsdp_state(module: nn.Module) -> Optional[Any]:
 
 def fsdp_param_groups(module: nn.Module) -> Optional[list]:
     """The FSDP parameter groups of one sharded module (``[]`` if none), or ``None`` when unreadable.
-
-    Newer torch: ``_fsdp_param_groups`` (a list); older: ``_fsdp_param_group`` (one or ``None``; in
-    newer torch a property that raises when a unit has several groups).
-    """
+    Newer torch: ``_fsdp_param_groups``; older ``_fsdp_param_group`` (newer: raises for several groups)."""
     state = fsdp_state(module)
     if state is None:
         return None

@@ -298,18 +298,11 @@ def _repeated_blocks(items: list[nn.Module]) -> Counter:
 
 
 def _repeated_children(model: nn.Module) -> Counter:
-    """Classes of modules that are repeated in a row: how many instances each layout holds.
+    """Classes repeated in a row, with their instance counts (the layouts: ``detect_block_classes``).
 
-    * an ``nn.ModuleList`` / ``nn.ModuleDict`` (any length; torchtitan's ``self.layers``) or an
-      ``nn.Sequential`` of 2+ children whose (flattened) children all share one class;
-    * in a mixed chain (a ``Sequential`` of stages, EfficientNet's blocks), every class that is a
-      block (more than one weight layer) and occurs twice or more;
-    * repeated named attributes (timm RegNet's ``b1 .. bN``): 2+ children of one block class
-      (more than one weight layer) named ``<prefix><index>`` with one prefix; named
-      ``nn.Sequential`` stages (ResNet's ``layer1 .. layer4``) are one chain of blocks together.
-
-    A one-child ``nn.Sequential`` is a wrapper; heterogeneous ones of layers are MLPs
-    (``Linear, GELU, Linear``), never blocks. Containers themselves are never block classes.
+    In a mixed chain (a ``Sequential`` of stages, EfficientNet's blocks) and among named attributes
+    (RegNet's ``b1 .. bN``) only blocks count (more than one weight layer): a heterogeneous chain of
+    layers is an MLP (``Linear, GELU, Linear``). A one-child ``nn.Sequential`` is a wrapper.
     """
     counts: Counter = Counter()
     flattened: set[int] = set()
@@ -339,33 +332,29 @@ def _repeated_children(model: nn.Module) -> Counter:
 
 
 def _innermost(model: nn.Module, candidates: list[type]) -> tuple[list[type], list[type]]:
-    """Keep the blocks, not what they are made of nor the stages that hold them.
+    """(blocks, stages): the candidates minus what blocks are made of and the stages holding them.
 
-    A layer-like class (one weight layer: per-head projections, ``ConvNormAct``) whose every
-    instance sits inside another candidate is a sub-layer: dropped. Then a class whose every
-    instance holds another (block) candidate is a stage (timm Swin/ConvNeXt stages, RegNet's
-    ``s1 .. s4``): dropped, so the unit is the innermost repeated block; what a stage holds
-    besides its blocks (a downsampling layer) goes to the enclosing unit.
+    A layer-like class (per-head projections, ``ConvNormAct``) whose every instance sits inside another
+    candidate is a sub-layer; a class whose every instance holds a block is a stage (Swin/ConvNeXt
+    stages, RegNet's ``s1 .. s4``): what it holds besides blocks goes to the enclosing unit.
     """
     modules = list(model.modules())
+    first: dict[type, nn.Module] = {}
+    for module in modules:
+        first.setdefault(type(module), module)
+    layer_like = {c for c in candidates if _is_layer_like(first[c])}
 
-    def inside_others(cls: type, others: list[type]) -> bool:
-        if not others:
-            return False
+    def inside_another_candidate(cls: type) -> bool:
         inner: set[int] = set()
         for outer in modules:
-            if isinstance(outer, tuple(others)) and type(outer) is not cls:
+            if isinstance(outer, tuple(candidates)) and type(outer) is not cls:
                 inner.update(id(m) for m in outer.modules() if m is not outer)
         return all(id(m) in inner for m in modules if type(m) is cls)
 
-    kept = [
-        c
-        for c in candidates
-        if not (_is_layer_like(next(m for m in modules if type(m) is c)) and inside_others(c, candidates))
-    ]
+    kept = [c for c in candidates if not (c in layer_like and inside_another_candidate(c))]
     # only a block (more than one weight layer) makes its holder a stage: a repeated plain layer
     # elsewhere in the model (a ModuleList of Linears) says nothing about the blocks holding Linears
-    blocks = [c for c in kept if not _is_layer_like(next(m for m in modules if type(m) is c))]
+    blocks = [c for c in kept if c not in layer_like]
     stages = []
     for cls in kept:
         others = tuple(c for c in blocks if c is not cls)
@@ -377,12 +366,10 @@ def _innermost(model: nn.Module, candidates: list[type]) -> tuple[list[type], li
 
 def _detect(model: nn.Module) -> tuple[tuple[type, ...], list[type]]:
     """(block classes, stage classes passed over for the blocks they hold)."""
-    no_split = getattr(model, "_no_split_modules", None)
-    if no_split:
-        present = {type(m) for m in model.modules()}
-        classes = tuple(c for c in present if any(c.__name__ == n for n in no_split))
-        if classes:
-            return tuple(sorted(classes, key=lambda c: c.__name__)), []
+    no_split = getattr(model, "_no_split_modules", None) or ()
+    named = sorted({type(m) for m in model.modules() if type(m).__name__ in no_split}, key=lambda c: c.__name__)
+    if named:
+        return tuple(named), []
     counts = _repeated_children(model)
     if not counts:
         return (), []
@@ -441,7 +428,8 @@ def _find_blocks(model: nn.Module, classes: tuple[type, ...], prefix: str = "") 
 
 
 def _is_under(name: str, prefixes: Iterable[str]) -> bool:
-    return any(name == p or name.startswith(p + ".") for p in prefixes)
+    """``name`` is one of ``prefixes`` or inside one (``""``, the root, holds every name)."""
+    return any(p == "" or name == p or name.startswith(p + ".") for p in prefixes)
 
 
 def _embedding_and_head_modules(
@@ -470,11 +458,8 @@ def _embedding_and_head_modules(
 
 
 def _claiming_unit(module_name: str, units: list[WrapUnit]) -> int:
-    """Index of the first (innermost) unit whose subtree holds ``module_name``."""
-    for i, unit in enumerate(units):
-        if _is_under(module_name, [n for n in unit.module_names if n]) or "" in unit.module_names:
-            return i
-    raise AssertionError("the root unit claims every module")
+    """Index of the first (innermost) unit whose subtree holds ``module_name`` (the root, last, holds all)."""
+    return next(i for i, unit in enumerate(units) if _is_under(module_name, unit.module_names))
 
 
 def _resolve_ties(
@@ -482,23 +467,21 @@ def _resolve_ties(
 ) -> list[WrapUnit]:
     """Merge or drop units so that every tied parameter's holders fall in a single unit.
 
-    ``singletons``: block units whose class occurs once in the model. Hugging Face lists the
-    embeddings module in ``_no_split_modules`` (BERT/RoBERTa/XLM-R ``*Embeddings``); tied to the
-    MLM head it is merged with the head into one ``embedding+head`` unit instead of both falling
-    back into the root (which would hold the largest tensor unsharded through the step).
+    ``singletons``: block units of a class occurring once, like the ``*Embeddings`` Hugging Face lists in
+    ``_no_split_modules`` (BERT): tied to the head, they merge into one ``embedding+head`` unit rather
+    than both falling back into the root (the largest tensor unsharded through the step).
     """
     while True:
         claims = (sorted({_claiming_unit(n.rpartition(".")[0], units) for n in names}) for names in tied)
         conflict = next((c for c in claims if len(c) > 1), None)
         if conflict is None:
             return units
-        kinds = {units[i].kind for i in conflict}
-        mergeable = all(
+        mergeable = all(  # (never the root)
             units[i].kind in ("embedding", "head", "embedding+head")
             or (units[i].kind == "block" and units[i].module_names[0] in singletons)
             for i in conflict
         )
-        if mergeable and len(conflict) == 2 and "root" not in kinds:
+        if mergeable and len(conflict) == 2:
             a, b = (units[i] for i in conflict)
             merged = WrapUnit("embedding+head", a.module_names + b.module_names, a.modules + b.modules)
             keep = [u for i, u in enumerate(units) if i not in conflict]
@@ -515,7 +498,7 @@ def _resolve_ties(
 
 
 def _fill_params(units: list[WrapUnit], model: nn.Module, ignored: set[int]) -> tuple[list[str], list[str]]:
-    """Give each parameter to its unit; returns (ignored names, 0-dim names: ignored as well)."""
+    """Give each parameter to its unit (bytes: ``WrapPlan.recount``); returns (ignored names, 0-dim ones among them)."""
     ignored_names, scalar_names = [], []
     for name, param in model.named_parameters():  # a tied parameter once, under its first name
         if id(param) in ignored or param.dim() == 0:
@@ -526,8 +509,6 @@ def _fill_params(units: list[WrapUnit], model: nn.Module, ignored: set[int]) -> 
         unit = units[_claiming_unit(name.rpartition(".")[0], units)]
         unit.param_names.append(name)
         unit.numel += param.numel()
-        unit.nbytes += param.numel() * param.element_size()
-        unit.dtypes.add(param.dtype)
     return ignored_names, scalar_names
 
 
@@ -603,6 +584,7 @@ def build_wrap_plan(
     plan = WrapPlan(
         units, classes, tied, ignored_param_names=ignored_names, scalar_param_names=scalar_names, notes=notes
     )
+    plan.recount(model)
     largest = plan.largest
     if largest is not None and len(units) > 1:
         share = plan.share(largest)

@@ -1,8 +1,8 @@
 """Sharding planner: what ``fsdp()`` will do to a model, and what it will cost per rank, before any run.
 
 ``estimate`` computes the per-rank bytes from the same wrap plan ``fsdp()`` uses (``plan()``);
-``dry_run`` checks them against the real ``fsdp()`` under PyTorch's fake process group;
-``common`` holds what both read (the job's size and mesh, dtype names).
+``dry_run`` checks them against the real ``fsdp()`` under PyTorch's fake process group (and holds
+what both read: the job's size and mesh, dtype names).
 
 Example:
     >>> import torch

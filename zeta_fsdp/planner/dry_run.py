@@ -1,7 +1,8 @@
 """Dry run: the real ``fsdp()`` on a meta copy under PyTorch's fake process group, in a subprocess.
 
 Checks the memory estimate (``plan(..., dry_run=True)``) against what ``fsdp()`` builds, at any
-world size, on one CPU: nothing allocated, nothing communicated.
+world size, on one CPU: nothing allocated, nothing communicated. The job's size and mesh (and the
+dtype names the subprocess reads) are resolved here for ``plan()`` too.
 """
 
 from __future__ import annotations
@@ -21,13 +22,33 @@ import torch
 import torch.nn as nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
-from ..distributed import fake_process_group, without_launcher_env
+from ..distributed import expected_world_size, fake_process_group, mesh_shape, without_launcher_env
 from ..options import resolve_master_dtype, resolve_mixed_precision, resolve_sharding
 from ..wrapped import fsdp_param_groups
 from ..wrapping import BlockSpec, block_specs
-from .common import dtype_name, resolve_world_and_mesh
 
-__all__ = ["DryRunResult", "dry_run", "dry_run_batch", "dry_run_job"]
+__all__ = ["DryRunResult", "dry_run", "dry_run_batch", "dry_run_job", "dtype_name", "resolve_world_and_mesh"]
+
+# Default GPUs per node for HYBRID meshes when planning a cluster from a laptop.
+DEFAULT_LOCAL_WORLD_SIZE = 8
+
+
+def dtype_name(dtype: Optional[torch.dtype]) -> str:
+    """``"bfloat16"`` for ``torch.bfloat16``; ``"none"`` for ``None``."""
+    return "none" if dtype is None else str(dtype).replace("torch.", "")
+
+
+def resolve_world_and_mesh(
+    spec: Any, world_size: Optional[int], replicate_size: Optional[int], local_world_size: Optional[int], caller: str
+) -> tuple[int, tuple[int, ...]]:
+    """The job's world size (the launcher's when ``None``) and the mesh ``fsdp()`` would build (``plan`` too)."""
+    world_size = expected_world_size() if world_size is None else world_size
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"{caller}(): world_size={world_size!r} is not accepted. Accepted: a positive int.")
+    local = min(world_size, DEFAULT_LOCAL_WORLD_SIZE) if local_world_size is None else local_world_size
+    return world_size, mesh_shape(
+        spec, world_size, local_world_size=local, replicate_size=replicate_size, caller=caller
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,15 +82,6 @@ def _meta_copy(model: nn.Module) -> nn.Module:
     for p in model.parameters():
         memo[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
     return copy.deepcopy(model, memo)
-
-
-def _child_env() -> dict[str, str]:
-    env = without_launcher_env()  # the child runs its own fake job, never joins ours
-    # The child must import what the parent imports (the model's classes, this package): parent's path first.
-    paths = [p for p in sys.path if p] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
-    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
-    env.setdefault("OMP_NUM_THREADS", "1")
-    return env
 
 
 def dry_run(
@@ -148,12 +160,17 @@ def dry_run_batch(model: nn.Module, jobs: list[dict[str, Any]], *, timeout_s: fl
             f"dry_run(): module classes defined in __main__ ({', '.join(in_main)}) cannot be loaded by the "
             "dry-run subprocess; define them in an importable module."
         )
+    env = without_launcher_env()  # the child runs its own fake job, never joins ours
+    # The child must import what the parent imports (the model's classes, this package): parent's path first.
+    paths = [p for p in sys.path if p] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
+    env.setdefault("OMP_NUM_THREADS", "1")
     with tempfile.TemporaryDirectory(prefix="zeta_fsdp_dry_run_") as tmp:
         torch.save(_meta_copy(model), Path(tmp) / "model.pt")
         (Path(tmp) / "jobs.json").write_text(json.dumps(jobs))
         code = "import sys; from zeta_fsdp.planner.dry_run import run_child; run_child(sys.argv[1])"
         proc = subprocess.run(
-            [sys.executable, "-c", code, tmp], env=_child_env(), capture_output=True, text=True, timeout=timeout_s
+            [sys.executable, "-c", code, tmp], env=env, capture_output=True, text=True, timeout=timeout_s
         )
         out = Path(tmp) / "results.json"
         if proc.returncode != 0 or not out.exists():
@@ -181,15 +198,14 @@ def run_child(workdir: str) -> None:
 def _dry_run_one(fsdp: Any, model: nn.Module, job: dict[str, Any], load_seconds: float) -> dict[str, Any]:
     from torch.distributed.tensor import DTensor
 
-    dtypes = {dtype_name(d): d for d in (None, torch.float32, torch.bfloat16, torch.float16, torch.float64)}
-    policy = MixedPrecisionPolicy(param_dtype=dtypes[job["param_dtype"]], reduce_dtype=dtypes[job["reduce_dtype"]])
+    dtypes = {k: None if job[k] == "none" else getattr(torch, job[k]) for k in job if k.endswith("_dtype")}
+    policy = MixedPrecisionPolicy(param_dtype=dtypes["param_dtype"], reduce_dtype=dtypes["reduce_dtype"])
     block, ignored = job["transformer_block"], {model.get_parameter(n) for n in job["ignored_param_names"]}
     options = {k: job[k] for k in ("auto_wrap", "shard_strat", "replicate_size")}
     options.update(TransformerBlock=tuple(block) if block else None, ignored_params=ignored or None)
-    master = dtypes[job.get("master_dtype", "float32")]
     start = time.perf_counter()
     # materialize=False: allocating every shard would cost gigabytes; the dry run only inspects the sharding
-    fsdp(model, mp=policy, device="cpu", materialize=False, master_dtype=master, **options)
+    fsdp(model, mp=policy, device="cpu", materialize=False, master_dtype=dtypes["master_dtype"], **options)
     wrap_seconds = time.perf_counter() - start
     storage = local = 0
     mesh: tuple[int, ...] = ()

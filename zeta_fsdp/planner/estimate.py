@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import Any, Iterable, Optional, Union
 
@@ -30,10 +31,8 @@ from ..costs import AccumulationCost, accumulation_costs, accumulation_table, gr
 from ..engines import engine_named
 from ..options import choose_engine, resolve_master_dtype, resolve_mixed_precision, resolve_sharding, stored_dtype
 from ..report import format_bytes, render_table
-from ..wrapping import BlockSpec, build_wrap_plan
-from .common import dtype_name as _dtype_name
-from .common import resolve_world_and_mesh as _resolve_world_and_mesh
-from .dry_run import DryRunResult, dry_run_batch, dry_run_job
+from ..wrapping import BlockSpec, WrapUnit, build_wrap_plan
+from .dry_run import DryRunResult, dry_run_batch, dry_run_job, dtype_name, resolve_world_and_mesh
 
 __all__ = ["OPTIMIZERS", "MemoryPlan", "UnitEstimate", "plan"]
 
@@ -70,11 +69,11 @@ class UnitEstimate:
     kind: str
     num_params: int
     numel: int
-    unsharded_bytes: int
-    param_bytes: int
-    local_param_bytes: int
-    grad_bytes: int
-    optimizer_bytes: int
+    unsharded_bytes: int = 0
+    param_bytes: int = 0
+    local_param_bytes: int = 0
+    grad_bytes: int = 0
+    optimizer_bytes: int = 0
     unsharded_grad_bytes: int = 0
     partial_grad_bytes: int = 0
 
@@ -86,7 +85,6 @@ def _units_total(attribute: str, doc: str, example: int, plus: str = "") -> prop
     def total(self: MemoryPlan) -> int:
         return sum(getattr(u, attribute) for u in self.units) + (getattr(self, plus) if plus else 0)
 
-    total.__name__ = attribute
     doc += f"""
 
         Example:
@@ -151,26 +149,12 @@ class MemoryPlan:
         """
         return self.mesh_shape[-1]
 
+    # Sums over the units; ignored parameters (kept whole on every rank) are added to the byte figures.
     numel = _units_total("numel", "Parameters of the model (tied ones once).", 34950)
-    param_bytes = _units_total(
-        "param_bytes",
-        "Sharded parameter storage per rank (ignored parameters, kept whole, included).",
-        69960,
-        "ignored_bytes",
-    )
-    local_param_bytes = _units_total(
-        "local_param_bytes",
-        "Logical (unpadded) local parameter shards per rank, ignored parameters included.",
-        69960,
-        "ignored_bytes",
-    )
+    param_bytes = _units_total("param_bytes", "Sharded parameter storage per rank.", 69960, "ignored_bytes")
+    local_param_bytes = _units_total("local_param_bytes", "Logical local shards per rank.", 69960, "ignored_bytes")
     grad_bytes = _units_total("grad_bytes", "Sharded gradient storage per rank.", 69960, "ignored_bytes")
-    optimizer_bytes = _units_total(
-        "optimizer_bytes",
-        "Optimizer state per rank (ignored parameters' state is whole too).",
-        140068,
-        "ignored_optimizer_bytes",
-    )
+    optimizer_bytes = _units_total("optimizer_bytes", "Optimizer state per rank.", 140068, "ignored_optimizer_bytes")
 
     @property
     def total_bytes(self) -> int:
@@ -255,8 +239,11 @@ class MemoryPlan:
         ]
         header = ("unit", "kind", "params", "numel", "all-gathered", "shard/rank")
         rows = [header]
-        for first, last, count in _fold_units(self.units):
-            name = first.name if count == 1 else f"{first.name} .. {last.name} (x{count})"
+        # runs of identical consecutive units (the blocks of a transformer): one row each
+        keys = ("kind", "num_params", "numel", "unsharded_bytes", "param_bytes", "grad_bytes", "optimizer_bytes")
+        for _, run in itertools.groupby(self.units, key=lambda u: tuple(getattr(u, k) for k in keys)):
+            first, *rest = run
+            name = f"{first.name} .. {rest[-1].name} (x{len(rest) + 1})" if rest else first.name
             sizes = (f"{first.numel:,}", format_bytes(first.unsharded_bytes), format_bytes(first.param_bytes))
             rows.append((name, first.kind, str(first.num_params), *sizes))
         lines += render_table(rows, align="llrrrr").splitlines()
@@ -285,20 +272,6 @@ class MemoryPlan:
                 f"-> {verdict} ({self.param_bytes:,} / {self.local_param_bytes:,})",
             ]
         return "\n".join(lines)
-
-
-def _fold_units(units: list[UnitEstimate]) -> Iterable[tuple[UnitEstimate, UnitEstimate, int]]:
-    """Runs of identical consecutive units (the blocks of a transformer), one row each."""
-    keys = ("kind", "num_params", "numel", "unsharded_bytes", "param_bytes", "grad_bytes", "optimizer_bytes")
-    for _, run in itertools.groupby(units, key=lambda u: tuple(getattr(u, k) for k in keys)):
-        run = list(run)
-        yield run[0], run[-1], len(run)
-
-
-def _mp_label(policy: MixedPrecisionPolicy) -> str:
-    if policy.param_dtype is None and policy.reduce_dtype is None:
-        return "fp32 (no casting)"
-    return f"compute {_dtype_name(policy.param_dtype)}, reduce {_dtype_name(policy.reduce_dtype)}"
 
 
 def _shard_geometry(param: torch.Tensor, shard_size: int, shard_rank: int) -> tuple[int, int, int]:
@@ -359,7 +332,7 @@ def plan(
     policy = resolve_mixed_precision(mp, caller="plan")
     master = resolve_master_dtype(master_dtype, caller="plan")
     spec = resolve_sharding(shard_strat, caller="plan")
-    world_size, shape = _resolve_world_and_mesh(spec, world_size, replicate_size, local_world_size, "plan")
+    world_size, shape = resolve_world_and_mesh(spec, world_size, replicate_size, local_world_size, "plan")
     if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
         raise ValueError(f"plan(): rank={rank!r} is not accepted. Accepted: an int in [0, {world_size - 1}].")
     shard_size = shape[-1]
@@ -374,18 +347,21 @@ def plan(
         spec, policy, has_ignored=bool(ignored), has_trainable=any(p.requires_grad for p in params.values())
     )
 
-    units = [_estimate_unit(u, params, policy, shard_size, shard_rank, n_state, master) for u in wrap.units]
-    grads = [(stored_dtype(p, master), p.numel() * _stored_size(p, master)) for p in params.values() if p.requires_grad]
+    stored = {name: stored_dtype(p, master) for name, p in params.items()}  # what fsdp(master_dtype=) keeps
+    units = [_estimate_unit(u, params, stored, policy, shard_size, shard_rank, n_state) for u in wrap.units]
+    grads = [(stored[n], p.numel() * stored[n].itemsize) for n, p in params.items() if p.requires_grad]
     terms = (model, units, policy, spec.reshard_after_forward, shard_size, grads, why)
     peak, all_reduces, notes = engine_named(engine).plan_costs(*terms)
     # Ignored parameters stay whole (and unsharded) on every rank, as do their gradients.
-    ignored_sizes = {n: params[n].numel() * _stored_size(params[n], master) for n in wrap.ignored_param_names}
+    ignored_sizes = {n: params[n].numel() * stored[n].itemsize for n in wrap.ignored_param_names}
     ignored_bytes = sum(ignored_sizes.values())
     ignored_state = sum(
         n_state * b + _STEP_BYTES for n, b in ignored_sizes.items() if n_state and params[n].requires_grad
     )
-    stored = sorted({_dtype_name(stored_dtype(p, master)) for p in params.values() if p.is_floating_point()})
-    stored_label = stored[0] if len(stored) == 1 else ("mixed: " + ", ".join(stored) if stored else "none")
+    names = sorted({dtype_name(stored[n]) for n, p in params.items() if p.is_floating_point()})
+    stored_label = names[0] if len(names) == 1 else ("mixed: " + ", ".join(names) if names else "none")
+    casts = policy.param_dtype is not None or policy.reduce_dtype is not None
+    mp_label = f"compute {dtype_name(policy.param_dtype)}, reduce {dtype_name(policy.reduce_dtype)}"
     result = MemoryPlan(
         model_name=type(model).__name__,
         model_bytes=wrap.nbytes + ignored_bytes,
@@ -393,7 +369,7 @@ def plan(
         rank=rank,
         strategy=spec.name,
         mesh_shape=tuple(shape),
-        mp=_mp_label(policy),
+        mp=mp_label if casts else "fp32 (no casting)",
         optimizer=optimizer,
         reshard_after_forward=spec.reshard_after_forward,
         units=units,
@@ -421,40 +397,25 @@ def plan(
             f"shard is {result.local_param_bytes:,} (optimizer state follows the logical shard)"
         )
     if dry_run:  # (the flag shadows the function dry_run(): call what it calls)
-        job = dry_run_job(
-            world_size,
-            spec.name,
-            policy,
-            auto_wrap,
-            TransformerBlock,
-            rank,
-            replicate_size=shape[0] if len(shape) == 2 else None,
-            ignored_param_names=wrap.ignored_param_names,
-            master_dtype=master,
-        )
+        args = (world_size, spec.name, policy, auto_wrap, TransformerBlock, rank, shape[0] if len(shape) == 2 else None)
+        job = dry_run_job(*args, ignored_param_names=wrap.ignored_param_names, master_dtype=master)
         result.dry_run = dry_run_batch(model, [job])[0]
     return result
 
 
-def _stored_size(param: torch.Tensor, master: Optional[torch.dtype]) -> int:
-    return stored_dtype(param, master).itemsize
-
-
 def _estimate_unit(
-    unit: Any,
+    unit: WrapUnit,
     params: dict[str, nn.Parameter],
+    stored: dict[str, torch.dtype],
     policy: MixedPrecisionPolicy,
     shard_size: int,
     shard_rank: int,
     n_state: int,
-    master: Optional[torch.dtype] = torch.float32,
 ) -> UnitEstimate:
-    sizes = dict.fromkeys(("unsharded_bytes", "param_bytes", "local_param_bytes", "grad_bytes"), 0)
-    sizes.update(dict.fromkeys(("optimizer_bytes", "unsharded_grad_bytes", "partial_grad_bytes"), 0))
+    sizes: Counter = Counter()
     for name in unit.param_names:
-        param = params[name]
+        param, dtype = params[name], stored[name]
         padded, local, gathered = _shard_geometry(param, shard_size, shard_rank)
-        dtype = stored_dtype(param, master)
         # FSDP2 casts only floating-point parameters to the compute dtype.
         compute = policy.param_dtype if policy.param_dtype and param.is_floating_point() else dtype
         sizes["unsharded_bytes"] += gathered * compute.itemsize

@@ -1,7 +1,5 @@
-"""Helpers a training loop needs around ``fsdp()``: gradient accumulation over micro-batches
-(``no_sync``; what each choice costs: ``memory_report(micro_batches=K)``), the global gradient
-norm of a sharded model and clipping (``clip_grad_norm_``), and the bytes each rank holds for
-parameters, gradients and optimizer state (``memory_report``).
+"""Helpers a training loop needs around ``fsdp()``: gradient accumulation (``no_sync``), the global
+gradient norm and clipping (``clip_grad_norm_``), and the bytes each rank holds (``memory_report``).
 
 Example:
     for i, batch in enumerate(micro_batches):

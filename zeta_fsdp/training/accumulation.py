@@ -36,21 +36,14 @@ def resolve_defer(defer: object) -> str:
 def no_sync(model: nn.Module, *, defer: str = "all") -> Iterator[nn.Module]:
     """Defer gradient collectives for backwards run inside: gradient accumulation.
 
-    ``defer="all"`` (default): no gradient collective at all. Each rank keeps every unit's
-    *unsharded* gradient until the first backward outside the block, which reduces the sum in
-    one go: one reduce-scatter (and, under HYBRID_SHARD, one all-reduce) per unit for K
-    micro-batches, but the full model's gradients held on every rank.
-
-    ``defer="all_reduce"``: each micro-batch still reduce-scatters, so only a *sharded* gradient
-    is kept; only HYBRID_SHARD's cross-replica all-reduce waits (FSDP2's
-    ``set_requires_all_reduce(False)``). On a 1-D mesh there is none to defer: it is the same as
-    syncing every micro-batch, so one training loop serves every strategy. Any other value raises
-    ``ValueError`` before a unit changes.
-
-    Divide each micro-batch loss by K for the mean. Each unit's setting is restored on exit, also
-    when the body raises (to sync where this torch's private state cannot be read). A model
-    without FSDP units is left alone (a DDP model uses its own ``no_sync``). On DDP's engine
-    (``fsdp_engine(model)``), as with DDP, run each micro-batch's forward inside the block too.
+    ``defer="all"`` (default): no gradient collective; each rank keeps every unit's *unsharded*
+    gradient until the first backward outside the block reduces the sum (least communication, the
+    whole model's gradients held). ``defer="all_reduce"``: each micro-batch still reduce-scatters
+    (sharded gradients) and only HYBRID_SHARD's cross-replica all-reduce waits; on a 1-D mesh it is
+    syncing every micro-batch, so one loop serves every strategy. Another value is a ``ValueError``
+    before a unit changes. Settings are restored on exit, also on an exception; a model without FSDP
+    units is left alone. On DDP's engine, as with DDP, run each micro-batch's forward inside too.
+    Divide each micro-batch loss by K for the mean. The table of costs: docs/strategy.md.
 
     Example:
         with no_sync(model):

@@ -12,15 +12,6 @@ from torch.distributed.tensor import DTensor
 __all__ = ["clip_grad_norm_"]
 
 
-def _by_layout(grads: list[torch.Tensor]) -> list[list[torch.Tensor]]:
-    """Group gradients by (mesh, placements): DTensor ops may not mix meshes or layouts."""
-    groups: dict[object, list[torch.Tensor]] = {}
-    for grad in grads:
-        key = (grad.device_mesh, tuple(grad.placements)) if isinstance(grad, DTensor) else ("local", grad.device)
-        groups.setdefault(key, []).append(grad)
-    return list(groups.values())
-
-
 def _total_norm(groups: list[list[torch.Tensor]], norm_type: float) -> torch.Tensor:
     """Norm of all gradients together, as a plain tensor, whatever meshes they live on.
 
@@ -72,11 +63,13 @@ def clip_grad_norm_(
     if isinstance(model_or_params, nn.Module):
         model_or_params = model_or_params.parameters()
     params = [model_or_params] if isinstance(model_or_params, torch.Tensor) else model_or_params
-    grads = [p.grad for p in params if p.grad is not None]
-    if not grads:
+    by_layout: dict[object, list[torch.Tensor]] = {}  # DTensor ops may not mix meshes or layouts
+    for grad in (p.grad for p in params if p.grad is not None):
+        key = (grad.device_mesh, tuple(grad.placements)) if isinstance(grad, DTensor) else ("local", grad.device)
+        by_layout.setdefault(key, []).append(grad)
+    if not by_layout:
         return 0.0
-    groups = _by_layout(grads)
-    total = _total_norm(groups, norm_type)
+    total = _total_norm(list(by_layout.values()), norm_type)
     if error_if_nonfinite and not torch.isfinite(total):
         raise RuntimeError(
             f"clip_grad_norm_: the total norm of order {norm_type} of the gradients is non-finite ({total.item()})."
@@ -85,6 +78,6 @@ def clip_grad_norm_(
     # applied even when it is 1 so the result matches torch bit for bit), one foreach per layout.
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     with torch.no_grad():
-        for group in groups:
+        for group in by_layout.values():
             torch._foreach_mul_(group, coef.to(group[0].device))
     return float(total.item())

@@ -40,9 +40,8 @@ class MemoryReport(dict):
             ['parameters', '440', 'B', '440', 'B', '1.000']
         """
         head = f"rank {self['rank']}/{self['world_size']}"
-        dtypes = {key: ", ".join(self[key].get("dtypes", [])) or "-" for key in ("params", "optimizer_state")}
-        if self.get("trainable_dtypes") is not None:  # masters are what an optimizer steps
-            dtypes["params"] = ", ".join(self["trainable_dtypes"]) or "-"
+        masters = ", ".join(self["trainable_dtypes"]) or "-"  # masters are what an optimizer steps
+        state = ", ".join(self["optimizer_state"]["dtypes"]) or "-"
         rows = [(head, "this rank", "unsharded", "local/full")]
         for key, label in self.ROWS:
             entry = self[key]
@@ -50,9 +49,9 @@ class MemoryReport(dict):
             ratio = f"{local / full:.3f}" if full else "-"
             rows.append((label, format_bytes(local), format_bytes(full), ratio))
         table = render_table(rows, rules=(0, -2))
-        text = f"{table}\nmaster weights {dtypes['params']}; optimizer state {dtypes['optimizer_state']}"
-        frozen = self.get("frozen")
-        if frozen and frozen["tensors"]:
+        text = f"{table}\nmaster weights {masters}; optimizer state {state}"
+        frozen = self["frozen"]
+        if frozen["tensors"]:
             text += (
                 f"\nfrozen: {frozen['tensors']} parameter(s), {format_bytes(frozen['local_bytes'])} on this rank "
                 f"({', '.join(frozen['dtypes'])}), no gradients or optimizer state"
