@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import argparse
 
+import torch
+
+from ..hf import consolidate_to_hf
+from ..state_dict import CheckpointError, consolidate_checkpoint
 from .args import UsageError
 
 HELP = "turn a sharded checkpoint into one torch.save or .safetensors file of the model's weights"
@@ -22,9 +26,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Consolidate ``args.dcp_dir`` into ``args.out``; bad input raises ``UsageError`` (one line)."""
-    # Imported here: `python -m zeta_fsdp --help` need not load torch.distributed.checkpoint.
-    from ..state_dict import CheckpointError, consolidate_checkpoint
-
     try:
         if args.hf:
             return _to_hf(args)
@@ -48,10 +49,6 @@ def one_line(error: BaseException) -> str:
 
 def _to_hf(args: argparse.Namespace) -> int:
     """``--hf``: a Hugging Face model directory (``consolidate_to_hf``), streamed tensor by tensor."""
-    import torch
-
-    from ..hf import consolidate_to_hf
-
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}.get(args.dtype)
     options = dict(config=args.config, dtype=dtype, max_shard_size=args.max_shard_size, overwrite=args.overwrite)
     out = consolidate_to_hf(args.dcp_dir, args.out, **options)

@@ -16,7 +16,15 @@ import traceback
 from pathlib import Path
 from typing import Any, Optional, TextIO
 
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
+
+from ..distributed import choose_device, default_backend, ensure_process_group, shutdown
 from ..files import atomic_write
+from ..fsdp import fsdp
+from ..measure import collectives_per_step, median_step_seconds, peak_memory_by_category
+from ..models import gpt
 
 __all__ = ["LEARNING_RATE", "PER_RANK_BATCH", "SEQ_LEN", "main", "strategies_for"]
 
@@ -67,23 +75,14 @@ class _Progress:
             self.stream.close()
 
 
-def _counting_batch(vocab_size: int, rows: int, seed: int) -> Any:
+def _counting_batch(vocab_size: int, rows: int, seed: int) -> torch.Tensor:
     """Sequences that count up from a random start (mod vocab): the loss visibly drops in a few steps."""
-    import torch
-
     generator = torch.Generator().manual_seed(seed)
     start = torch.randint(0, vocab_size, (rows, 1), generator=generator)
     return (start + torch.arange(SEQ_LEN + 1)) % vocab_size
 
 
-def _run_strategy(gpt: Any, strategy: str, steps: int, mp: str, progress: _Progress, device: Any) -> dict[str, Any]:
-    import torch
-    import torch.distributed as dist
-    from torch.distributed.fsdp import FSDPModule
-
-    from ..fsdp import fsdp
-    from ..measure import collectives_per_step, median_step_seconds, peak_memory_by_category
-
+def _run_strategy(strategy: str, steps: int, mp: str, progress: _Progress, device: torch.device) -> dict[str, Any]:
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     model = gpt.small()
@@ -153,22 +152,16 @@ def main(argv: list[str]) -> None:
     out = Path(args.out)
     rank = int(os.environ.get("RANK", "0"))
     try:
-        import torch
-
-        from ..distributed import choose_device, default_backend, ensure_process_group, shutdown
-
         torch.set_num_threads(1)
         device = choose_device(device=args.device)  # "cuda" -> cuda:LOCAL_RANK
         ensure_process_group(device, timeout_s=120)  # nccl on CUDA, gloo on CPU
-        from ..models import gpt
-
         world = int(os.environ.get("WORLD_SIZE", "1"))
         strategies = strategies_for(world)
         progress = _Progress(args.steps * len(strategies), args.tty if rank == 0 else "")
         try:
             rows = []
             for strategy in strategies:
-                rows.append(_run_strategy(gpt, strategy, args.steps, args.mp, progress, device))
+                rows.append(_run_strategy(strategy, args.steps, args.mp, progress, device))
                 # A wrapped model is a reference cycle; under NO_SHARD it holds DDP's reducer and so the
                 # group. Collected now, not in interpreter finalization (SIGABRT in gloo, docs/pitfalls.md).
                 gc.collect()

@@ -12,13 +12,12 @@ import json
 import sys
 
 from ..options import MIXED_PRECISION_ALIASES, SHARDING_ALIASES
+from ..planner import OPTIMIZERS, plan
 from .args import UsageError, choice, int_in, parse_overrides
 from .model_spec import MODEL_SPEC_HELP, importable_cwd, meta_model_from_spec
 
 HELP = "per-rank memory plan of fsdp() for a model at any world size, checked by a fake-process-group dry run"
 _MAX_WORLD_SIZE = 1 << 20
-# Mirrors planner.OPTIMIZERS (checked by the planner too); listed here so --help needs no torch import.
-_OPTIMIZERS = ("adamw", "adam", "none")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -39,7 +38,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--replicate-size", type=size("--replicate-size"), help="HYBRID replicas")
     gpus = size("--gpus-per-node")
     parser.add_argument("--gpus-per-node", type=gpus, help="HYBRID: one replica per node (default 8)")
-    parser.add_argument("--optimizer", choices=list(_OPTIMIZERS), default="adamw")
+    parser.add_argument("--optimizer", choices=list(OPTIMIZERS), default="adamw")
     parser.add_argument(
         "--micro-batches",
         type=size("--micro-batches"),
@@ -55,8 +54,6 @@ def run(args: argparse.Namespace) -> int:
 
     Returns 1 when the dry run disagrees with the plan or fails, 0 otherwise.
     """
-    from ..planner import plan
-
     overrides = parse_overrides(args.overrides)
     try:
         with importable_cwd():  # the model's module, and the dry run's subprocess, may import from here
