@@ -59,11 +59,17 @@ def get_world_size(group: GroupLike = None) -> int:
     return dist.get_world_size(process_group_of(group)) if is_distributed() else 1
 
 
+def _has_cpu_backend(group: GroupLike = None) -> bool:
+    """Can ``group`` run collectives on CPU tensors? A plain backend name: all but nccl; a device map
+    (``"cuda:nccl,cpu:gloo"``): only with a ``cpu:`` entry."""
+    backend = str(dist.get_backend(process_group_of(group)))
+    return "cpu:" in backend if ":" in backend else backend != "nccl"
+
+
 def comm_device(group: GroupLike = None) -> torch.device:
-    """Where a tensor must live for a collective of ``group``: the current CUDA device under NCCL
-    (which takes no CPU tensors), else the CPU (also without a process group)."""
-    backend = str(dist.get_backend(process_group_of(group))) if is_distributed() else ""
-    if "nccl" in backend and "cpu:" not in backend:
+    """Where a tensor must live for a collective of ``group``: the current CUDA device when its backend
+    takes no CPU tensors (NCCL), else the CPU (also without a process group)."""
+    if is_distributed() and not _has_cpu_backend(group):
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
@@ -124,14 +130,6 @@ def default_backend(device: torch.device, cpu_offload: bool = False) -> str:
     return "gloo"
 
 
-def _backend_devices() -> set[str]:
-    """Device types the default group has a backend for (e.g. {"cuda", "cpu"})."""
-    backend = str(dist.get_backend())
-    if ":" not in backend:  # a plain name: gloo serves cpu (and cuda), nccl serves cuda only
-        return {"cuda"} if backend == "nccl" else {"cpu", "cuda"}
-    return {part.split(":")[0] for part in backend.split(",")}
-
-
 def ensure_process_group(
     device: torch.device, *, cpu_offload: bool = False, timeout_s: float = 1800, backend: Optional[str] = None
 ) -> bool:
@@ -140,7 +138,7 @@ def ensure_process_group(
     if not dist.is_available():
         raise RuntimeError("fsdp(): this PyTorch build has no torch.distributed support.")
     if dist.is_initialized():
-        if cpu_offload and device.type == "cuda" and "cpu" not in _backend_devices():
+        if cpu_offload and device.type == "cuda" and not _has_cpu_backend():
             warnings.warn(
                 "fsdp(cpu_offload=True): the existing process group has no CPU backend, so collectives on "
                 "CPU-offloaded tensors (gradient-norm clipping, state-dict gathers) will fail. Start it "
@@ -173,12 +171,9 @@ def ensure_process_group(
 
 @contextlib.contextmanager
 def fake_process_group(world_size: int, rank: int = 0) -> Iterator[None]:
-    """Be ``rank`` of a simulated ``world_size``-rank job for the ``with`` block, then leave it.
-
-    PyTorch's ``"fake"`` backend on a ``FakeStore``: collectives return at once and move no data,
-    so ``fsdp()`` can shard a ``meta`` model as any rank of any world size in one process (what
-    ``planner.dry_run`` does). Refuses to run when a process group already exists.
-    """
+    """Be ``rank`` of a simulated ``world_size``-rank job in the block (PyTorch's ``"fake"`` backend:
+    collectives return at once, move nothing), so ``planner.dry_run`` can run ``fsdp()`` on a ``meta``
+    model as any rank of any world size in one process. Refuses to replace an existing group."""
     from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
 
     if dist.is_initialized():

@@ -1,13 +1,10 @@
 """The façade: ``fsdp(model, ...)`` shards any model with FSDP2 in one line.
 
-Steps, in order (validation here; each later step a plain function of its own module):
-    validate every argument (nothing changes if one is bad)
-    -> plan the units (pure, ``wrapping.build_wrap_plan``)
-    -> process group + device + mesh (``distributed``)
-    -> activation checkpointing, torch.compile (each block, optional)      ``sharding``
-    -> ``fully_shard`` bottom-up (one MixedPrecisionPolicy for all) or DDP's engine  ``engines``
-    -> materialize a meta-device model (``to_empty``, init, re-tie)         ``materialize``
-What was done is recorded on the model and read back by ``wrapped``.
+Validation lives here (nothing changes if an argument is bad); each later step is a plain function
+of its own module: plan the units (``wrapping``), process group and mesh (``distributed``), per-block
+checkpointing and compile (``sharding``), ``fully_shard`` bottom-up with one MixedPrecisionPolicy, or
+DDP's engine (``engines``), materialize a meta-device model (``materialize``). What was done is
+recorded on the model and read back by ``wrapped``.
 """
 
 from __future__ import annotations

@@ -62,11 +62,8 @@ def wrap(model: nn.Module, plan: Any, device: torch.device, mp_policy: MixedPrec
 
 
 def autocast_forward(model: nn.Module, device_type: str, dtype: torch.dtype) -> None:
-    """Run every forward of ``model`` under ``torch.autocast(device_type, dtype)``.
-
-    A pre-hook enters it, a hook that runs even when the forward raises (``always_call``) leaves
-    it; a stack keeps re-entrant forwards paired. Checkpointing recomputes under the same state.
-    """
+    """Run every forward of ``model`` under ``torch.autocast(device_type, dtype)``, also when it raises
+    (``always_call``) or re-enters (a stack); checkpointing recomputes under the same state."""
     entered: list = []
 
     def enter(module: nn.Module, args: Any) -> None:
