@@ -113,14 +113,13 @@ def run_demo(
     mp: str = "fp32",
     plot: Optional[str] = None,
     *,
-    progress: Optional[bool] = None,
     log: Optional[TextIO] = None,
     timeout_s: float = 600.0,
 ) -> dict[str, Any]:
     """Launch ``nproc`` local ranks, run every strategy for ``steps`` steps, return the results.
 
-    ``progress``: a progress bar (default: only when stderr is a TTY, so CI logs stay clean);
-    ``plot``: a memory bar chart there (matplotlib); ``log``: where to say the ranks are launching.
+    Rank 0 draws a progress bar only when stderr is a terminal (CI logs stay clean). ``plot``: a
+    memory bar chart there (matplotlib); ``log``: where to say the ranks are launching.
     Raises ``ValueError`` for bad arguments (before anything starts), ``DemoError`` when a rank
     fails, ``KeyboardInterrupt`` after stopping every rank on Ctrl-C.
     """
@@ -128,7 +127,10 @@ def run_demo(
     mp = MIXED_PRECISION_ALIASES[mp.lower()]
     device, backend = demo_device(nproc)
     workdir = Path(tempfile.mkdtemp(prefix="zeta_fsdp_demo_"))
-    tty = _progress_tty() if progress in (None, True) else ""
+    try:  # the terminal our stderr is on, for rank 0's progress bar
+        tty = os.ttyname(sys.stderr.fileno()) if sys.stderr.isatty() else ""
+    except (OSError, ValueError, AttributeError):
+        tty = ""
     if log is not None:
         log.write(f"launching {nproc} rank(s) on {device.upper()} ({backend}): {steps} steps per strategy ...\n")
         log.flush()
@@ -224,14 +226,6 @@ def _die_with_launcher() -> None:
 
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM))  # 1 = PR_SET_PDEATHSIG
-
-
-def _progress_tty() -> str:
-    """The terminal the launcher's stderr is on, for rank 0's progress bar (``""`` when not a TTY)."""
-    try:
-        return os.ttyname(sys.stderr.fileno()) if sys.stderr.isatty() else ""
-    except (OSError, ValueError, AttributeError):
-        return ""
 
 
 def _launch_and_wait(cmd: list[str], workdir: Path, timeout_s: float) -> int:
