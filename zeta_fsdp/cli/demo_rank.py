@@ -26,19 +26,11 @@ from ..fsdp import fsdp
 from ..measure import collectives_per_step, median_step_seconds, peak_memory_by_category
 from ..models import gpt
 
-__all__ = ["LEARNING_RATE", "PER_RANK_BATCH", "SEQ_LEN", "main", "strategies_for"]
+__all__ = ["LEARNING_RATE", "PER_RANK_BATCH", "SEQ_LEN", "main"]
 
 LEARNING_RATE = 3e-3
 SEQ_LEN = 12  # tokens per sample; the demo GPT has max_seq_len 16
 PER_RANK_BATCH = 4
-
-
-def strategies_for(nproc: int) -> list[str]:
-    """The strategies the demo compares at ``nproc`` ranks (HYBRID needs 2 replicas of >= 2 ranks)."""
-    names = ["FULL_SHARD", "SHARD_GRAD", "NO_SHARD"]
-    if nproc >= 4 and nproc % 2 == 0:
-        names.append("HYBRID_SHARD")
-    return names
 
 
 class _Progress:
@@ -156,7 +148,9 @@ def main(argv: list[str]) -> None:
         device = choose_device(device=args.device)  # "cuda" -> cuda:LOCAL_RANK
         ensure_process_group(device, timeout_s=120)  # nccl on CUDA, gloo on CPU
         world = int(os.environ.get("WORLD_SIZE", "1"))
-        strategies = strategies_for(world)
+        strategies = ["FULL_SHARD", "SHARD_GRAD", "NO_SHARD"]
+        if world >= 4 and world % 2 == 0:  # HYBRID needs 2 replicas of >= 2 ranks
+            strategies.append("HYBRID_SHARD")
         progress = _Progress(args.steps * len(strategies), args.tty if rank == 0 else "")
         try:
             rows = []
