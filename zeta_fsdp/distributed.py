@@ -25,7 +25,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from .options import ShardingSpec
 
 __all__ = ["LAUNCHER_ENV_VARS", "comm_device", "get_rank", "get_world_size", "is_distributed", "process_group_of"]
-__all__ += ["without_launcher_env", "choose_device", "default_backend", "ensure_process_group", "expected_world_size"]
+__all__ += ["without_launcher_env", "choose_device", "ensure_process_group", "expected_world_size"]
 __all__ += ["fake_process_group", "mesh_shape", "build_mesh", "build_dp_tp_mesh", "shard_group_size", "shutdown"]
 __all__ += ["on_all_ranks", "validate_mesh"]
 
@@ -123,13 +123,6 @@ def choose_device(model: Optional[nn.Module] = None, device: Union[str, torch.de
     return torch.device("cpu")
 
 
-def default_backend(device: torch.device, cpu_offload: bool = False) -> str:
-    """Backend for ``device``: gloo on CPU, nccl on CUDA (plus gloo for CPU-offloaded tensors)."""
-    if device.type == "cuda":
-        return "cuda:nccl,cpu:gloo" if cpu_offload else "nccl"
-    return "gloo"
-
-
 def ensure_process_group(
     device: torch.device, *, cpu_offload: bool = False, timeout_s: float = 1800, backend: Optional[str] = None
 ) -> bool:
@@ -146,7 +139,8 @@ def ensure_process_group(
                 stacklevel=3,
             )
         return False
-    backend = backend or default_backend(device, cpu_offload)
+    if backend is None:  # gloo on CPU, nccl on CUDA (plus gloo for CPU-offloaded tensors)
+        backend = ("cuda:nccl,cpu:gloo" if cpu_offload else "nccl") if device.type == "cuda" else "gloo"
     kwargs: dict[str, Any] = {"timeout": timedelta(seconds=timeout_s)}
     if device.type == "cuda":
         torch.cuda.set_device(device)

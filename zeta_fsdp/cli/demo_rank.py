@@ -8,6 +8,7 @@ step time, and rank 0 writes every result as JSON for the launcher.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -20,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
-from ..distributed import choose_device, default_backend, ensure_process_group, shutdown
+from ..distributed import choose_device, ensure_process_group, shutdown
 from ..files import atomic_write
 from ..fsdp import fsdp
 from ..measure import collectives_per_step, median_step_seconds, peak_memory_by_category
@@ -39,13 +40,11 @@ class _Progress:
     def __init__(self, total: int, tty: str):
         self.total, self.done, self.bar = total, 0, None
         self.stream: Optional[TextIO] = open(tty, "w") if tty else None  # noqa: SIM115 - closed by close()
-        if self.stream is None:
-            return
-        try:
-            from tqdm import tqdm
-        except ImportError:
-            return
-        self.bar = tqdm(total=total, file=self.stream, unit="step", leave=False, dynamic_ncols=True)
+        if self.stream is not None:
+            with contextlib.suppress(ImportError):  # tqdm is optional (the "demo" extra)
+                from tqdm import tqdm
+
+                self.bar = tqdm(total=total, file=self.stream, unit="step", leave=False, dynamic_ncols=True)
 
     def update(self, label: str) -> None:
         self.done += 1
@@ -167,7 +166,7 @@ def main(argv: list[str]) -> None:
             tied = ", tied embedding/head" if reference.cfg.tie_weights else ""
             model = f"GPT ({numel:,} parameters, {reference.cfg.n_layers} blocks{tied})"
             result = dict(model=model, nproc=world, steps=args.steps, mp=args.mp, rows=rows)
-            result.update(device=device.type, backend=default_backend(device))
+            result.update(device=device.type, backend=str(dist.get_backend()))
             # all or nothing: the launcher treats a present result.json as a finished run
             atomic_write(out / "result.json", lambda tmp: tmp.write_text(json.dumps(result)))
         shutdown()  # collects what is left in cycles, then waits for every rank before destroying

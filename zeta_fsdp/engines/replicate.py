@@ -16,7 +16,6 @@ import torch.nn as nn
 from torch.distributed._composable.replicate import DDP as ReplicatedModule  # noqa: N811 - torch names the class DDP
 from torch.distributed._composable.replicate import replicate
 from torch.distributed.fsdp import MixedPrecisionPolicy
-from torch.nn.parallel import DistributedDataParallel
 
 from ..costs import AccumulationCost, accumulation_costs
 from ..options import autocast_dtype
@@ -178,7 +177,7 @@ def gradient_bucket_bytes(model: nn.Module) -> int:
     """Bytes of DDP's gradient buckets, which every ``.grad`` views (0 before DDP's first forward)."""
     total = 0
     for module in managed(model):
-        ddp: Optional[DistributedDataParallel] = getattr(replicate.state(module), "_ddp", None)  # built at 1st forward
+        ddp = getattr(replicate.state(module), "_ddp", None)  # DistributedDataParallel, built at the first forward
         if ddp is not None:  # DDP's own record of the buckets it allocated (a comma-separated string)
             sizes = str(ddp._get_ddp_logging_data().get("bucket_sizes", ""))
             total += sum(int(n) for n in sizes.split(",") if n.strip())
