@@ -66,23 +66,20 @@ class _Progress:
             self.stream.close()
 
 
-def _counting_batch(vocab_size: int, rows: int, seed: int) -> torch.Tensor:
-    """Sequences that count up from a random start (mod vocab): the loss visibly drops in a few steps."""
-    generator = torch.Generator().manual_seed(seed)
-    start = torch.randint(0, vocab_size, (rows, 1), generator=generator)
-    return (start + torch.arange(SEQ_LEN + 1)) % vocab_size
-
-
 def _run_strategy(strategy: str, steps: int, mp: str, progress: _Progress, device: torch.device) -> dict[str, Any]:
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     model = gpt.small()
-    vocab = model.cfg.vocab_size
     extra = {"replicate_size": 2} if strategy.startswith("HYBRID") else {}
     fsdp(model, auto_wrap=True, mp=mp, shard_strat=strategy, TransformerBlock=gpt.Block, device=device, **extra)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE)
 
-    def local(tokens: torch.Tensor) -> torch.Tensor:
+    def batch(seed: int) -> torch.Tensor:
+        """This rank's slice of global batch ``seed``, the same for every strategy: sequences that count
+        up from a random start (mod vocab), so the loss visibly drops in a few steps."""
+        generator = torch.Generator().manual_seed(seed)
+        start = torch.randint(0, model.cfg.vocab_size, (PER_RANK_BATCH * world, 1), generator=generator)
+        tokens = (start + torch.arange(SEQ_LEN + 1)) % model.cfg.vocab_size
         return tokens[rank * PER_RANK_BATCH : (rank + 1) * PER_RANK_BATCH].to(device)
 
     def mean_loss(loss: torch.Tensor) -> float:
@@ -101,22 +98,21 @@ def _run_strategy(strategy: str, steps: int, mp: str, progress: _Progress, devic
 
     first = None
     for step in range(steps):
-        # The same global batch for every strategy; each rank trains its own slice of it.
-        loss = train_step(local(_counting_batch(vocab, PER_RANK_BATCH * world, seed=step)))
+        loss = train_step(batch(step))
         if first is None:
             first = mean_loss(loss)
         progress.update(strategy)
     with torch.no_grad():
-        held_out = local(_counting_batch(vocab, PER_RANK_BATCH * world, seed=10_000))
+        held_out = batch(10_000)
         final = mean_loss(gpt.lm_loss(model(held_out[:, :-1]).float(), held_out[:, 1:]))
     for module in model.modules():  # a no-grad forward leaves ZeRO-2 units unsharded
         if isinstance(module, FSDPModule):
             module.reshard()
 
-    batch = local(_counting_batch(vocab, PER_RANK_BATCH * world, seed=0))
-    memory = peak_memory_by_category(model, optimizer, lambda: train_step(batch), inputs=(batch,), warmup=0)
-    collectives = collectives_per_step(lambda: train_step(batch))
-    seconds = median_step_seconds(lambda: train_step(batch), steps=3, warmup=0)
+    tokens = batch(0)
+    memory = peak_memory_by_category(model, optimizer, lambda: train_step(tokens), inputs=(tokens,), warmup=0)
+    collectives = collectives_per_step(lambda: train_step(tokens))
+    seconds = median_step_seconds(lambda: train_step(tokens), steps=3, warmup=0)
     per_rank: list[Any] = [None] * world
     dist.all_gather_object(per_rank, {"memory": memory, "seconds": seconds})
     worst = {k: max(r["memory"].get(k, 0) for r in per_rank) for k in memory}
