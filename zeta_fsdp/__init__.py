@@ -46,75 +46,34 @@ from .wrapping import WrapPlan
 
 __version__ = "0.1.0"
 
-__all__ = [
-    # sharding
-    "fsdp",
-    "fsdp_engine",
-    "get_wrap_plan",
-    "is_fsdp_wrapped",
-    "WrapPlan",
-    "shutdown",
-    # planning
-    "plan",
-    "dry_run",
-    "MemoryPlan",
-    # state dicts and checkpoints
-    "get_full_state_dict",
-    "load_full_state_dict",
-    "get_sharded_state_dict",
-    "load_sharded_state_dict",
-    "get_optimizer_state_dict",
-    "load_optimizer_state_dict",
-    "save_checkpoint",
-    "load_checkpoint",
-    "is_checkpoint",
-    "consolidate_checkpoint",
-    "CheckpointError",
-    # long jobs
-    "AsyncCheckpointer",
-    "CheckpointManager",
-    "PreemptionHandler",
-    "ResumableLoader",
-    "shard_dataloader",
-    # Hugging Face
-    "load_pretrained",
-    "save_pretrained",
-    "consolidate_to_hf",
-    # training and loss
-    "no_sync",
-    "clip_grad_norm_",
-    "memory_report",
-    "MemoryReport",
-    "MaskedTokenLossReduction",
-    "PerSampleLossReduction",
-    # NeMo's strategy
-    "FSDP2Strategy",
-    "EpochStep",
-]
+__all__ = ["fsdp", "fsdp_engine", "get_wrap_plan", "is_fsdp_wrapped", "WrapPlan", "shutdown"]  # sharding
+__all__ += ["plan", "dry_run", "MemoryPlan"]  # planning
+# state dicts and checkpoints
+__all__ += ["get_full_state_dict", "load_full_state_dict", "get_sharded_state_dict", "load_sharded_state_dict"]
+__all__ += ["get_optimizer_state_dict", "load_optimizer_state_dict", "save_checkpoint", "load_checkpoint"]
+__all__ += ["is_checkpoint", "consolidate_checkpoint", "CheckpointError"]
+# long jobs
+__all__ += ["AsyncCheckpointer", "CheckpointManager", "PreemptionHandler", "ResumableLoader", "shard_dataloader"]
+__all__ += ["load_pretrained", "save_pretrained", "consolidate_to_hf"]  # Hugging Face
+# training and loss
+__all__ += ["no_sync", "clip_grad_norm_", "memory_report", "MemoryReport"]
+__all__ += ["MaskedTokenLossReduction", "PerSampleLossReduction"]
+__all__ += ["FSDP2Strategy", "EpochStep"]  # NeMo's strategy
 
-# Former top-level names -> the module that is their home. Still importable from here, with a warning.
+# Former top-level names, by their home module (under zeta_fsdp.): still importable from here, with a warning.
 _MOVED = {
-    "choose_engine": "zeta_fsdp.options",
-    "resolve_master_dtype": "zeta_fsdp.options",
-    "resolve_mixed_precision": "zeta_fsdp.options",
-    "resolve_sharding": "zeta_fsdp.options",
-    "ShardingSpec": "zeta_fsdp.options",
-    "WrapUnit": "zeta_fsdp.wrapping",
-    "build_wrap_plan": "zeta_fsdp.wrapping",
-    "detect_block_classes": "zeta_fsdp.wrapping",
-    "UnitEstimate": "zeta_fsdp.planner",
-    "DryRunResult": "zeta_fsdp.planner",
-    "meta_model_from_spec": "zeta_fsdp.cli.model_spec",
-    "collectives_per_step": "zeta_fsdp.measure",
-    "median_step_seconds": "zeta_fsdp.measure",
-    "peak_memory_by_category": "zeta_fsdp.measure",
-    "latest_checkpoint": "zeta_fsdp.state_dict",
-    "prune_checkpoints": "zeta_fsdp.state_dict",
+    "options": ("choose_engine", "resolve_master_dtype", "resolve_mixed_precision", "resolve_sharding", "ShardingSpec"),
+    "wrapping": ("WrapUnit", "build_wrap_plan", "detect_block_classes"),
+    "planner": ("UnitEstimate", "DryRunResult"),
+    "cli.model_spec": ("meta_model_from_spec",),
+    "measure": ("collectives_per_step", "median_step_seconds", "peak_memory_by_category"),
+    "state_dict": ("latest_checkpoint", "prune_checkpoints"),
 }
+_HOME = {name: f"zeta_fsdp.{home}" for home, names in _MOVED.items() for name in names}
 
 
 def __getattr__(name: str):
-    home = _MOVED.get(name)
+    home = _HOME.get(name)
     if home is None:
         raise AttributeError(f"module 'zeta_fsdp' has no attribute {name!r}")
     warnings.warn(

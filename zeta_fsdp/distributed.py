@@ -25,7 +25,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from .options import ShardingSpec
 
 __all__ = ["LAUNCHER_ENV_VARS", "comm_device", "get_rank", "get_world_size", "is_distributed", "process_group_of"]
-__all__ += ["without_launcher_env", "choose_device", "default_backend", "ensure_process_group", "expected_world_size"]
+__all__ += ["without_launcher_env", "choose_device", "ensure_process_group", "expected_world_size"]
 __all__ += ["fake_process_group", "mesh_shape", "build_mesh", "build_dp_tp_mesh", "shard_group_size", "shutdown"]
 __all__ += ["on_all_ranks", "validate_mesh"]
 
@@ -59,11 +59,17 @@ def get_world_size(group: GroupLike = None) -> int:
     return dist.get_world_size(process_group_of(group)) if is_distributed() else 1
 
 
+def _has_cpu_backend(group: GroupLike = None) -> bool:
+    """Can ``group`` run collectives on CPU tensors? A plain backend name: all but nccl; a device map
+    (``"cuda:nccl,cpu:gloo"``): only with a ``cpu:`` entry."""
+    backend = str(dist.get_backend(process_group_of(group)))
+    return "cpu:" in backend if ":" in backend else backend != "nccl"
+
+
 def comm_device(group: GroupLike = None) -> torch.device:
-    """Where a tensor must live for a collective of ``group``: the current CUDA device under NCCL
-    (which takes no CPU tensors), else the CPU (also without a process group)."""
-    backend = str(dist.get_backend(process_group_of(group))) if is_distributed() else ""
-    if "nccl" in backend and "cpu:" not in backend:
+    """Where a tensor must live for a collective of ``group``: the current CUDA device when its backend
+    takes no CPU tensors (NCCL), else the CPU (also without a process group)."""
+    if is_distributed() and not _has_cpu_backend(group):
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
@@ -117,21 +123,6 @@ def choose_device(model: Optional[nn.Module] = None, device: Union[str, torch.de
     return torch.device("cpu")
 
 
-def default_backend(device: torch.device, cpu_offload: bool = False) -> str:
-    """Backend for ``device``: gloo on CPU, nccl on CUDA (plus gloo for CPU-offloaded tensors)."""
-    if device.type == "cuda":
-        return "cuda:nccl,cpu:gloo" if cpu_offload else "nccl"
-    return "gloo"
-
-
-def _backend_devices() -> set[str]:
-    """Device types the default group has a backend for (e.g. {"cuda", "cpu"})."""
-    backend = str(dist.get_backend())
-    if ":" not in backend:  # a plain name: gloo serves cpu (and cuda), nccl serves cuda only
-        return {"cuda"} if backend == "nccl" else {"cpu", "cuda"}
-    return {part.split(":")[0] for part in backend.split(",")}
-
-
 def ensure_process_group(
     device: torch.device, *, cpu_offload: bool = False, timeout_s: float = 1800, backend: Optional[str] = None
 ) -> bool:
@@ -140,7 +131,7 @@ def ensure_process_group(
     if not dist.is_available():
         raise RuntimeError("fsdp(): this PyTorch build has no torch.distributed support.")
     if dist.is_initialized():
-        if cpu_offload and device.type == "cuda" and "cpu" not in _backend_devices():
+        if cpu_offload and device.type == "cuda" and not _has_cpu_backend():
             warnings.warn(
                 "fsdp(cpu_offload=True): the existing process group has no CPU backend, so collectives on "
                 "CPU-offloaded tensors (gradient-norm clipping, state-dict gathers) will fail. Start it "
@@ -148,7 +139,8 @@ def ensure_process_group(
                 stacklevel=3,
             )
         return False
-    backend = backend or default_backend(device, cpu_offload)
+    if backend is None:  # gloo on CPU, nccl on CUDA (plus gloo for CPU-offloaded tensors)
+        backend = ("cuda:nccl,cpu:gloo" if cpu_offload else "nccl") if device.type == "cuda" else "gloo"
     kwargs: dict[str, Any] = {"timeout": timedelta(seconds=timeout_s)}
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -173,12 +165,9 @@ def ensure_process_group(
 
 @contextlib.contextmanager
 def fake_process_group(world_size: int, rank: int = 0) -> Iterator[None]:
-    """Be ``rank`` of a simulated ``world_size``-rank job for the ``with`` block, then leave it.
-
-    PyTorch's ``"fake"`` backend on a ``FakeStore``: collectives return at once and move no data,
-    so ``fsdp()`` can shard a ``meta`` model as any rank of any world size in one process (what
-    ``planner.dry_run`` does). Refuses to run when a process group already exists.
-    """
+    """Be ``rank`` of a simulated ``world_size``-rank job in the block (PyTorch's ``"fake"`` backend:
+    collectives return at once, move nothing), so ``planner.dry_run`` can run ``fsdp()`` on a ``meta``
+    model as any rank of any world size in one process. Refuses to replace an existing group."""
     from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
 
     if dist.is_initialized():

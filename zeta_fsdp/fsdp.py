@@ -1,13 +1,10 @@
 """The façade: ``fsdp(model, ...)`` shards any model with FSDP2 in one line.
 
-Steps, in order (validation here; each later step a plain function of its own module):
-    validate every argument (nothing changes if one is bad)
-    -> plan the units (pure, ``wrapping.build_wrap_plan``)
-    -> process group + device + mesh (``distributed``)
-    -> activation checkpointing, torch.compile (each block, optional)      ``sharding``
-    -> ``fully_shard`` bottom-up (one MixedPrecisionPolicy for all) or DDP's engine  ``engines``
-    -> materialize a meta-device model (``to_empty``, init, re-tie)         ``materialize``
-What was done is recorded on the model and read back by ``wrapped``.
+Validation lives here (nothing changes if an argument is bad); each later step is a plain function
+of its own module: plan the units (``wrapping``), process group and mesh (``distributed``), per-block
+checkpointing and compile (``sharding``), ``fully_shard`` bottom-up with one MixedPrecisionPolicy, or
+DDP's engine (``engines``), materialize a meta-device model (``materialize``). What was done is
+recorded on the model and read back by ``wrapped``.
 """
 
 from __future__ import annotations
@@ -109,13 +106,13 @@ def fsdp(
     """Shard ``model`` with FSDP2 (``fully_shard``) and return the same object, now an ``FSDPModule``
     (under NO_SHARD in fp32 or bf16: replicated with DDP's engine, see Engines below).
 
+    Every option in full, with the accepted values: docs/options.md.
+
     Args:
         model: any ``nn.Module``, on CPU, CUDA or ``meta``.
-        auto_wrap: one FSDP unit per transformer block (plus embeddings, head, root). ``False``:
-            the whole model is one unit.
-        mp: ``"fp32"`` (default), ``"bf16"`` or ``"fp16"`` (compute in the low dtype, reduce
-            gradients in fp32; fp16 needs ``torch.amp.GradScaler``), or a ``MixedPrecisionPolicy``.
-            ``mp`` is the compute precision only; the stored weights follow ``master_dtype``.
+        auto_wrap: one FSDP unit per transformer block (plus embeddings, head, root); ``False``: one unit.
+        mp: compute precision, ``"fp32"`` (default), ``"bf16"``, ``"fp16"`` (needs ``torch.amp.GradScaler``)
+            or a ``MixedPrecisionPolicy``; gradients are reduced in fp32, weights stored in ``master_dtype``.
         shard_strat: ``"FULL_SHARD"`` (ZeRO-3), ``"SHARD_GRAD"`` (ZeRO-2), ``"NO_SHARD"`` (DDP-like,
             default), ``"HYBRID_SHARD"``, ``"HYBRID_SHARD_ZERO2"``, or an FSDP1 ``ShardingStrategy``.
         TransformerBlock: block class, tuple of classes, or class name. Detected when ``None``.
@@ -127,31 +124,26 @@ def fsdp(
         compile: ``torch.compile`` each block (``True`` or a dict of compile options).
         ignored_params / ignored_modules: parameters FSDP leaves alone (not sharded).
         replicate_size: number of replicas for HYBRID (default: number of nodes).
-        materialize: allocate and initialise a ``meta``-built model after sharding (default:
-            each module's ``reset_parameters()``, then the root's ``init_weights()``; a tensor
-            neither refills raises). ``False`` leaves it on ``meta`` (dry runs, loading next).
-        master_dtype: what trainable floating-point parameters (and so the optimizer state) are
-            stored in. Default ``"fp32"``, whatever the model was loaded in; ``None`` keeps each
-            parameter's dtype (pure low-precision training). Frozen parameters (a LoRA base;
-            freeze before ``fsdp()``) keep their own dtype (docs/finetuning.md).
-        keep_tail_unsharded: ``True`` (or ``1``): the output head unit is not resharded after
-            forward (backward all-gathers it again at once): one all-gather less per step, its
-            parameters held through the loss. An int ``n``: also the last ``n - 1`` blocks.
-        prefetch: ``None`` (default): FSDP2's implicit prefetching. An int ``n``: each unit
-            all-gathers the next ``n`` in forward and the previous ``n`` in backward (blocks
-            assumed to run in registration order). Neither option acts on DDP's engine.
+        materialize: allocate and initialise a ``meta``-built model after sharding (``reset_parameters()``,
+            then the root's ``init_weights()``); ``False`` leaves it on ``meta`` (dry runs, loading next).
+        master_dtype: storage dtype of trainable floating-point parameters (and so the optimizer state):
+            ``"fp32"`` (default) whatever the model was loaded in; ``None`` keeps each one's dtype.
+            Frozen parameters (a LoRA base; freeze before ``fsdp()``) keep their own (docs/finetuning.md).
+        keep_tail_unsharded: ``True`` / an int ``n``: the head unit (and the last ``n - 1`` blocks) stay
+            gathered after forward: one all-gather less per step, for a higher peak.
+        prefetch: an int ``n``: each unit all-gathers the next ``n`` in forward, the previous ``n`` in
+            backward (``None``: FSDP2's implicit prefetching). Neither option acts on DDP's engine.
 
     0-dim parameters (CLIP's ``logit_scale``), which ``fully_shard`` cannot shard, are kept whole
-    on every rank in ``master_dtype`` and their gradient is averaged across ranks
-    (``engines.fully_shard.wrap``): they train exactly like sharded ones.
+    on every rank in ``master_dtype`` with their gradient averaged across ranks: they train alike.
 
     Raises:
         ValueError: for any bad argument, before a process group starts or the model changes.
 
-    Engines: sharding strategies run on FSDP2 (``fully_shard``: DTensor parameters). NO_SHARD with
-    ``mp="fp32"`` or ``"bf16"`` (forward under ``torch.autocast``) runs on DDP's engine (composable
-    ``replicate``: plain tensors, DDP's speed) unless it needs FSDP2 (``options.choose_engine``;
-    ``fsdp_engine(model)`` says which ran). State dicts, checkpoints, ``no_sync``, clipping work on both.
+    Engines: sharding strategies run on FSDP2 (DTensor parameters). NO_SHARD with ``mp="fp32"`` or
+    ``"bf16"`` (forward under ``torch.autocast``) runs on DDP's engine (composable ``replicate``: plain
+    tensors, DDP's speed) unless it needs FSDP2 (``options.choose_engine``; ``fsdp_engine(model)`` says
+    which ran). State dicts, checkpoints, ``no_sync``, clipping work on both.
 
     Example:
         model = fsdp(model, auto_wrap=True, mp="bf16", shard_strat="FULL_SHARD", TransformerBlock=Block)

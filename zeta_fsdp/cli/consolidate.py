@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import argparse
 
+import torch
+
+from ..hf import consolidate_to_hf
+from ..state_dict import CheckpointError, consolidate_checkpoint
 from .args import UsageError
 
 HELP = "turn a sharded checkpoint into one torch.save or .safetensors file of the model's weights"
@@ -22,13 +26,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Consolidate ``args.dcp_dir`` into ``args.out``; bad input raises ``UsageError`` (one line)."""
-    # Imported here: `python -m zeta_fsdp --help` need not load torch.distributed.checkpoint.
-    from ..state_dict import CheckpointError, consolidate_checkpoint
-
     try:
-        if args.hf:
-            return _to_hf(args)
-        out = consolidate_checkpoint(args.dcp_dir, args.out, overwrite=args.overwrite)
+        if args.hf:  # a Hugging Face model directory, streamed tensor by tensor
+            dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}.get(args.dtype)
+            options = dict(config=args.config, dtype=dtype, max_shard_size=args.max_shard_size)
+            out = consolidate_to_hf(args.dcp_dir, args.out, overwrite=args.overwrite, **options)
+        else:
+            out = consolidate_checkpoint(args.dcp_dir, args.out, overwrite=args.overwrite)
     except FileExistsError as e:
         if args.overwrite:  # refused even with --overwrite: say why
             raise UsageError(one_line(e)) from e
@@ -36,7 +40,8 @@ def run(args: argparse.Namespace) -> int:
     # A corrupted checkpoint, a missing extra, or reading DIR / writing OUT failed (the error names the file).
     except (CheckpointError, ImportError, ValueError, OSError) as e:
         raise UsageError(one_line(e)) from e
-    print(f"wrote {out} ({out.stat().st_size / 2**20:.1f} MiB)")
+    size = sum(f.stat().st_size for f in out.iterdir()) if out.is_dir() else out.stat().st_size
+    print(f"wrote {out} ({size / 2**20:.1f} MiB)")
     return 0
 
 
@@ -44,16 +49,3 @@ def one_line(error: BaseException) -> str:
     """The error's message on one line (a message quoting a multi-line cause is joined with ``" | "``)."""
     lines = [line.strip() for line in str(error).splitlines() if line.strip()]
     return " | ".join(lines) if lines else type(error).__name__
-
-
-def _to_hf(args: argparse.Namespace) -> int:
-    """``--hf``: a Hugging Face model directory (``consolidate_to_hf``), streamed tensor by tensor."""
-    import torch
-
-    from ..hf import consolidate_to_hf
-
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}.get(args.dtype)
-    options = dict(config=args.config, dtype=dtype, max_shard_size=args.max_shard_size, overwrite=args.overwrite)
-    out = consolidate_to_hf(args.dcp_dir, args.out, **options)
-    print(f"wrote {out} ({sum(f.stat().st_size for f in out.iterdir()) / 2**20:.1f} MiB)")
-    return 0

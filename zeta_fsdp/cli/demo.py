@@ -1,7 +1,7 @@
 """``python -m zeta_fsdp demo``: train the tiny GPT under every sharding strategy and compare.
 
-``run_demo`` starts ``nproc`` local ranks (``launch``: ``torch.distributed.run``, stopped as a
-whole on Ctrl-C), on CUDA with nccl when there is a GPU per rank, else on CPU with gloo
+``run_demo`` starts ``nproc`` local ranks (``torch.distributed.run`` in a session of its own,
+stopped as a whole on Ctrl-C, SIGTERM or timeout), on CUDA with nccl when there is a GPU per rank, else on CPU with gloo
 (``demo_device``), waits, and returns one row per strategy: the loss after N steps (the same for
 every strategy: same seed, same data), per-rank peak memory by category (``FSDPMemTracker``),
 step time and collectives per step (``CommDebugMode``). What each rank does is ``demo_rank``.
@@ -10,18 +10,25 @@ step time and collectives per step (``CommDebugMode``). What each rank does is `
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import shutil
+import signal
+import subprocess
 import sys
 import tempfile
+import time
 from collections import Counter
 from pathlib import Path
-from typing import Any, Optional, TextIO
+from typing import Any, Iterator, Optional, TextIO
 
+import torch
+
+from ..distributed import without_launcher_env
 from ..options import MIXED_PRECISION_ALIASES
 from ..report import render_table
 from .args import UsageError, choice, int_in
-from .launch import LaunchTimeoutError, launch_and_wait, progress_tty
 
 __all__ = ["HELP", "MAX_NPROC", "MAX_STEPS", "DemoError", "add_arguments", "demo_device", "format_table"]
 __all__ += ["losses_equal", "run", "run_demo", "write_plot"]
@@ -78,8 +85,6 @@ class DemoError(RuntimeError):
 
 def demo_device(nproc: int) -> tuple[str, str]:
     """``("cuda", "nccl")`` when there is a GPU for each of the ``nproc`` ranks, else ``("cpu", "gloo")``."""
-    import torch
-
     if torch.cuda.is_available() and nproc <= torch.cuda.device_count():
         return "cuda", "nccl"
     return "cpu", "gloo"
@@ -108,14 +113,13 @@ def run_demo(
     mp: str = "fp32",
     plot: Optional[str] = None,
     *,
-    progress: Optional[bool] = None,
     log: Optional[TextIO] = None,
     timeout_s: float = 600.0,
 ) -> dict[str, Any]:
     """Launch ``nproc`` local ranks, run every strategy for ``steps`` steps, return the results.
 
-    ``progress``: a progress bar (default: only when stderr is a TTY, so CI logs stay clean);
-    ``plot``: a memory bar chart there (matplotlib); ``log``: where to say the ranks are launching.
+    Rank 0 draws a progress bar only when stderr is a terminal (CI logs stay clean). ``plot``: a
+    memory bar chart there (matplotlib); ``log``: where to say the ranks are launching.
     Raises ``ValueError`` for bad arguments (before anything starts), ``DemoError`` when a rank
     fails, ``KeyboardInterrupt`` after stopping every rank on Ctrl-C.
     """
@@ -123,7 +127,10 @@ def run_demo(
     mp = MIXED_PRECISION_ALIASES[mp.lower()]
     device, backend = demo_device(nproc)
     workdir = Path(tempfile.mkdtemp(prefix="zeta_fsdp_demo_"))
-    tty = progress_tty() if progress in (None, True) else ""
+    try:  # the terminal our stderr is on, for rank 0's progress bar
+        tty = os.ttyname(sys.stderr.fileno()) if sys.stderr.isatty() else ""
+    except (OSError, ValueError, AttributeError):
+        tty = ""
     if log is not None:
         log.write(f"launching {nproc} rank(s) on {device.upper()} ({backend}): {steps} steps per strategy ...\n")
         log.flush()
@@ -144,12 +151,106 @@ def run_demo(
     return result
 
 
-def _launch_and_wait(cmd: list[str], workdir: Path, timeout_s: float) -> int:
-    """Run the launcher (log in ``workdir``); on Ctrl-C, SIGTERM or timeout every rank is stopped first."""
+# Stopping the ranks: Ctrl-C or SIGTERM is forwarded to torch.distributed.run, then no rank process may be
+# left (Linux /proc); if the launcher is killed outright, PR_SET_PDEATHSIG stops the ranks.
+def _descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (Linux ``/proc``; empty elsewhere)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else ():
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text() if entry.isdigit() else None
+        except OSError:
+            continue
+        if stat:  # "pid (comm) state ppid ...": comm may hold spaces and parentheses, so split after it
+            children.setdefault(int(stat.rpartition(")")[2].split()[1]), []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def _is_ours(pid: int) -> bool:
+    """Is ``pid`` still one of our rank processes (not a reused pid, not a zombie)?"""
     try:
-        return launch_and_wait(cmd, workdir / "launcher.log", timeout_s, marker=RANK_MODULE)
-    except LaunchTimeoutError as e:
-        raise DemoError(str(e)) from None
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+    except OSError:
+        return False
+    return state != "Z" and (RANK_MODULE.encode() in cmdline or b"torch.distributed.run" in cmdline)
+
+
+def _stop(proc: subprocess.Popen, timeout_s: float = 20.0) -> None:
+    """Stop the launcher and every rank: SIGTERM to ``torch.distributed.run`` (it forwards it to
+    its ranks and waits for them), then SIGKILL anything of ours still alive."""
+    ranks = _descendants(proc.pid)
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    deadline = time.monotonic() + timeout_s
+    for pid in ranks:
+        while _is_ours(pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if _is_ours(pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+@contextlib.contextmanager
+def _sigterm_as_interrupt() -> Iterator[None]:
+    """A SIGTERM to the launcher (a CI timeout, ``kill``) cleans up like Ctrl-C instead of orphaning ranks."""
+
+    def handler(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    try:
+        previous = signal.signal(signal.SIGTERM, handler)
+    except ValueError:  # not the main thread: leave signals alone
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _die_with_launcher() -> None:
+    """Child-side (Linux): if the launcher itself is killed (SIGKILL, no clean-up), the kernel
+    sends SIGTERM to ``torch.distributed.run``, which then stops its ranks."""
+    import ctypes
+
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM))  # 1 = PR_SET_PDEATHSIG
+
+
+def _launch_and_wait(cmd: list[str], workdir: Path, timeout_s: float) -> int:
+    """Run the launcher ``cmd`` (output to ``workdir/launcher.log``) and return its exit code; on Ctrl-C,
+    SIGTERM or timeout stop every rank first, then raise ``KeyboardInterrupt`` / ``DemoError``."""
+    with open(workdir / "launcher.log", "w") as log, _sigterm_as_interrupt():
+        env = without_launcher_env()  # start a job of our own, never join the one that started us
+        env["OMP_NUM_THREADS"] = "1"  # the ranks share the cores
+        # A session of its own: a terminal's Ctrl-C reaches only us, and we stop the ranks in order.
+        proc = subprocess.Popen(
+            cmd,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=_die_with_launcher if sys.platform.startswith("linux") else None,
+        )
+        try:
+            return proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            _stop(proc)
+            raise DemoError(f"the ranks did not finish within {timeout_s:.0f} s; stopped them") from None
+        except KeyboardInterrupt:
+            _stop(proc)
+            raise
 
 
 def _failure_summary(workdir: Path, returncode: int) -> str:

@@ -8,6 +8,7 @@ step time, and rank 0 writes every result as JSON for the launcher.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -16,21 +17,21 @@ import traceback
 from pathlib import Path
 from typing import Any, Optional, TextIO
 
-from ..files import atomic_write
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
 
-__all__ = ["LEARNING_RATE", "PER_RANK_BATCH", "SEQ_LEN", "main", "strategies_for"]
+from ..distributed import choose_device, ensure_process_group, shutdown
+from ..files import atomic_write
+from ..fsdp import fsdp
+from ..measure import collectives_per_step, median_step_seconds, peak_memory_by_category
+from ..models import gpt
+
+__all__ = ["LEARNING_RATE", "PER_RANK_BATCH", "SEQ_LEN", "main"]
 
 LEARNING_RATE = 3e-3
 SEQ_LEN = 12  # tokens per sample; the demo GPT has max_seq_len 16
 PER_RANK_BATCH = 4
-
-
-def strategies_for(nproc: int) -> list[str]:
-    """The strategies the demo compares at ``nproc`` ranks (HYBRID needs 2 replicas of >= 2 ranks)."""
-    names = ["FULL_SHARD", "SHARD_GRAD", "NO_SHARD"]
-    if nproc >= 4 and nproc % 2 == 0:
-        names.append("HYBRID_SHARD")
-    return names
 
 
 class _Progress:
@@ -39,13 +40,11 @@ class _Progress:
     def __init__(self, total: int, tty: str):
         self.total, self.done, self.bar = total, 0, None
         self.stream: Optional[TextIO] = open(tty, "w") if tty else None  # noqa: SIM115 - closed by close()
-        if self.stream is None:
-            return
-        try:
-            from tqdm import tqdm
-        except ImportError:
-            return
-        self.bar = tqdm(total=total, file=self.stream, unit="step", leave=False, dynamic_ncols=True)
+        if self.stream is not None:
+            with contextlib.suppress(ImportError):  # tqdm is optional (the "demo" extra)
+                from tqdm import tqdm
+
+                self.bar = tqdm(total=total, file=self.stream, unit="step", leave=False, dynamic_ncols=True)
 
     def update(self, label: str) -> None:
         self.done += 1
@@ -67,32 +66,20 @@ class _Progress:
             self.stream.close()
 
 
-def _counting_batch(vocab_size: int, rows: int, seed: int) -> Any:
-    """Sequences that count up from a random start (mod vocab): the loss visibly drops in a few steps."""
-    import torch
-
-    generator = torch.Generator().manual_seed(seed)
-    start = torch.randint(0, vocab_size, (rows, 1), generator=generator)
-    return (start + torch.arange(SEQ_LEN + 1)) % vocab_size
-
-
-def _run_strategy(gpt: Any, strategy: str, steps: int, mp: str, progress: _Progress, device: Any) -> dict[str, Any]:
-    import torch
-    import torch.distributed as dist
-    from torch.distributed.fsdp import FSDPModule
-
-    from ..fsdp import fsdp
-    from ..measure import collectives_per_step, median_step_seconds, peak_memory_by_category
-
+def _run_strategy(strategy: str, steps: int, mp: str, progress: _Progress, device: torch.device) -> dict[str, Any]:
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     model = gpt.small()
-    vocab = model.cfg.vocab_size
     extra = {"replicate_size": 2} if strategy.startswith("HYBRID") else {}
     fsdp(model, auto_wrap=True, mp=mp, shard_strat=strategy, TransformerBlock=gpt.Block, device=device, **extra)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE)
 
-    def local(tokens: torch.Tensor) -> torch.Tensor:
+    def batch(seed: int) -> torch.Tensor:
+        """This rank's slice of global batch ``seed``, the same for every strategy: sequences that count
+        up from a random start (mod vocab), so the loss visibly drops in a few steps."""
+        generator = torch.Generator().manual_seed(seed)
+        start = torch.randint(0, model.cfg.vocab_size, (PER_RANK_BATCH * world, 1), generator=generator)
+        tokens = (start + torch.arange(SEQ_LEN + 1)) % model.cfg.vocab_size
         return tokens[rank * PER_RANK_BATCH : (rank + 1) * PER_RANK_BATCH].to(device)
 
     def mean_loss(loss: torch.Tensor) -> float:
@@ -111,22 +98,21 @@ def _run_strategy(gpt: Any, strategy: str, steps: int, mp: str, progress: _Progr
 
     first = None
     for step in range(steps):
-        # The same global batch for every strategy; each rank trains its own slice of it.
-        loss = train_step(local(_counting_batch(vocab, PER_RANK_BATCH * world, seed=step)))
+        loss = train_step(batch(step))
         if first is None:
             first = mean_loss(loss)
         progress.update(strategy)
     with torch.no_grad():
-        held_out = local(_counting_batch(vocab, PER_RANK_BATCH * world, seed=10_000))
+        held_out = batch(10_000)
         final = mean_loss(gpt.lm_loss(model(held_out[:, :-1]).float(), held_out[:, 1:]))
     for module in model.modules():  # a no-grad forward leaves ZeRO-2 units unsharded
         if isinstance(module, FSDPModule):
             module.reshard()
 
-    batch = local(_counting_batch(vocab, PER_RANK_BATCH * world, seed=0))
-    memory = peak_memory_by_category(model, optimizer, lambda: train_step(batch), inputs=(batch,), warmup=0)
-    collectives = collectives_per_step(lambda: train_step(batch))
-    seconds = median_step_seconds(lambda: train_step(batch), steps=3, warmup=0)
+    tokens = batch(0)
+    memory = peak_memory_by_category(model, optimizer, lambda: train_step(tokens), inputs=(tokens,), warmup=0)
+    collectives = collectives_per_step(lambda: train_step(tokens))
+    seconds = median_step_seconds(lambda: train_step(tokens), steps=3, warmup=0)
     per_rank: list[Any] = [None] * world
     dist.all_gather_object(per_rank, {"memory": memory, "seconds": seconds})
     worst = {k: max(r["memory"].get(k, 0) for r in per_rank) for k in memory}
@@ -153,22 +139,18 @@ def main(argv: list[str]) -> None:
     out = Path(args.out)
     rank = int(os.environ.get("RANK", "0"))
     try:
-        import torch
-
-        from ..distributed import choose_device, default_backend, ensure_process_group, shutdown
-
         torch.set_num_threads(1)
         device = choose_device(device=args.device)  # "cuda" -> cuda:LOCAL_RANK
         ensure_process_group(device, timeout_s=120)  # nccl on CUDA, gloo on CPU
-        from ..models import gpt
-
         world = int(os.environ.get("WORLD_SIZE", "1"))
-        strategies = strategies_for(world)
+        strategies = ["FULL_SHARD", "SHARD_GRAD", "NO_SHARD"]
+        if world >= 4 and world % 2 == 0:  # HYBRID needs 2 replicas of >= 2 ranks
+            strategies.append("HYBRID_SHARD")
         progress = _Progress(args.steps * len(strategies), args.tty if rank == 0 else "")
         try:
             rows = []
             for strategy in strategies:
-                rows.append(_run_strategy(gpt, strategy, args.steps, args.mp, progress, device))
+                rows.append(_run_strategy(strategy, args.steps, args.mp, progress, device))
                 # A wrapped model is a reference cycle; under NO_SHARD it holds DDP's reducer and so the
                 # group. Collected now, not in interpreter finalization (SIGABRT in gloo, docs/pitfalls.md).
                 gc.collect()
@@ -180,7 +162,7 @@ def main(argv: list[str]) -> None:
             tied = ", tied embedding/head" if reference.cfg.tie_weights else ""
             model = f"GPT ({numel:,} parameters, {reference.cfg.n_layers} blocks{tied})"
             result = dict(model=model, nproc=world, steps=args.steps, mp=args.mp, rows=rows)
-            result.update(device=device.type, backend=default_backend(device))
+            result.update(device=device.type, backend=str(dist.get_backend()))
             # all or nothing: the launcher treats a present result.json as a finished run
             atomic_write(out / "result.json", lambda tmp: tmp.write_text(json.dumps(result)))
         shutdown()  # collects what is left in cycles, then waits for every rank before destroying

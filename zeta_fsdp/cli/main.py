@@ -8,7 +8,6 @@ accepted values and exits with code 2, never a traceback.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from typing import Optional
 
@@ -21,18 +20,14 @@ __all__ = ["COMMANDS", "main"]
 COMMANDS = {"demo": demo, "plan": plan, "consolidate": consolidate}
 
 
-def _build_parser() -> argparse.ArgumentParser:
+def main(argv: Optional[list[str]] = None) -> int:
+    """Entry point of ``python -m zeta_fsdp``; returns the process exit code."""
     parser = OneLineParser(prog="python -m zeta_fsdp", description="zeta_fsdp command line")
     metavar = "{" + ",".join(COMMANDS) + "}"
     sub = parser.add_subparsers(dest="command", parser_class=OneLineParser, metavar=metavar, required=True)
     for name, command in COMMANDS.items():
         command.add_arguments(sub.add_parser(name, help=command.HELP, description=command.HELP))
-    return parser
-
-
-def main(argv: Optional[list[str]] = None) -> int:
-    """Entry point of ``python -m zeta_fsdp``; returns the process exit code."""
-    args = _build_parser().parse_args(argv)
+    args = parser.parse_args(argv)
     try:
         return COMMANDS[args.command].run(args)
     except UsageError as e:

@@ -135,19 +135,11 @@ def _average_whole_grads(params: list[nn.Parameter], mesh: DeviceMesh) -> None:
             p.register_post_accumulate_grad_hook(hook)
 
 
-def _sync_setting(module: FSDPModule) -> tuple[bool, bool]:
-    """``(requires_gradient_sync, requires_all_reduce)`` of one unit; FSDP's default ``(True, True)``
-    when its state cannot be read."""
-    groups = fsdp_param_groups(module) or ()
-    return all(getattr(g, "reduce_grads", True) for g in groups), all(
-        getattr(g, "all_reduce_grads", True) for g in groups
-    )
-
-
-def _set_sync(module: FSDPModule, reduce: bool, all_reduce: bool) -> None:
-    """Public FSDP2 API only: gradient sync (reduce-scatter, and HSDP's all-reduce) then the all-reduce."""
-    module.set_requires_gradient_sync(reduce, recurse=False)
-    module.set_requires_all_reduce(all_reduce, recurse=False)
+def _set_sync(settings: list[tuple[FSDPModule, bool, bool]]) -> None:
+    """Public FSDP2 API only: each unit's gradient sync (reduce-scatter, and HSDP's all-reduce), then its all-reduce."""
+    for module, reduce, all_reduce in settings:
+        module.set_requires_gradient_sync(reduce, recurse=False)
+        module.set_requires_all_reduce(all_reduce, recurse=False)
 
 
 @contextlib.contextmanager
@@ -159,18 +151,20 @@ def no_sync(model: nn.Module, reduce: bool) -> Iterator[None]:
         with ddp_no_sync() if callable(ddp_no_sync) else contextlib.nullcontext():
             yield
         return
-    # Save each unit's exact setting so nesting, or a user who already disabled sync on some
-    # units, is restored as it was rather than forced back to True.
-    saved = [(module, _sync_setting(module)) for module in modules]
+    # Save each unit's exact setting (FSDP's default, True, where its state cannot be read) so
+    # nesting, or a user who already disabled sync on some units, is restored as it was.
+    saved = []
+    for module in modules:
+        groups = fsdp_param_groups(module) or ()
+        reduce_grads = all(getattr(g, "reduce_grads", True) for g in groups)
+        saved.append((module, reduce_grads, all(getattr(g, "all_reduce_grads", True) for g in groups)))
     try:
-        for module in modules:
-            # reduce=True: FSDP2 adds each reduce-scattered gradient into a sharded buffer and
-            # all-reduces that sum at the next backward with all-reduce on.
-            _set_sync(module, reduce, False)
+        # reduce=True: FSDP2 adds each reduce-scattered gradient into a sharded buffer and
+        # all-reduces that sum at the next backward with all-reduce on.
+        _set_sync([(module, reduce, False) for module in modules])
         yield
     finally:
-        for module, (reduce_grads, all_reduce) in saved:
-            _set_sync(module, reduce_grads, all_reduce)
+        _set_sync(saved)
 
 
 def accumulation_bytes(model: nn.Module, micro_batches: int) -> dict[str, AccumulationCost]:

@@ -16,7 +16,6 @@ import torch.nn as nn
 from torch.distributed._composable.replicate import DDP as ReplicatedModule  # noqa: N811 - torch names the class DDP
 from torch.distributed._composable.replicate import replicate
 from torch.distributed.fsdp import MixedPrecisionPolicy
-from torch.nn.parallel import DistributedDataParallel
 
 from ..costs import AccumulationCost, accumulation_costs
 from ..options import autocast_dtype
@@ -62,11 +61,8 @@ def wrap(model: nn.Module, plan: Any, device: torch.device, mp_policy: MixedPrec
 
 
 def autocast_forward(model: nn.Module, device_type: str, dtype: torch.dtype) -> None:
-    """Run every forward of ``model`` under ``torch.autocast(device_type, dtype)``.
-
-    A pre-hook enters it, a hook that runs even when the forward raises (``always_call``) leaves
-    it; a stack keeps re-entrant forwards paired. Checkpointing recomputes under the same state.
-    """
+    """Run every forward of ``model`` under ``torch.autocast(device_type, dtype)``, also when it raises
+    (``always_call``) or re-enters (a stack); checkpointing recomputes under the same state."""
     entered: list = []
 
     def enter(module: nn.Module, args: Any) -> None:
@@ -82,16 +78,11 @@ def autocast_forward(model: nn.Module, device_type: str, dtype: torch.dtype) -> 
 
 
 def _quiet_search_notice(model: nn.Module) -> None:
-    """Keep DDP's one-time "find_unused_parameters=True ... did not find any unused parameters"
-    notice off the ranks' stderr.
-
-    DDP's C++ reducer prints it once per process (``TORCH_WARN_ONCE``, straight to file descriptor
-    2: no Python ``warnings`` filter reaches it) when a step's search finds every parameter used,
-    and advises turning the search off: unsafe advice here (see ``wrap``), and a user of ``fsdp()``
-    has no such switch. It can only print from DDP's post-forward step, so for the first forward
-    that syncs, and only around that step (a hook just before DDP's, one just after), fd 2 points
-    at ``/dev/null``; then both hooks remove themselves. A model whose first step leaves some
-    parameters unused prints nothing then; a later step that uses them all may print the notice.
+    """Keep DDP's one-time "find_unused_parameters=True ... did not find any unused parameters" notice
+    off stderr: DDP's C++ reducer prints it (``TORCH_WARN_ONCE``, straight to fd 2, beyond Python's
+    ``warnings``) advising to turn the search off, unsafe here (see ``wrap``). It prints only from DDP's
+    post-forward step, so fd 2 points at ``/dev/null`` around that step of the first forward that syncs,
+    then both hooks go. (A later step that uses every parameter, after a first that did not, may print it.)
     """
     saved: list[int] = []
 
@@ -136,10 +127,6 @@ def no_sync(model: nn.Module, reduce: bool) -> Iterator[None]:
     finally:
         for module, off in zip(modules, was_off):
             module.set_requires_gradient_sync(not off)
-
-
-def _ddp(module: nn.Module) -> Optional[DistributedDataParallel]:
-    return getattr(replicate.state(module), "_ddp", None)  # built at the first forward
 
 
 # DDP's defaults (``torch.distributed._DEFAULT_FIRST_BUCKET_BYTES``, ``bucket_cap_mb=25``).
@@ -190,7 +177,7 @@ def gradient_bucket_bytes(model: nn.Module) -> int:
     """Bytes of DDP's gradient buckets, which every ``.grad`` views (0 before DDP's first forward)."""
     total = 0
     for module in managed(model):
-        ddp = _ddp(module)
+        ddp = getattr(replicate.state(module), "_ddp", None)  # DistributedDataParallel, built at the first forward
         if ddp is not None:  # DDP's own record of the buckets it allocated (a comma-separated string)
             sizes = str(ddp._get_ddp_logging_data().get("bucket_sizes", ""))
             total += sum(int(n) for n in sizes.split(",") if n.strip())

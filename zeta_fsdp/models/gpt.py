@@ -69,12 +69,8 @@ class GPT(nn.Module):
         self.head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tie_weights:
             self.head.weight = self.tok_emb.weight
-        self.register_buffer("causal_mask", self._causal_mask(cfg.max_seq_len))
+        self.register_buffer("causal_mask", torch.ones(cfg.max_seq_len, cfg.max_seq_len, dtype=torch.bool).tril())
         self.init_weights()
-
-    @staticmethod
-    def _causal_mask(n: int, device: torch.device | None = None) -> torch.Tensor:
-        return torch.ones(n, n, dtype=torch.bool, device=device).tril()
 
     @torch.no_grad()
     def init_weights(self) -> None:
@@ -86,7 +82,7 @@ class GPT(nn.Module):
                     nn.init.zeros_(module.bias)
             elif isinstance(module, nn.LayerNorm):
                 module.reset_parameters()
-        self.causal_mask.copy_(self._causal_mask(self.cfg.max_seq_len, self.causal_mask.device))
+        self.causal_mask.copy_(torch.ones_like(self.causal_mask).tril())
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         t = idx.shape[1]
