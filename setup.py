@@ -27,6 +27,7 @@ setup(
         # without build isolation, and a fresh venv on Python < 3.12 brings setuptools 65.
         "test": [
             "pytest",
+            "pytest-xdist",  # the README's command runs test files two at a time (-n 2)
             "safetensors",
             "matplotlib",
             "transformers>=5",
