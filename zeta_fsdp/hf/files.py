@@ -295,8 +295,8 @@ def plan_hf_files(
     """``({saved key: file name}, {file name: its layout})`` for saved keys in order, files named as
     Hugging Face names them (``model.safetensors``, else ``model-0000i-of-0000n.safetensors``)."""
     groups = plan_shard_files({k: math.prod(s) * d.itemsize for k, (d, s) in layout.items()}, max_shard_size)
-    names = [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
-    names = [SINGLE_NAME] if len(groups) == 1 else names
+    count = len(groups)
+    names = [SINGLE_NAME] if count == 1 else [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
     where = {k: name for name, keys in zip(names, groups) for k in keys}
     return where, {name: SafetensorsLayout({k: layout[k] for k in keys}) for name, keys in zip(names, groups)}
 
