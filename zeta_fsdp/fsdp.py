@@ -212,5 +212,7 @@ def fsdp(
         materialize_meta_model(
             model, compute_device, plan.tied_params, shard_index=shard_index, offload_to_cpu=cpu_offload
         )
-    record_wrap(model, name, plan)  # so fsdp_engine() and get_wrap_plan() can say what was done
+    record_wrap(
+        model, name, plan, compute_device, cpu_offload
+    )  # so fsdp_engine() and get_wrap_plan() can say what was done
     return model

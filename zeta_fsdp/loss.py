@@ -60,6 +60,8 @@ class _GlobalMeanReduction:
     def _per_token(self, batch: Any, forward_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-position losses and weights (0 where masked), same shape, from logits or losses."""
         labels, mask = _labels_and_mask(batch)
+        if labels is not None:  # labels follow the logits (CPU batches, a model fsdp() put on CUDA)
+            labels = labels.to(forward_out.device)
         if mask is None:
             mask = (
                 labels != self.ignore_index if labels is not None else torch.ones_like(forward_out, dtype=torch.float)

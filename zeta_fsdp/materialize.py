@@ -15,7 +15,7 @@ from torch.overrides import TorchFunctionMode
 from .ties import retie
 from .wrapped import unwrapped_class
 
-__all__ = ["materialize_meta_model"]
+__all__ = ["materialize_meta_model", "move_buffers"]
 
 # Written into every floating-point tensor (and the most negative value into integer ones) after
 # ``to_empty``: whatever still holds it after initialisation was not initialised.
@@ -78,6 +78,15 @@ def _fill_constructor_constants(model: nn.Module, unset: list[str], tensors: dic
             target.copy_(source.to(dtype=target.dtype, device=target.device))
 
 
+def move_buffers(model: nn.Module, device: torch.device) -> None:
+    """Every buffer of ``model`` onto ``device``, parameters left where they are: under FSDP2's CPU offload
+    the sharded parameters live on CPU while buffers stay on the compute device, where the forward uses them."""
+    for module in model.modules():
+        for name, buffer in list(module.named_buffers(recurse=False)):
+            persistent = name not in module._non_persistent_buffers_set
+            module.register_buffer(name, buffer.to(device), persistent=persistent)
+
+
 def materialize_meta_model(
     model: nn.Module,
     device: torch.device,
@@ -93,6 +102,8 @@ def materialize_meta_model(
     parameters that init skips (``_fill_constructor_constants``); the ties. Every tensor first holds
     ``_SENTINEL``: one still holding it was initialised by nobody and raises ``RuntimeError`` naming it.
 
+    With ``offload_to_cpu`` on a CUDA ``device`` the shards are initialised on the GPU, then moved to CPU.
+
     ``shard_index``: this rank's coordinate on the mesh's shard dimension. On CPU, DTensor random ops
     draw from each rank's own generator, so every shard would get the same numbers (a weight of one
     repeated block): there the init is seeded with ``shard_index`` (distinct across shards, equal across
@@ -101,14 +112,9 @@ def materialize_meta_model(
     meta_names = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     if not meta_names:
         return False
-    # FSDP2's CPU offload expects the sharded parameters on CPU; buffers stay on the compute device.
-    model.to_empty(device="cpu" if offload_to_cpu else device)
-    if offload_to_cpu and device.type != "cpu":
-        for module in model.modules():
-            for name, buffer in list(module.named_buffers(recurse=False)):
-                module.register_buffer(
-                    name, buffer.to(device), persistent=name not in module._non_persistent_buffers_set
-                )
+    # Initialised where the model computes: on CUDA, DTensor's RNG gives each shard its own numbers
+    # (on CPU shards of a CUDA mesh its tracker would replay one CPU state for every tensor).
+    model.to_empty(device=device)
     with torch.no_grad(), torch.random.fork_rng(devices=[]):
         fresh = {**dict(model.named_parameters()), **dict(model.named_buffers())}
         for local in (_local(fresh[n]) for n in meta_names):
@@ -139,6 +145,9 @@ def materialize_meta_model(
         unset = [n for n in meta_names if _still_sentinel(fresh[n])]
         if unset:
             _fill_constructor_constants(model, unset, fresh)
+    if offload_to_cpu and device.type != "cpu":
+        model.to("cpu")  # FSDP2 pins the offloaded shards as they move
+        move_buffers(model, device)
     retie(model, tied_params)
     now = {**dict(model.named_parameters()), **dict(model.named_buffers())}
     left = [n for n, t in now.items() if t.is_meta]

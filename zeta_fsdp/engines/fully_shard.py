@@ -14,11 +14,11 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-from ..costs import AccumulationCost, accumulation_costs, gradient_wait_dtype
+from ..costs import AccumulationCost, accumulation_costs, gradient_wait_dtype, peak_by_device
 from ..distributed import build_mesh
 from ..options import ShardingSpec, stored_dtype
 from ..torch_compat import param_mp_policy
-from ..wrapped import fsdp_param_groups, fsdp_state
+from ..wrapped import compute_device, fsdp_param_groups, fsdp_state
 from ..wrapping import WrapPlan
 
 # Each rank holds its own shard: a parameter's rows come from the rank that owns them.
@@ -247,9 +247,7 @@ def peak_memory(
             tracker.track_inputs(inputs)
         with tracker:
             step()
-    peak = tracker.get_tracker_snapshot("peak")
-    per_device = next(iter(peak.values())) if peak else {}
-    return {getattr(k, "value", str(k)): int(v) for k, v in per_device.items()}
+    return peak_by_device(tracker.get_tracker_snapshot("peak"), compute_device(model))
 
 
 # Units gathered from forward until backward even under ZeRO-3: the root, and a unit whose modules

@@ -17,8 +17,9 @@ from torch.distributed._composable.replicate import DDP as ReplicatedModule  # n
 from torch.distributed._composable.replicate import replicate
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
-from ..costs import AccumulationCost, accumulation_costs
+from ..costs import AccumulationCost, accumulation_costs, peak_by_device
 from ..options import autocast_dtype
+from ..wrapped import compute_device
 
 # DDP broadcasts rank 0's parameters when it is built, then every rank applies the same averaged
 # gradient: any rank's copy of a parameter is every rank's.
@@ -213,7 +214,7 @@ def peak_memory(
     tracker.track_external(*(t for t in (model, optimizer) if t is not None), *inputs)
     with tracker:
         step()
-    result = memtracker_categories(next(iter(tracker.get_tracker_snapshot("peak").values()), {}))
+    result = peak_by_device(tracker.get_tracker_snapshot("peak"), compute_device(model), memtracker_categories)
     if not grads_set:
         buckets = gradient_bucket_bytes(model)
         result["Sharded Grad"] = result.get("Sharded Grad", 0) + buckets

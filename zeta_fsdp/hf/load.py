@@ -20,9 +20,12 @@ import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from ..distributed import choose_device
+from ..materialize import move_buffers
 from ..state_dict import CheckpointError
 from ..state_dict.checks import describe_mismatch, on_all_ranks, short_list
 from ..ties import retie
+from ..wrapped import compute_device, fsdp_engine, shard_device
 from .files import TensorEntry, read_checkpoint_index, read_rows
 from .naming import KeyPlan, is_hf_model, map_checkpoint_keys, saved_aliases
 
@@ -110,12 +113,22 @@ def _check(model: nn.Module, path: Path, strict: bool) -> tuple[dict[str, Tensor
     return entries, plan, tensors, aliases
 
 
+def _allocation_device(model: nn.Module, tensors: dict[str, torch.Tensor]) -> torch.device:
+    """Where the shards of ``model`` live: what ``fsdp()`` recorded (CPU under ``cpu_offload``, else its
+    compute device), else the device type of the model's mesh on this rank's device."""
+    if fsdp_engine(model) is not None:
+        return shard_device(model)
+    kind = next((t.device_mesh.device_type for t in tensors.values() if isinstance(t, DTensor)), None)
+    kind = kind or ("cuda" if torch.cuda.is_available() else "cpu")
+    return choose_device(device=kind)
+
+
 def _allocate(model: nn.Module, tensors: dict[str, torch.Tensor], aliases: dict[str, str]) -> None:
     """Allocate the shards of a model left on ``meta`` (no random init: the checkpoint fills them). Non-persistent
     buffers (rotary ``inv_freq``) are recomputed by transformers' ``_init_weights``, else ``reset_parameters()``."""
-    kind = next((t.device_mesh.device_type for t in tensors.values() if isinstance(t, DTensor)), None)
-    kind = kind or ("cuda" if torch.cuda.is_available() else "cpu")
-    model.to_empty(device=torch.device("cuda", torch.cuda.current_device()) if kind == "cuda" else torch.device(kind))
+    model.to_empty(device=_allocation_device(model, tensors))
+    if fsdp_engine(model) is not None and shard_device(model) != compute_device(model):
+        move_buffers(model, compute_device(model))  # cpu_offload: shards on CPU, buffers where the forward runs
     # to_empty may hand tied names separate tensors: one again (tied parameters; buffers stay apart)
     params = dict(model.named_parameters(remove_duplicate=False))
     retie(model, [[kept, alias] for alias, kept in aliases.items() if alias in params and kept in params])

@@ -10,6 +10,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 
+from ..distributed import choose_device
 from ..fsdp import fsdp
 from ..materialize import materialize_meta_model
 from ..options import resolve_sharding
@@ -81,8 +82,7 @@ def default_parallelize(
             )
         # tp == 1: fsdp() builds its 2-D (replicate, shard) mesh over the same ranks as the dp dimension.
     if device is None:  # the mesh's device: Lightning's accelerator (or the strategy) chose it
-        cuda = device_mesh.device_type == "cuda"
-        device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device(device_mesh.device_type)
+        device = choose_device(device=device_mesh.device_type)  # "cuda" -> cuda:LOCAL_RANK, checked visible
     return fsdp(module, mp=mp_policy, device=device, **options)
 
 
