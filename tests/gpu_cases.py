@@ -28,7 +28,9 @@ from zeta_fsdp import (  # noqa: E402
     MaskedTokenLossReduction,
     compute_device,
     fsdp,
+    get_full_state_dict,
     load_checkpoint,
+    load_full_state_dict,
     load_pretrained,
     save_checkpoint,
     save_pretrained,
@@ -45,12 +47,16 @@ def case(fn: Callable[[], None]) -> Callable[[], None]:
 
 
 def batches(n: int, device: torch.device, batch: int = 4, seq: int = 17) -> list[torch.Tensor]:
+    """Sequences counting up from a random start (mod vocab): learnable in a few steps."""
     g = torch.Generator().manual_seed(1234)
-    return [torch.randint(0, CFG.vocab_size, (batch, seq), generator=g).to(device) for _ in range(n)]
+    return [
+        ((torch.randint(0, CFG.vocab_size, (batch, 1), generator=g) + torch.arange(seq)) % CFG.vocab_size).to(device)
+        for _ in range(n)
+    ]
 
 
 def train(model, batches_, *, autocast=None, scaler=None) -> list[float]:
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     losses = []
     for tokens in batches_:
         with torch.autocast("cuda", dtype=autocast) if autocast else torch.autocast("cuda", enabled=False):
@@ -145,7 +151,7 @@ def checkpoints_on_cuda() -> None:
     """DCP save/load of CUDA shards (also async, which stages to CPU) restores every parameter exactly."""
     torch.manual_seed(0)
     model = fsdp(GPT(CFG), auto_wrap=True, shard_strat="FULL_SHARD", TransformerBlock=Block)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     train(model, batches(1, torch.device("cuda")))
     want = {n: full(p).clone() for n, p in model.named_parameters()}
     with tempfile.TemporaryDirectory() as tmp:
@@ -160,6 +166,16 @@ def checkpoints_on_cuda() -> None:
             load_checkpoint(Path(tmp) / kind, model, opt)
             for n, p in model.named_parameters():
                 assert torch.equal(full(p), want[n]), (kind, n)
+    # a full state dict into a model built on meta: parameters and buffers where the model computes
+    sd = {n: t.cpu() for n, t in get_full_state_dict(model).items()}
+    with torch.device("meta"):
+        fresh = GPT(CFG)
+    fresh = fsdp(fresh, auto_wrap=True, shard_strat="FULL_SHARD", TransformerBlock=Block, materialize=False)
+    load_full_state_dict(fresh, sd)
+    placed = {n: t.device.type for n, t in [*fresh.named_parameters(), *fresh.named_buffers()]}
+    assert set(placed.values()) == {"cuda"}, placed
+    for n, p in fresh.named_parameters():
+        assert torch.equal(full(p), want[n]), n
 
 
 @case

@@ -112,12 +112,13 @@ def _visible_cuda(index: int) -> torch.device:
     (more ranks per node than GPUs, or ``CUDA_VISIBLE_DEVICES`` hiding it)."""
     count = torch.cuda.device_count()
     if index >= count:
+        local_world = os.environ.get("LOCAL_WORLD_SIZE", "<unset>")
         raise RuntimeError(
-            f"fsdp(): this rank would compute on cuda:{index} (LOCAL_RANK={os.environ.get('LOCAL_RANK', '<unset>')}, "
-            f"LOCAL_WORLD_SIZE={os.environ.get('LOCAL_WORLD_SIZE', '<unset>')}) but it sees {count} CUDA device(s) "
-            f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')}). Start at most {count} "
-            f"process(es) per node (torchrun --nproc-per-node {max(count, 1)}), or train on CPU: "
-            "fsdp(..., device='cpu') or CUDA_VISIBLE_DEVICES=''."
+            f"fsdp(): this node runs LOCAL_WORLD_SIZE={local_world} rank(s), one CUDA device each, and this rank "
+            f"(LOCAL_RANK={os.environ.get('LOCAL_RANK', '<unset>')}) needs cuda:{index}, but the process sees "
+            f"{count} CUDA device(s) (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')}). "
+            f"Start at most {count} process(es) per node (torchrun --nproc-per-node {max(count, 1)}), or train on "
+            "CPU: fsdp(..., device='cpu') or CUDA_VISIBLE_DEVICES=''."
         )
     return torch.device("cuda", index)
 

@@ -10,7 +10,9 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.tensor import DTensor
 
 from ..distributed import get_rank, is_distributed
+from ..materialize import move_buffers
 from ..ties import tied_aliases
+from ..wrapped import compute_device, fsdp_engine
 from .checks import CheckpointError, clean_fqn, describe_mismatch, named_parameters, on_all_ranks, shape_of
 
 
@@ -143,3 +145,7 @@ def load_full_state_dict(
         return
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=broadcast_from_rank0, strict=strict)
     set_model_state_dict(model, sd, options=options)
+    if fsdp_engine(model) is not None:
+        # A meta model's buffers are assigned on the group's default device (CPU when the group has a
+        # CPU backend): they go where the forward runs.
+        move_buffers(model, compute_device(model))
