@@ -224,6 +224,14 @@ def full_state_dict_into_meta_model():
     partial = {k: v for k, v in full_sd.items() if k != "head.weight"} if rank() == 0 else None
     load_full_state_dict(other, partial)
     assert torch.equal(other(x), want)
+    # Still on meta when loaded (materialize=False): filled by assignment, ties and buffers kept.
+    with torch.device("meta"):
+        unfilled = small()
+    fsdp(unfilled, auto_wrap=True, shard_strat="FULL_SHARD", TransformerBlock=Block, materialize=False)
+    load_full_state_dict(unfilled, full_sd)
+    assert unfilled.head.weight is unfilled.tok_emb.weight, "tie broken by loading into a meta model"
+    assert not any(t.is_meta for t in [*unfilled.parameters(), *unfilled.buffers()])
+    assert torch.equal(unfilled(x), want)
     # broadcast_from_rank0=False: every rank holds the full state dict
     third = wrapped(seed=5)
     load_full_state_dict(third, ref.state_dict(), broadcast_from_rank0=False)

@@ -11,7 +11,7 @@ from torch.distributed.tensor import DTensor
 
 from ..distributed import get_rank, is_distributed
 from ..materialize import move_buffers
-from ..ties import tied_aliases
+from ..ties import retie, tied_aliases, tied_parameter_groups
 from ..wrapped import compute_device, fsdp_engine
 from .checks import CheckpointError, clean_fqn, describe_mismatch, named_parameters, on_all_ranks, shape_of
 
@@ -144,8 +144,11 @@ def load_full_state_dict(
         model.load_state_dict(sd, strict=strict)
         return
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=broadcast_from_rank0, strict=strict)
+    ties = tied_parameter_groups(model)
     set_model_state_dict(model, sd, options=options)
+    # A meta model is filled by assignment, one name at a time: tied names get separate tensors again,
+    # and buffers land on the group's default device (CPU when it has a CPU backend), not where the
+    # forward runs.
+    retie(model, ties)
     if fsdp_engine(model) is not None:
-        # A meta model's buffers are assigned on the group's default device (CPU when the group has a
-        # CPU backend): they go where the forward runs.
         move_buffers(model, compute_device(model))
