@@ -766,7 +766,11 @@ def build_wrap_plan(
     plan = WrapPlan(
         units, classes, tied, ignored_param_names=ignored_names, scalar_param_names=scalar_names, notes=notes
     )
-    plan.skippable = skippable
+    # Blocks a Hugging Face model declares are skipped only by LayerDrop (off unless configured).
+    declared = tuple(_declared_blocks(model))
+    plan.skippable = {
+        n: why for n, why in skippable.items() if not any(isinstance(m, declared) for m in model.get_submodule(n))
+    }
     plan.recount(model)
     largest = plan.largest
     if largest is not None and len(units) > 1:
