@@ -59,7 +59,9 @@ def moe_parity(
         if step == 0:
             for name, param in model.named_parameters():
                 assert param.grad is not None, f"{name}: no gradient on this rank"
-                assert_close(f"grad {name} ({shard_strat}, experts used here {used})", param.grad, ref_params[name].grad, 0)
+                assert_close(
+                    f"grad {name} ({shard_strat}, experts used here {used})", param.grad, ref_params[name].grad, 0
+                )
         opt.step()
         ref_opt.step()
         opt.zero_grad()

@@ -409,14 +409,15 @@ def _member_uses(loop: ast.For, attr: str) -> list[ast.AST]:
     return uses
 
 
-def _guarded(loop: ast.For, use: ast.AST) -> bool:
+def _guarded(loop: ast.For, use: ast.AST, uses: list[ast.AST]) -> bool:
     """``use`` runs only under a condition inside ``loop``: in one branch of an ``if`` whose other branch
-    runs no member, or after an ``if ...: continue``."""
+    runs no member (of ``uses``), or after an ``if ...: continue``."""
     for node in ast.walk(loop):
         if isinstance(node, (ast.If, ast.IfExp)) and node is not loop:
             branches = (node.body, node.orelse) if isinstance(node, ast.If) else ([node.body], [node.orelse])
-            inside = [any(use in ast.walk(s) for s in b) for b in branches]
-            if any(inside) and not all(inside):
+            runs = [{id(n) for s in b for n in ast.walk(s)} for b in branches]
+            has_use = [any(id(u) in r for u in uses) for r in runs]
+            if any(id(use) in r for r in runs) and not all(has_use):
                 return True
         if isinstance(node, ast.Continue) and node.lineno < use.lineno:
             return True
@@ -434,7 +435,7 @@ def _runs_conditionally(cls: type, attr: str) -> bool:
             continue
         by_range = isinstance(loop.iter, ast.Call) and getattr(loop.iter.func, "id", None) == "range"
         picked = not by_range and not _reads_self(loop.iter, attr) and any(isinstance(u, ast.Subscript) for u in uses)
-        if picked or all(_guarded(loop, u) for u in uses):
+        if picked or all(_guarded(loop, u, uses) for u in uses):
             return True
     return False
 
