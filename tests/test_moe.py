@@ -115,15 +115,32 @@ class _Stack(nn.Module):
         return x
 
 
+class _LayerDrop(nn.Module):
+    """Hugging Face's LayerDrop: a coin per layer, not a per-member condition (and all run under FSDP)."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(2, 2) for _ in range(3))
+        self.layerdrop = 0.0
+
+    def forward(self, x):
+        for layer in self.layers:
+            skip = self.training and float(torch.rand([])) < self.layerdrop
+            if not skip:
+                x = layer(x)
+        return x
+
+
 @pytest.mark.parametrize(
     "model, expected",
     [
         (_Routed(), {"ffns": "_Routed.forward runs its members under a condition"}),
         (_SkipByContinue(), {"ffns": "_SkipByContinue.forward runs its members under a condition"}),
         (_Stack(), {}),
+        (_LayerDrop(), {}),
         (nn.ModuleDict({"experts": nn.ModuleList(nn.Linear(2, 2) for _ in range(2))}), None),
     ],
-    ids=["picked-by-index", "continue", "every-member-runs", "named-experts"],
+    ids=["picked-by-index", "continue", "every-member-runs", "layerdrop", "named-experts"],
 )
 def test_which_containers_a_forward_may_skip(model, expected):
     found = skippable_modules(model)

@@ -409,17 +409,34 @@ def _member_uses(loop: ast.For, attr: str) -> list[ast.AST]:
     return uses
 
 
+def _per_member_names(loop: ast.For) -> set[str]:
+    """The loop's target names and the names its body computes from them (``mask = route == i``)."""
+    names = {n.id for n in ast.walk(loop.target) if isinstance(n, ast.Name)}
+    assigns = [n for stmt in loop.body for n in ast.walk(stmt) if isinstance(n, (ast.Assign, ast.AugAssign))]
+    for _ in range(3):  # a short chain of assignments is enough for the dispatch loops seen
+        for a in assigns:
+            if any(isinstance(n, ast.Name) and n.id in names for n in ast.walk(a.value)):
+                targets = a.targets if isinstance(a, ast.Assign) else [a.target]
+                names |= {n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)}
+    return names
+
+
 def _guarded(loop: ast.For, use: ast.AST, uses: list[ast.AST]) -> bool:
-    """``use`` runs only under a condition inside ``loop``: in one branch of an ``if`` whose other branch
-    runs no member (of ``uses``), or after an ``if ...: continue``."""
+    """``use`` runs only under a per-member condition inside ``loop`` (one that reads the member's
+    index or what the body computes from it, as a router's mask; not LayerDrop's coin): in one branch
+    of an ``if`` whose other branch runs no member (of ``uses``), or after an ``if ...: continue``."""
+    per_member = _per_member_names(loop)
     for node in ast.walk(loop):
-        if isinstance(node, (ast.If, ast.IfExp)) and node is not loop:
-            branches = (node.body, node.orelse) if isinstance(node, ast.If) else ([node.body], [node.orelse])
-            runs = [{id(n) for s in b for n in ast.walk(s)} for b in branches]
-            has_use = [any(id(u) in r for u in uses) for r in runs]
-            if any(id(use) in r for r in runs) and not all(has_use):
-                return True
-        if isinstance(node, ast.Continue) and node.lineno < use.lineno:
+        if not isinstance(node, (ast.If, ast.IfExp)) or node is loop:
+            continue
+        if not any(isinstance(n, ast.Name) and n.id in per_member for n in ast.walk(node.test)):
+            continue
+        branches = (node.body, node.orelse) if isinstance(node, ast.If) else ([node.body], [node.orelse])
+        runs = [{id(n) for s in b for n in ast.walk(s)} for b in branches]
+        if any(id(use) in r for r in runs) and not all(any(id(u) in r for u in uses) for r in runs):
+            return True
+        skips = isinstance(node, ast.If) and any(isinstance(n, ast.Continue) for s in node.body for n in ast.walk(s))
+        if skips and node.lineno < use.lineno:
             return True
     return False
 
