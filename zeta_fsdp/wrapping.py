@@ -27,6 +27,7 @@ from .report import render_table
 from .ties import tied_parameter_groups
 
 __all__ = ["BlockSpec", "WrapPlan", "WrapUnit", "block_specs", "build_wrap_plan", "detect_block_classes"]
+__all__ += ["skippable_modules"]
 
 BlockSpec = Union[type, str, Sequence[Union[type, str]], None]
 
@@ -84,6 +85,8 @@ class WrapPlan:
     ``scalar_param_names``: 0-dim parameters (CLIP's ``logit_scale``). ``fully_shard`` cannot
     shard a scalar, so ``fsdp()`` keeps them whole on every rank and averages their gradient
     across ranks itself; they are listed in ``ignored_param_names`` too and owned by no unit.
+    ``skippable``: containers whose members a forward may skip on some ranks (MoE experts), by
+    name with why (``skippable_modules``); their members are never units.
 
     Example:
         >>> from zeta_fsdp.models.gpt import small
