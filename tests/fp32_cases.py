@@ -135,7 +135,17 @@ def hf_t5_keep_fp32_under_fp16_only():
     fp32, ``wi`` in fp16; under bf16 ``wo`` follows mp (from_pretrained(dtype=bf16) does not keep it)."""
     from transformers import T5Config, T5ForConditionalGeneration
 
-    config = T5Config(vocab_size=64, d_model=16, d_kv=8, d_ff=32, num_layers=1, num_decoder_layers=1, num_heads=2)
+    config = T5Config(
+        vocab_size=64,
+        d_model=16,
+        d_kv=8,
+        d_ff=32,
+        num_layers=1,
+        num_decoder_layers=1,
+        num_heads=2,
+        decoder_start_token_id=0,
+        pad_token_id=0,
+    )
     for mp, wo_dtype in (("fp16", torch.float32), ("bf16", torch.bfloat16)):
         torch.manual_seed(0)
         model = T5ForConditionalGeneration(config)
@@ -196,7 +206,7 @@ def staged_unfreeze_refused_where_wrong():
 
     model = small()
     model.blocks[0].requires_grad_(False)
-    fsdp(model, auto_wrap=True, mesh=init_device_mesh("cpu", (world(), 1)))
+    fsdp(model, auto_wrap=True, mesh=init_device_mesh("cpu", (world(), 1), mesh_dim_names=("replicate", "shard")))
     model(x).sum().backward()
     model.blocks[0].requires_grad_(True)
     model(x).sum().backward()

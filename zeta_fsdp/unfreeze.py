@@ -64,7 +64,7 @@ def _replicate_check(model: nn.Module) -> Callable[[], Optional[str]]:
                 return (
                     f"{name} was frozen at the first forward, when DDP's engine (NO_SHARD) built its gradient "
                     "all-reduce, and requires a gradient now: its gradient would never be averaged across ranks. "
-                    "Pass a (world, 1) DeviceMesh (fsdp(..., mesh=init_device_mesh(device, (world, 1))): FSDP2's "
+                    'Pass a (world, 1) DeviceMesh (fsdp(..., mesh=init_device_mesh(device, (world, 1), mesh_dim_names=("replicate", "shard"))): FSDP2\'s '
                     "engine, where unfreezing works), or keep it trainable through the first step and freeze "
                     "it after."
                 )
