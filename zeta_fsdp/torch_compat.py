@@ -18,7 +18,7 @@ if TYPE_CHECKING:  # imported where used: an old torch must reach check_torch_ve
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
 __all__ = ["MIN_TORCH", "REDUCE_DTYPE_NONE_KEEPS_PARAM_DTYPE", "UnsupportedTorchError", "check_torch_version"]
-__all__ += ["param_mp_policy", "torch_release"]
+__all__ += ["HAS_PARAM_DTYPE_OVERRIDE", "param_mp_policy", "torch_release"]
 
 # The oldest release the whole suite passes on (docs/install.md has the table and how it was made).
 # setup.py's install_requires says the same (tests/test_torch_compat.py and the built wheel's
@@ -82,7 +82,20 @@ def param_mp_policy(group: Any, fsdp_param: Any) -> MixedPrecisionPolicy:
 # no_sync) each gradient in its parameter's own dtype; older releases in ``param_dtype``.
 REDUCE_DTYPE_NONE_KEEPS_PARAM_DTYPE: bool = torch_release() >= (2, 15)
 
+
+def _has_param_dtype_override() -> bool:
+    from dataclasses import fields
+
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    return "param_dtype_override_fn" in {f.name for f in fields(MixedPrecisionPolicy)}
+
+
 check_torch_version()  # on import (see the module docstring)
+
+# ``MixedPrecisionPolicy(param_dtype_override_fn=...)`` (torch >= 2.15): one parameter of a unit may
+# compute in its own dtype. Without it, ``keep_fp32`` parameters get FSDP units of their own.
+HAS_PARAM_DTYPE_OVERRIDE: bool = _has_param_dtype_override()
 
 
 @contextlib.contextmanager

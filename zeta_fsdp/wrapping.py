@@ -808,3 +808,61 @@ def build_wrap_plan(
                 f"split it pass TransformerBlock={names[0]!r}" + (f" (or {tuple(names)!r})" if len(names) > 1 else "")
             )
     return plan
+
+
+def add_fp32_units(plan: WrapPlan, model: nn.Module, fp32_param_names: Sequence[str], caller: str = "fsdp") -> None:
+    """Give the fp32 parameters units of their own (kind ``"fp32"``), for torch releases without
+    ``MixedPrecisionPolicy.param_dtype_override_fn``: a policy is per unit there.
+
+    Each unit is an outermost module all of whose parameters are fp32, placed just before the unit
+    that held it (bottom-up: a unit inside a block is sharded before the block); a module already
+    in a group (the final norm of ``[norm, head]``) leaves it. ``ValueError`` when an fp32
+    parameter shares its module with parameters that follow ``mp`` (torch >= 2.15 keeps such a
+    parameter alone), or is tied across units.
+    """
+    wanted = set(fp32_param_names)
+    if not wanted:
+        return
+    names = {id(p): n for n, p in model.named_parameters()}
+    marked = {n for n, p in model.named_parameters() if n in wanted}
+    full = {}  # module name -> every parameter under it is fp32
+    for mname, module in model.named_modules():
+        held = [names[id(p)] for p in module.parameters()]
+        full[mname] = bool(held) and all(n in marked for n in held) and not isinstance(module, _CONTAINERS[:2])
+    chosen = [m for m in full if full[m] and m and not any(full[o] for o in _parents(m))]
+    stray = [n for n in marked if not any(_is_under(n.rpartition(".")[0], [m]) for m in chosen)]
+    if stray:
+        owner = stray[0].rpartition(".")[0] or "<root>"
+        raise ValueError(
+            f"{caller}(): {stray[0]} must stay fp32 but its module {owner} also holds parameters that follow mp. "
+            "This torch has no MixedPrecisionPolicy.param_dtype_override_fn (torch >= 2.15 keeps one parameter "
+            f"fp32 inside a unit): upgrade torch, or keep the whole module fp32 (keep_fp32=[{owner!r}])."
+        )
+    for mname in chosen:
+        for unit in plan.units:  # a module named in a group (the final norm of [norm, head]) leaves it
+            if mname in unit.module_names and unit.kind != "root":
+                keep = [i for i, n in enumerate(unit.module_names) if n != mname]
+                unit.module_names = [unit.module_names[i] for i in keep]
+                unit.modules = [unit.modules[i] for i in keep]
+        units = [u for u in plan.units if u.module_names]
+        at = _claiming_unit(mname, units)
+        units.insert(at, WrapUnit("fp32", [mname], [model.get_submodule(mname)]))
+        plan.units = units
+    for unit in plan.units:
+        unit.param_names, unit.numel = [], 0
+    _fill_params(plan.units, model, {id(model.get_parameter(n)) for n in plan.ignored_param_names})
+    plan.units = [u for u in plan.units if u.numel > 0 or u.kind == "root"]
+    for names_tied in plan.tied_params:
+        if len({_claiming_unit(n.rpartition(".")[0], plan.units) for n in names_tied}) > 1:
+            raise ValueError(
+                f"{caller}(): the fp32 module holding {names_tied[0]} shares it with {names_tied[1:]} (tied) in "
+                "another unit; keep both fp32 (keep_fp32=[...] naming both), or upgrade to torch >= 2.15."
+            )
+    plan.recount(model)
+    plan.notes.append(f"fp32 units (own fp32 MixedPrecisionPolicy): {', '.join(chosen)}")
+
+
+def _parents(name: str) -> list[str]:
+    """``a.b.c`` -> ``["", "a", "a.b"]``."""
+    parts = name.split(".")
+    return [""] + [".".join(parts[:i]) for i in range(1, len(parts))]

@@ -6,7 +6,8 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Iterator, Optional, Union
+import dataclasses
+from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -17,7 +18,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from ..costs import AccumulationCost, accumulation_costs, gradient_wait_dtype, peak_by_device
 from ..distributed import build_mesh
 from ..options import ShardingSpec, stored_dtype
-from ..torch_compat import param_mp_policy
+from ..torch_compat import HAS_PARAM_DTYPE_OVERRIDE, param_mp_policy
 from ..wrapped import compute_device, fsdp_param_groups, fsdp_state
 from ..wrapping import WrapPlan
 
@@ -103,23 +104,27 @@ def wrap(
     ignored: set[nn.Parameter],
     keep_tail: int,
     prefetch: Optional[int],
+    *,
+    fp32_params: Sequence[str] = (),
 ) -> int:
     """``fully_shard`` every unit bottom-up; returns this rank's index in its shard group.
 
     One policy for every unit (FSDP2 does not inherit it). The root and the ``keep_tail`` units
     forward runs last keep their parameters after forward: backward would all-gather them again
-    at once. 0-dim parameters, which ``fully_shard`` cannot shard, stay whole.
+    at once. 0-dim parameters, which ``fully_shard`` cannot shard, stay whole. ``fp32_params``
+    compute and reduce in fp32 (``unit_policy``).
     """
     scalars = [model.get_parameter(n) for n in plan.scalar_param_names]
     # Pinned host memory needs an accelerator; on a CPU-only run offloading is a no-op anyway.
     offload = CPUOffloadPolicy(pin_memory=device.type != "cpu") if cpu_offload else OffloadPolicy()
     kept = {id(u) for u in [u for u in plan.backward_order if u.kind != "embedding"][:keep_tail]}
+    fp32_ids = frozenset(id(model.get_parameter(n)) for n in fp32_params)
     for unit in plan.units:
         fully_shard(
             unit.target,
             mesh=mesh,
             reshard_after_forward=None if unit.kind == "root" else False if id(unit) in kept else reshard,
-            mp_policy=mp_policy,
+            mp_policy=unit_policy(unit, mp_policy, fp32_ids),
             offload_policy=offload,
             ignored_params=(ignored | set(scalars)) or None,
         )
@@ -138,6 +143,29 @@ def wrap(
             scalar.data = scalar.data.to(device)
     _average_whole_grads(model, scalars, mesh)
     return mesh.get_local_rank(mesh.ndim - 1) if mesh.size(mesh.ndim - 1) > 1 else 0
+
+
+def unit_policy(unit: Any, mp_policy: MixedPrecisionPolicy, fp32_ids: frozenset) -> MixedPrecisionPolicy:
+    """The policy of one unit: ``mp``'s, except for fp32 parameters (``fp32_modules``). An ``"fp32"``
+    unit (``wrapping.add_fp32_units``, torch < 2.15) computes in its parameters' own dtype (fp32) and
+    reduces in fp32; on torch >= 2.15 every unit keeps ``mp`` with a per-parameter override instead
+    (no extra unit, no extra all-gather); gradients of a unit mixing dtypes reduce in fp32.
+
+    Example:
+        >>> from types import SimpleNamespace
+        >>> unit_policy(SimpleNamespace(kind="fp32"), MixedPrecisionPolicy(torch.bfloat16), frozenset()).param_dtype
+    """
+    if unit.kind == "fp32":
+        return MixedPrecisionPolicy(param_dtype=None, reduce_dtype=torch.float32, output_dtype=mp_policy.output_dtype)
+    if not fp32_ids or not HAS_PARAM_DTYPE_OVERRIDE:
+        return mp_policy
+
+    def keep_own_dtype(param: nn.Parameter) -> Optional[torch.dtype]:
+        return param.dtype if id(param) in fp32_ids else None
+
+    return dataclasses.replace(
+        mp_policy, reduce_dtype=mp_policy.reduce_dtype or torch.float32, param_dtype_override_fn=keep_own_dtype
+    )
 
 
 def _param_groups(model: nn.Module) -> list:

@@ -39,7 +39,7 @@ def mesh_for(*_: Any) -> None:
     """DDP runs over the default group: no mesh."""
 
 
-def wrap(model: nn.Module, plan: Any, device: torch.device, mp_policy: MixedPrecisionPolicy, *_: Any) -> int:
+def wrap(model: nn.Module, plan: Any, device: torch.device, mp_policy: MixedPrecisionPolicy, *_: Any, **__: Any) -> int:
     """Put ``model`` on DDP's engine; ``mp="bf16"`` runs its forward under ``torch.autocast``
     (parameters, gradients and their all-reduce stay fp32: DDP + autocast). Returns 0 (no shard).
 
