@@ -10,7 +10,7 @@ of them. What changes:
   (no ``DistributedDataParallel``, no second ``fully_shard``), accumulation is ``no_sync``,
   clipping is ``clip_grad_norm_``, and mixed precision is ``fsdp(mp=...)`` (``check_precision``);
 * checkpoints (``save_strategy``) hold a sharded DCP checkpoint (``save_checkpoint``: model,
-  optimizer, scheduler) next to the Trainer's own files, and ``resume_from_checkpoint`` restores it
+  optimizer) and the scheduler's state next to the Trainer's own files, and ``resume_from_checkpoint`` restores it
   at any world size;
 * ``save_model()`` writes Hugging Face files from the shards (``save_pretrained``; a PEFT model's
   adapter as PEFT writes it), on every rank, into a folder ``from_pretrained`` loads.
@@ -45,12 +45,13 @@ from .accelerator import FSDPAccelerator, check_precision
 
 __all__ = ["CHECKPOINT_DIR", "FSDPTrainer", "FSDPTrainerMixin", "check_trainer_args"]
 
-# Inside each checkpoint-N folder: the DCP checkpoint (model, optimizer, scheduler) resuming reads.
+# Inside each checkpoint-N folder: the DCP checkpoint (model, optimizer) resuming reads.
 CHECKPOINT_DIR = "zeta_fsdp"
 # The Trainer methods FSDPTrainerMixin overrides. Some are private; a release that renames one
 # must fail loudly here, not train on with the Trainer's own (wrong for shards) version.
 _OVERRIDDEN = ("create_accelerator_and_postprocess", "save_model", "_save_optimizer_and_scheduler")
 _OVERRIDDEN += ("_load_from_checkpoint", "_load_optimizer_and_scheduler", "_clip_grad_norm")
+_SCHEDULER = "scheduler.pt"  # the Trainer's own name and format for the scheduler's state
 _HF_WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "adapter_model.safetensors")
 
 
@@ -198,11 +199,9 @@ class FSDPTrainerMixin:
             self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
-        scheduler = self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None
-        optimizer = _inner_optimizer(self.optimizer)
-        save_checkpoint(
-            Path(output_dir) / CHECKPOINT_DIR, self.model, optimizer, extra={"scheduler": scheduler}, overwrite=True
-        )
+        save_checkpoint(Path(output_dir) / CHECKPOINT_DIR, self.model, _inner_optimizer(self.optimizer), overwrite=True)
+        if self.args.should_save and self.lr_scheduler is not None:  # as the Trainer writes it
+            torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, _SCHEDULER))
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Optional[nn.Module] = None) -> None:
         model = self.model if model is None else model
@@ -217,11 +216,12 @@ class FSDPTrainerMixin:
     def _load_optimizer_and_scheduler(self, checkpoint: Optional[str]) -> None:
         if checkpoint is None or not (Path(checkpoint) / CHECKPOINT_DIR).is_dir():
             return
-        extra = load_checkpoint(
+        load_checkpoint(
             Path(checkpoint) / CHECKPOINT_DIR, self.model, _inner_optimizer(self.optimizer), model_weights=False
         )
-        if self.lr_scheduler is not None and (extra or {}).get("scheduler") is not None:
-            self.lr_scheduler.load_state_dict(extra["scheduler"])
+        if self.lr_scheduler is not None and os.path.isfile(os.path.join(checkpoint, _SCHEDULER)):
+            # weights_only: plain numbers and lists, nothing a file could run
+            self.lr_scheduler.load_state_dict(torch.load(os.path.join(checkpoint, _SCHEDULER), weights_only=True))
 
 
 class FSDPTrainer(FSDPTrainerMixin, transformers.Trainer):
