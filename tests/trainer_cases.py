@@ -267,6 +267,19 @@ def accelerator_prepares_without_a_second_wrap_and_accumulates_with_no_sync():
         ref_opt.step()
         ref_opt.zero_grad()
     assert_same_params(full_params(model), full_params(ref), "FSDPAccelerator.accumulate")
+    expect_error(ValueError, lambda: acc.save_state(str(work() / "acc_state")), "save_checkpoint")
+
+
+@case
+def the_example_script_runs():
+    """examples/trainer_llama.py's main(), as torchrun runs it: trains, resumes, evaluates, saves."""
+    from examples.trainer_llama import main
+
+    out = work() / "example"
+    metrics = main(str(out))
+    assert math.isfinite(metrics["eval_loss"]), metrics
+    back = transformers.AutoModelForCausalLM.from_pretrained(str(out / "final"))
+    assert back.config.num_hidden_layers == 2 and sum(p.numel() for p in back.parameters()) > 0
 
 
 # ---------------------------------------------------------------- 1 rank, after the 2-rank launch

@@ -116,6 +116,7 @@ class FSDPAccelerator(accelerate.Accelerator):
                 "zeta_fsdp: torch.compile through accelerate (TrainingArguments(torch_compile=True), dynamo_backend=) "
                 "would compile around the FSDP hooks: use fsdp(model, compile=True) instead, and turn it off here."
             )
+        self.__dict__.setdefault("_zeta_sharded", []).append(model)  # save_state refuses these (below)
         if check_precision(model, self.mixed_precision, "mixed_precision"):
             # evaluation_mode: accelerate adds its autocast only, no DistributedDataParallel
             return super().prepare_model(model, device_placement=False, evaluation_mode=True)
@@ -137,3 +138,20 @@ class FSDPAccelerator(accelerate.Accelerator):
             return super().clip_grad_norm_(parameters, max_norm, norm_type)
         self.unscale_gradients()
         return torch.tensor(clip_grad_norm_(list(parameters), max_norm, norm_type))
+
+    def save_state(self, *args: Any, **kwargs: Any) -> Any:
+        """Refused for a model ``fsdp()`` wrapped (accelerate would write rank 0's shards only)."""
+        self._refuse_state("save_state", "save_checkpoint(path, model, optimizer)")
+        return super().save_state(*args, **kwargs)
+
+    def load_state(self, *args: Any, **kwargs: Any) -> Any:
+        """Refused for a model ``fsdp()`` wrapped: ``zeta_fsdp.load_checkpoint`` restores it."""
+        self._refuse_state("load_state", "load_checkpoint(path, model, optimizer)")
+        return super().load_state(*args, **kwargs)
+
+    def _refuse_state(self, name: str, ours: str) -> None:
+        if self.__dict__.get("_zeta_sharded"):
+            raise ValueError(
+                f"zeta_fsdp: FSDPAccelerator.{name}() cannot save a model fsdp() sharded (accelerate's writes one "
+                f"rank's shards): use zeta_fsdp.{ours}, which saves every rank's shards with DCP."
+            )
