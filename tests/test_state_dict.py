@@ -12,6 +12,7 @@ import json
 import re
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -347,10 +348,13 @@ def test_overwrite_killed_between_renames_recovers(tmp_path):
     assert names(tmp_path) == [".c.incomplete", ".c.lock", ".c.replaced"], "not the state between the two renames"
     torch.manual_seed(2)
     new = small().state_dict()
-    with pytest.warns(UserWarning, match="interrupted"):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # is_checkpoint only reads: no warning, no rename
         assert is_checkpoint(path)  # the usual `if is_checkpoint(p): load_checkpoint(p, ...)` finds it
+    assert names(tmp_path) == [".c.incomplete", ".c.lock", ".c.replaced"], "is_checkpoint changed the folder"
+    with pytest.warns(UserWarning, match="interrupted"):
+        assert_holds(path, 2, new)  # the load finishes the overwrite
     assert names(tmp_path) == ["c"]
-    assert_holds(path, 2, new)
 
 
 def test_overwrite_interrupted_before_new_was_complete_restores_previous(tmp_path, monkeypatch):
