@@ -583,6 +583,61 @@ def _traced(name, fn):
     return run
 
 
+@case
+def foreign_file_during_save_kept_and_stale_index_ignored() -> None:
+    """Issue 29, 3.: tokenizer.json written into the model directory by another process while save_pretrained
+    (overwrite=True, 2 ranks) writes its first bytes is kept under out.kept, byte for byte, named in the warning;
+    the new model is in place. 6.: a directory with model.safetensors and a stale index (transformers' re-save
+    leaves one) loads the single file, as transformers' from_pretrained does."""
+    import zeta_fsdp.hf.save as save_mod
+
+    ref, _ = reference_dir("llama_untied")
+    model = fsdp(copy.deepcopy(ref), auto_wrap=True, shard_strat="FULL_SHARD")
+    out = work() / "raced"
+    save_pretrained(model, out, overwrite=True, max_shard_size="8KB")
+    token = b'{"model": {"type": "BPE"}}\n\x00\xff'
+    real, wrote = save_mod.write_at, []
+
+    def racing(fd, offset, tensor, **kw):
+        if rank() == 1 and not wrote:  # another process, at the library's first data write on rank 1
+            (out / "tokenizer.json").write_bytes(token)
+            wrote.append(1)
+        real(fd, offset, tensor, **kw)
+
+    save_mod.write_at = racing
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            save_pretrained(model, out, overwrite=True)
+    finally:
+        save_mod.write_at = real
+    dist.barrier()
+    kept = out.parent / "raced.kept"
+    assert sorted(p.name for p in kept.iterdir()) == ["tokenizer.json"], sorted(kept.iterdir())
+    assert (kept / "tokenizer.json").read_bytes() == token
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "generation_config.json", "model.safetensors"]
+    if rank() == 0:
+        assert any(str(kept) in str(w.message) and "tokenizer.json" in str(w.message) for w in caught), caught
+    back = build("llama_untied", seed=9)
+    load_pretrained(back, out)
+    assert_weights(back, ref.state_dict(), "saved after the race")
+    # a stale index beside model.safetensors: the single file wins (transformers' precedence)
+    stale = work() / "stale_index"
+    if rank() == 0:
+        stale.mkdir(exist_ok=True)
+        for name in ("config.json", "model.safetensors"):
+            (stale / name).write_bytes((out / name).read_bytes())
+        (stale / INDEX_NAME).write_text(
+            json.dumps({"weight_map": {"lm_head.weight": "model-00001-of-00009.safetensors"}})
+        )
+    dist.barrier()
+    model = fsdp(build("llama_untied", seed=4), auto_wrap=True, shard_strat="FULL_SHARD")
+    load_pretrained(model, stale)
+    assert_weights(model, ref.state_dict(), "single file beside a stale index")
+    theirs = T.AutoModelForCausalLM.from_pretrained(stale)
+    assert all(torch.equal(v, ref.state_dict()[k]) for k, v in theirs.state_dict().items()), "transformers differs"
+
+
 if __name__ == "__main__":
     if os.environ.get("ZETA_HF_TRACE"):  # which case a hung launch was in
         for _name in list(CASES):

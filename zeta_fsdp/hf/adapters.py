@@ -17,9 +17,8 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from ..distributed import get_rank, get_world_size, on_all_ranks
-from ..files import publish_dir
 from ..state_dict.checks import short_list
-from .files import TensorEntry, end_staging, read_rows, read_safetensors_header, staging_dir
+from .files import TensorEntry, end_staging, publish_staged, read_rows, read_safetensors_header, staging_dir
 
 __all__ = ["ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "adapter_tensors", "load_adapters", "save_adapters"]
 
@@ -109,7 +108,7 @@ def save_adapters(
                 config.save_pretrained(str(staged[0]))
             finally:
                 config.inference_mode = inference_mode
-            publish_dir(staged[0], path)
+            publish_staged(staged[0], path)
 
         on_all_ranks(write)
     finally:

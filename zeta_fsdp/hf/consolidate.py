@@ -17,11 +17,10 @@ from typing import Any, Optional, Union
 import torch
 import torch.nn as nn
 
-from ..files import publish_dir
 from ..state_dict import CheckpointError
 from ..state_dict.reader import dcp_load, open_checkpoint
 from ..wrapped import unwrapped_class
-from .files import end_staging, parse_size, plan_hf_files, plan_shard_files, staging_dir, write_at
+from .files import end_staging, parse_size, plan_hf_files, plan_shard_files, publish_staged, staging_dir, write_at
 from .naming import saved_aliases, saved_layout, saved_tensors
 from .save import cast, check_dtype, write_metadata
 
@@ -145,8 +144,9 @@ def consolidate_to_hf(
         try:
             sizes = {k: math.prod(stored[source[k]].size) * stored[source[k]].properties.dtype.itemsize for k in saved}
             for batch in plan_shard_files(sizes, _BATCH_BYTES):  # a bigger tensor gets a batch of its own
+                # zeros, not empty: nothing uninitialised can reach the file (the chunks' cover is checked too)
                 state: dict[str, Any] = {
-                    _MODEL + source[key]: torch.empty(
+                    _MODEL + source[key]: torch.zeros(
                         tuple(stored[source[key]].size), dtype=stored[source[key]].properties.dtype
                     )
                     for key in batch
@@ -170,7 +170,7 @@ def consolidate_to_hf(
             for fd in fds.values():
                 os.close(fd)
         write_metadata(model, tmp, layout, where, dtype)
-        publish_dir(tmp, out_dir)
+        publish_staged(tmp, out_dir)
     finally:
         end_staging(tmp)  # removes what a failed run left; releases the path's lock
     return Path(out_dir)

@@ -22,10 +22,19 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from ..distributed import get_rank as rank
 from ..distributed import get_world_size as world
 from ..engines import engine_of
-from ..files import incomplete_path, publish_dir
+from ..files import incomplete_path
 from ..state_dict.checks import CheckpointError, on_all_ranks
 from ..wrapped import unwrapped_class
-from .files import INDEX_NAME, SafetensorsLayout, end_staging, parse_size, plan_hf_files, staging_dir, write_at
+from .files import (
+    INDEX_NAME,
+    SafetensorsLayout,
+    end_staging,
+    parse_size,
+    plan_hf_files,
+    publish_staged,
+    staging_dir,
+    write_at,
+)
 from .load import local_box
 from .naming import is_hf_model, saved_aliases, saved_layout, saved_tensors
 
@@ -250,7 +259,7 @@ def save_pretrained(
                 write_metadata(model, tmp, layout, where, dtype)
 
         on_all_ranks(write)
-        on_all_ranks(lambda: publish_dir(tmp, path) if rank() == 0 else None)
+        on_all_ranks(lambda: publish_staged(tmp, path) if rank() == 0 else None)
     finally:
         for made in staged:  # rank 0: removes what a refused or failed save left, releases the path's lock
             end_staging(made)

@@ -17,27 +17,25 @@ import torch
 import torch.nn as nn
 
 from ..distributed import get_rank
-from ..files import PathLock, remove_tree
+from ..files import PathLock
 from .async_save import AsyncCheckpointer
 from .checkpoint import load_checkpoint, save_checkpoint
 from .checks import CheckpointError, PathLike, from_rank0, on_all_ranks
 from .preemption import PreemptionHandler, SignalLike
-from .publish import discard_checkpoint_dir, is_checkpoint
+from .publish import discard_checkpoint_dir, discard_staging, is_checkpoint
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 _STALE = re.compile(r"^\.step_\d+\.incomplete$")
 
 
-def checkpoint_steps(root: PathLike) -> list[int]:
-    """The steps of the complete ``root/step_<n>`` checkpoints, oldest first (``[]`` when none)."""
+def checkpoint_dirs(root: PathLike) -> list[Path]:
+    """The complete ``root/step_<n>`` checkpoints, oldest first (``[]`` when none), under their real names
+    (``step_000300`` stays ``step_000300``)."""
     root = Path(root)
     if not root.is_dir():
         return []
-    return sorted(
-        int(match.group(1))
-        for child in root.iterdir()
-        if (match := _STEP_DIR.match(child.name)) and is_checkpoint(child)
-    )
+    found = [(int(m.group(1)), child.name) for child in root.iterdir() if (m := _STEP_DIR.match(child.name))]
+    return [root / name for _, name in sorted(found) if is_checkpoint(root / name)]
 
 
 def latest_checkpoint(root: PathLike) -> Optional[Path]:
@@ -47,8 +45,8 @@ def latest_checkpoint(root: PathLike) -> Optional[Path]:
         latest_checkpoint("ckpt")
         # -> PosixPath('ckpt/step_300')
     """
-    steps = checkpoint_steps(root)
-    return Path(root) / f"step_{steps[-1]}" if steps else None
+    dirs = checkpoint_dirs(root)
+    return dirs[-1] if dirs else None
 
 
 def prune_checkpoints(root: PathLike, keep_last: int) -> list[Path]:
@@ -65,7 +63,7 @@ def prune_checkpoints(root: PathLike, keep_last: int) -> list[Path]:
     if isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1:
         raise ValueError(f"prune_checkpoints(): keep_last must be a positive int, got {keep_last!r}.")
     deleted = []
-    for path in [Path(root) / f"step_{step}" for step in checkpoint_steps(root)[:-keep_last]]:
+    for path in checkpoint_dirs(root)[:-keep_last]:
         try:
             discard_checkpoint_dir(path, "prune_checkpoints()")
             deleted.append(path)
@@ -235,4 +233,4 @@ class CheckpointManager:
             with contextlib.suppress(OSError):  # a read-only root, or a file we cannot remove: left as it is
                 if lock.acquire(timeout_s=0):
                     with lock:
-                        remove_tree(child)
+                        discard_staging(lock.path)  # DCP's files only: a user's file in it is kept
