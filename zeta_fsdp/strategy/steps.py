@@ -14,6 +14,7 @@ import torch.nn as nn
 
 from ..engines import hooks_on
 from ..loss import MaskedTokenLossReduction
+from ..wrapped import unwrapped_class
 from .labels import agree, classify, module_loss, own_loss_tokens, refuse_unshifted
 
 __all__ = ["StepLosses", "call_through_root", "nemo_step_result", "parse_optimizers", "run_step"]
@@ -160,7 +161,7 @@ class StepLosses:
         self._group_fn = group_fn
         self._defaults: dict[str, Any] = {}
         self._totals: dict[str, tuple[Any, str, torch.Tensor]] = {}  # step type -> (reduction, key, sum)
-        self._kinds: dict[str, str] = {}  # step type -> the batches' label convention (labels.classify)
+        self._kinds: dict[tuple[str, bool], str] = {}  # (step type, has loss_mask) -> label convention
 
     def reduction(self, module: Optional[nn.Module], step_type: str) -> Any:
         """The module's ``<step_type>_loss_reduction`` / ``loss_reduction``, else the token-weighted default."""
@@ -190,17 +191,18 @@ class StepLosses:
         output = forward_batch(module, batch)
         if reduction is not self._defaults.get(step_type) or not isinstance(batch, Mapping) or "labels" not in batch:
             return batch, logits_of(output)
-        kind = self._kinds.get(step_type)
-        if kind is None:  # decided once, by every rank together: a refusal is raised on all of them
+        style = (step_type, "loss_mask" in batch)  # loss_mask: NeMo's pre-shifted batch
+        kind = self._kinds.get(style)
+        if kind is None:  # decided once per batch style, by every rank together: a refusal is raised on all
             kind = agree(classify(batch), self._group_fn())
             if kind != "unknown":
-                self._kinds[step_type] = kind
-        own = module_loss(output) if "loss_mask" not in batch else None  # loss_mask: NeMo's pre-shifted batch
+                self._kinds[style] = kind
+        own = module_loss(output) if "loss_mask" not in batch else None
         if own is not None:
-            tokens = own_loss_tokens(kind, batch, own, type(module).__name__)
+            tokens = own_loss_tokens(kind, batch, own, unwrapped_class(module).__name__)
             return {"loss_mask": tokens["loss_mask"]}, tokens["losses"]
         if kind == "hf":
-            raise refuse_unshifted(type(module).__name__)
+            raise refuse_unshifted(unwrapped_class(module).__name__)
         return batch, logits_of(output)
 
     def reduced(self, module: Optional[nn.Module], step_type: str) -> torch.Tensor:
