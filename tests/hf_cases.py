@@ -372,6 +372,27 @@ def shared_buffer_on_meta_and_untied_checkpoint_into_tied_model() -> None:
 
 
 @case
+def no_shard_save_before_first_forward_is_rank0s_model() -> None:
+    """Issue 29 §5: NO_SHARD (the default) with ranks initialised differently: save_pretrained before the first
+    forward writes rank 0's model (the one DDP's first forward would make every rank's), not a mix of ranks' rows."""
+    from safetensors.torch import load_file
+
+    torch.manual_seed(rank())  # a different initialisation on every rank
+    model = torch.nn.Sequential(torch.nn.Linear(6, 64), torch.nn.Linear(64, 6))
+    init = [None]
+    if rank() == 0:
+        init[0] = {k: v.clone() for k, v in model.state_dict().items()}
+    dist.broadcast_object_list(init, src=0)
+    fsdp(model)  # the default: NO_SHARD
+    out = work() / "no_shard_early"
+    save_pretrained(model, out, overwrite=True)
+    saved = load_file(str(out / "model.safetensors"))
+    for key, want in init[0].items():
+        assert torch.equal(saved[key], want), f"{key}: not rank 0's initial values"
+        assert torch.equal(full(model.state_dict()[key]), want), f"{key}: rank {rank()} holds another model"
+
+
+@case
 def save_bf16_cast_on_write() -> None:
     check_save("llama_tied", "FULL_SHARD", dtype=torch.bfloat16)
 

@@ -34,6 +34,7 @@ TWO_RANK = (
         "save_uneven_shards_every_engine",
         "clip_load_and_save",  # CLIP's 0-dim logit_scale: kept whole by fsdp(), loaded and saved
         "shared_buffer_on_meta_and_untied_checkpoint_into_tied_model",
+        "no_shard_save_before_first_forward_is_rank0s_model",
     ]
 )
 FOUR_RANK = [f"load_{a}_HYBRID_SHARD" for a in ("llama_tied", "mixtral", "bert_mlm", "t5")] + [
