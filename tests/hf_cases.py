@@ -323,6 +323,75 @@ def meta_unmaterialized_ties_share_storage() -> None:
     assert torch.equal(inv, want), "rotary inv_freq not recomputed"
 
 
+class SharedMaskNet(torch.nn.Module):
+    """Two blocks sharing ONE persistent buffer (a causal mask) and a head tied to the embedding."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(10, 8)
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(2))
+        mask = torch.tril(torch.ones(4, 4)) * 3.0
+        for block in self.blocks:
+            block.register_buffer("mask", mask)  # the same tensor in every block
+        self.head = torch.nn.Linear(8, 10, bias=False)
+        self.head.weight = self.emb.weight
+
+
+@case
+def shared_buffer_on_meta_and_untied_checkpoint_into_tied_model() -> None:
+    """Issue 29 §5: a persistent buffer shared by several blocks, loaded into a meta model, fills every alias;
+    an untied checkpoint (emb, head differ) into the tied model with strict=True is refused naming both keys."""
+    from safetensors.torch import save_file
+
+    torch.manual_seed(0)
+    source = SharedMaskNet()
+    with torch.no_grad():
+        source.blocks[0].mask.copy_(torch.arange(16.0).view(4, 4))
+    out = work() / "shared_mask"
+    save_pretrained(fsdp(copy.deepcopy(source), shard_strat="FULL_SHARD"), out, overwrite=True)
+    with torch.device("meta"):
+        meta = SharedMaskNet()
+    model = fsdp(meta, shard_strat="FULL_SHARD", materialize=False)
+    load_pretrained(model, out)
+    for i in range(2):
+        assert torch.equal(model.blocks[i].mask, source.blocks[0].mask), f"blocks.{i}.mask not filled"
+    assert model.blocks[1].mask is model.blocks[0].mask  # one tensor again, as the model was built
+    assert torch.equal(full(model.head.weight), source.emb.weight)
+    untied = work() / "untied"
+    if rank() == 0:
+        untied.mkdir(exist_ok=True)
+        weights = {k: v.clone() for k, v in source.state_dict().items() if k != "blocks.1.mask"}
+        weights["head.weight"] = weights["emb.weight"] + 1.0  # untied: another head
+        save_file(weights, str(untied / "model.safetensors"))
+    dist.barrier()
+    before = full(model.emb.weight).clone()
+    expect_error(CheckpointError, lambda: load_pretrained(model, untied), "'head.weight'", "'emb.weight'", "differ")
+    assert torch.equal(full(model.emb.weight), before), "changed before raising"
+    load_pretrained(model, untied, strict=False)  # the kept name's values, as asked
+    assert torch.equal(full(model.emb.weight), source.emb.weight)
+
+
+@case
+def no_shard_save_before_first_forward_is_rank0s_model() -> None:
+    """Issue 29 §5: NO_SHARD (the default) with ranks initialised differently: save_pretrained before the first
+    forward writes rank 0's model (the one DDP's first forward would make every rank's), not a mix of ranks' rows."""
+    from safetensors.torch import load_file
+
+    torch.manual_seed(rank())  # a different initialisation on every rank
+    model = torch.nn.Sequential(torch.nn.Linear(6, 64), torch.nn.Linear(64, 6))
+    init = [None]
+    if rank() == 0:
+        init[0] = {k: v.clone() for k, v in model.state_dict().items()}
+    dist.broadcast_object_list(init, src=0)
+    fsdp(model)  # the default: NO_SHARD
+    out = work() / "no_shard_early"
+    save_pretrained(model, out, overwrite=True)
+    saved = load_file(str(out / "model.safetensors"))
+    for key, want in init[0].items():
+        assert torch.equal(saved[key], want), f"{key}: not rank 0's initial values"
+        assert torch.equal(full(model.state_dict()[key]), want), f"{key}: rank {rank()} holds another model"
+
+
 @case
 def save_bf16_cast_on_write() -> None:
     check_save("llama_tied", "FULL_SHARD", dtype=torch.bfloat16)

@@ -855,7 +855,7 @@ def test_consolidate_to_hf_keeps_a_file_added_meanwhile(tmp_path, monkeypatch):
     assert names(out) == ["model.safetensors"]
 
 
-def rewrite_metadata(path: Path, edit) -> None:
+def _rewrite_metadata(path: Path, edit) -> None:
     import pickle
 
     from zeta_fsdp.state_dict.reader import read_metadata
@@ -896,7 +896,7 @@ def test_chunks_must_cover_each_tensor_exactly(tmp_path, edit):
 
     path = tmp_path / "c"
     plain_checkpoint(path, 1)
-    rewrite_metadata(path, edit)
+    _rewrite_metadata(path, edit)
     needle = r"inconsistently: its (chunks hold \d+ of its \d+ elements|chunks at offsets .* overlap)"
     for strict in (True, False):
         torch.manual_seed(5)
@@ -922,3 +922,58 @@ def test_zero_padded_step_directories_are_found_and_pruned_by_their_real_names(t
     assert latest_checkpoint(tmp_path) == tmp_path / "step_000300"
     assert prune_checkpoints(tmp_path, keep_last=1) == [tmp_path / "step_000100", tmp_path / "step_000200"]
     assert names(tmp_path) == ["step_000300"]
+
+
+def test_consolidate_cli_hf_only_options_and_huge_sizes(tmp_path, capsys):
+    """Issue 29 §9: --dtype / --config / --max-shard-size without --hf are refused (not ignored); a metadata
+    declaring a size no machine can allocate is one line and exit 2, not a traceback."""
+    path = tmp_path / "c"
+    plain_checkpoint(path, 1)
+    for extra in (["--dtype", "bf16"], ["--config", str(tmp_path)], ["--max-shard-size", "1MB"]):
+        assert cli.main(["consolidate", str(path), str(tmp_path / "o.pt"), *extra]) == 2
+        err = capsys.readouterr().err
+        assert f"{extra[0]} apply(ies) to --hf output only" in err and err.count("\n") == 1, err
+        assert names(tmp_path) == ["c"]
+
+    def huge(md) -> None:
+        key = next(k for k, v in md.state_dict_metadata.items() if k.startswith("model.") and hasattr(v, "size"))
+        md.state_dict_metadata[key].size = torch.Size([2**40, 2**30])
+
+    _rewrite_metadata(path, huge)
+    for argv in (["consolidate", str(path), str(tmp_path / "o.pt")], ["consolidate", str(path), "o", "--hf"]):
+        assert cli.main(argv) == 2
+        err = capsys.readouterr().err
+        assert str(path) in err and "too large" in err and err.count("\n") == 1, err
+    assert names(tmp_path) == ["c"]
+
+
+def test_a_pickle_in_a_tensor_record_is_a_checkpoint_error(tmp_path, capsys):
+    """Issue 29 §9: consolidate_to_hf / consolidate --hf on a record holding a pickle: CheckpointError, exit 2,
+    nothing runs."""
+    import dataclasses
+    import io
+
+    from zeta_fsdp.hf import consolidate_to_hf
+    from zeta_fsdp.state_dict.reader import read_metadata
+
+    path, marker = tmp_path / "c", tmp_path / "PWNED"
+    plain_checkpoint(path, 1)
+    md = read_metadata(path, "test")
+    index, info = next((i, v) for i, v in md.storage_data.items() if i.fqn.startswith("model."))
+    shard = path / info.relative_path
+    buffer = io.BytesIO()
+    torch.save(_Payload(marker), buffer)  # a torch.save record whose pickle would run code
+    offset = shard.stat().st_size
+    shard.write_bytes(shard.read_bytes() + buffer.getvalue())
+    _rewrite_metadata(
+        path,
+        lambda m: m.storage_data.update(
+            {index: dataclasses.replace(info, offset=offset, length=len(buffer.getvalue()))}
+        ),
+    )
+    with pytest.raises(CheckpointError, match="failed") as caught:
+        consolidate_to_hf(path, tmp_path / "out_hf")
+    assert str(path) in str(caught.value)
+    assert cli.main(["consolidate", str(path), str(tmp_path / "o"), "--hf"]) == 2
+    assert capsys.readouterr().err.count("\n") == 1
+    assert not marker.exists() and names(tmp_path) == ["c"]

@@ -59,6 +59,10 @@ DTYPES: dict[str, torch.dtype] = {
     "BOOL": torch.bool,
     "F8_E4M3": torch.float8_e4m3fn,
     "F8_E5M2": torch.float8_e5m2,
+    "U16": torch.uint16,
+    "U32": torch.uint32,
+    "U64": torch.uint64,
+    "F8_E8M0": torch.float8_e8m0fnu,
 }
 NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
 _MAX_HEADER = 100 * 2**20  # the safetensors library's own limit: a bigger header is a corrupt file
@@ -122,6 +126,12 @@ def read_safetensors_header(file: Union[str, os.PathLike]) -> dict[str, TensorEn
         if not isinstance(info, dict):
             raise _bad(file, f"the header entry of {key!r} is a {type(info).__name__}, not an object")
         dtype = DTYPES.get(info.get("dtype")) if isinstance(info.get("dtype"), str) else None
+        if dtype is None and isinstance(info.get("dtype"), str) and info["dtype"].isupper():
+            # a safetensors dtype torch has no type for (F4, F6_*, C64...): a valid file we cannot read
+            raise CheckpointError(
+                f"{file}: tensor {key!r} has dtype {info['dtype']!r}, which zeta_fsdp cannot read. "
+                f"Supported dtypes: {', '.join(DTYPES)}."
+            )
         shape = info.get("shape")
         shape = tuple(shape) if isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape) else None
         offsets = info.get("data_offsets")

@@ -16,7 +16,7 @@ from typing import Any, Iterable, Mapping, Optional
 import torch
 import torch.nn as nn
 
-from ..distributed import get_rank
+from ..distributed import get_rank, get_world_size, is_distributed
 from ..files import PathLock
 from .async_save import AsyncCheckpointer
 from .checkpoint import load_checkpoint, save_checkpoint
@@ -78,6 +78,45 @@ def _positive(name: str, value: Optional[int]) -> Optional[int]:
     return value
 
 
+def _same(a: Any, b: Any) -> bool:
+    """Equal values, tensors compared by value (``==`` on them is elementwise)."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape and torch.equal(a, b)
+    if isinstance(a, Mapping) and isinstance(b, Mapping):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return type(a) is type(b) and a == b
+
+
+def gather_rank_states(state: Mapping[str, Any]) -> dict[str, list[Any]]:
+    """``{name: [rank 0's state_dict(), rank 1's, ...]}``: every rank's own state (a per-rank stream
+    position differs by rank), gathered on every rank (one all-gather of small objects)."""
+    mine = {name: obj.state_dict() for name, obj in state.items()}
+    everyone = [mine]
+    if is_distributed() and get_world_size() > 1:
+        everyone = [None] * get_world_size()
+        torch.distributed.all_gather_object(everyone, mine)
+    return {name: [ranks[name] for ranks in everyone] for name in mine}
+
+
+def restore_rank_states(state: Mapping[str, Any], saved: Mapping[str, list[Any]], path: Path) -> None:
+    """Give each rank its own saved state. At another world size only a state every rank saved alike (a
+    ``ResumableLoader``, an LR scheduler) can be restored; a per-rank one raises (on every rank, before any load)."""
+    rank, world = get_rank(), get_world_size()
+    uneven = [
+        name for name in state if len(saved[name]) != world and not all(_same(saved[name][0], s) for s in saved[name])
+    ]
+    if uneven:
+        raise CheckpointError(
+            f"CheckpointManager.resume(): {path} holds a different state per rank for {uneven}, saved by "
+            f"{len(saved[uneven[0]])} ranks; this job has {world}. A per-rank state cannot be resharded: resume at "
+            f"{len(saved[uneven[0]])} ranks, or make that state the same on every rank (e.g. ResumableLoader)."
+        )
+    for name, obj in state.items():
+        obj.load_state_dict(saved[name][rank] if len(saved[name]) == world else saved[name][0])
+
+
 class CheckpointManager:
     """Checkpoints of one training run under ``root``: periodic, pruned, resumable, preemption-safe.
 
@@ -85,7 +124,8 @@ class CheckpointManager:
     (``preemption_signals``; ``()`` for none) arrived, then returns ``True``: stop the loop. ``keep_last=K``
     keeps the K newest; ``resume()`` loads the latest and returns its step (0 on first launch). ``state``:
     ``{name: object with state_dict() / load_state_dict()}`` (a ``ResumableLoader``, an LR scheduler) saved
-    and restored with them. Every rank (docs/long_jobs.md).
+    and restored with them, each rank's own (a per-rank state resumes only at the world size that saved it;
+    one every rank saved alike resumes at any). Every rank (docs/long_jobs.md).
 
     Example:
         manager = CheckpointManager("ckpt", model, optimizer, every=100, keep_last=3,
@@ -156,8 +196,11 @@ class CheckpointManager:
         missing = [name for name in self.state if name not in saved.get("state", {})]
         if missing:
             raise CheckpointError(f"CheckpointManager.resume(): {path} holds no state for {missing}.")
-        for name, obj in self.state.items():
-            obj.load_state_dict(saved["state"][name])
+        if "rank_state" in saved:
+            restore_rank_states(self.state, saved["rank_state"], path)
+        else:  # saved before per-rank states: rank 0's
+            for name, obj in self.state.items():
+                obj.load_state_dict(saved["state"][name])
         self.extra = saved.get("extra")
         self._saved_step = int(saved["step"])
         return int(saved["step"])
@@ -185,7 +228,8 @@ class CheckpointManager:
             # -> PosixPath('ckpt/step_120')
         """
         path = self.root / f"step_{int(step)}"
-        record = {"step": int(step), "state": {n: obj.state_dict() for n, obj in self.state.items()}, "extra": extra}
+        ranks = gather_rank_states(self.state)  # each rank's own; "state" keeps rank 0's (older readers)
+        record = {"step": int(step), "state": {n: s[0] for n, s in ranks.items()}, "rank_state": ranks, "extra": extra}
         self.wait()  # a background save still in flight completes (and is pruned) first
         save = save_checkpoint if self.checkpointer is None else self.checkpointer.save
         save(path, self.model, self.optimizer, extra=record, overwrite=True)
