@@ -99,10 +99,16 @@ def show_pending(model: nn.Module) -> None:
                     view = _zeros(fsdp_param)
                 param.grad, ours = fsdp_param.to_sharded_dtensor(view.detach()), True
             grad = param.grad
-            version = None if grad is None else grad._local_tensor._version
+            version = None if grad is None else _version(grad)
             records.append((fsdp_param, grad, version, ours))
             _hook(fsdp_param, group)
         _RECORDS[group] = records
+
+
+def _version(grad: Any) -> tuple[int, int]:
+    """In-place writes to a DTensor ``.grad`` bump the wrapper's version (DTensor runs the op on its
+    local tensor below autograd's version bump); writes to the local tensor bump the local one."""
+    return grad._version, grad._local_tensor._version
 
 
 def _hook(fsdp_param: Any, group: Any) -> None:
