@@ -211,7 +211,7 @@ def peak_memory_with_frozen_params_both_engines():
         opt = torch.optim.SGD(trainable, lr=0.1)
         x, y = tokens(4, seed=9)
 
-        def step():
+        def step(model=model, opt=opt, x=x, y=y):
             lm_loss(model(local_slice(x)), local_slice(y)).backward()
             opt.step()
             opt.zero_grad()

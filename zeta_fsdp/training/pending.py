@@ -4,8 +4,9 @@ DDP accumulates in ``.grad`` itself, so ``zero_grad()`` drops an accumulation. F
 out of reach: unsharded gradients on its unsharded parameters (``defer="all"``) or a flat sharded
 sum in its parameter group (HSDP, ``defer="all_reduce"``), added at the next synced backward
 whatever ``zero_grad()`` did in between. So at a block's exit each trainable FSDP parameter
-without a ``.grad`` gets one *showing* that pending sum: a view of this rank's rows of it (no new
-memory; this rank's own, not yet reduced, as DDP's ``.grad`` inside ``no_sync``). Before the next
+without a ``.grad`` gets one *showing* that pending sum: a copy of this rank's rows of it (this
+rank's own, not yet reduced, as DDP's ``.grad`` inside ``no_sync``; it costs one sharded gradient
+between micro-batches, freed at the next backward). Before the next
 backward accumulates into a unit, a gradient hook compares: a ``.grad`` set to ``None``, zeroed in
 place or replaced means ``zero_grad()`` ran, and the unit's pending sum is dropped; otherwise the
 views go and FSDP2 reduces the sum as before. Read from torch's FSDP state (``wrapped.fsdp_param_groups``).
@@ -25,7 +26,8 @@ __all__ = ["show_pending"]
 
 # parameter group -> [(fsdp_param, the .grad we recorded, its version, whether we set it)]
 _RECORDS: weakref.WeakKeyDictionary[Any, list] = weakref.WeakKeyDictionary()
-_HOOKED: weakref.WeakSet[Any] = weakref.WeakSet()  # unsharded parameters that carry our hook
+# Marks an unsharded parameter that carries our hook (an attribute: a WeakSet would compare tensors with ==).
+_HOOKED = "_zeta_fsdp_settle_hook"
 
 
 def _groups(model: nn.Module) -> list:
@@ -52,7 +54,8 @@ def _rows(fsdp_param: Any, full: torch.Tensor) -> Optional[torch.Tensor]:
         return None
     rows, size = fsdp_param.padded_sharded_param_size[0], fsdp_param.sharded_size
     start = getattr(fsdp_param.mesh_info, "shard_mesh_rank", 0) * rows
-    return full.narrow(0, min(start, full.shape[0]), size[0]).view(size)
+    # a copy: a .grad aliasing FSDP2's own pending buffer gave wrong sums (torch 2.13)
+    return full.narrow(0, min(start, full.shape[0]), size[0]).reshape(size).clone()
 
 
 def _shown(group: Any) -> list[Optional[torch.Tensor]]:
@@ -67,7 +70,7 @@ def _shown(group: Any) -> list[Optional[torch.Tensor]]:
         flat_views, offset = [], 0  # HSDP defer="all_reduce": the shard group's sum, padded per parameter
         for fp in trainable:
             size = fp.sharded_size
-            flat_views.append(None if flat is None else flat[offset : offset + size.numel()].view(size))
+            flat_views.append(None if flat is None else flat[offset : offset + size.numel()].view(size).clone())
             offset += fp.padded_sharded_param_size.numel()
     by_param = dict(zip(map(id, trainable), flat_views))
     shown = []
@@ -114,7 +117,7 @@ def _version(grad: Any) -> tuple[int, int]:
 def _hook(fsdp_param: Any, group: Any) -> None:
     """Once per unsharded parameter: before its gradient accumulates, settle its unit's record."""
     unsharded = getattr(fsdp_param, "_unsharded_param", None)
-    if unsharded is None or unsharded in _HOOKED or not unsharded.requires_grad:
+    if unsharded is None or getattr(unsharded, _HOOKED, False) or not unsharded.requires_grad:
         return
     group_ref = weakref.ref(group)
 
@@ -125,7 +128,7 @@ def _hook(fsdp_param: Any, group: Any) -> None:
         return grad
 
     unsharded.register_hook(settle_first)
-    _HOOKED.add(unsharded)
+    setattr(unsharded, _HOOKED, True)
 
 
 def _settle(group: Any) -> None:
