@@ -37,7 +37,7 @@ from zeta_fsdp import CheckpointError, CheckpointManager, fsdp
 from zeta_fsdp.measure import peak_memory_by_category
 from zeta_fsdp.models.gpt import Block, lm_loss, small
 from zeta_fsdp.strategy import FSDP2Strategy
-from zeta_fsdp.training import NonFiniteGuard, clip_grad_norm_, no_sync
+from zeta_fsdp.training import NonFiniteGuard, clip_grad_norm_
 
 CASES = Cases()
 case = CASES.case
@@ -67,71 +67,6 @@ def shared_dir() -> Path:
     box = [tempfile.mkdtemp(prefix="steps_", dir=ARGS.out) if rank() == 0 else None]
     dist.broadcast_object_list(box, src=0)
     return Path(box[0])
-
-
-# ---------------------------------------------------------------------------------------------
-# a dropped accumulation
-
-
-def _dropped_accumulation(shard_strat: str, replicas: int = 1, **kwargs) -> None:
-    """One micro-batch inside no_sync, then zero_grad (the optimizer's, the model's, set_to_none or
-    zeroed in place), then a normal step: the step's gradients are the new batch's alone, exactly
-    as the reference computes them (at 2 ranks and 2x2 every reduction level adds two numbers)."""
-    for defer in ("all", "all_reduce"):
-        for how in ("optimizer", "model", "in place"):
-            model, ref = wrapped_gpt(shard_strat=shard_strat, **kwargs)
-            opt = torch.optim.SGD(model.parameters(), lr=0.1)
-            x, y = tokens(8, seed=3)
-            with no_sync(model, defer=defer):
-                lm_loss(model(local_slice(x)), local_slice(y)).backward()
-            if how == "optimizer":
-                opt.zero_grad()
-            elif how == "model":
-                model.zero_grad()
-            else:
-                opt.zero_grad(set_to_none=False)
-            x, y = tokens(8, seed=4)
-            lm_loss(model(local_slice(x)), local_slice(y)).backward()
-            reference_backward(ref, lm_loss, x, y, replicas=replicas)
-            assert_grads_equal(model, ref, f"{shard_strat} defer={defer} zero_grad ({how})")
-    # without zero_grad the accumulation still counts: both micro-batches, as before
-    model, ref = wrapped_gpt(shard_strat=shard_strat, **kwargs)
-    x, y = tokens(16, seed=5)
-    with no_sync(model):
-        lm_loss(model(local_slice(x[:8])), local_slice(y[:8])).backward()
-    lm_loss(model(local_slice(x[8:])), local_slice(y[8:])).backward()
-    reference_backward(ref, lm_loss, x, y, replicas=replicas, micro_batches=2)
-    assert_grads_equal(model, ref, f"{shard_strat} accumulation kept")
-
-
-@case
-def dropped_accumulation_full_shard_shard_grad_no_shard():
-    for strategy in ("FULL_SHARD", "SHARD_GRAD", "NO_SHARD"):
-        _dropped_accumulation(strategy, replicas=world() if strategy == "NO_SHARD" else 1)
-
-
-@case
-def dropped_accumulation_bf16_full_shard():
-    """mp="bf16": the pending sum is kept in fp32 (FSDP2's accumulated gradient); dropped alike."""
-    for how in ("optimizer", "keep"):
-        model, _ = wrapped_gpt(shard_strat="FULL_SHARD", mp="bf16")
-        clean, _ = wrapped_gpt(shard_strat="FULL_SHARD", mp="bf16")
-        x, y = tokens(8, seed=6)
-        with no_sync(model):
-            lm_loss(model(local_slice(x)), local_slice(y)).backward()
-        if how == "optimizer":
-            torch.optim.SGD(model.parameters(), lr=0.1).zero_grad()
-        x2, y2 = tokens(8, seed=7)
-        lm_loss(model(local_slice(x2)), local_slice(y2)).backward()
-        lm_loss(clean(local_slice(x2)), local_slice(y2)).backward()  # the same step with nothing before it
-        for (name, p), q in zip(model.named_parameters(), clean.parameters()):
-            diff = (full(p.grad) - full(q.grad)).abs().max().item()
-            assert (diff == 0.0) == (how == "optimizer"), f"bf16 {how}: {name} differs by {diff}"
-
-
-@case(ranks=4)
-def dropped_accumulation_hybrid_2x2():
-    _dropped_accumulation("HYBRID_SHARD", replicas=2, replicate_size=2)
 
 
 # ---------------------------------------------------------------------------------------------

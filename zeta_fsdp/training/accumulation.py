@@ -13,7 +13,6 @@ from typing import Iterator
 import torch.nn as nn
 
 from ..engines import engine_of
-from .pending import show_pending
 
 __all__ = ["no_sync", "resolve_defer"]
 
@@ -44,8 +43,6 @@ def no_sync(model: nn.Module, *, defer: str = "all") -> Iterator[nn.Module]:
     syncing every micro-batch, so one loop serves every strategy. Another value is a ``ValueError``
     before a unit changes. Settings are restored on exit, also on an exception; a model without FSDP
     units is left alone. On DDP's engine, as with DDP, run each micro-batch's forward inside too.
-    After the block ``.grad`` shows this rank's accumulated, not yet reduced, gradient (on every
-    engine), and ``zero_grad()`` (the optimizer's or the model's) drops the accumulation, as DDP does.
     Divide each micro-batch loss by K for the mean. The table of costs: docs/strategy.md.
 
     Example:
@@ -59,4 +56,3 @@ def no_sync(model: nn.Module, *, defer: str = "all") -> Iterator[nn.Module]:
     reduce = resolve_defer(defer) == "all_reduce"  # validated before any unit changes
     with engine_of(model).no_sync(model, reduce):
         yield model
-    show_pending(model)  # so that zero_grad() drops what the block accumulated, as on DDP's engine
