@@ -9,7 +9,7 @@ from typing import Iterable, Union
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor
 
 from ..distributed import comm_device, get_world_size
 
@@ -55,9 +55,9 @@ def _reduce_group(value: torch.Tensor, key: tuple, norm_type: float) -> torch.Te
         return value
     mesh, placements = key
     for dim, placement in enumerate(placements):
-        if isinstance(placement, Shard) and mesh.size(dim) > 1:
+        if placement.is_shard() and mesh.size(dim) > 1:  # _StridedShard (FSDP over TP) too
             dist.all_reduce(value, op=op, group=mesh.get_group(dim))
-        elif not isinstance(placement, (Shard, Replicate)):
+        elif not (placement.is_shard() or placement.is_replicate()):
             raise ValueError(
                 f"clip_grad_norm_: gradients placed as {placement} are not supported (Shard or Replicate)."
             )
