@@ -55,12 +55,12 @@ def _reduce_group(value: torch.Tensor, key: tuple, norm_type: float) -> torch.Te
         return value
     mesh, placements = key
     for dim, placement in enumerate(placements):
-        if placement.is_shard() and mesh.size(dim) > 1:  # _StridedShard (FSDP over TP) too
-            dist.all_reduce(value, op=op, group=mesh.get_group(dim))
-        elif not (placement.is_shard() or placement.is_replicate()):
+        if placement.is_partial():
             raise ValueError(
                 f"clip_grad_norm_: gradients placed as {placement} are not supported (Shard or Replicate)."
             )
+        if not placement.is_replicate() and mesh.size(dim) > 1:  # Shard, and _StridedShard (FSDP over TP)
+            dist.all_reduce(value, op=op, group=mesh.get_group(dim))
     return value
 
 
