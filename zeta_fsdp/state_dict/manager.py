@@ -18,6 +18,7 @@ import torch.nn as nn
 
 from ..distributed import get_rank, get_world_size, is_distributed
 from ..files import PathLock
+from ..training.nonfinite import first_nonfinite
 from .async_save import AsyncCheckpointer
 from .checkpoint import load_checkpoint, save_checkpoint
 from .checks import CheckpointError, PathLike, from_rank0, on_all_ranks
@@ -223,10 +224,14 @@ class CheckpointManager:
     def save(self, step: int, extra: Any = None) -> Path:
         """Save ``root/step_<step>`` now (in the background with ``async_save``), then prune to ``keep_last``.
 
+        A model with a NaN/inf parameter on any rank is refused (``CheckpointError`` on every rank, one
+        small all-reduce): nothing is written and nothing pruned, so the last finite checkpoints stay.
+
         Example:
             manager.save(step)
             # -> PosixPath('ckpt/step_120')
         """
+        self._refuse_nonfinite(step)
         path = self.root / f"step_{int(step)}"
         ranks = gather_rank_states(self.state)  # each rank's own; "state" keeps rank 0's (older readers)
         record = {"step": int(step), "state": {n: s[0] for n, s in ranks.items()}, "rank_state": ranks, "extra": extra}
@@ -237,6 +242,19 @@ class CheckpointManager:
             self._prune()
         self._saved_step = int(step)
         return path
+
+    def _refuse_nonfinite(self, step: int) -> None:
+        """Raise ``CheckpointError`` on every rank, before anything is written or pruned, when a model
+        parameter holds a NaN/inf on any rank: a diverged model must never replace good checkpoints."""
+        named = list(self.model.named_parameters())
+        bad = first_nonfinite([p for _, p in named])
+        if bad < len(named):
+            raise CheckpointError(
+                f"CheckpointManager.save(): refused to save step {int(step)}: parameter {named[bad][0]!r} holds "
+                f"NaN/inf (the model diverged). The checkpoints under {self.root} are kept as they are; resume "
+                "from the latest with manager.resume(), and skip non-finite steps with "
+                "zeta_fsdp.training.NonFiniteGuard."
+            )
 
     def wait(self) -> None:
         """Wait for a background save to be complete (and prune). Every rank.
