@@ -36,6 +36,8 @@ __all__ = ["HELP", "add_arguments", "gloo_interface", "local_facts", "route_inte
 HELP = "check a launch in seconds (world size, hosts, devices, network, a small collective per link); run it under torchrun/srun"
 _PREFIX = "zeta_fsdp/doctor"
 _SIOCGIFADDR = 0x8915  # Linux ioctl: an interface's IPv4 address
+# torch 2.13 renamed all_gather_into_tensor (which now warns); older releases have only the old name.
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -46,7 +48,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     per_node = int_in(1, None, "--nproc-per-node")
     parser.add_argument("--nproc-per-node", type=per_node, help="processes per node expected (default: LOCAL_WORLD_SIZE)")
     parser.add_argument("--mib", type=int_in(1, 4096, "--mib"), default=4, help="MiB moved per collective and link (default 4)")
-    parser.add_argument("--slow", type=float, default=2.0, help="seconds late that make a rank slow (default 2)")
+    parser.add_argument("--slow", type=float, default=5.0, help="seconds late that make a rank slow (default 5)")
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="device the job will use (default: CUDA when available)")
 
 
@@ -203,26 +205,26 @@ def _timed(fn: Callable[[], Any], device: torch.device) -> float:
     return time.perf_counter() - start
 
 
-def _collectives(facts: list[RankFacts], me: RankFacts, nbytes: int) -> tuple[list[str], list[str]]:
+def _collectives(facts: list[RankFacts], me: RankFacts, nbytes: int, slow_s: float) -> tuple[list[str], list[str]]:
     """In the started group: who reaches the first collective last, an all-reduce, an all-gather,
     then one send per ring link (rank r -> r+1), all at once. Returns (info lines, problems)."""
     world, device = len(facts), torch.device(me.device)
     waits = torch.zeros(world, dtype=torch.float64, device=device)
     wait = _timed(lambda: dist.all_reduce(torch.zeros(1, device=device)), device)
-    dist.all_gather_into_tensor(waits, torch.tensor([wait], dtype=torch.float64, device=device))
+    _all_gather(waits, torch.tensor([wait], dtype=torch.float64, device=device))
     late, lag = slowest_at_collective(waits.tolist())
     info = [f"first collective: rank {late} ({facts[late].host}) arrived last, {lag * 1000:.1f} ms after the median"]
     n = max(world, nbytes // 4 // world * world)
     buf = torch.ones(n, device=device)
     t_ar = min(_timed(lambda: dist.all_reduce(buf), device) for _ in range(3))
     out = torch.empty(n, device=device)
-    t_ag = min(_timed(lambda: dist.all_gather_into_tensor(out, buf[: n // world]), device) for _ in range(3))
+    t_ag = min(_timed(lambda: _all_gather(out, buf[: n // world]), device) for _ in range(3))
     size = n * 4
     info.append(f"all_reduce {size / 2**20:.1f} MiB: {t_ar * 1000:.1f} ms, bus {2 * (world - 1) / world * size / t_ar / 1e9:.3g} GB/s")
     info.append(f"all_gather {size / 2**20:.1f} MiB: {t_ag * 1000:.1f} ms, bus {(world - 1) / world * size / t_ag / 1e9:.3g} GB/s")
     links = _ring_links(facts, me, buf, device)
     info += [f"link rank {x.src} ({x.hosts[0]}) -> rank {x.dst} ({x.hosts[1]}): {x.gbps:.3g} GB/s" for x in links]
-    problems = [f"rank {late} ({facts[late].host}) reached the first collective {lag:.1f} s after the others"] if lag > 2.0 else []
+    problems = [f"rank {late} ({facts[late].host}) reached the first collective {lag:.1f} s after the others"] if lag > slow_s else []
     return info, problems + check_links(links)
 
 
@@ -239,7 +241,7 @@ def _ring_links(facts: list[RankFacts], me: RankFacts, buf: torch.Tensor, device
 
     dist.all_reduce(torch.zeros(1, device=device))  # start together
     seconds = torch.zeros(world, dtype=torch.float64, device=device)
-    dist.all_gather_into_tensor(seconds, torch.tensor([_timed(exchange, device)], dtype=torch.float64, device=device))
+    _all_gather(seconds, torch.tensor([_timed(exchange, device)], dtype=torch.float64, device=device))
     nbytes = buf.numel() * buf.element_size()
     links = []
     for dst in range(world):
@@ -252,9 +254,23 @@ def _publish_verdict(store: dist.Store, key: str, lines: list[str], ok: bool) ->
     store.set(key, json.dumps({"ok": ok, "lines": lines}))
 
 
-def _await_verdict(store: dist.Store, key: str, timeout_s: float) -> dict[str, Any]:
-    store.set_timeout(timedelta(seconds=timeout_s))
-    return json.loads(store.get(key))
+def _await_verdict(store: dist.Store, key: str, timeout_s: float) -> bool:
+    """Ranks > 0: rank 0's verdict ``key`` (``False`` also when rank 0 is gone), then say we read it."""
+    try:
+        store.set_timeout(timedelta(seconds=timeout_s))
+        ok = bool(json.loads(store.get(key))["ok"])
+        store.add(f"read/{key}", 1)
+    except (RuntimeError, dist.DistError) as e:
+        print(f"doctor: PROBLEM: no verdict from rank 0 within {timeout_s:g} s ({str(e).splitlines()[0]})", flush=True)
+        return False
+    return ok
+
+
+def _let_readers_finish(store: dist.Store, key: str, readers: int, timeout_s: float) -> None:
+    """Rank 0 may host the store (a plain srun launch): it leaves only after the others read ``key``."""
+    deadline = time.monotonic() + timeout_s
+    while readers > 0 and store.add(f"read/{key}", 0) < readers and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 def _rank0_preflight(store: dist.Store, me: RankFacts, args: argparse.Namespace) -> tuple[list[RankFacts], list[str], list[str]]:
@@ -288,26 +304,28 @@ def _run_distributed(me: RankFacts, args: argparse.Namespace) -> int:
     """Store rendezvous with a deadline, checks, then the collectives; every rank exits with rank 0's verdict."""
     try:
         store = _connect_store(me, args.timeout)
-    except (RuntimeError, dist.DistStoreError, OSError) as e:
+    except (RuntimeError, dist.DistError, OSError) as e:
         where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
         print(f"doctor: PROBLEM: {me.where}: cannot reach the rendezvous store at {where} within {args.timeout} s ({e})", flush=True)
         return 1
     store.set(f"facts/{me.rank}", json.dumps(me.to_dict()))
+    wait_s = args.timeout * 3 + 10  # rank 0 waits up to --timeout for the others, then checks
     if me.rank == 0:
         facts, info, problems = _rank0_preflight(store, me, args)
         _publish_verdict(store, "preflight", info, not problems)
         if problems:
+            _let_readers_finish(store, "preflight", len(facts) - 1, args.timeout)
             return _report(info, problems)
     else:
-        verdict = _await_verdict(store, "preflight", args.timeout * 2 + 10)
-        if not verdict["ok"]:
+        if not _await_verdict(store, "preflight", wait_s):
             return 1
         facts = [RankFacts.from_dict(json.loads(store.get(f"facts/{r}"))) for r in range(me.world_size)]
     more, link_problems = _start_and_measure(store, facts, me, args)
     if me.rank == 0:
         _publish_verdict(store, "final", [], not link_problems)
+        _let_readers_finish(store, "final", len(facts) - 1, args.timeout)
         return _report(info + more, link_problems)
-    return 0 if _await_verdict(store, "final", args.timeout * 2 + 10)["ok"] else 1
+    return 0 if _await_verdict(store, "final", wait_s) else 1
 
 
 def _start_and_measure(store: dist.Store, facts: list[RankFacts], me: RankFacts, args: argparse.Namespace) -> tuple[list[str], list[str]]:
@@ -319,7 +337,7 @@ def _start_and_measure(store: dist.Store, facts: list[RankFacts], me: RankFacts,
         group_store = dist.PrefixStore("pg", store)
         timeout = timedelta(seconds=args.timeout)
         dist.init_process_group(me.backend, store=group_store, rank=me.rank, world_size=me.world_size, timeout=timeout)
-        info, problems = _collectives(facts, me, args.mib * 2**20)
+        info, problems = _collectives(facts, me, args.mib * 2**20, args.slow)
     except (RuntimeError, dist.DistError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         return [], [f"{me.where}: the collectives failed within {args.timeout} s: {first}"]
