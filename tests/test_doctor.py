@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 import uuid
+from pathlib import Path
 
 import pytest
 from conftest import ROOT, launches, rank_env
@@ -91,13 +92,17 @@ def test_each_rank_must_see_its_device_and_the_backend_must_fit():
 
 
 def test_the_interface_must_exist_and_not_be_loopback_across_nodes():
-    lo = RankFacts(0, 2, host="h", interface="lo", interface_source="hostname 'h' resolves to 127.0.1.1", interface_loopback=True)
+    lo = RankFacts(
+        0, 2, host="h", interface="lo", interface_source="hostname 'h' resolves to 127.0.1.1", interface_loopback=True
+    )
     assert check_interface(lo, 1) == []
     assert "set GLOO_SOCKET_IFNAME" in check_interface(lo, 2)[0]
     lo.backend = "nccl"
     assert "set NCCL_SOCKET_IFNAME" in check_interface(lo, 2)[0]
     gone = RankFacts(0, 2, host="h", interface="eth9", interface_source="GLOO_SOCKET_IFNAME", interface_missing=True)
-    assert check_interface(gone, 1) == ["rank 0 on h: GLOO_SOCKET_IFNAME names no network interface of this host (eth9)"]
+    assert check_interface(gone, 1) == [
+        "rank 0 on h: GLOO_SOCKET_IFNAME names no network interface of this host (eth9)"
+    ]
 
 
 def test_missing_and_late_ranks_are_named():
@@ -105,7 +110,9 @@ def test_missing_and_late_ranks_are_named():
     missing, late = check_arrivals(facts, 4, 10, 5)
     assert missing.startswith("rank(s) [1] of 4 did not arrive within 10 s (arrived: [0, 2, 3])")
     assert late == "rank 3 on n3 arrived 8.0 s after the first rank (slow start)"
-    assert check_arrivals(facts[:2], 2, 10, 5) == ["rank(s) [1] of 2 did not arrive within 10 s (arrived: [0, 2]): not started, or stuck before the check"]
+    assert check_arrivals(facts[:2], 2, 10, 5) == [
+        "rank(s) [1] of 2 did not arrive within 10 s (arrived: [0, 2]): not started, or stuck before the check"
+    ]
 
 
 def test_the_slowest_rank_waits_least_in_a_collective():
@@ -146,7 +153,12 @@ def test_two_ranks_under_torchrun_pass_with_measured_links():
     assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
     assert lines[0] == f"doctor: world 2 rank(s) on 1 node(s); hosts: {socket.gethostname()} (ranks 0-1)"
     assert lines[-1] == "doctor: all checks passed"
-    for prefix in ("doctor: all_reduce 1.0 MiB:", "doctor: all_gather 1.0 MiB:", "doctor: link rank 0 ", "doctor: link rank 1 "):
+    for prefix in (
+        "doctor: all_reduce 1.0 MiB:",
+        "doctor: all_gather 1.0 MiB:",
+        "doctor: link rank 0 ",
+        "doctor: link rank 1 ",
+    ):
         assert any(line.startswith(prefix) and "GB/s" in line for line in lines), (prefix, lines)
 
 
@@ -154,7 +166,9 @@ def _srun_style(rank: int, world: int, port: int, *args: str) -> subprocess.Pope
     """One rank started the way a plain ``srun`` starts it: the launcher variables, no torchrun."""
     env = rank_env() | {"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank)}
     env |= {"LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
-    return subprocess.Popen([*DOCTOR, *args], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [*DOCTOR, *args], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
 
 
 @pytest.mark.launch
@@ -178,11 +192,16 @@ def test_a_late_rank_is_named_and_every_rank_exits_nonzero():
     out0, err0 = first.communicate(timeout=120)
     out1, err1 = second.communicate(timeout=120)
     assert (first.returncode, second.returncode) == (1, 1), out0 + err0 + out1 + err1
-    assert any(line.startswith("doctor: PROBLEM: rank 1 on ") and "after the first rank (slow start)" in line for line in _doctor_lines(out0)), out0
+    assert any(
+        line.startswith("doctor: PROBLEM: rank 1 on ") and "after the first rank (slow start)" in line
+        for line in _doctor_lines(out0)
+    ), out0
     assert out1 == "" and "Traceback" not in err1, err1  # rank 0 alone reports
 
 
-def _torchrun_node(node_args: list[str], *doctor_args: str, prefix: list[str] = (), env: dict = None) -> subprocess.Popen:
+def _torchrun_node(
+    node_args: list[str], *doctor_args: str, prefix: list[str] = (), env: dict = None
+) -> subprocess.Popen:
     cmd = [*prefix, sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1"]
     cmd += [*node_args, "-m", "zeta_fsdp", "doctor", *doctor_args]
     env = env or rank_env()
@@ -198,7 +217,9 @@ def test_two_nodes_that_are_one_host_on_loopback_are_refused():
     outs = [p.communicate(timeout=300) for p in nodes]
     assert [p.returncode for p in nodes] == [1, 1], outs
     lines = _doctor_lines("".join(out for out, _ in outs))
-    assert any(line.startswith("doctor: PROBLEM: the job has 2 nodes but its ranks run on 1 host(s)") for line in lines), lines
+    assert any(
+        line.startswith("doctor: PROBLEM: the job has 2 nodes but its ranks run on 1 host(s)") for line in lines
+    ), lines
     assert any("LOCAL_RANK=0" in line and "both have" in line for line in lines), lines
     assert any("rendezvous endpoint is a loopback address" in line for line in lines), lines
 
@@ -217,7 +238,12 @@ def _netns_available() -> str:
 @pytest.fixture
 @launches
 def two_nodes():
-    """Two network namespaces (each a "node" with its own interface and address) joined by a veth pair."""
+    """Two network namespaces (each a "node" with its own interface and address) joined by a veth pair.
+
+    Yields ``(namespaces, interfaces, addresses, write_hosts)``; ``write_hosts(loopback)`` gives each
+    node an /etc/hosts (``ip netns exec`` mounts /etc/netns/<ns>/hosts over it) mapping the hostnames
+    ``node0``/``node1`` to the veth addresses, or to 127.0.1.1 as Debian's installer writes it.
+    """
     why = _netns_available()
     if why:
         pytest.skip(f"two simulated nodes: {why}")
@@ -229,15 +255,25 @@ def two_nodes():
         setup.append(["ip", "link", "set", veth[i], "netns", ns[i]])
         setup.append(["ip", "-n", ns[i], "addr", "add", f"{addr[i]}/24", "dev", veth[i]])
         setup += [["ip", "-n", ns[i], "link", "set", veth[i], "up"], ["ip", "-n", ns[i], "link", "set", "lo", "up"]]
+    etc = [Path("/etc/netns") / name for name in ns]
+
+    def write_hosts(loopback: bool) -> None:
+        for i, folder in enumerate(etc):
+            folder.mkdir(parents=True, exist_ok=True)
+            own = f"127.0.1.1 node{i}" if loopback else f"{addr[i]} node{i}"
+            other = f"{addr[1 - i]} node{1 - i}"
+            (folder / "hosts").write_text(f"127.0.0.1 localhost\n{own}\n{other}\n")
+
     try:
         for cmd in setup:
             proc = subprocess.run(cmd, capture_output=True, text=True)
             if proc.returncode != 0:
                 pytest.skip(f"two simulated nodes: {' '.join(cmd)} failed: {proc.stderr.strip()}")
-        yield ns, veth, addr
+        yield ns, veth, addr, write_hosts
     finally:
-        for name in ns:
+        for name, folder in zip(ns, etc):
             subprocess.run(["ip", "netns", "del", name], capture_output=True)
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 def _in_node(ns: str, hostname: str) -> list[str]:
@@ -245,37 +281,46 @@ def _in_node(ns: str, hostname: str) -> list[str]:
     return ["ip", "netns", "exec", ns, "unshare", "--uts", "sh", "-c", f'hostname {hostname} && exec "$@"', "sh"]
 
 
-@pytest.mark.launch
-def test_two_nodes_in_network_namespaces_pass(two_nodes):
-    ns, veth, addr = two_nodes
-    rdzv = ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"{addr[0]}:29555", "--rdzv-id", "doctor"]
+def _launch_two_nodes(ns, addr, rdzv_id: str, envs: list[dict], *, host_flag: bool = False) -> list[tuple[str, str]]:
+    rdzv = ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"{addr[0]}:29555", "--rdzv-id", rdzv_id]
     nodes = []
     for i in (0, 1):
-        env = rank_env() | {"GLOO_SOCKET_IFNAME": veth[i]}
         node_args = [*rdzv, "--local-addr", addr[i]]
-        nodes.append(_torchrun_node(node_args, "--timeout", "60", "--slow", "60", "--mib", "1", prefix=_in_node(ns[i], f"node{i}"), env=env))
+        if host_flag and i == 0:  # torchrun cannot tell it hosts the endpoint when its hostname is loopback
+            node_args += ["--rdzv-conf", "is_host=1"]
+        args = ("--timeout", "60", "--slow", "60", "--mib", "1")
+        nodes.append(_torchrun_node(node_args, *args, prefix=_in_node(ns[i], f"node{i}"), env=rank_env() | envs[i]))
     outs = [p.communicate(timeout=300) for p in nodes]
-    assert [p.returncode for p in nodes] == [0, 0], outs
-    lines = _doctor_lines(outs[0][0] + outs[1][0])
+    return [(p.returncode, out, err) for p, (out, err) in zip(nodes, outs)]
+
+
+@pytest.mark.launch
+def test_two_nodes_in_network_namespaces_pass(two_nodes):
+    ns, veth, addr, write_hosts = two_nodes
+    write_hosts(loopback=False)
+    # node0: gloo's own pick (its hostname's address); node1: GLOO_SOCKET_IFNAME
+    results = _launch_two_nodes(ns, addr, "pass", [{}, {"GLOO_SOCKET_IFNAME": veth[1]}])
+    assert [rc for rc, _, _ in results] == [0, 0], results
+    lines = _doctor_lines(results[0][1] + results[1][1])
     assert "doctor: world 2 rank(s) on 2 node(s); hosts: node0 (ranks 0), node1 (ranks 1)" in lines, lines
-    assert f"doctor: interfaces: {veth[0]} (GLOO_SOCKET_IFNAME), {veth[1]} (GLOO_SOCKET_IFNAME)" in lines, lines
+    interfaces = (
+        f"doctor: interfaces: {veth[0]} (hostname 'node0' resolves to {addr[0]}), {veth[1]} (GLOO_SOCKET_IFNAME)"
+    )
+    assert interfaces in lines, lines
     assert any(line.startswith("doctor: link rank 0 (node0) -> rank 1 (node1):") for line in lines), lines
     assert lines[-1] == "doctor: all checks passed"
 
 
 @pytest.mark.launch
-def test_two_nodes_without_a_socket_interface_are_told_which_to_set(two_nodes):
-    # The same two nodes without GLOO_SOCKET_IFNAME: their hostnames resolve to nothing, so gloo
-    # would bind the loopback and the first collective would hang; doctor says so before any.
-    ns, veth, addr = two_nodes
-    rdzv = ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"{addr[0]}:29556", "--rdzv-id", "doctor2"]
-    nodes = [
-        _torchrun_node([*rdzv, "--local-addr", addr[i]], "--timeout", "60", "--slow", "60", prefix=_in_node(ns[i], f"node{i}"))
-        for i in (0, 1)
-    ]
-    outs = [p.communicate(timeout=300) for p in nodes]
-    assert [p.returncode for p in nodes] == [1, 1], outs
-    lines = _doctor_lines(outs[0][0] + outs[1][0])
+def test_two_nodes_whose_hostname_maps_to_loopback_are_told_which_interface_to_set(two_nodes):
+    # Debian's /etc/hosts maps the hostname to 127.0.1.1: gloo would bind the loopback and the
+    # first collective would hang until its timeout; doctor says so before any collective.
+    ns, veth, addr, write_hosts = two_nodes
+    write_hosts(loopback=True)
+    results = _launch_two_nodes(ns, addr, "loop", [{}, {}], host_flag=True)
+    assert [rc for rc, _, _ in results] == [1, 1], results
+    lines = _doctor_lines(results[0][1] + results[1][1])
     for i in (0, 1):
-        assert any(line.startswith(f"doctor: PROBLEM: rank {i} on node{i}: gloo will use the loopback interface") and "set GLOO_SOCKET_IFNAME" in line for line in lines), lines
+        expected = f"doctor: PROBLEM: rank {i} on node{i}: gloo will use the loopback interface (hostname 'node{i}' resolves to 127.0.1.1"
+        assert any(line.startswith(expected) and "set GLOO_SOCKET_IFNAME" in line for line in lines), lines
     assert not any("all_reduce" in line for line in lines), lines  # refused before any collective

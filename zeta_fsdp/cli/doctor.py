@@ -28,8 +28,16 @@ import torch.distributed as dist
 
 from ..distributed import shutdown
 from .args import int_in
-from .doctor_checks import LinkResult, RankFacts, all_problems, check_links, describe_job, is_loopback, node_count
-from .doctor_checks import slowest_at_collective
+from .doctor_checks import (
+    LinkResult,
+    RankFacts,
+    all_problems,
+    check_links,
+    describe_job,
+    is_loopback,
+    node_count,
+    slowest_at_collective,
+)
 
 __all__ = ["HELP", "add_arguments", "gloo_interface", "local_facts", "route_interface", "run"]
 
@@ -44,12 +52,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The subcommand's arguments."""
     seconds = int_in(1, 3600, "--timeout")
     parser.add_argument("--timeout", type=seconds, default=30, help="seconds to wait for every rank (default 30)")
-    parser.add_argument("--nnodes", type=int_in(1, None, "--nnodes"), help="nodes the job should have (default: SLURM_NNODES, else the launcher's)")
+    parser.add_argument(
+        "--nnodes",
+        type=int_in(1, None, "--nnodes"),
+        help="nodes the job should have (default: SLURM_NNODES, else the launcher's)",
+    )
     per_node = int_in(1, None, "--nproc-per-node")
-    parser.add_argument("--nproc-per-node", type=per_node, help="processes per node expected (default: LOCAL_WORLD_SIZE)")
-    parser.add_argument("--mib", type=int_in(1, 4096, "--mib"), default=4, help="MiB moved per collective and link (default 4)")
+    parser.add_argument(
+        "--nproc-per-node", type=per_node, help="processes per node expected (default: LOCAL_WORLD_SIZE)"
+    )
+    parser.add_argument(
+        "--mib", type=int_in(1, 4096, "--mib"), default=4, help="MiB moved per collective and link (default 4)"
+    )
     parser.add_argument("--slow", type=float, default=5.0, help="seconds late that make a rank slow (default 5)")
-    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="device the job will use (default: CUDA when available)")
+    parser.add_argument(
+        "--device",
+        choices=("auto", "cpu", "cuda"),
+        default="auto",
+        help="device the job will use (default: CUDA when available)",
+    )
 
 
 def _env_int(*names: str) -> Optional[int]:
@@ -177,7 +198,11 @@ def _connect_store(facts: RankFacts, timeout_s: float) -> dist.Store:
     host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
     agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     store = dist.TCPStore(
-        host, port, is_master=facts.rank == 0 and not agent, timeout=timedelta(seconds=timeout_s), wait_for_workers=False
+        host,
+        port,
+        is_master=facts.rank == 0 and not agent,
+        timeout=timedelta(seconds=timeout_s),
+        wait_for_workers=False,
     )
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     return dist.PrefixStore(f"{_PREFIX}/{attempt}", store)
@@ -220,11 +245,19 @@ def _collectives(facts: list[RankFacts], me: RankFacts, nbytes: int, slow_s: flo
     out = torch.empty(n, device=device)
     t_ag = min(_timed(lambda: _all_gather(out, buf[: n // world]), device) for _ in range(3))
     size = n * 4
-    info.append(f"all_reduce {size / 2**20:.1f} MiB: {t_ar * 1000:.1f} ms, bus {2 * (world - 1) / world * size / t_ar / 1e9:.3g} GB/s")
-    info.append(f"all_gather {size / 2**20:.1f} MiB: {t_ag * 1000:.1f} ms, bus {(world - 1) / world * size / t_ag / 1e9:.3g} GB/s")
+    info.append(
+        f"all_reduce {size / 2**20:.1f} MiB: {t_ar * 1000:.1f} ms, bus {2 * (world - 1) / world * size / t_ar / 1e9:.3g} GB/s"
+    )
+    info.append(
+        f"all_gather {size / 2**20:.1f} MiB: {t_ag * 1000:.1f} ms, bus {(world - 1) / world * size / t_ag / 1e9:.3g} GB/s"
+    )
     links = _ring_links(facts, me, buf, device)
     info += [f"link rank {x.src} ({x.hosts[0]}) -> rank {x.dst} ({x.hosts[1]}): {x.gbps:.3g} GB/s" for x in links]
-    problems = [f"rank {late} ({facts[late].host}) reached the first collective {lag:.1f} s after the others"] if lag > slow_s else []
+    problems = (
+        [f"rank {late} ({facts[late].host}) reached the first collective {lag:.1f} s after the others"]
+        if lag > slow_s
+        else []
+    )
     return info, problems + check_links(links)
 
 
@@ -273,7 +306,9 @@ def _let_readers_finish(store: dist.Store, key: str, readers: int, timeout_s: fl
         time.sleep(0.05)
 
 
-def _rank0_preflight(store: dist.Store, me: RankFacts, args: argparse.Namespace) -> tuple[list[RankFacts], list[str], list[str]]:
+def _rank0_preflight(
+    store: dist.Store, me: RankFacts, args: argparse.Namespace
+) -> tuple[list[RankFacts], list[str], list[str]]:
     """Rank 0: wait for every rank's facts, then run the pure checks. Returns (facts, info, problems)."""
     facts = _gather_facts(store, me.world_size, args.timeout)
     nnodes = args.nnodes or _env_int("SLURM_NNODES")
@@ -306,7 +341,10 @@ def _run_distributed(me: RankFacts, args: argparse.Namespace) -> int:
         store = _connect_store(me, args.timeout)
     except (RuntimeError, dist.DistError, OSError) as e:
         where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
-        print(f"doctor: PROBLEM: {me.where}: cannot reach the rendezvous store at {where} within {args.timeout} s ({e})", flush=True)
+        print(
+            f"doctor: PROBLEM: {me.where}: cannot reach the rendezvous store at {where} within {args.timeout} s ({e})",
+            flush=True,
+        )
         return 1
     store.set(f"facts/{me.rank}", json.dumps(me.to_dict()))
     wait_s = args.timeout * 3 + 10  # rank 0 waits up to --timeout for the others, then checks
@@ -328,7 +366,9 @@ def _run_distributed(me: RankFacts, args: argparse.Namespace) -> int:
     return 0 if _await_verdict(store, "final", wait_s) else 1
 
 
-def _start_and_measure(store: dist.Store, facts: list[RankFacts], me: RankFacts, args: argparse.Namespace) -> tuple[list[str], list[str]]:
+def _start_and_measure(
+    store: dist.Store, facts: list[RankFacts], me: RankFacts, args: argparse.Namespace
+) -> tuple[list[str], list[str]]:
     """Start a process group on the same store (short timeout), run the collectives, leave cleanly."""
     device = torch.device(me.device)
     if device.type == "cuda":
@@ -354,7 +394,9 @@ def run(args: argparse.Namespace) -> int:
             nnodes=args.nnodes, nproc_per_node=args.nproc_per_node,
         )  # fmt: skip
         if me.world_size > 1:
-            problems.insert(0, f"WORLD_SIZE={me.world_size} but MASTER_ADDR/MASTER_PORT are not set: run under torchrun or srun")
+            problems.insert(
+                0, f"WORLD_SIZE={me.world_size} but MASTER_ADDR/MASTER_PORT are not set: run under torchrun or srun"
+            )
         return _report(describe_job([me], 1), problems)
     code = _run_distributed(me, args)
     sys.stdout.flush()

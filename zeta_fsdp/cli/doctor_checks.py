@@ -44,7 +44,7 @@ class RankFacts:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "RankFacts":
+    def from_dict(cls, data: dict[str, Any]) -> RankFacts:
         return cls(**{k: v for k, v in data.items() if k in cls.__dataclass_fields__})
 
     @property
@@ -99,9 +99,7 @@ def node_count(facts: list[RankFacts], expected: Optional[int] = None) -> int:
     return len(node_ranks) if node_ranks else len({f.host for f in facts})
 
 
-def check_world(
-    facts: list[RankFacts], world_size: int, nodes: int, nproc_per_node: Optional[int] = None
-) -> list[str]:
+def check_world(facts: list[RankFacts], world_size: int, nodes: int, nproc_per_node: Optional[int] = None) -> list[str]:
     """World size = nodes x processes per node; every rank agrees on WORLD_SIZE, LOCAL_WORLD_SIZE; no rank twice."""
     problems = []
     sizes = sorted({f.world_size for f in facts})
@@ -109,7 +107,9 @@ def check_world(
         problems.append(f"ranks disagree on WORLD_SIZE: {sizes} (every node's launcher must say the same)")
     local_sizes = sorted({f.local_world_size for f in facts})
     if len(local_sizes) > 1:
-        problems.append(f"nodes run different numbers of processes (LOCAL_WORLD_SIZE {local_sizes}): use one --nproc-per-node")
+        problems.append(
+            f"nodes run different numbers of processes (LOCAL_WORLD_SIZE {local_sizes}): use one --nproc-per-node"
+        )
     per_node = nproc_per_node or local_sizes[-1]
     if world_size != nodes * per_node:
         problems.append(
@@ -118,7 +118,9 @@ def check_world(
     seen: dict[int, RankFacts] = {}
     for f in facts:
         if f.rank in seen:
-            problems.append(f"RANK {f.rank} is used twice ({seen[f.rank].host} and {f.host}): two launchers on one node?")
+            problems.append(
+                f"RANK {f.rank} is used twice ({seen[f.rank].host} and {f.host}): two launchers on one node?"
+            )
         seen[f.rank] = f
     return problems
 
@@ -158,7 +160,9 @@ def check_device(f: RankFacts) -> list[str]:
     """The rank sees the device it will use (CUDA: LOCAL_RANK < device count) and the backend fits it."""
     problems = []
     if f.device.startswith("cuda") and f.local_rank >= f.cuda_count:
-        visible = f"CUDA_VISIBLE_DEVICES={f.cuda_visible!r}" if f.cuda_visible is not None else "CUDA_VISIBLE_DEVICES unset"
+        visible = (
+            f"CUDA_VISIBLE_DEVICES={f.cuda_visible!r}" if f.cuda_visible is not None else "CUDA_VISIBLE_DEVICES unset"
+        )
         problems.append(
             f"{f.where}: LOCAL_RANK={f.local_rank} but it sees {f.cuda_count} CUDA device(s) ({visible}): "
             "start at most one process per visible GPU"
@@ -181,9 +185,7 @@ def check_interface(f: RankFacts, nodes: int) -> list[str]:
     return []
 
 
-def check_arrivals(
-    facts: list[RankFacts], world_size: int, timeout_s: float, slow_s: float
-) -> list[str]:
+def check_arrivals(facts: list[RankFacts], world_size: int, timeout_s: float, slow_s: float) -> list[str]:
     """Every rank published its facts within ``timeout_s``; none ``slow_s`` later than the first.
 
     Example:
@@ -223,7 +225,11 @@ def slowest_at_collective(waits: list[float]) -> tuple[int, float]:
 def check_links(links: list[LinkResult], slow_factor: float = 4.0) -> list[str]:
     """A link that failed, or is ``slow_factor`` times slower than the median link of its kind
     (within a node / between nodes: they differ by design)."""
-    problems = [f"link rank {x.src} ({x.hosts[0]}) -> rank {x.dst} ({x.hosts[1]}) failed: {x.note}" for x in links if x.seconds is None]
+    problems = [
+        f"link rank {x.src} ({x.hosts[0]}) -> rank {x.dst} ({x.hosts[1]}) failed: {x.note}"
+        for x in links
+        if x.seconds is None
+    ]
     for inter in (False, True):
         kind = [x for x in links if x.seconds and x.inter_node == inter]
         if len(kind) < 2:
@@ -266,7 +272,10 @@ def describe_job(facts: list[RankFacts], nodes: int) -> list[str]:
     by_host: dict[str, list[int]] = {}
     for f in sorted(facts, key=lambda f: f.rank):
         by_host.setdefault(f.host, []).append(f.rank)
-    lines = [f"world {len(facts)} rank(s) on {nodes} node(s); hosts: " + ", ".join(f"{h} (ranks {_span(r)})" for h, r in by_host.items())]
+    lines = [
+        f"world {len(facts)} rank(s) on {nodes} node(s); hosts: "
+        + ", ".join(f"{h} (ranks {_span(r)})" for h, r in by_host.items())
+    ]
     for what, values in (
         ("backend", {f.backend for f in facts}),
         ("devices", {f.device.split(":")[0] for f in facts}),
@@ -277,4 +286,8 @@ def describe_job(facts: list[RankFacts], nodes: int) -> list[str]:
 
 
 def _span(ranks: list[int]) -> str:
-    return f"{ranks[0]}-{ranks[-1]}" if len(ranks) > 1 and ranks[-1] - ranks[0] == len(ranks) - 1 else ",".join(map(str, ranks))
+    return (
+        f"{ranks[0]}-{ranks[-1]}"
+        if len(ranks) > 1 and ranks[-1] - ranks[0] == len(ranks) - 1
+        else ",".join(map(str, ranks))
+    )
