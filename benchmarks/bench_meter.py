@@ -54,7 +54,9 @@ def main() -> None:
             share = statistics.median(s for s, _ in runs)
             median = statistics.median(m for _, m in runs)
             label = "no meter" if every == 0 else str(every)
-            lines.append(f"| {label} | {share * 100:.3f} % | {median * 1000:.2f} | {(median / base - 1) * 100:+.1f} % |")
+            lines.append(
+                f"| {label} | {share * 100:.3f} % | {median * 1000:.2f} | {(median / base - 1) * 100:+.1f} % |"
+            )
         print("\n".join(lines))
         sys.stdout.flush()
     shutdown()
