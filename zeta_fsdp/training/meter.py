@@ -70,7 +70,12 @@ def training_flops_per_token(model: nn.Module, *, seq_len: int = 0, n_layers: in
 
 @dataclass
 class StepReport:
-    """One report of ``StepMeter``: means over the last ``steps`` steps, memory peaks (worst rank)."""
+    """One report of ``StepMeter``: means over the last ``steps`` steps, memory peaks (worst rank).
+
+    Example:
+        >>> StepReport(10, 10, 212.4, 154310.0, 0.41, 30512.0, 32000.0, 3, 41.5).line()
+        'zeta_fsdp step=10 step_ms=212.4 tokens_per_s=154310 mfu=0.410 peak_mem_mib=30512 peak_reserved_mib=32000 slowest_rank=3 slowest_lag_ms=41.5'
+    """
 
     step: int
     steps: int
@@ -83,7 +88,12 @@ class StepReport:
     slowest_lag_ms: float  # how much later than the median rank it reached the report
 
     def line(self) -> str:
-        """The report as one ``key=value`` line."""
+        """The report as one ``key=value`` line (unknown values left out).
+
+        Example:
+            >>> StepReport(5, 5, 80.0, 1200.0, None, 900.0, None, 0, 0.2).line()
+            'zeta_fsdp step=5 step_ms=80.0 tokens_per_s=1200 peak_mem_mib=900 slowest_rank=0 slowest_lag_ms=0.2'
+        """
         fields = {"step": self.step, "step_ms": f"{self.step_ms:.1f}", "tokens_per_s": f"{self.tokens_per_s:.0f}"}
         if self.mfu is not None:
             fields["mfu"] = f"{self.mfu:.3f}"
