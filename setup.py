@@ -19,7 +19,7 @@ setup(
     install_requires=["torch>=2.10", "einops", "numpy"],
     extras_require={
         # load_pretrained / save_pretrained / consolidate_to_hf (transformers' key conversions, configs)
-        "hf": ["transformers>=5", "safetensors"],
+        "hf": ["transformers>=5", "safetensors", "accelerate"],  # accelerate: zeta_fsdp.integrations (Trainer)
         "lightning": ["lightning>=2.4"],
         # everything the suite needs: the optional integrations, the .safetensors export, the demo plot.
         # (timm needs torchvision, which must match torch: tests/test_timm.py runs where both are installed)
@@ -32,6 +32,7 @@ setup(
             "matplotlib",
             "transformers>=5",
             "peft",
+            "accelerate",  # tests/test_trainer.py: transformers' Trainer runs on it
             "lightning>=2.4",
             "setuptools>=70.1",
         ],

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path.cwd() if (Path.cwd() / "examples").is_dir() else Path(__file__).resolve().parents[1]))
-from zeta_fsdp import fsdp  # noqa: E402
+from zeta_fsdp import compute_device, fsdp  # noqa: E402
 from zeta_fsdp.models.gpt import Block, lm_loss, small  # noqa: E402
 from zeta_fsdp.wrapping import build_wrap_plan  # noqa: E402
 
@@ -33,6 +33,8 @@ print(build_wrap_plan(model, auto_wrap=True, transformer_block=Block).table())
 # %%
 model = fsdp(model, auto_wrap=True, shard_strat="FULL_SHARD", TransformerBlock=Block)
 optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+device = compute_device(model)  # cuda:0 on a GPU machine, else CPU: the reference and batches go there too
+reference.to(device)
 ref_optimizer = torch.optim.AdamW(reference.parameters(), lr=3e-3)
 print(type(model).__name__, "| tied:", model.head.weight is model.tok_emb.weight)
 
@@ -42,7 +44,7 @@ print(type(model).__name__, "| tied:", model.head.weight is model.tok_emb.weight
 # %%
 for step in range(5):
     start = torch.randint(0, 37, (4, 1))
-    tokens = (start + torch.arange(12)) % 37
+    tokens = ((start + torch.arange(12)) % 37).to(device)
     losses = []
     for net, opt in ((model, optimizer), (reference, ref_optimizer)):
         loss = lm_loss(net(tokens[:, :-1]), tokens[:, 1:])

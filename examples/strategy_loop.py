@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> list[float]:
             next(batches)
         for _ in range(steps_per_epoch - skip // args.accumulate):
             for k in range(args.accumulate):
-                batch = next(batches)
+                batch = {k: v.to(strategy.root_device) for k, v in next(batches).items()}  # onto this rank's device
                 last_micro = k == args.accumulate - 1
                 # no gradient reduction until the last micro-batch: one reduce-scatter per step
                 with contextlib.nullcontext() if last_micro else strategy.no_sync():

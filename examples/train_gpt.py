@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from zeta_fsdp import fsdp, get_wrap_plan, shutdown  # noqa: E402
+from zeta_fsdp import compute_device, fsdp, get_wrap_plan, shutdown  # noqa: E402
 from zeta_fsdp.models.gpt import Block, GPTConfig, lm_loss, small  # noqa: E402
 
 
@@ -46,10 +46,11 @@ def main(argv: list[str] | None = None) -> list[float]:
         print(get_wrap_plan(model).table())
     # The optimizer is built after fsdp(): it must see the sharded (DTensor) parameters.
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    device = compute_device(model)  # cuda:LOCAL_RANK on GPUs, else CPU: batches go there
     generator = torch.Generator().manual_seed(rank)
     losses = []
     for step in range(args.steps):
-        tokens = counting_batch(cfg.vocab_size, generator)
+        tokens = counting_batch(cfg.vocab_size, generator).to(device)
         loss = lm_loss(model(tokens[:, :-1]).float(), tokens[:, 1:])
         loss.backward()
         optimizer.step()

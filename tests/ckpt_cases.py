@@ -224,6 +224,14 @@ def full_state_dict_into_meta_model():
     partial = {k: v for k, v in full_sd.items() if k != "head.weight"} if rank() == 0 else None
     load_full_state_dict(other, partial)
     assert torch.equal(other(x), want)
+    # Still on meta when loaded (materialize=False): filled by assignment, ties and buffers kept.
+    with torch.device("meta"):
+        unfilled = small()
+    fsdp(unfilled, auto_wrap=True, shard_strat="FULL_SHARD", TransformerBlock=Block, materialize=False)
+    load_full_state_dict(unfilled, full_sd)
+    assert unfilled.head.weight is unfilled.tok_emb.weight, "tie broken by loading into a meta model"
+    assert not any(t.is_meta for t in [*unfilled.parameters(), *unfilled.buffers()])
+    assert torch.equal(unfilled(x), want)
     # broadcast_from_rank0=False: every rank holds the full state dict
     third = wrapped(seed=5)
     load_full_state_dict(third, ref.state_dict(), broadcast_from_rank0=False)
@@ -341,6 +349,54 @@ def crash_mid_save_leaves_earlier_checkpoint():
     target = wrapped(seed=4)
     assert load_checkpoint(path, target) == {"step": 1}
     assert_equal_dicts("after failed save", full_params(target), saved_params)
+
+
+@case(group="save")
+def file_added_during_a_two_rank_overwrite_is_kept():
+    """Issue 29, 3./8.: tokenizer.json written into the checkpoint by another process at rank 1's first data write,
+    while 2 ranks overwrite it (with and without the atomic exchange): the new checkpoint is in place on every
+    rank, the file kept byte for byte in ``<name>.kept``, and a later overwrite works."""
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    import zeta_fsdp.files
+
+    token = b'{"model": {"type": "BPE"}}\n\x00\xff'
+    exchange, write_data = zeta_fsdp.files.exchange_paths, FileSystemWriter.write_data
+    for atomic in (True, False):
+        name = f"raced_{atomic}"
+        _, _, path = trained_and_saved(name, 1, extra={"step": 1})
+        wrote: list[int] = []
+
+        def racing(self, plan, planner, path=path, wrote=wrote):
+            if rank() == 1 and not wrote:
+                (path / "tokenizer.json").write_bytes(token)
+                wrote.append(1)
+            return write_data(self, plan, planner)
+
+        FileSystemWriter.write_data = racing
+        zeta_fsdp.files.exchange_paths = exchange if atomic else (lambda a, b: False)
+        try:
+            new = wrapped(seed=7)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                save_checkpoint(path, new, extra={"step": 2}, overwrite=True)
+        finally:
+            FileSystemWriter.write_data, zeta_fsdp.files.exchange_paths = write_data, exchange
+        kept = ckpt_dir() / f"{name}.kept"
+        assert (
+            sorted(p.name for p in kept.iterdir()) == ["tokenizer.json"]
+            and (kept / "tokenizer.json").read_bytes() == token
+        )
+        assert rank() != 0 or any(str(kept) in str(w.message) for w in caught), [str(w.message) for w in caught]
+        target = wrapped(seed=4)
+        assert load_checkpoint(path, target) == {"step": 2}
+        assert_equal_dicts("overwritten during a race", full_params(target), full_params(new))
+        dist.barrier()
+        save_checkpoint(path, new, extra={"step": 3}, overwrite=True)
+        assert load_checkpoint(path, target) == {"step": 3}
+        dist.barrier()
+        left = sorted(p.name for p in ckpt_dir().iterdir() if name in p.name)
+        assert left == [name, f"{name}.kept"], f"left behind: {left}"
 
 
 @case(group="save")

@@ -15,6 +15,29 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # tests import zeta_fsdp.models.gpt, as users run them from the repo root
 
+# CPU tests stay on CPU on a GPU host: fsdp() would otherwise pick cuda:LOCAL_RANK (and 2 ranks need 2
+# GPUs). Hidden before anything initialises CUDA, for this process and every process it starts; the
+# GPU tests (tests/test_gpu.py) give the original visibility back to the processes they start.
+_CUDA_UNSET = "<unset>"
+_ORIGINAL_CUDA = os.environ.get("ZETA_TEST_ORIGINAL_CUDA_VISIBLE_DEVICES")
+if _ORIGINAL_CUDA is None:
+    _ORIGINAL_CUDA = os.environ.get("CUDA_VISIBLE_DEVICES", _CUDA_UNSET)
+    os.environ["ZETA_TEST_ORIGINAL_CUDA_VISIBLE_DEVICES"] = _ORIGINAL_CUDA
+os.environ["CUDA_VISIBLE_DEVICES"] = ""
+
+
+def gpu_env() -> Optional[dict[str, str]]:
+    """``rank_env()`` with the GPUs this session started with visible again (``None`` when it hid them itself:
+    ``CUDA_VISIBLE_DEVICES=''`` from the user)."""
+    if _ORIGINAL_CUDA == "":
+        return None
+    env = rank_env()
+    if _ORIGINAL_CUDA == _CUDA_UNSET:
+        env.pop("CUDA_VISIBLE_DEVICES", None)
+    else:
+        env["CUDA_VISIBLE_DEVICES"] = _ORIGINAL_CUDA
+    return env
+
 
 def rank_env() -> dict[str, str]:
     env = dict(os.environ)
@@ -36,6 +59,7 @@ def pytest_configure(config):
         "markers",
         "launch: starts processes (torchrun ranks, scripts, pip); the fast tier `pytest -m 'not launch'` skips it",
     )
+    config.addinivalue_line("markers", "gpu: needs a CUDA device (tests/test_gpu.py); skipped cleanly without one")
 
 
 _running: dict[str, object] = {"item": None}

@@ -323,6 +323,75 @@ def meta_unmaterialized_ties_share_storage() -> None:
     assert torch.equal(inv, want), "rotary inv_freq not recomputed"
 
 
+class SharedMaskNet(torch.nn.Module):
+    """Two blocks sharing ONE persistent buffer (a causal mask) and a head tied to the embedding."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(10, 8)
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(2))
+        mask = torch.tril(torch.ones(4, 4)) * 3.0
+        for block in self.blocks:
+            block.register_buffer("mask", mask)  # the same tensor in every block
+        self.head = torch.nn.Linear(8, 10, bias=False)
+        self.head.weight = self.emb.weight
+
+
+@case
+def shared_buffer_on_meta_and_untied_checkpoint_into_tied_model() -> None:
+    """Issue 29 §5: a persistent buffer shared by several blocks, loaded into a meta model, fills every alias;
+    an untied checkpoint (emb, head differ) into the tied model with strict=True is refused naming both keys."""
+    from safetensors.torch import save_file
+
+    torch.manual_seed(0)
+    source = SharedMaskNet()
+    with torch.no_grad():
+        source.blocks[0].mask.copy_(torch.arange(16.0).view(4, 4))
+    out = work() / "shared_mask"
+    save_pretrained(fsdp(copy.deepcopy(source), shard_strat="FULL_SHARD"), out, overwrite=True)
+    with torch.device("meta"):
+        meta = SharedMaskNet()
+    model = fsdp(meta, shard_strat="FULL_SHARD", materialize=False)
+    load_pretrained(model, out)
+    for i in range(2):
+        assert torch.equal(model.blocks[i].mask, source.blocks[0].mask), f"blocks.{i}.mask not filled"
+    assert model.blocks[1].mask is model.blocks[0].mask  # one tensor again, as the model was built
+    assert torch.equal(full(model.head.weight), source.emb.weight)
+    untied = work() / "untied"
+    if rank() == 0:
+        untied.mkdir(exist_ok=True)
+        weights = {k: v.clone() for k, v in source.state_dict().items() if k != "blocks.1.mask"}
+        weights["head.weight"] = weights["emb.weight"] + 1.0  # untied: another head
+        save_file(weights, str(untied / "model.safetensors"))
+    dist.barrier()
+    before = full(model.emb.weight).clone()
+    expect_error(CheckpointError, lambda: load_pretrained(model, untied), "'head.weight'", "'emb.weight'", "differ")
+    assert torch.equal(full(model.emb.weight), before), "changed before raising"
+    load_pretrained(model, untied, strict=False)  # the kept name's values, as asked
+    assert torch.equal(full(model.emb.weight), source.emb.weight)
+
+
+@case
+def no_shard_save_before_first_forward_is_rank0s_model() -> None:
+    """Issue 29 §5: NO_SHARD (the default) with ranks initialised differently: save_pretrained before the first
+    forward writes rank 0's model (the one DDP's first forward would make every rank's), not a mix of ranks' rows."""
+    from safetensors.torch import load_file
+
+    torch.manual_seed(rank())  # a different initialisation on every rank
+    model = torch.nn.Sequential(torch.nn.Linear(6, 64), torch.nn.Linear(64, 6))
+    init = [None]
+    if rank() == 0:
+        init[0] = {k: v.clone() for k, v in model.state_dict().items()}
+    dist.broadcast_object_list(init, src=0)
+    fsdp(model)  # the default: NO_SHARD
+    out = work() / "no_shard_early"
+    save_pretrained(model, out, overwrite=True)
+    saved = load_file(str(out / "model.safetensors"))
+    for key, want in init[0].items():
+        assert torch.equal(saved[key], want), f"{key}: not rank 0's initial values"
+        assert torch.equal(full(model.state_dict()[key]), want), f"{key}: rank {rank()} holds another model"
+
+
 @case
 def save_bf16_cast_on_write() -> None:
     check_save("llama_tied", "FULL_SHARD", dtype=torch.bfloat16)
@@ -581,6 +650,61 @@ def _traced(name, fn):
             faulthandler.cancel_dump_traceback_later()
 
     return run
+
+
+@case
+def foreign_file_during_save_kept_and_stale_index_ignored() -> None:
+    """Issue 29, 3.: tokenizer.json written into the model directory by another process while save_pretrained
+    (overwrite=True, 2 ranks) writes its first bytes is kept under out.kept, byte for byte, named in the warning;
+    the new model is in place. 6.: a directory with model.safetensors and a stale index (transformers' re-save
+    leaves one) loads the single file, as transformers' from_pretrained does."""
+    import zeta_fsdp.hf.save as save_mod
+
+    ref, _ = reference_dir("llama_untied")
+    model = fsdp(copy.deepcopy(ref), auto_wrap=True, shard_strat="FULL_SHARD")
+    out = work() / "raced"
+    save_pretrained(model, out, overwrite=True, max_shard_size="8KB")
+    token = b'{"model": {"type": "BPE"}}\n\x00\xff'
+    real, wrote = save_mod.write_at, []
+
+    def racing(fd, offset, tensor, **kw):
+        if rank() == 1 and not wrote:  # another process, at the library's first data write on rank 1
+            (out / "tokenizer.json").write_bytes(token)
+            wrote.append(1)
+        real(fd, offset, tensor, **kw)
+
+    save_mod.write_at = racing
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            save_pretrained(model, out, overwrite=True)
+    finally:
+        save_mod.write_at = real
+    dist.barrier()
+    kept = out.parent / "raced.kept"
+    assert sorted(p.name for p in kept.iterdir()) == ["tokenizer.json"], sorted(kept.iterdir())
+    assert (kept / "tokenizer.json").read_bytes() == token
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "generation_config.json", "model.safetensors"]
+    if rank() == 0:
+        assert any(str(kept) in str(w.message) and "tokenizer.json" in str(w.message) for w in caught), caught
+    back = build("llama_untied", seed=9)
+    load_pretrained(back, out)
+    assert_weights(back, ref.state_dict(), "saved after the race")
+    # a stale index beside model.safetensors: the single file wins (transformers' precedence)
+    stale = work() / "stale_index"
+    if rank() == 0:
+        stale.mkdir(exist_ok=True)
+        for name in ("config.json", "model.safetensors"):
+            (stale / name).write_bytes((out / name).read_bytes())
+        (stale / INDEX_NAME).write_text(
+            json.dumps({"weight_map": {"lm_head.weight": "model-00001-of-00009.safetensors"}})
+        )
+    dist.barrier()
+    model = fsdp(build("llama_untied", seed=4), auto_wrap=True, shard_strat="FULL_SHARD")
+    load_pretrained(model, stale)
+    assert_weights(model, ref.state_dict(), "single file beside a stale index")
+    theirs = T.AutoModelForCausalLM.from_pretrained(stale)
+    assert all(torch.equal(v, ref.state_dict()[k]) for k, v in theirs.state_dict().items()), "transformers differs"
 
 
 if __name__ == "__main__":

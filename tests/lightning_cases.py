@@ -218,6 +218,70 @@ class LoadAdapter(Callback):
         self.seen["state_before_step"] = len(trainer.optimizers[0].state)  # deferred: nothing applied yet
 
 
+class Inner(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l1, self.l2 = nn.Linear(8, 8), nn.Linear(8, 1)
+
+    def forward(self, x):
+        return self.l2(torch.tanh(self.l1(x)))
+
+
+class Wrapping(L.LightningModule):
+    """NeMo's layout: the network is the LightningModule's ``self.model`` (its names start with ``model.``)."""
+
+    def __init__(self, seed: int):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.model = Inner()
+
+    def forward(self, x):
+        return self.model(x)
+
+    def training_step(self, batch, batch_idx):
+        return F.mse_loss(self(batch[0]), batch[1])
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=0.05)
+
+
+class LoadOptimizer(Callback):
+    def __init__(self, checkpoint):
+        self.checkpoint = checkpoint
+
+    def on_train_start(self, trainer, pl_module):
+        trainer.strategy.load_optimizer_state_dict(self.checkpoint)
+
+
+@case
+def optimizer_state_of_the_inner_model_loads_with_the_model_prefix():
+    """Issue 29 §10 (NeMo's adapted test): an optimizer state saved from the LightningModule's inner
+    ``model`` (keys ``l1.weight``...) loads into the strategy (keys ``model.l1.weight``...): 2 + 2 steps end
+    exactly where 4 uninterrupted steps end."""
+    from zeta_fsdp.state_dict import get_optimizer_state_dict
+
+    loader = DataLoader(Subset(regression_data(16), range(rank() * 4, rank() * 4 + 4)), batch_size=2)
+
+    def run(steps, **kwargs):
+        return trainer(FSDP2Strategy(), use_distributed_sampler=False, max_steps=steps, **kwargs)
+
+    first = Wrapping(seed=0)
+    t = run(2)
+    t.fit(first, loader)
+    inner_state = get_optimizer_state_dict(first.model, t.optimizers[0], full=True)
+    if rank() == 0:
+        assert any(k.startswith("state.l1.weight.") for k in inner_state), sorted(inner_state)[:4]
+    weights = {k: v for k, v in params(first).items()}
+    straight = Wrapping(seed=0)
+    run(4).fit(straight, loader)
+    resumed = Wrapping(seed=1)
+    resumed.load_state_dict(weights)
+    run(2, callbacks=[LoadOptimizer({"optimizer_states": [inner_state]})]).fit(resumed, loader)
+    got, want = params(resumed), params(straight)
+    diff = max((got[k] - want[k]).abs().max().item() for k in want)
+    assert diff == 0.0, f"resumed training differs from the uninterrupted run by {diff}"
+
+
 def params(model: nn.Module) -> dict[str, torch.Tensor]:
     return {k: full(v).clone() for k, v in model.state_dict().items()}
 

@@ -203,6 +203,40 @@ def manager_saves_every_n_keeps_last_k_and_resumes():
     expect_error(ValueError, lambda: CheckpointManager(ckpt, model2, preemption_signals=["SIGNOPE"]), "SIGNOPE")
 
 
+class Cursor:
+    """A per-rank stream position (each rank reads its own shard of a stream)."""
+
+    def __init__(self, pos: int) -> None:
+        self.pos = pos
+
+    def state_dict(self) -> dict:
+        return {"pos": self.pos}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.pos = state["pos"]
+
+
+@case
+def manager_state_is_saved_and_restored_per_rank():
+    """Issue 29 §5: ``CheckpointManager(state=...)`` saves each rank's own ``state_dict()`` and restores each
+    rank its own (it restored rank 0's everywhere); a state every rank holds alike still resumes."""
+    model, opt = gpt()
+    ckpt = root() / "per_rank_state"
+    lr_like = Cursor(7)  # the same on every rank
+    manager = CheckpointManager(
+        ckpt, model, opt, preemption_signals=(), state={"cursor": Cursor(100 + rank()), "same": lr_like}
+    )
+    manager.save(3)
+    manager.close()
+    model2, opt2 = gpt()
+    cursor, same = Cursor(-1), Cursor(-1)
+    resumed = CheckpointManager(ckpt, model2, opt2, preemption_signals=(), state={"cursor": cursor, "same": same})
+    assert resumed.resume() == 3
+    resumed.close()
+    assert cursor.pos == 100 + rank(), f"rank {rank()} got stream position {cursor.pos}"
+    assert same.pos == 7
+
+
 @case
 def preemption_signal_saves_at_next_boundary_and_stops():
     model, opt = gpt()

@@ -168,18 +168,24 @@ def adapters_round_trip_through_peft_files():
     fsdp(fresh, auto_wrap=True, mp="bf16", shard_strat="FULL_SHARD")
     before = {n: full(p).clone() for n, p in fresh.named_parameters()}
     # a file for another rank r is refused on every rank, before anything is copied
+    # (issue 29: also lora_alpha / use_rslora / target modules, which load and compute something else)
+    edits = {"bad_r": {"r": 8}, "bad_alpha": {"lora_alpha": 16}, "bad_rslora": {"use_rslora": True}}
+    edits["bad_targets"] = {"target_modules": ["v_proj", "q_proj", "up_proj"]}
     if rank() == 0:
         import json
 
-        bad = work() / "bad_r"
-        bad.mkdir(exist_ok=True)
-        for f in out.iterdir():
-            (bad / f.name).write_bytes(f.read_bytes())
-        cfg = json.loads((bad / "adapter_config.json").read_text())
-        cfg["r"] = 8
-        (bad / "adapter_config.json").write_text(json.dumps(cfg))
+        for name, edit in edits.items():
+            bad = work() / name
+            bad.mkdir(exist_ok=True)
+            for f in out.iterdir():
+                (bad / f.name).write_bytes(f.read_bytes())
+            cfg = json.loads((bad / "adapter_config.json").read_text())
+            (bad / "adapter_config.json").write_text(json.dumps({**cfg, **edit}))
     dist.barrier()
     expect_error(ValueError, lambda: load_adapters(fresh, work() / "bad_r"), "r=8", "r=4")
+    expect_error(ValueError, lambda: load_adapters(fresh, work() / "bad_alpha"), "lora_alpha=16", "lora_alpha=8")
+    expect_error(ValueError, lambda: load_adapters(fresh, work() / "bad_rslora"), "use_rslora=True", "use_rslora=False")
+    expect_error(ValueError, lambda: load_adapters(fresh, work() / "bad_targets"), "target_modules=", "up_proj")
     expect_error(ValueError, lambda: load_adapters(fresh, out, adapter_name="other"), "'other'", "'default'")
     assert all(torch.equal(full(p), before[n]) for n, p in fresh.named_parameters()), "changed before raising"
     load_adapters(fresh, out)

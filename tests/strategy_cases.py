@@ -23,7 +23,7 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor, Shard
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 from training_cases import TPNet, tp_plan
-from worker import ARGS, SEQ, Cases, assert_close, expect_error, full, rank, run_cases, world
+from worker import ARGS, SEQ, Cases, assert_close, assert_close_scaled, expect_error, full, rank, run_cases, world
 
 from zeta_fsdp import fsdp
 from zeta_fsdp.loss import MaskedTokenLossReduction
@@ -761,6 +761,86 @@ def checkpoint_io_and_remove_checkpoint():
     expect_error(FileNotFoundError, lambda: plain.load_checkpoint(tmp / "missing.ckpt"), "missing.ckpt")
     expect_error(TypeError, lambda: plain.save_checkpoint({"bad": object()}, tmp / "y.ckpt"), "weights_only")
     assert not (tmp / "y.ckpt").exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# issue 29 §1: Hugging Face's label convention (labels = input_ids, the model shifts them)
+
+
+def tiny_gpt2() -> nn.Module:
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(
+        vocab_size=50, n_embd=32, n_layer=2, n_head=4, n_positions=16, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0
+    )
+    return transformers.GPT2LMHeadModel(cfg).float()
+
+
+def hf_global_batch() -> dict[str, torch.Tensor]:
+    """4 rows; rank 0's two rows are mostly -100, rank 1's nearly full: unequal token counts."""
+    ids = torch.randint(0, 50, (4, 8), generator=torch.Generator().manual_seed(5))
+    labels = ids.clone()
+    labels[0, 3:] = -100
+    labels[1, 2:] = -100
+    labels[3, 7:] = -100
+    return {"input_ids": ids, "labels": labels}
+
+
+def rows(batch: dict[str, torch.Tensor], r: int) -> dict[str, torch.Tensor]:
+    return {k: v[2 * r : 2 * r + 2] for k, v in batch.items()}
+
+
+@case
+def hf_batch_convention_uses_the_models_own_shifted_loss():
+    model = tiny_gpt2()
+    ref = copy.deepcopy(model)
+    strategy = FSDP2Strategy()
+    strategy.connect(model)
+    strategy.setup_optimizers(lambda m: torch.optim.SGD(m.parameters(), lr=0.5))
+    batch = hf_global_batch()
+    want = ref(**batch).loss  # transformers' next-token loss over the global batch, token-averaged
+    want.backward()
+    loss = strategy.training_step(rows(batch, rank()), 0)
+    loss.backward()
+    # The global mean (l0 c0 + l1 c1) / (c0 + c1) against one mean over the same 2 x 2 rows: a few dozen
+    # roundings of terms no larger than the loss (a row's matmul may block differently at 2 and 4 rows).
+    assert_close_scaled("reduced loss", strategy.reduced_loss(), want, 256)
+    for (name, p), (_, q) in zip(strategy.model.named_parameters(), ref.named_parameters()):
+        assert_close_scaled(f"grad {name}", full(p.grad), q.grad, 256)
+    strategy.optimizer_step()
+    assert abs(strategy.reduced_loss().item()) == 0.0  # nothing since the last call
+    # Pre-shifted labels with loss_mask (NeMo's batch) keep working with the same model: the loss is the
+    # strategy's, from the logits, whatever the model computes itself.
+    tokens = torch.randint(0, 50, (2, 9), generator=torch.Generator().manual_seed(rank()))
+    nemo = {"input_ids": tokens[:, :-1], "labels": tokens[:, 1:], "loss_mask": torch.ones(2, 8)}
+    with torch.no_grad():
+        strategy.validation_step(nemo, 0)
+        logits = strategy.predict_step({"input_ids": nemo["input_ids"]}).logits
+    expected = F.cross_entropy(logits.flatten(0, 1), nemo["labels"].flatten())
+    everyone = torch.stack([expected.detach()])
+    dist.all_reduce(everyone)
+    assert_close_scaled("NeMo-style validation", strategy.reduced_loss("validation"), everyone[0] / world(), 64)
+
+
+@case
+def hf_batch_convention_refused_where_it_would_train_the_wrong_objective():
+    strategy, _ = gpt_strategy()  # the demo GPT computes no loss of its own
+    batch = hf_global_batch()
+    batch["input_ids"] %= 37
+    batch["labels"] = torch.where(batch["labels"] == -100, batch["labels"], batch["input_ids"])
+    error = raised_everywhere(strategy.training_step, rows(batch, rank()), 0)
+    assert isinstance(error, ValueError) and "Hugging Face's" in str(error) and "pre-shifted" in str(error), error
+    hf = FSDP2Strategy()
+    hf.connect(tiny_gpt2())
+    hf.setup_optimizers(lambda m: torch.optim.SGD(m.parameters(), lr=0.5))
+    before = full_params(hf.model)
+    tokens = torch.randint(0, 50, (2, 9), generator=torch.Generator().manual_seed(rank()))
+    shifted = {"input_ids": tokens[:, :-1], "labels": tokens[:, 1:]}  # the model would shift them again
+    error = raised_everywhere(hf.training_step, shifted, 0)
+    assert isinstance(error, ValueError) and "already shifted" in str(error) and "loss_mask" in str(error), error
+    for name, value in full_params(hf.model).items():
+        assert torch.equal(value, before[name]), name
 
 
 # ---------------------------------------------------------------------------------------------

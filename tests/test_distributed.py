@@ -44,3 +44,60 @@ def test_on_all_ranks_alone_returns_or_raises_the_original():
     assert on_all_ranks(lambda: 3) == 3
     with pytest.raises(KeyError, match="missing"):
         on_all_ranks(lambda: {}["missing"])  # one process: the error as it was, not a copy
+
+
+# --- Device choice on a GPU host, with the device count and backend patched (only a GPU can show
+# the real thing: tests/test_gpu.py). Named for what they stand in for.
+
+
+def _fake_cuda(monkeypatch, count: int) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: count > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+
+
+def test_patched_gpu_host_device_follows_local_rank_when_visible(monkeypatch):
+    from zeta_fsdp.distributed import choose_device
+
+    _fake_cuda(monkeypatch, 2)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert choose_device() == torch.device("cuda", 1)
+    assert choose_device(device="cuda") == torch.device("cuda", 1)
+    assert choose_device(device="cpu") == torch.device("cpu")
+
+
+@pytest.mark.parametrize("local_rank", ["0", "1"])
+def test_patched_gpu_host_more_ranks_than_gpus_is_a_clear_error_on_every_local_rank(monkeypatch, local_rank):
+    """torchrun --nproc-per-node 2 on a 1-GPU box: every local rank raises (rank 0 too, so none waits
+    for a peer that died), naming LOCAL_RANK, the device count, CUDA_VISIBLE_DEVICES and the way out."""
+    from zeta_fsdp.distributed import choose_device
+
+    _fake_cuda(monkeypatch, 1)
+    monkeypatch.setenv("LOCAL_RANK", local_rank)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    with pytest.raises(RuntimeError) as err:
+        choose_device()
+    for needle in (f"LOCAL_RANK={local_rank}", "1 CUDA device(s)", "CUDA_VISIBLE_DEVICES=0", "device='cpu'"):
+        assert needle in str(err.value), str(err.value)
+    with pytest.raises(RuntimeError, match="cuda:3"):
+        choose_device(device="cuda:3")
+
+
+def test_patched_gpu_host_an_existing_group_decides_the_device(monkeypatch):
+    """A gloo-only group the caller started means CPU even where CUDA exists; an NCCL one means cuda:LOCAL_RANK."""
+    import torch.distributed as dist
+
+    from zeta_fsdp.distributed import choose_device
+
+    _fake_cuda(monkeypatch, 2)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    backend = {"name": "gloo"}
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: backend["name"])
+    assert choose_device() == torch.device("cpu")
+    assert choose_device(device="cuda") == torch.device("cuda", 1)  # device= still wins
+    for name in ("nccl", "cuda:nccl,cpu:gloo"):
+        backend["name"] = name
+        assert choose_device() == torch.device("cuda", 1)

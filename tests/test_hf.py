@@ -33,6 +33,9 @@ TWO_RANK = (
         "index_outside_or_malformed_refused_on_every_rank",
         "save_uneven_shards_every_engine",
         "clip_load_and_save",  # CLIP's 0-dim logit_scale: kept whole by fsdp(), loaded and saved
+        "foreign_file_during_save_kept_and_stale_index_ignored",
+        "shared_buffer_on_meta_and_untied_checkpoint_into_tied_model",
+        "no_shard_save_before_first_forward_is_rank0s_model",
     ]
 )
 FOUR_RANK = [f"load_{a}_HYBRID_SHARD" for a in ("llama_tied", "mixtral", "bert_mlm", "t5")] + [
@@ -275,3 +278,51 @@ def test_a_model_directory_being_written_is_refused_by_name(tmp_path, monkeypatc
     tmp = hf_files.staging_dir(path, overwrite=True, caller="save_pretrained()")
     hf_files.end_staging(tmp)
     assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_unsigned_and_e8m0_safetensors_read_and_write(tmp_path):
+    """Issue 29 §9: valid files with U16/U32/U64/F8_E8M0 are read (not called corrupt), our writer stores those
+    dtypes as safetensors does, and a dtype safetensors cannot hold (complex) is refused naming it."""
+    import os
+
+    from safetensors.torch import load_file, save_file
+
+    from zeta_fsdp.hf.files import SafetensorsLayout, read_rows, read_safetensors_header, write_at
+    from zeta_fsdp.hf.save import check_savable
+
+    tensors = {
+        "u16": torch.tensor([1, 65535], dtype=torch.uint16),
+        "u32": torch.tensor([[7, 2**32 - 1]], dtype=torch.uint32),
+        "u64": torch.tensor([2**63 + 5], dtype=torch.uint64),
+        "e8m0": torch.tensor([0.5, 4.0], dtype=torch.float32).to(torch.float8_e8m0fnu),
+    }
+    theirs = tmp_path / "theirs.safetensors"
+    save_file(tensors, str(theirs))
+    header = read_safetensors_header(theirs)
+    for key, want in tensors.items():
+        got = read_rows(header[key])
+        assert got.dtype == want.dtype and torch.equal(got.view(torch.uint8), want.view(torch.uint8)), key
+    ours = tmp_path / "ours.safetensors"
+    layout = {k: (v.dtype, tuple(v.shape)) for k, v in tensors.items()}
+    check_savable(layout, "save_pretrained()")
+    SafetensorsLayout(layout).create(ours)
+    fd = os.open(ours, os.O_WRONLY)
+    for key, value in tensors.items():
+        write_at(fd, SafetensorsLayout(layout).offset[key], value)
+    os.close(fd)
+    back = load_file(str(ours))
+    assert all(torch.equal(back[k].view(torch.uint8), v.view(torch.uint8)) for k, v in tensors.items())
+    with pytest.raises(ValueError, match=r"cannot store torch.complex64 \(tensors: \['freqs'\]\). Accepted dtypes: "):
+        check_savable({"freqs": (torch.complex64, (4,)), "w": (torch.float32, (2,))}, "save_pretrained()")
+
+
+def test_a_safetensors_dtype_torch_lacks_is_named_not_called_corrupt(tmp_path):
+    from zeta_fsdp.hf.files import read_safetensors_header
+    from zeta_fsdp.state_dict import CheckpointError
+
+    header = json.dumps({"w": {"dtype": "F4", "shape": [2], "data_offsets": [0, 1]}}).encode()
+    f = tmp_path / "model.safetensors"
+    f.write_bytes(len(header).to_bytes(8, "little") + header + b"\0")
+    with pytest.raises(CheckpointError, match="dtype 'F4', which zeta_fsdp cannot read") as caught:
+        read_safetensors_header(f)
+    assert "Re-download" not in str(caught.value)

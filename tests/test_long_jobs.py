@@ -124,3 +124,32 @@ def test_loader_built_before_the_group_takes_torchrun_rank(tmp_path):
     assert got[0]["batch"] == [0, 1, 2, 3] and got[1]["batch"] == [4, 5, 6, 7], got
     for r in (0, 1):
         assert "global_batch_size=5" in got[r]["refused"] and "world_size=2" in got[r]["refused"], got[r]
+
+
+def test_per_rank_state_at_another_world_size_is_refused(tmp_path):
+    """Issue 29 §5: a state saved alike by every rank resumes at any world size; a per-rank one saved by 2 ranks
+    cannot be resharded to this one process: ``CheckpointError`` naming it and both world sizes."""
+    from zeta_fsdp.state_dict import CheckpointError
+    from zeta_fsdp.state_dict.manager import restore_rank_states
+
+    class Holder:
+        def __init__(self):
+            self.state = None
+
+        def state_dict(self):
+            return self.state
+
+        def load_state_dict(self, state):
+            self.state = state
+
+    same = Holder()
+    restore_rank_states({"data": same}, {"data": [{"epoch": 1, "t": torch.ones(2)}] * 2}, tmp_path)
+    assert same.state["epoch"] == 1
+    per_rank = Holder()
+    with pytest.raises(
+        CheckpointError, match=r"different state per rank for \['cursor'\], saved by 2 ranks; this job has 1"
+    ):
+        restore_rank_states(
+            {"cursor": per_rank, "data": same}, {"cursor": [{"pos": 0}, {"pos": 5}], "data": [{}, {}]}, tmp_path
+        )
+    assert per_rank.state is None  # refused before anything loaded

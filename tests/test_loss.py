@@ -34,3 +34,41 @@ def test_per_sample_mean_weighs_every_sample_once():
     _, a = reduction.forward({}, torch.tensor([1.0, 2.0, 3.0]))
     _, b = reduction.forward({}, torch.tensor([10.0]))
     assert reduction.reduce([a, b]).item() == 4.0
+
+
+def test_loss_mask_never_counts_an_ignored_label():
+    """Issue 29: a loss_mask built from attention alone counts positions labelled -100 (or the reduction's
+    ignore_index): they must weigh 0, not add loss 0 with weight 1 (which halved the loss)."""
+    logits = torch.randn(1, 4, 5)
+    labels = torch.tensor([[1, 2, -100, -100]])
+    want = torch.nn.functional.cross_entropy(logits[0, :2], labels[0, :2])
+    batch = {"labels": labels, "loss_mask": torch.ones(1, 4, dtype=torch.long)}
+    loss, record = MaskedTokenLossReduction().forward(batch, logits)
+    assert record["loss_sum_and_ub_size"][1].item() == 2.0
+    assert torch.allclose(loss, want, rtol=1e-6, atol=0)
+    padded = {"labels": torch.tensor([[1, 2, 0, 0]]), "loss_mask": torch.ones(1, 4)}  # pad id 0 as ignore_index
+    loss, record = MaskedTokenLossReduction(ignore_index=0).forward(padded, logits)
+    assert record["loss_sum_and_ub_size"][1].item() == 2.0
+    assert torch.allclose(loss, want, rtol=1e-6, atol=0)
+    other = {"labels": torch.tensor([[1, 2, -1, -1]]), "loss_mask": torch.ones(1, 4)}  # -1: not a valid target
+    loss, _ = MaskedTokenLossReduction(ignore_index=-1).forward(other, logits)
+    assert torch.allclose(loss, want, rtol=1e-6, atol=0)
+
+
+def test_per_sample_on_classification_logits():
+    """Issue 29: logits (B, C) with labels (B,) are one loss per sample (an IndexError before)."""
+    logits, labels = torch.randn(4, 3), torch.tensor([0, 2, -100, 1])
+    reduction = PerSampleLossReduction()
+    loss, record = reduction.forward({"labels": labels}, logits)
+    keep = labels != -100
+    want = torch.nn.functional.cross_entropy(logits[keep], labels[keep])
+    assert record["loss_sum_and_ub_size"][1].item() == 3.0
+    assert torch.allclose(loss, want, rtol=1e-6, atol=0) and torch.allclose(reduction.reduce([record]), want)
+    loss, _ = reduction.forward((torch.zeros(4, 7), labels), logits)  # an (inputs, labels) batch
+    assert torch.allclose(loss, want, rtol=1e-6, atol=0)
+    try:
+        reduction.forward({}, torch.tensor(2.0))
+    except ValueError as e:
+        assert "one loss per sample" in str(e)
+    else:
+        raise AssertionError("a 0-dim loss was accepted as per-sample losses")

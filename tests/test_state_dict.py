@@ -12,6 +12,7 @@ import json
 import re
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -347,10 +348,13 @@ def test_overwrite_killed_between_renames_recovers(tmp_path):
     assert names(tmp_path) == [".c.incomplete", ".c.lock", ".c.replaced"], "not the state between the two renames"
     torch.manual_seed(2)
     new = small().state_dict()
-    with pytest.warns(UserWarning, match="interrupted"):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # is_checkpoint only reads: no warning, no rename
         assert is_checkpoint(path)  # the usual `if is_checkpoint(p): load_checkpoint(p, ...)` finds it
+    assert names(tmp_path) == [".c.incomplete", ".c.lock", ".c.replaced"], "is_checkpoint changed the folder"
+    with pytest.warns(UserWarning, match="interrupted"):
+        assert_holds(path, 2, new)  # the load finishes the overwrite
     assert names(tmp_path) == ["c"]
-    assert_holds(path, 2, new)
 
 
 def test_overwrite_interrupted_before_new_was_complete_restores_previous(tmp_path, monkeypatch):
@@ -696,3 +700,281 @@ def test_extra_needs_no_round_trip_but_is_still_checked(tmp_path):
     with pytest.raises(TypeError, match="weights_only"):
         save_checkpoint(tmp_path / "d", model, extra={"mode": Mode.TRAIN})  # an int subclass: not plain
     assert names(tmp_path) == ["c"]
+
+
+# --------------------------------------------------------------------------- your files, any file system (issue 29)
+
+TOKENIZER = b'{"version": "1.0", "model": {"type": "BPE"}}\n\x00\xff'  # a user's file, compared byte for byte
+
+
+def foreign_file_at_first_write(monkeypatch, target: Path) -> None:
+    """Another process writes ``target/tokenizer.json`` at the moment the library writes its first data."""
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    write_data = FileSystemWriter.write_data
+
+    def racing(self, plan, planner):
+        if not (target / "tokenizer.json").exists():
+            target.mkdir(exist_ok=True)
+            (target / "tokenizer.json").write_bytes(TOKENIZER)
+        return write_data(self, plan, planner)
+
+    monkeypatch.setattr(FileSystemWriter, "write_data", racing)
+
+
+@pytest.mark.parametrize("exchange", [True, False], ids=["renameat2", "two-renames"])
+def test_a_file_added_during_an_overwrite_is_kept_and_survives_resume_and_prune(tmp_path, monkeypatch, exchange):
+    """3./8.: tokenizer.json written into the checkpoint while it is overwritten is kept under a name no clean-up
+    removes, the warning says where; the save succeeds (the new checkpoint in place), and the next resume, saves
+    and pruning leave it alone, with or without the atomic exchange."""
+    import zeta_fsdp.files
+    from zeta_fsdp.state_dict import CheckpointManager
+
+    if not exchange:
+        monkeypatch.setattr(zeta_fsdp.files, "exchange_paths", lambda a, b: False)
+    root = tmp_path / "ckpt"
+    torch.manual_seed(1)
+    manager = CheckpointManager(root, small(), every=1, keep_last=1, preemption_signals=())
+    manager.save(1)
+    with monkeypatch.context() as m:
+        foreign_file_at_first_write(m, root / "step_1")
+        torch.manual_seed(2)
+        model = small()
+        manager.model = model
+        with pytest.warns(UserWarning, match=r"tokenizer\.json .*kept, untouched, in .*step_1\.kept"):
+            assert manager.save(1) == root / "step_1"
+    assert (root / "step_1.kept" / "tokenizer.json").read_bytes() == TOKENIZER
+    assert names(root / "step_1.kept") == ["tokenizer.json"], "our old files were not discarded"
+    fresh = small()
+    resumed = CheckpointManager(root, fresh, every=1, keep_last=1, preemption_signals=())
+    assert resumed.resume() == 1
+    assert all(torch.equal(fresh.state_dict()[k], v) for k, v in model.state_dict().items())
+    for step in (2, 3):
+        resumed.save(step)  # keeps one: step_1 and step_2 pruned, the kept folder never
+    assert names(root) == ["step_1.kept", "step_3"]
+    assert (root / "step_1.kept" / "tokenizer.json").read_bytes() == TOKENIZER
+    save_checkpoint(root / "step_3", small(), overwrite=True)  # later overwrites keep working
+    assert names(root) == ["step_1.kept", "step_3"]
+
+
+def test_the_fallback_publish_with_a_user_file_in_the_old_checkpoint_is_a_success(tmp_path, monkeypatch):
+    """8.: without renameat2, a previous checkpoint holding a user's file: the save returns (never "nothing was
+    saved" with the new one in place), the file is kept, and a stale ``.replaced`` left by a crash does not
+    block later overwrites."""
+    import zeta_fsdp.files
+
+    monkeypatch.setattr(zeta_fsdp.files, "exchange_paths", lambda a, b: False)
+    path = tmp_path / "c"
+    plain_checkpoint(path, 1)
+    with monkeypatch.context() as m:
+        foreign_file_at_first_write(m, path)
+        with pytest.warns(UserWarning, match=r"c\.kept"):
+            weights = plain_checkpoint(path, 2)
+    assert_holds(path, 2, weights)
+    # a crash after the second rename left the previous one, with a user's note, in .c.replaced
+    (tmp_path / ".c.replaced").mkdir()
+    (tmp_path / ".c.replaced" / "notes.txt").write_bytes(b"mine")
+    with pytest.warns(UserWarning, match=r"notes\.txt .*c\.kept-2"):
+        weights = plain_checkpoint(path, 3)
+    assert_holds(path, 3, weights)
+    assert names(tmp_path) == ["c", "c.kept", "c.kept-2"]
+    assert (tmp_path / "c.kept-2" / "notes.txt").read_bytes() == b"mine"
+    assert (tmp_path / "c.kept" / "tokenizer.json").read_bytes() == TOKENIZER
+
+
+def test_is_checkpoint_only_reads(tmp_path, monkeypatch):
+    """``is_checkpoint`` takes no lock and renames nothing, even after an interrupted overwrite."""
+    import zeta_fsdp.files
+
+    path = tmp_path / "c"
+    plain_checkpoint(path, 1)
+    path.rename(tmp_path / ".c.replaced")
+
+    def no_lock(*a, **k):
+        raise AssertionError("is_checkpoint took a lock")
+
+    monkeypatch.setattr(zeta_fsdp.files.PathLock, "acquire", no_lock)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert is_checkpoint(path)  # load_checkpoint would restore it
+        assert not is_checkpoint(tmp_path / "other")
+    assert names(tmp_path) == [".c.replaced"]
+
+
+@pytest.mark.parametrize("err", [38, 95, 37], ids=["ENOSYS", "EOPNOTSUPP", "ENOLCK"])
+def test_a_file_system_without_flock_says_so_and_leaves_no_lock_file(tmp_path, monkeypatch, err):
+    """8.: flock failing (Lustre without -o flock, NFS without a lock manager): a clear error naming the file
+    system problem and the ways out, before anything is written; no lock file left; the opt-out works."""
+    import fcntl
+    import os
+
+    from zeta_fsdp.hf import consolidate_to_hf
+
+    path = tmp_path / "c"
+    plain_checkpoint(path, 1)
+    kept = {p.name: p.read_bytes() for p in path.iterdir()}
+
+    def no_flock(fd, op):
+        raise OSError(err, os.strerror(err))
+
+    monkeypatch.setattr(fcntl, "flock", no_flock)
+    with pytest.raises(CheckpointError, match=r"does not support file locks.*-o flock.*ZETA_FSDP_FILE_LOCKS=0"):
+        plain_checkpoint(path, 2)
+    with pytest.raises(OSError, match=r"does not support file locks.*-o flock"):
+        consolidate_to_hf(path, tmp_path / "hf")
+    assert names(tmp_path) == ["c"], "a lock file or staging directory was left"
+    assert {p.name: p.read_bytes() for p in path.iterdir()} == kept
+    monkeypatch.setenv("ZETA_FSDP_FILE_LOCKS", "0")
+    weights = plain_checkpoint(path, 2)
+    consolidate_to_hf(path, tmp_path / "hf")
+    assert names(tmp_path) == ["c", "hf"]
+    assert_holds(path, 2, weights)
+
+
+def test_consolidate_to_hf_keeps_a_file_added_meanwhile(tmp_path, monkeypatch):
+    """3.: consolidate_to_hf(overwrite=True) with tokenizer.json appearing in the output at its first data write."""
+    import zeta_fsdp.hf.consolidate as cons
+    from zeta_fsdp.hf import consolidate_to_hf
+
+    path, out = tmp_path / "c", tmp_path / "hf"
+    plain_checkpoint(path, 1)
+    consolidate_to_hf(path, out)
+    write_at = cons.write_at
+
+    def racing(*a, **k):
+        if not (out / "tokenizer.json").exists():
+            (out / "tokenizer.json").write_bytes(TOKENIZER)
+        return write_at(*a, **k)
+
+    monkeypatch.setattr(cons, "write_at", racing)
+    with pytest.warns(UserWarning, match=r"tokenizer\.json .*hf\.kept"):
+        consolidate_to_hf(path, out, overwrite=True)
+    assert names(tmp_path) == ["c", "hf", "hf.kept"]
+    assert names(tmp_path / "hf.kept") == ["tokenizer.json"]
+    assert (tmp_path / "hf.kept" / "tokenizer.json").read_bytes() == TOKENIZER
+    assert names(out) == ["model.safetensors"]
+
+
+def _rewrite_metadata(path: Path, edit) -> None:
+    import pickle
+
+    from zeta_fsdp.state_dict.reader import read_metadata
+
+    md = read_metadata(path, "test")
+    edit(md)
+    (path / ".metadata").write_bytes(pickle.dumps(md))
+
+
+def _gap(md):  # the first matrix keeps only its first half of rows: the rest is covered by nothing
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
+    key = next(k for k, v in md.state_dict_metadata.items() if k.startswith("model.") and len(v.size) == 2)
+    (chunk,) = md.state_dict_metadata[key].chunks
+    half = torch.Size([chunk.sizes[0] // 2, *chunk.sizes[1:]])
+    md.state_dict_metadata[key].chunks = [ChunkStorageMetadata(chunk.offsets, half)]
+
+
+def _overlap(md):  # two chunks, rows [0, 3n/4) and [n/2, 3n/4): the volumes add up, rows overlap and a gap stays
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
+
+    key = next(k for k, v in md.state_dict_metadata.items() if k.startswith("model.") and len(v.size) == 2)
+    (chunk,) = md.state_dict_metadata[key].chunks
+    n, rest = chunk.sizes[0], list(chunk.sizes[1:])
+    at = torch.Size([n // 2, *[0] * len(rest)])
+    md.state_dict_metadata[key].chunks = [
+        ChunkStorageMetadata(chunk.offsets, torch.Size([3 * n // 4, *rest])),
+        ChunkStorageMetadata(at, torch.Size([n // 4, *rest])),
+    ]
+    md.storage_data[MetadataIndex(key, at)] = md.storage_data[MetadataIndex(key, chunk.offsets)]
+
+
+@pytest.mark.parametrize("edit", [_gap, _overlap], ids=["gap", "overlap"])
+def test_chunks_must_cover_each_tensor_exactly(tmp_path, edit):
+    """4.: a .metadata whose chunks leave part of a tensor uncovered (or overlap): every reader refuses before
+    anything changes or is written."""
+    from zeta_fsdp.hf import consolidate_to_hf
+
+    path = tmp_path / "c"
+    plain_checkpoint(path, 1)
+    _rewrite_metadata(path, edit)
+    needle = r"inconsistently: its (chunks hold \d+ of its \d+ elements|chunks at offsets .* overlap)"
+    for strict in (True, False):
+        torch.manual_seed(5)
+        model = small()
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        with pytest.raises(CheckpointError, match=needle):
+            load_checkpoint(path, model, strict=strict)
+        assert all(torch.equal(model.state_dict()[k], v) for k, v in before.items()), "the model changed"
+    with pytest.raises(CheckpointError, match=needle):
+        consolidate_checkpoint(path, tmp_path / "x.safetensors")
+    with pytest.raises(CheckpointError, match=needle):
+        consolidate_to_hf(path, tmp_path / "hf")
+    assert not is_checkpoint(path)
+    assert names(tmp_path) == ["c"]
+
+
+def test_zero_padded_step_directories_are_found_and_pruned_by_their_real_names(tmp_path):
+    """6.: step_000300 is returned as step_000300 (not a step_300 that does not exist) and pruning deletes it."""
+    from zeta_fsdp.state_dict import latest_checkpoint, prune_checkpoints
+
+    for step in (100, 200, 300):
+        plain_checkpoint(tmp_path / f"step_{step:06d}", step)
+    assert latest_checkpoint(tmp_path) == tmp_path / "step_000300"
+    assert prune_checkpoints(tmp_path, keep_last=1) == [tmp_path / "step_000100", tmp_path / "step_000200"]
+    assert names(tmp_path) == ["step_000300"]
+
+
+def test_consolidate_cli_hf_only_options_and_huge_sizes(tmp_path, capsys):
+    """Issue 29 §9: --dtype / --config / --max-shard-size without --hf are refused (not ignored); a metadata
+    declaring a size no machine can allocate is one line and exit 2, not a traceback."""
+    path = tmp_path / "c"
+    plain_checkpoint(path, 1)
+    for extra in (["--dtype", "bf16"], ["--config", str(tmp_path)], ["--max-shard-size", "1MB"]):
+        assert cli.main(["consolidate", str(path), str(tmp_path / "o.pt"), *extra]) == 2
+        err = capsys.readouterr().err
+        assert f"{extra[0]} apply(ies) to --hf output only" in err and err.count("\n") == 1, err
+        assert names(tmp_path) == ["c"]
+
+    def huge(md) -> None:
+        key = next(k for k, v in md.state_dict_metadata.items() if k.startswith("model.") and hasattr(v, "size"))
+        md.state_dict_metadata[key].size = torch.Size([2**40, 2**30])
+
+    _rewrite_metadata(path, huge)
+    for argv in (["consolidate", str(path), str(tmp_path / "o.pt")], ["consolidate", str(path), "o", "--hf"]):
+        assert cli.main(argv) == 2
+        err = capsys.readouterr().err
+        # refused by the size check, or first by the chunk-coverage check (the crafted size is not covered)
+            assert str(path) in err and ("too large" in err or "inconsistently" in err) and err.count("\n") == 1, err
+    assert names(tmp_path) == ["c"]
+
+
+def test_a_pickle_in_a_tensor_record_is_a_checkpoint_error(tmp_path, capsys):
+    """Issue 29 §9: consolidate_to_hf / consolidate --hf on a record holding a pickle: CheckpointError, exit 2,
+    nothing runs."""
+    import dataclasses
+    import io
+
+    from zeta_fsdp.hf import consolidate_to_hf
+    from zeta_fsdp.state_dict.reader import read_metadata
+
+    path, marker = tmp_path / "c", tmp_path / "PWNED"
+    plain_checkpoint(path, 1)
+    md = read_metadata(path, "test")
+    index, info = next((i, v) for i, v in md.storage_data.items() if i.fqn.startswith("model."))
+    shard = path / info.relative_path
+    buffer = io.BytesIO()
+    torch.save(_Payload(marker), buffer)  # a torch.save record whose pickle would run code
+    offset = shard.stat().st_size
+    shard.write_bytes(shard.read_bytes() + buffer.getvalue())
+    _rewrite_metadata(
+        path,
+        lambda m: m.storage_data.update(
+            {index: dataclasses.replace(info, offset=offset, length=len(buffer.getvalue()))}
+        ),
+    )
+    with pytest.raises(CheckpointError, match="failed") as caught:
+        consolidate_to_hf(path, tmp_path / "out_hf")
+    assert str(path) in str(caught.value)
+    assert cli.main(["consolidate", str(path), str(tmp_path / "o"), "--hf"]) == 2
+    assert capsys.readouterr().err.count("\n") == 1
+    assert not marker.exists() and names(tmp_path) == ["c"]

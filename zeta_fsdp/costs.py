@@ -15,7 +15,27 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from . import torch_compat
 from .report import format_bytes, render_table
 
-__all__ = ["AccumulationCost", "accumulation_costs", "accumulation_table", "gradient_wait_dtype"]
+__all__ = ["AccumulationCost", "accumulation_costs", "accumulation_table", "gradient_wait_dtype", "peak_by_device"]
+
+
+def peak_by_device(snapshot: dict, primary: torch.device, categories=lambda per_device: per_device) -> dict[str, int]:
+    """A memory tracker's ``{device: {category: bytes}}`` peak as one flat dict: the ``primary`` device's
+    categories under their own names (``"Total"``, ...), every other device's prefixed with it
+    (``"cpu Sharded Param"``): under CPU offload both sides count, and the optimizer's ``step`` counters
+    live on CPU. ``categories`` turns one device's snapshot into ``{name: bytes}``.
+
+    Example:
+        >>> peak_by_device({"cpu": {"Total": 3}, "cuda:0": {"Total": 5}}, torch.device("cuda", 0))
+        {'Total': 5, 'cpu Total': 3}
+    """
+    named = {str(device): categories(per_device) for device, per_device in snapshot.items()}
+    main = named.pop(str(primary), None)
+    if main is None and named:  # not on the compute device at all: the first device seen stands in
+        main = named.pop(next(iter(named)))
+    flat = {getattr(k, "value", str(k)): int(v) for k, v in (main or {}).items()}
+    for device, per_device in named.items():
+        flat.update({f"{device} {getattr(k, 'value', str(k))}": int(v) for k, v in per_device.items()})
+    return flat
 
 
 @dataclass(frozen=True)

@@ -8,11 +8,77 @@ import warnings
 from typing import Any, Iterator, Mapping, Optional
 
 import torch
-from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, RandomSampler, Sampler
+from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, RandomSampler, Sampler, SequentialSampler
 
 from .distributed import expected_world_size, get_rank, is_distributed
 
-__all__ = ["ResumableLoader", "shard_dataloader"]
+__all__ = ["RankSlicedSampler", "ResumableLoader", "shard_dataloader"]
+
+
+class RankSlicedSampler(Sampler):
+    """Rank ``rank``'s disjoint share of any sampler's order: what ``shard_dataloader`` wraps a custom sampler in.
+
+    Each epoch the wrapped sampler is iterated once with its randomness seeded by ``seed + epoch``
+    (its own ``generator`` swapped for a seeded one for that one pass, or torch's global RNG forked),
+    so every rank draws the same order; rank ``r`` of ``W`` takes positions ``r, r + W, ...``. The
+    order is cut to a multiple of ``W`` (``drop_last``) or padded from its start, so every rank takes
+    the same number of steps. A ``SubsetRandomSampler`` still yields only its subset; a
+    ``WeightedRandomSampler`` keeps its weights.
+
+    Example:
+        >>> from torch.utils.data import SubsetRandomSampler
+        >>> parts = [list(RankSlicedSampler(SubsetRandomSampler([1, 3, 5, 7]), rank=r, world_size=2)) for r in (0, 1)]
+        >>> sorted(parts[0] + parts[1])
+        [1, 3, 5, 7]
+    """
+
+    def __init__(self, sampler: Sampler, *, rank: int, world_size: int, seed: int = 0, drop_last: bool = False) -> None:
+        if not 0 <= rank < world_size:
+            raise ValueError(f"RankSlicedSampler(): rank={rank} is outside 0..{world_size - 1}.")
+        self.sampler, self.rank, self.world_size = sampler, rank, world_size
+        self.seed, self.drop_last, self.epoch = int(seed), bool(drop_last), 0
+
+    def set_epoch(self, epoch: int) -> None:
+        """Draw epoch ``epoch``'s order next (the same on every rank)."""
+        self.epoch = int(epoch)
+        if callable(getattr(self.sampler, "set_epoch", None)):
+            self.sampler.set_epoch(epoch)
+
+    def _order(self) -> list[Any]:
+        seed = self.seed + self.epoch
+        own = getattr(self.sampler, "generator", None)
+        if isinstance(own, torch.Generator):
+            # The user's generator advances per rank in lockstep only if every rank seeded it alike;
+            # a generator seeded per epoch makes the order the same everywhere, and theirs is left as it was.
+            self.sampler.generator = torch.Generator().manual_seed(seed)
+            try:
+                return list(self.sampler)
+            finally:
+                self.sampler.generator = own
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            return list(self.sampler)
+
+    def __len__(self) -> int:
+        total = len(self.sampler)
+        return total // self.world_size if self.drop_last else -(-total // self.world_size)
+
+    def __iter__(self) -> Iterator[Any]:
+        order = self._order()
+        size = len(order) // self.world_size * self.world_size if self.drop_last else len(self) * self.world_size
+        if order and len(order) < size:  # pad from the start, as DistributedSampler does
+            order = (order * (-(-size // len(order))))[:size]
+        return iter(order[self.rank : size : self.world_size])
+
+
+def _plain_order(sampler: Sampler, dataset: Any) -> Optional[bool]:
+    """``shuffle`` for a ``DistributedSampler`` that means the same as ``sampler`` (each sample once, in order
+    or permuted), else ``None``: the sampler has its own semantics and is wrapped instead."""
+    if type(sampler) is SequentialSampler:
+        return False
+    if type(sampler) is RandomSampler and not sampler.replacement and sampler.num_samples == len(dataset):
+        return True
+    return None
 
 
 def shard_dataloader(
@@ -28,7 +94,9 @@ def shard_dataloader(
 
     With ``data_sampler``: its ``transform_dataloader(dataloader)`` (NeMo), or a rebuilt loader
     using it as sampler. Otherwise the loader is rebuilt around a ``DistributedSampler`` (shuffling
-    when the original did, at ``epoch``). A loader that already has a ``DistributedSampler`` is kept;
+    when the original did, at ``epoch``); a loader with its own sampler (``SubsetRandomSampler``,
+    ``WeightedRandomSampler``, any other) keeps it, wrapped in a ``RankSlicedSampler`` that gives each
+    rank a disjoint share of that sampler's order. A loader that already has a ``DistributedSampler`` is kept;
     an ``IterableDataset`` is returned unchanged (with a warning: it must shard itself). The sampler
     returned (or ``None``) is the one whose ``set_epoch`` reshuffles.
 
@@ -63,13 +131,15 @@ def shard_dataloader(
         )
     sampler = data_sampler
     if sampler is None:
-        sampler = DistributedSampler(
-            dataloader.dataset,
-            num_replicas=world_size,
-            rank=rank,
-            shuffle=isinstance(dataloader.sampler, RandomSampler),
-            drop_last=dataloader.drop_last,
-        )
+        shuffle = _plain_order(dataloader.sampler, dataloader.dataset)
+        if shuffle is None:
+            sampler = RankSlicedSampler(
+                dataloader.sampler, rank=rank, world_size=world_size, drop_last=dataloader.drop_last
+            )
+        else:
+            sampler = DistributedSampler(
+                dataloader.dataset, num_replicas=world_size, rank=rank, shuffle=shuffle, drop_last=dataloader.drop_last
+            )
         sampler.set_epoch(epoch)
     kept = ("batch_size", "num_workers", "collate_fn", "pin_memory", "drop_last", "timeout", "worker_init_fn")
     options = {name: getattr(dataloader, name) for name in (*kept, "persistent_workers")}
@@ -131,6 +201,13 @@ class ResumableLoader:
                 raise ValueError(
                     f"ResumableLoader(): {key}= is decided by the loader (global_batch_size, seed, shuffle)."
                 )
+        if len(dataset) < global_batch_size:
+            # Not one global batch fits (a last partial one is dropped): every epoch would be empty
+            # and a `while step < total: for batch in loader:` loop would never end.
+            raise ValueError(
+                f"ResumableLoader(): the dataset has {len(dataset)} samples, fewer than one global batch "
+                f"(global_batch_size={global_batch_size}); use a global batch of at most {len(dataset)} samples."
+            )
         self.dataset = dataset
         self.global_batch_size = global_batch_size
         self.seed, self.shuffle = int(seed), bool(shuffle)

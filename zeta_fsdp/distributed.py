@@ -107,16 +107,61 @@ def _local_world_size() -> int:
     return int(os.environ.get("LOCAL_WORLD_SIZE", expected_world_size()))
 
 
+def _visible_cuda(index: int) -> torch.device:
+    """``cuda:index``, or a ``RuntimeError`` naming what this process sees when that device is not visible
+    (more ranks per node than GPUs, or ``CUDA_VISIBLE_DEVICES`` hiding it)."""
+    count = torch.cuda.device_count()
+    if index >= count:
+        local_world = os.environ.get("LOCAL_WORLD_SIZE", "<unset>")
+        raise RuntimeError(
+            f"fsdp(): this node runs LOCAL_WORLD_SIZE={local_world} rank(s), one CUDA device each, and this rank "
+            f"(LOCAL_RANK={os.environ.get('LOCAL_RANK', '<unset>')}) needs cuda:{index}, but the process sees "
+            f"{count} CUDA device(s) (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')}). "
+            f"Start at most {count} process(es) per node (torchrun --nproc-per-node {max(count, 1)}), or train on "
+            "CPU: fsdp(..., device='cpu') or CUDA_VISIBLE_DEVICES=''."
+        )
+    return torch.device("cuda", index)
+
+
+def _local_cuda() -> torch.device:
+    """``cuda:LOCAL_RANK``, checked on every local rank alike: when the node has more local ranks than
+    GPUs, each of them raises (not only the ranks past the last GPU, which would leave the others waiting)."""
+    local_rank, local_world = int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    _visible_cuda(max(local_rank, local_world - 1))
+    return torch.device("cuda", local_rank)
+
+
+def _group_device_type() -> Optional[str]:
+    """``"cuda"`` or ``"cpu"``: what the existing default group's backend computes on (``None`` without one).
+    A gloo-only group means CPU: the caller chose it, even on a host with GPUs."""
+    if not is_distributed():
+        return None
+    backend = str(dist.get_backend())
+    return "cuda" if ("cuda:" in backend or backend == "nccl") else "cpu"
+
+
 def choose_device(model: Optional[nn.Module] = None, device: Union[str, torch.device, None] = None) -> torch.device:
-    """The device this rank computes on: ``device`` when given, else CUDA (``cuda:LOCAL_RANK``) when
-    available, else the device the model's parameters are on (``meta`` counts as "not chosen yet": CPU)."""
-    local_cuda = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    """The device this rank computes on.
+
+    ``device`` when given (``"cuda"`` means ``cuda:LOCAL_RANK``); else what an existing process group's
+    backend runs on (a gloo-only group: CPU; NCCL: ``cuda:LOCAL_RANK``); else ``cuda:LOCAL_RANK`` when CUDA
+    is available; else the device the model's parameters are on (``meta`` counts as not chosen: CPU). A CUDA
+    device this process cannot see raises a ``RuntimeError`` naming ``LOCAL_RANK``, the device count and
+    ``CUDA_VISIBLE_DEVICES``.
+
+    Example:
+        >>> choose_device(device="cpu")
+        device(type='cpu')
+    """
     if device is not None:
         device = torch.device(device)
-        return local_cuda if device.type == "cuda" and device.index is None else device
-    if torch.cuda.is_available():
-        return local_cuda
-    if model is not None:
+        if device.type != "cuda":
+            return device
+        return _local_cuda() if device.index is None else _visible_cuda(device.index)
+    group_type = _group_device_type()
+    if group_type == "cuda" or (group_type is None and torch.cuda.is_available()):
+        return _local_cuda()
+    if model is not None and group_type is None:
         for tensor in list(model.parameters()) + list(model.buffers()):
             if tensor.device.type not in ("meta", "cpu"):
                 return tensor.device
@@ -131,6 +176,10 @@ def ensure_process_group(
     if not dist.is_available():
         raise RuntimeError("fsdp(): this PyTorch build has no torch.distributed support.")
     if dist.is_initialized():
+        if device.type == "cuda":
+            # A group the user started: collectives and comm_device() use the current device, which
+            # is cuda:0 on every rank until someone sets it.
+            torch.cuda.set_device(device)
         if cpu_offload and device.type == "cuda" and not _has_cpu_backend():
             warnings.warn(
                 "fsdp(cpu_offload=True): the existing process group has no CPU backend, so collectives on "
@@ -139,8 +188,10 @@ def ensure_process_group(
                 stacklevel=3,
             )
         return False
-    if backend is None:  # gloo on CPU, nccl on CUDA (plus gloo for CPU-offloaded tensors)
-        backend = ("cuda:nccl,cpu:gloo" if cpu_offload else "nccl") if device.type == "cuda" else "gloo"
+    if backend is None:
+        # gloo on CPU; on CUDA nccl plus gloo for CPU tensors: offloaded shards, DCP's async save
+        # (it stages to CPU) and object collectives need a CPU backend, whatever this first call asks.
+        backend = "cuda:nccl,cpu:gloo" if device.type == "cuda" else "gloo"
     kwargs: dict[str, Any] = {"timeout": timedelta(seconds=timeout_s)}
     if device.type == "cuda":
         torch.cuda.set_device(device)

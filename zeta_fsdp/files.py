@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import itertools
 import os
 import shutil
 import time
@@ -13,7 +14,12 @@ from pathlib import Path
 from typing import Callable, Optional, Union
 
 __all__ = ["PathLock", "atomic_write", "exchange_paths", "incomplete_path", "publish_dir", "remove_tree"]
-__all__ += ["replaced_path"]
+__all__ += ["LockUnsupportedError", "discard_ours", "kept_path", "replaced_path", "stage_dir", "end_stage"]
+
+# ``ZETA_FSDP_FILE_LOCKS=0``: write without ``flock`` where the file system has none (one writer per path, then).
+LOCKS_ENV = "ZETA_FSDP_FILE_LOCKS"
+# Errors ``flock`` gives on a file system without it (Lustre without ``-o flock``, NFS without a lock manager).
+_NO_FLOCK = {errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOLCK, errno.EINVAL}
 
 
 def _hidden_sibling(path: Union[str, Path], suffix: str) -> Path:
@@ -32,6 +38,26 @@ def replaced_path(path: Union[str, Path]) -> Path:
     return _hidden_sibling(path, "replaced")
 
 
+class LockUnsupportedError(OSError):
+    """The file system cannot lock files (``flock`` fails): names it and the ways out.
+
+    Example:
+        try:
+            save_checkpoint("/lustre/ckpt/step_100", model)
+        except CheckpointError as e:
+            print(e)  # "... mount it with -o flock ... or set ZETA_FSDP_FILE_LOCKS=0 ..."
+    """
+
+    def __init__(self, file: Path, error: OSError) -> None:
+        super().__init__(
+            error.errno,
+            f"cannot lock {file}: the file system holding {file.parent} does not support file locks (flock: "
+            f"{error.strerror or error}). Mount it with locking enabled (Lustre: -o flock; NFS: a running lock "
+            f"manager, or -o local_lock=flock when one node writes), write to another file system, or set "
+            f"{LOCKS_ENV}=0 to write without locks (then never let two jobs write the same path at once)",
+        )
+
+
 class PathLock:
     """An exclusive lock on ``path`` between processes (``flock`` on ``.<name>.lock`` beside it), held by every writer
     of ``path`` from its first look until what it wrote is in place. The lock file is removed on release (a waiter
@@ -47,6 +73,8 @@ class PathLock:
         ``OSError`` when the lock file cannot be created (a read-only folder)."""
         import fcntl
 
+        if os.environ.get(LOCKS_ENV, "1").strip().lower() in ("0", "false", "no", "off"):
+            return True  # the user's opt-out: no lock file, nothing to release
         deadline = time.monotonic() + timeout_s
         while True:
             fd = os.open(self.file, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
@@ -58,6 +86,12 @@ class PathLock:
                     return False
                 time.sleep(0.02)
                 continue
+            except OSError as e:
+                os.close(fd)
+                if e.errno in _NO_FLOCK:
+                    self._unlink_own()
+                    raise LockUnsupportedError(self.file, e) from e
+                raise
             except BaseException:
                 os.close(fd)
                 raise
@@ -70,6 +104,11 @@ class PathLock:
                 continue
             self._fd = fd
             return True
+
+    def _unlink_own(self) -> None:
+        """Remove the lock file after ``flock`` itself failed: nobody can hold it (locks do not work there)."""
+        with contextlib.suppress(OSError):
+            os.unlink(self.file)
 
     def release(self) -> None:
         """Remove the lock file and let the next waiter in (no-op when not held)."""
@@ -117,26 +156,80 @@ def remove_tree(path: Union[str, Path]) -> None:
         shutil.rmtree(path)
 
 
+# Names of the regular files this library writes in a directory of one kind (a checkpoint, a model directory).
+Ours = Callable[[str], bool]
+
+
+def kept_path(path: Union[str, Path]) -> Path:
+    """A free name beside ``path`` for what a user put into it: ``<name>.kept``, then ``<name>.kept-2``, ...
+    No clean-up of this library ever removes such a name."""
+    path = Path(path)
+    for i in itertools.count(1):
+        candidate = path.parent / (f"{path.name}.kept" if i == 1 else f"{path.name}.kept-{i}")
+        if not os.path.lexists(candidate):
+            return candidate
+    raise AssertionError("unreachable")
+
+
+def discard_ours(
+    path: Union[str, Path], ours: Ours, *, origin: Union[str, Path, None] = None, first: tuple[str, ...] = ()
+) -> Optional[Path]:
+    """Delete what this library wrote at ``path``: a symbolic link (the link, never its target), or a directory's
+    regular files that ``ours`` names (``first`` before the others), then the directory once empty. Anything else
+    (a user's file or folder) is never deleted: the directory, or a file at ``path``, moves to
+    ``kept_path(origin or path)``, which is returned and named in a warning."""
+    path = Path(path)
+    origin = Path(origin) if origin is not None else path
+    if path.is_symlink() or not os.path.lexists(path):
+        path.unlink(missing_ok=True)
+        return None
+    foreign = [path.name] if not path.is_dir() else []
+    if path.is_dir():
+        for entry in sorted(os.scandir(path), key=lambda e: (e.name not in first, e.name)):
+            if entry.is_file(follow_symlinks=False) and ours(entry.name):
+                os.unlink(entry.path)
+            else:
+                foreign.append(entry.name + ("/" if entry.is_dir(follow_symlinks=False) else ""))
+        if not foreign:
+            path.rmdir()
+            return None
+    kept = kept_path(origin)
+    path.rename(kept)
+    shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
+    warnings.warn(
+        f"{origin}: {shown} (not written by this library) appeared there while it was being replaced; kept, "
+        f"untouched, in {kept}. Move it where you want it; no clean-up of this library removes {kept.name}.",
+        stacklevel=3,
+    )
+    return kept
+
+
 def publish_dir(
-    tmp: Union[str, Path], path: Union[str, Path], *, discard: Callable[[Path], object] = remove_tree
+    tmp: Union[str, Path],
+    path: Union[str, Path],
+    *,
+    ours: Ours,
+    replace: bool = True,
+    first: tuple[str, ...] = (),
 ) -> Path:
-    """Rename the finished directory ``tmp`` to ``path``; what was there goes (``discard``) only once ``tmp`` is in
-    place: swapped in one atomic step where the system can, else it waits in ``replaced_path(path)`` between two
-    renames and is put back if the second fails. A symbolic link at ``path`` is replaced, never what it points to."""
+    """Put the finished directory ``tmp`` in place at ``path`` (under ``path``'s ``PathLock``), then discard only
+    what this library wrote of what was there (``discard_ours``: a user's file added meanwhile is kept and named).
+
+    The target is looked at again here: without ``replace``, anything but an empty directory there now refuses
+    (``FileExistsError``, ``tmp`` left for the caller to discard). Swapped in one atomic step where the system can
+    (``renameat2``), else the previous entry waits in ``replaced_path(path)`` between two renames and is put back
+    if the second fails. Once the new directory is in place nothing raises: a failed clean-up is a warning."""
     tmp, path = Path(tmp), Path(path)
     old = replaced_path(path)
     replacing = path.exists() or path.is_symlink()
+    if replacing and not replace and not (path.is_dir() and not path.is_symlink() and not any(path.iterdir())):
+        raise FileExistsError(f"{path} appeared while it was being written; it was not replaced.")
     if replacing and exchange_paths(tmp, path):
-        try:
-            discard(tmp)  # the previous entry, now under tmp's name
-        except Exception as e:  # noqa: BLE001 - the new directory is in place: say what is left, do not fail
-            warnings.warn(
-                f"{path} was replaced, but the previous content left at {tmp} was not removed: {e}", stacklevel=2
-            )
+        _discard_quietly(tmp, ours, path, first)  # the previous entry, now under tmp's name
         return path
     if replacing:
-        if os.path.lexists(old):
-            discard(old)  # left by an interrupted clean-up: what is at path is the complete one
+        if os.path.lexists(old):  # left by an interrupted overwrite: what is at path is the newer one
+            discard_ours(old, ours, origin=path, first=first)
         path.rename(old)
     try:
         tmp.rename(path)
@@ -145,8 +238,54 @@ def publish_dir(
             old.rename(path)  # put the previous directory back
         raise
     if replacing:
-        discard(old)
+        _discard_quietly(old, ours, path, first)
     return path
+
+
+def _discard_quietly(where: Path, ours: Ours, path: Path, first: tuple[str, ...]) -> None:
+    """``discard_ours`` after the new ``path`` is in place: a failure is a warning naming what is left, never an
+    error (the save succeeded)."""
+    try:
+        discard_ours(where, ours, origin=path, first=first)
+    except OSError as e:
+        warnings.warn(
+            f"{path} was replaced, but the previous content left at {where} was not removed: {e}", stacklevel=3
+        )
+
+
+def stage_dir(
+    path: Union[str, Path], *, ours: Ours, check: Callable[[Path], object], timeout_s: float
+) -> Optional[PathLock]:
+    """Lock ``path``, ``check(path)`` (raises to refuse), and make ``incomplete_path(path)`` afresh to write into
+    (what an interrupted save left there goes through ``discard_ours``). Returns the held lock, ``None`` when
+    another holder kept it ``timeout_s``; the lock is released if anything here raises."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    lock = PathLock(path)
+    if not lock.acquire(timeout_s=timeout_s):
+        return None
+    try:
+        check(path)
+        tmp = incomplete_path(path)
+        if os.path.lexists(tmp):  # the lock says no one writes it now
+            discard_ours(tmp, ours, origin=path)
+        tmp.mkdir()
+    except BaseException:
+        lock.release()
+        raise
+    return lock
+
+
+def end_stage(path: Union[str, Path], lock: Optional[PathLock], ours: Ours) -> None:
+    """After a write: discard what a failed one left in ``incomplete_path(path)`` (``discard_ours``), release
+    ``stage_dir``'s lock whatever happens."""
+    tmp = incomplete_path(path)
+    try:
+        if os.path.lexists(tmp):
+            discard_ours(tmp, ours, origin=path)
+    finally:
+        if lock is not None:
+            lock.release()
 
 
 def atomic_write(path: Union[str, Path], write: Callable[[Path], object]) -> Path:

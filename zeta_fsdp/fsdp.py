@@ -19,6 +19,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from .distributed import choose_device, ensure_process_group, shard_group_size, validate_mesh
 from .engines import engine_named
+from .fp32_modules import KeepFp32Spec, add_cast_hooks, select_fp32
 from .materialize import materialize_meta_model
 from .options import (
     choose_engine,
@@ -29,9 +30,11 @@ from .options import (
     validate_prefetch,
     validate_reshard_after_forward,
 )
-from .sharding import apply_activation_checkpointing, apply_compile, cast_to_master
+from .sharding import apply_activation_checkpointing, apply_compile, cast_to_fp32, cast_to_master
+from .torch_compat import HAS_PARAM_DTYPE_OVERRIDE
+from .unfreeze import guard_unfreezing
 from .wrapped import fsdp_engine, get_wrap_plan, is_fsdp_wrapped, record_wrap
-from .wrapping import BlockSpec, build_wrap_plan
+from .wrapping import BlockSpec, add_fp32_units, build_wrap_plan
 
 # fsdp_engine, get_wrap_plan, is_fsdp_wrapped: public names that have always been importable from here.
 __all__ = ["fsdp", "fsdp_engine", "get_wrap_plan", "is_fsdp_wrapped"]
@@ -102,6 +105,7 @@ def fsdp(
     master_dtype: Union[str, torch.dtype, None] = "fp32",
     keep_tail_unsharded: Union[bool, int] = False,
     prefetch: Optional[int] = None,
+    keep_fp32: KeepFp32Spec = None,
 ) -> nn.Module:
     """Shard ``model`` with FSDP2 (``fully_shard``) and return the same object, now an ``FSDPModule``
     (under NO_SHARD in fp32 or bf16: replicated with DDP's engine, see Engines below).
@@ -182,6 +186,7 @@ def fsdp(
     prefetch = validate_prefetch(prefetch)
     ignored = _ignored_parameters(model, ignored_params, ignored_modules)
     plan = build_wrap_plan(model, auto_wrap=auto_wrap, transformer_block=TransformerBlock, ignored_params=ignored)
+    fp32 = select_fp32(model, keep_fp32, mp_policy)
     name, _ = choose_engine(
         spec,
         mp_policy,
@@ -189,7 +194,10 @@ def fsdp(
         cpu_offload=cpu_offload,
         has_ignored=bool(ignored),
         has_trainable=any(p.requires_grad for p in model.parameters()),
+        has_fp32=bool(fp32),
     )
+    if fp32 and name == "fully_shard" and not HAS_PARAM_DTYPE_OVERRIDE:
+        add_fp32_units(plan, model, fp32.param_names)
     engine = engine_named(name)
     engine.check(plan, model, master)
     compute_device = _check_device(model, device)
@@ -203,14 +211,29 @@ def fsdp(
         apply_activation_checkpointing(plan)
     if compile:
         apply_compile(plan, compile)
-    if cast_to_master(model, master):
+    if cast_to_master(model, master) + cast_to_fp32(model, fp32.param_names):
         plan.recount(model)
     shard_index = engine.wrap(
-        model, plan, compute_device, mp_policy, mesh, reshard, cpu_offload, ignored, keep_tail, prefetch
+        model,
+        plan,
+        compute_device,
+        mp_policy,
+        mesh,
+        reshard,
+        cpu_offload,
+        ignored,
+        keep_tail,
+        prefetch,
+        fp32_params=fp32.param_names,
     )
+    add_cast_hooks(model, fp32.cast_modules)
+    plan.notes.extend(fp32.notes)
     if materialize:
         materialize_meta_model(
             model, compute_device, plan.tied_params, shard_index=shard_index, offload_to_cpu=cpu_offload
         )
-    record_wrap(model, name, plan)  # so fsdp_engine() and get_wrap_plan() can say what was done
+    guard_unfreezing(model, name, master)
+    record_wrap(
+        model, name, plan, compute_device, cpu_offload
+    )  # what fsdp_engine(), get_wrap_plan(), compute_device() read
     return model

@@ -35,6 +35,7 @@ except ImportError as e:  # pragma: no cover - the extra is installed in CI
     ) from e
 
 from .options import resolve_mixed_precision
+from .state_dict.checks import GROUPS_PREFIX, STATE_PREFIX, named_parameters
 from .strategy import FSDP2Strategy as CoreStrategy
 from .strategy.options import resolve_sizes
 from .strategy.steps import call_through_root, nemo_step_result
@@ -123,6 +124,42 @@ def _core_method(name: str) -> Callable[..., Any]:
     return call
 
 
+def _saved_fqn(rest: str, live: set[str]) -> bool:
+    """Whether a flat optimizer key's remainder (``<fqn>.<state or option>``) names a live parameter."""
+    parts = rest.split(".")
+    return any(".".join(parts[:n]) in live for n in range(1, len(parts)))
+
+
+def map_module_prefix(state: Any, module: Any) -> Any:
+    """A flat optimizer state saved from a module inside ``module`` (NeMo: ``self.model`` of the LightningModule),
+    its keys given the child's prefix (``state.l1.weight.step`` -> ``state.model.l1.weight.step``) when exactly
+    one child prefix makes every key name a live parameter; anything else is returned as it was (and the load
+    then names what does not match).
+
+    Example:
+        >>> import torch.nn as nn
+        >>> outer = nn.Module(); outer.model = nn.Linear(2, 2)
+        >>> sorted(map_module_prefix({"state.weight.step": 1, "param_groups.weight.lr": 0.1}, outer))
+        ['param_groups.model.weight.lr', 'state.model.weight.step']
+    """
+    keys = list(state) if isinstance(state, Mapping) else []
+    if not keys or not all(isinstance(k, str) and k.startswith((STATE_PREFIX, GROUPS_PREFIX)) for k in keys):
+        return state
+    live = set(named_parameters(module))
+
+    def kind_rest(key: str) -> tuple[str, str]:
+        kind = STATE_PREFIX if key.startswith(STATE_PREFIX) else GROUPS_PREFIX
+        return kind, key[len(kind) :]
+
+    if all(_saved_fqn(kind_rest(k)[1], live) for k in keys):
+        return state
+    prefixes = sorted({name + "." for name, _ in module.named_modules() if name})
+    fits = [p for p in prefixes if all(_saved_fqn(p + kind_rest(k)[1], live) for k in keys)]
+    if len(fits) != 1:
+        return state
+    return {kind + fits[0] + rest: value for kind, rest, value in ((*kind_rest(k), v) for k, v in state.items())}
+
+
 class FSDP2Strategy(ParallelStrategy):
     """Lightning strategy running ``zeta_fsdp.FSDP2Strategy``: FSDP2 (+ tensor parallel) in a ``Trainer``.
 
@@ -173,7 +210,17 @@ class FSDP2Strategy(ParallelStrategy):
     lightning_module_state_dict = _core_method("lightning_module_state_dict")
     optimizer_state = _core_method("optimizer_state")
     load_model_state_dict = _core_method("load_model_state_dict")
-    load_optimizer_state_dict = _core_method("load_optimizer_state_dict")
+
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        """Queue ``checkpoint["optimizer_states"]`` for the first training step (the core's), a state saved from
+        the LightningModule's inner model (keys without its ``model.`` prefix) mapped onto the module's names.
+        Example: ``trainer.strategy.load_optimizer_state_dict({"optimizer_states": [inner_state]})``."""
+        module = self.lightning_module
+        states = checkpoint.get("optimizer_states") if isinstance(checkpoint, Mapping) else None
+        if module is not None and isinstance(states, (list, tuple)):
+            checkpoint = {**checkpoint, "optimizer_states": [map_module_prefix(s, module) for s in states]}
+        self.core.load_optimizer_state_dict(checkpoint)
+
     remove_checkpoint = _core_method("remove_checkpoint")
 
     @property

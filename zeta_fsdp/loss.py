@@ -60,10 +60,16 @@ class _GlobalMeanReduction:
     def _per_token(self, batch: Any, forward_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-position losses and weights (0 where masked), same shape, from logits or losses."""
         labels, mask = _labels_and_mask(batch)
+        if labels is not None:  # labels follow the logits (CPU batches, a model fsdp() put on CUDA)
+            labels = labels.to(forward_out.device)
         if mask is None:
             mask = (
                 labels != self.ignore_index if labels is not None else torch.ones_like(forward_out, dtype=torch.float)
             )
+        elif labels is not None and labels.shape == mask.shape:
+            # A label equal to ignore_index is never a target, whatever loss_mask says (a mask built
+            # from attention alone still counts -100 positions: loss 0 with weight 1 halves the loss).
+            mask = torch.where((labels != self.ignore_index).to(mask.device), mask, torch.zeros_like(mask))
         mask = mask.to(forward_out.device)
         if labels is not None and forward_out.dim() == labels.dim() + 1:
             # Masked positions may hold any label (-100, padding ids): give them a valid one so
@@ -153,8 +159,9 @@ class PerSampleLossReduction(_GlobalMeanReduction):
     """Global per-sample mean across the data-parallel group: every sample weighs the same.
 
     For losses that are not per token (or where each sequence should count once, whatever its
-    length). ``forward_out`` is one loss per sample ``(batch,)``; or per-token losses / logits,
-    which are first averaged over each sample's valid tokens (samples with none are skipped).
+    length). ``forward_out`` is one loss per sample ``(batch,)``, classification logits ``(batch, classes)``
+    with labels ``(batch,)``, or per-token losses / logits, which are first averaged over each sample's
+    valid tokens (samples with none are skipped).
 
     Example:
         >>> reduction = PerSampleLossReduction()
@@ -169,6 +176,13 @@ class PerSampleLossReduction(_GlobalMeanReduction):
             losses = forward_out.float()
             return losses.sum(), torch.tensor(float(losses.numel()), device=losses.device)
         losses, weights = self._per_token(batch, forward_out)
+        if losses.dim() == 1:  # one loss per sample already: classification logits (B, C) with labels (B,)
+            return losses.sum(), weights.sum()
+        if losses.dim() == 0:
+            raise ValueError(
+                "PerSampleLossReduction: got a single loss (0-dim); it needs one loss per sample (batch,), "
+                "per-token losses (batch, ...), or logits (batch, ..., classes) with labels (batch, ...)."
+            )
         losses, weights = losses.flatten(1), weights.flatten(1)
         tokens = weights.sum(dim=1)
         has_tokens = tokens > 0

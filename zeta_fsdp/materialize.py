@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Iterable, Optional
 
 import torch
@@ -13,9 +14,10 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.overrides import TorchFunctionMode
 
 from .ties import retie
+from .torch_compat import dtensor_random_from_local_generator
 from .wrapped import unwrapped_class
 
-__all__ = ["materialize_meta_model"]
+__all__ = ["materialize_meta_model", "move_buffers"]
 
 # Written into every floating-point tensor (and the most negative value into integer ones) after
 # ``to_empty``: whatever still holds it after initialisation was not initialised.
@@ -78,6 +80,17 @@ def _fill_constructor_constants(model: nn.Module, unset: list[str], tensors: dic
             target.copy_(source.to(dtype=target.dtype, device=target.device))
 
 
+def move_buffers(model: nn.Module, device: torch.device) -> None:
+    """Every buffer of ``model`` onto ``device``, parameters left where they are: under FSDP2's CPU offload
+    the sharded parameters live on CPU while buffers stay on the compute device, where the forward uses them."""
+    for module in model.modules():
+        for name, buffer in list(module.named_buffers(recurse=False)):
+            if buffer is None or buffer.is_meta or buffer.device == device:
+                continue
+            persistent = name not in module._non_persistent_buffers_set
+            module.register_buffer(name, buffer.to(device), persistent=persistent)
+
+
 def materialize_meta_model(
     model: nn.Module,
     device: torch.device,
@@ -93,7 +106,8 @@ def materialize_meta_model(
     parameters that init skips (``_fill_constructor_constants``); the ties. Every tensor first holds
     ``_SENTINEL``: one still holding it was initialised by nobody and raises ``RuntimeError`` naming it.
 
-    ``shard_index``: this rank's coordinate on the mesh's shard dimension. On CPU, DTensor random ops
+    ``shard_index``: this rank's coordinate on the mesh's shard dimension. On CPU (also CPU-offloaded
+    shards of a CUDA model, drawn from the CPU generator, not DTensor's CUDA RNG tracker), DTensor random ops
     draw from each rank's own generator, so every shard would get the same numbers (a weight of one
     repeated block): there the init is seeded with ``shard_index`` (distinct across shards, equal across
     replicas). The caller's RNG state is left as it was.
@@ -101,22 +115,22 @@ def materialize_meta_model(
     meta_names = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     if not meta_names:
         return False
-    # FSDP2's CPU offload expects the sharded parameters on CPU; buffers stay on the compute device.
+    # FSDP2's CPU offload keeps the sharded parameters on CPU (it pins them as they move); buffers stay
+    # on the compute device, where the forward uses them.
     model.to_empty(device="cpu" if offload_to_cpu else device)
     if offload_to_cpu and device.type != "cpu":
-        for module in model.modules():
-            for name, buffer in list(module.named_buffers(recurse=False)):
-                module.register_buffer(
-                    name, buffer.to(device), persistent=name not in module._non_persistent_buffers_set
-                )
-    with torch.no_grad(), torch.random.fork_rng(devices=[]):
+        move_buffers(model, device)
+    on_cpu = device.type == "cpu" or offload_to_cpu
+    mesh = next((t.device_mesh for t in model.parameters() if isinstance(t, DTensor)), None)
+    local_rng = dtensor_random_from_local_generator(mesh) if on_cpu and mesh is not None else contextlib.nullcontext()
+    with torch.no_grad(), torch.random.fork_rng(devices=[]), local_rng:
         fresh = {**dict(model.named_parameters()), **dict(model.named_buffers())}
         for local in (_local(fresh[n]) for n in meta_names):
             if local.is_floating_point() or local.is_complex():
                 local.fill_(_SENTINEL)
             elif local.dtype != torch.bool:
                 local.fill_(torch.iinfo(local.dtype).min)
-        if device.type == "cpu":
+        if on_cpu:
             # Ranks' generators differ unless the user seeded them alike (torchrun seeds each rank at
             # random), and replicas must be initialised identically: rank 0's draw is everyone's.
             seed = torch.randint(0, 2**31 - 1, (1,), dtype=torch.int64)

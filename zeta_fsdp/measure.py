@@ -5,9 +5,10 @@ checks and the benchmarks; nothing here asserts: callers decide what the numbers
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 import torch.nn as nn
@@ -46,7 +47,34 @@ def peak_memory_by_category(
     """
     for _ in range(warmup):
         step()
-    return engine_of(model).peak_memory(model, optimizer, step, inputs)
+    with _frozen_params_accept_hooks(model):
+        return engine_of(model).peak_memory(model, optimizer, step, inputs)
+
+
+class _NoHook:
+    """The handle of a hook never registered."""
+
+    def remove(self) -> None:
+        pass
+
+
+@contextlib.contextmanager
+def _frozen_params_accept_hooks(model: nn.Module) -> Iterator[None]:
+    """Let the memory trackers register their gradient hooks on frozen parameters (as no-ops).
+
+    torch's ``MemTracker`` (DDP's engine) hooks every parameter's gradient and fails on a frozen one
+    ("cannot register a hook on a tensor that doesn't require gradient"); a frozen parameter gets no
+    gradient, so its hook would never run. Restored on exit.
+    """
+    frozen = [p for p in model.parameters() if not p.requires_grad]
+    for param in frozen:
+        param.register_hook = param.register_post_accumulate_grad_hook = lambda hook: _NoHook()
+    try:
+        yield
+    finally:
+        for param in frozen:
+            for name in ("register_hook", "register_post_accumulate_grad_hook"):
+                vars(param).pop(name, None)
 
 
 def collectives_per_step(step: Callable[[], Any]) -> dict[str, int]:

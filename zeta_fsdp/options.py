@@ -165,6 +165,7 @@ def choose_engine(
     cpu_offload: bool = False,
     has_ignored: bool = False,
     has_trainable: bool = True,
+    has_fp32: bool = False,
 ) -> tuple[str, str]:
     """Which engine runs ``spec``: ``("replicate", why)`` or ``("fully_shard", why)``.
 
@@ -186,6 +187,9 @@ def choose_engine(
     autocast = autocast_dtype(mp_policy)
     if mp_policy != MixedPrecisionPolicy() and autocast is None:
         return "fully_shard", "mp casts parameters (MixedPrecisionPolicy)"
+    if has_fp32 and autocast is not None:
+        # autocast casts every matmul, an fp32 module's too; FSDP2 keeps their policy per parameter
+        return "fully_shard", "fp32 modules (keep_fp32, a model's _keep_in_fp32_modules) under mp"
     if cpu_offload:
         return "fully_shard", "cpu_offload=True"
     if has_ignored:

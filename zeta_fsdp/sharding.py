@@ -5,7 +5,7 @@ per-block transforms (activation checkpointing, ``torch.compile``) and the maste
 from __future__ import annotations
 
 import functools
-from typing import Optional, Union
+from typing import Optional, Sequence, Union
 
 import torch
 import torch.nn as nn
@@ -14,7 +14,7 @@ from torch.utils.checkpoint import checkpoint
 from .options import stored_dtype
 from .wrapping import WrapPlan
 
-__all__ = ["apply_activation_checkpointing", "apply_compile", "cast_to_master"]
+__all__ = ["apply_activation_checkpointing", "apply_compile", "cast_to_fp32", "cast_to_master"]
 
 
 def cast_to_master(model: nn.Module, master: Optional[torch.dtype]) -> list[str]:
@@ -26,6 +26,19 @@ def cast_to_master(model: nn.Module, master: Optional[torch.dtype]) -> list[str]
             dtype = stored_dtype(param, master)
             if param.dtype != dtype:
                 param.data = param.data.to(dtype)
+                cast.append(name)
+    return cast
+
+
+def cast_to_fp32(model: nn.Module, names: Sequence[str]) -> list[str]:
+    """Store the parameters ``names`` (``fp32_modules``) in fp32, frozen ones too: they compute in
+    the dtype they are stored in, as ``from_pretrained`` loads them."""
+    cast = []
+    with torch.no_grad():
+        for name in names:
+            param = model.get_parameter(name)
+            if param.is_floating_point() and param.dtype != torch.float32:
+                param.data = param.data.float()
                 cast.append(name)
     return cast
 

@@ -8,8 +8,9 @@ Importing this module (``import zeta_fsdp`` does so before anything else) runs
 
 from __future__ import annotations
 
+import contextlib
 import re
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Iterator, Optional
 
 import torch
 
@@ -17,7 +18,7 @@ if TYPE_CHECKING:  # imported where used: an old torch must reach check_torch_ve
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
 __all__ = ["MIN_TORCH", "REDUCE_DTYPE_NONE_KEEPS_PARAM_DTYPE", "UnsupportedTorchError", "check_torch_version"]
-__all__ += ["param_mp_policy", "torch_release"]
+__all__ += ["HAS_PARAM_DTYPE_OVERRIDE", "param_mp_policy", "torch_release"]
 
 # The oldest release the whole suite passes on (docs/install.md has the table and how it was made).
 # setup.py's install_requires says the same (tests/test_torch_compat.py and the built wheel's
@@ -81,4 +82,43 @@ def param_mp_policy(group: Any, fsdp_param: Any) -> MixedPrecisionPolicy:
 # no_sync) each gradient in its parameter's own dtype; older releases in ``param_dtype``.
 REDUCE_DTYPE_NONE_KEEPS_PARAM_DTYPE: bool = torch_release() >= (2, 15)
 
+
+def _has_param_dtype_override() -> bool:
+    from dataclasses import fields
+
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    return "param_dtype_override_fn" in {f.name for f in fields(MixedPrecisionPolicy)}
+
+
 check_torch_version()  # on import (see the module docstring)
+
+# ``MixedPrecisionPolicy(param_dtype_override_fn=...)`` (torch >= 2.15): one parameter of a unit may
+# compute in its own dtype. Without it, ``keep_fp32`` parameters get FSDP units of their own.
+HAS_PARAM_DTYPE_OVERRIDE: bool = _has_param_dtype_override()
+
+
+@contextlib.contextmanager
+def dtensor_random_from_local_generator(mesh: Any) -> Iterator[None]:
+    """In the block, DTensor random ops on ``mesh`` draw from the generator of their local tensor's device
+    (seeded by the caller), not from DTensor's offset-based CUDA RNG tracker.
+
+    Why: under CPU offload on a CUDA mesh the shards are CPU tensors; the tracker forks and restores the
+    CPU generator around each op (it only advances the CUDA state), so every same-shaped tensor would get
+    the same numbers. The tracker is private (``torch.distributed.tensor._random``): this is its one reader.
+    """
+    try:
+        from torch.distributed.tensor import _random
+
+        if getattr(_random, "_rng_tracker", None) is None and _random.is_rng_supported_mesh(mesh):
+            _random._rng_tracker = _random.OffsetBasedRNGTracker(mesh)  # what DTensor's first random op makes
+        tracker = _random._rng_tracker
+        before = tracker.distribute_region_enabled
+    except Exception:  # noqa: BLE001 - a torch without this tracker: DTensor draws per shard already
+        yield
+        return
+    tracker.distribute_region_enabled = False
+    try:
+        yield
+    finally:
+        tracker.distribute_region_enabled = before

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+import torch
 import torch.nn as nn
 from torch.distributed._composable.replicate import DDP as ReplicatedModule  # noqa: N811 - torch names the class DDP
 from torch.distributed.fsdp import FSDPModule
@@ -15,6 +16,8 @@ from torch.distributed.fsdp import FSDPModule
 from .wrapping import WrapPlan
 
 __all__ = [
+    "compute_device",
+    "shard_device",
     "fsdp_engine",
     "fsdp_param_groups",
     "fsdp_state",
@@ -26,12 +29,39 @@ __all__ = [
 
 _PLAN_ATTR = "_zeta_fsdp_plan"
 _ENGINE_ATTR = "_zeta_fsdp_engine"
+_DEVICE_ATTR = "_zeta_fsdp_devices"
 
 
-def record_wrap(model: nn.Module, engine: str, plan: WrapPlan) -> None:
-    """Remember on ``model`` the engine ``fsdp()`` chose and its plan (``fsdp_engine``, ``get_wrap_plan``)."""
+def record_wrap(
+    model: nn.Module, engine: str, plan: WrapPlan, device: Optional[torch.device] = None, cpu_offload: bool = False
+) -> None:
+    """Remember on ``model`` the engine ``fsdp()`` chose, its plan, the compute device and whether the shards
+    live on CPU (``fsdp_engine``, ``get_wrap_plan``, ``compute_device``, ``shard_device``)."""
     model.__dict__[_ENGINE_ATTR] = engine
     model.__dict__[_PLAN_ATTR] = plan
+    if device is not None:
+        model.__dict__[_DEVICE_ATTR] = (device, torch.device("cpu") if cpu_offload else device)
+
+
+def compute_device(model: nn.Module) -> torch.device:
+    """The device ``model`` computes on: where ``fsdp()`` put it (``cuda:LOCAL_RANK`` on GPUs), else the device
+    of its first parameter (CPU for none). Move batches there: ``x, y = x.to(device), y.to(device)``.
+
+    Example:
+        >>> compute_device(nn.Linear(2, 2))
+        device(type='cpu')
+    """
+    devices = model.__dict__.get(_DEVICE_ATTR)
+    if devices is not None:
+        return devices[0]
+    first = next(iter(model.parameters()), None)
+    return torch.device("cpu") if first is None or first.is_meta else first.device
+
+
+def shard_device(model: nn.Module) -> torch.device:
+    """Where the model's parameter shards live: the compute device, or CPU under ``cpu_offload``."""
+    devices = model.__dict__.get(_DEVICE_ATTR)
+    return devices[1] if devices is not None else compute_device(model)
 
 
 def is_fsdp_wrapped(model: nn.Module) -> bool:

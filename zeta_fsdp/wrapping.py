@@ -10,7 +10,11 @@ Works on ``meta`` models, so it can describe a model too large to build for real
 
 from __future__ import annotations
 
+import ast
+import functools
+import inspect
 import re
+import textwrap
 import warnings
 from collections import Counter
 from dataclasses import dataclass, field
@@ -23,6 +27,7 @@ from .report import render_table
 from .ties import tied_parameter_groups
 
 __all__ = ["BlockSpec", "WrapPlan", "WrapUnit", "block_specs", "build_wrap_plan", "detect_block_classes"]
+__all__ += ["skippable_modules"]
 
 BlockSpec = Union[type, str, Sequence[Union[type, str]], None]
 
@@ -80,6 +85,8 @@ class WrapPlan:
     ``scalar_param_names``: 0-dim parameters (CLIP's ``logit_scale``). ``fully_shard`` cannot
     shard a scalar, so ``fsdp()`` keeps them whole on every rank and averages their gradient
     across ranks itself; they are listed in ``ignored_param_names`` too and owned by no unit.
+    ``skippable``: containers whose members a forward may skip on some ranks (MoE experts), by
+    name with why (``skippable_modules``); their members are never units.
 
     Example:
         >>> from zeta_fsdp.models.gpt import small
@@ -101,6 +108,8 @@ class WrapPlan:
     tied_params: list[list[str]]
     ignored_param_names: list[str] = field(default_factory=list)
     scalar_param_names: list[str] = field(default_factory=list)
+    # Containers a forward may skip on some ranks (experts of an MoE layer): name -> why.
+    skippable: dict[str, str] = field(default_factory=dict)
     # What the planner decided and why, in words (``table()`` prints them).
     notes: list[str] = field(default_factory=list)
 
@@ -364,16 +373,153 @@ def _innermost(model: nn.Module, candidates: list[type]) -> tuple[list[type], li
     return [c for c in kept if c not in stages], stages
 
 
-def _detect(model: nn.Module) -> tuple[tuple[type, ...], list[type]]:
-    """(block classes, stage classes passed over for the blocks they hold)."""
+# A container of this name holds the experts of a mixture-of-experts layer: a router picks a few per token.
+_EXPERTS = re.compile(r"expert", re.IGNORECASE)
+
+
+@functools.cache
+def _forward_tree(cls: type) -> Optional[ast.AST]:
+    """The parsed source of ``cls.forward`` (``None`` when there is none to read: a builtin, a REPL class)."""
+    try:
+        return ast.parse(textwrap.dedent(inspect.getsource(cls.forward)))
+    except (OSError, TypeError, SyntaxError, AttributeError):
+        return None
+
+
+def _reads_self(node: ast.AST, attr: str) -> bool:
+    """``node`` reads ``self.<attr>`` somewhere inside."""
+    return any(
+        isinstance(n, ast.Attribute) and n.attr == attr and isinstance(n.value, ast.Name) and n.value.id == "self"
+        for n in ast.walk(node)
+    )
+
+
+def _member_uses(loop: ast.For, attr: str) -> list[ast.AST]:
+    """Where ``loop``'s body runs a member of ``self.<attr>``: a call of (or passing) the loop's element
+    when the loop walks the container, and ``self.<attr>[i]`` (not a slice) in any loop."""
+    body = [n for stmt in loop.body for n in ast.walk(stmt)]
+    called = {n.func.id for n in body if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)}
+    names = {n.id for n in ast.walk(loop.target) if isinstance(n, ast.Name)} if _reads_self(loop.iter, attr) else set()
+    elements = names & called
+    uses: list[ast.AST] = []
+    for n in body:
+        if isinstance(n, ast.Subscript) and _reads_self(n.value, attr) and not isinstance(n.slice, ast.Slice):
+            uses.append(n)
+        elif isinstance(n, ast.Call) and any(
+            isinstance(a, ast.Name) and a.id in elements for arg in [n.func, *n.args] for a in ast.walk(arg)
+        ):
+            uses.append(n)
+    return uses
+
+
+def _per_member_names(loop: ast.For) -> set[str]:
+    """The loop's target names and the names its body computes from them (``mask = route == i``)."""
+    names = {n.id for n in ast.walk(loop.target) if isinstance(n, ast.Name)}
+    assigns = [n for stmt in loop.body for n in ast.walk(stmt) if isinstance(n, (ast.Assign, ast.AugAssign))]
+    for _ in range(3):  # a short chain of assignments is enough for the dispatch loops seen
+        for a in assigns:
+            if any(isinstance(n, ast.Name) and n.id in names for n in ast.walk(a.value)):
+                targets = a.targets if isinstance(a, ast.Assign) else [a.target]
+                names |= {n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)}
+    return names
+
+
+def _guarded(loop: ast.For, use: ast.AST, uses: list[ast.AST]) -> bool:
+    """``use`` runs only under a per-member condition inside ``loop`` (one that reads the member's
+    index or what the body computes from it, as a router's mask; not LayerDrop's coin): in one branch
+    of an ``if`` whose other branch runs no member (of ``uses``), or after an ``if ...: continue``."""
+    per_member = _per_member_names(loop)
+    for node in ast.walk(loop):
+        if not isinstance(node, (ast.If, ast.IfExp)) or node is loop:
+            continue
+        if not any(isinstance(n, ast.Name) and n.id in per_member for n in ast.walk(node.test)):
+            continue
+        branches = (node.body, node.orelse) if isinstance(node, ast.If) else ([node.body], [node.orelse])
+        runs = [{id(n) for s in b for n in ast.walk(s)} for b in branches]
+        if any(id(use) in r for r in runs) and not all(any(id(u) in r for u in uses) for r in runs):
+            return True
+        skips = isinstance(node, ast.If) and any(isinstance(n, ast.Continue) for s in node.body for n in ast.walk(s))
+        if skips and node.lineno < use.lineno:
+            return True
+    return False
+
+
+def _runs_conditionally(cls: type, attr: str) -> bool:
+    """Whether ``cls.forward`` may skip members of ``self.<attr>``: every call of one sits under a
+    condition in its loop, or picks it by index in a loop over something other than ``range(...)``
+    or the container itself (the experts a router hit)."""
+    tree = _forward_tree(cls)
+    for loop in (n for n in ast.walk(tree) if isinstance(n, ast.For)) if tree is not None else ():
+        uses = _member_uses(loop, attr)
+        if not uses:
+            continue
+        by_range = isinstance(loop.iter, ast.Call) and getattr(loop.iter.func, "id", None) == "range"
+        picked = not by_range and not _reads_self(loop.iter, attr) and any(isinstance(u, ast.Subscript) for u in uses)
+        if picked or all(_guarded(loop, u, uses) for u in uses):
+            return True
+    return False
+
+
+def skippable_modules(model: nn.Module) -> dict[str, str]:
+    """The ``nn.ModuleList`` / ``nn.ModuleDict`` containers whose members a forward may skip on some
+    ranks (the experts of a mixture-of-experts layer), by name, with why in words.
+
+    A member skipped on one rank would not join its own unit's collectives there, so such members
+    never become units: the module holding them (the MoE layer) is the unit.
+
+    Example:
+        >>> class MoE(nn.Module):
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.ffns = nn.ModuleList(nn.Linear(2, 2) for _ in range(3))
+        ...     def forward(self, x, route):
+        ...         for i, ffn in enumerate(self.ffns):
+        ...             if (route == i).any():
+        ...                 x = x + ffn(x)
+        ...         return x
+        >>> skippable_modules(MoE())
+        {'ffns': 'MoE.forward runs its members under a condition'}
+    """
+    found: dict[str, str] = {}
+    for owner_name, owner in model.named_modules():
+        for name, child in owner.named_children():
+            if not isinstance(child, (nn.ModuleList, nn.ModuleDict)) or len(child) < 2:
+                continue
+            path = f"{owner_name}.{name}" if owner_name else name
+            if _runs_conditionally(type(owner), name):
+                found[path] = f"{type(owner).__name__}.forward runs its members under a condition"
+            elif _EXPERTS.search(name):
+                found[path] = f"named {name!r}: the experts a router picks per token"
+    return found
+
+
+def _declared_blocks(model: nn.Module) -> list[type]:
+    """The classes a Hugging Face model names in ``_no_split_modules`` that it holds."""
     no_split = getattr(model, "_no_split_modules", None) or ()
-    named = sorted({type(m) for m in model.modules() if type(m).__name__ in no_split}, key=lambda c: c.__name__)
+    return sorted({type(m) for m in model.modules() if type(m).__name__ in no_split}, key=lambda c: c.__name__)
+
+
+def _members_of(model: nn.Module, containers: Iterable[str]) -> set[int]:
+    """Ids of every module inside the named containers (the containers themselves excluded)."""
+    return {
+        id(m) for name in containers for m in model.get_submodule(name).modules() if m is not model.get_submodule(name)
+    }
+
+
+def _detect(model: nn.Module) -> tuple[tuple[type, ...], list[type]]:
+    """(block classes, stage classes passed over for the blocks they hold). A class found only among
+    members a forward may skip (experts) is no block: the layer holding them is."""
+    named = _declared_blocks(model)
     if named:
         return tuple(named), []
     counts = _repeated_children(model)
-    if not counts:
+    skipped = _members_of(model, skippable_modules(model)) if counts else set()
+    candidates = [
+        cls for cls, _ in counts.most_common() if not all(id(m) in skipped for m in model.modules() if type(m) is cls)
+    ]
+    if not candidates:
         return (), []
-    blocks, stages = _innermost(model, [cls for cls, _ in counts.most_common()])
+    blocks, stages = _innermost(model, candidates)
     return tuple(blocks), stages
 
 
@@ -400,14 +546,14 @@ def detect_block_classes(model: nn.Module) -> tuple[type, ...]:
     return _detect(model)[0]
 
 
-def _split_suggestion(model: nn.Module, unit: WrapUnit) -> list[type]:
+def _split_suggestion(model: nn.Module, unit: WrapUnit, skipped: set[int]) -> list[type]:
     """Block-like classes repeated among the modules whose parameters ``unit`` owns, biggest first:
-    what ``TransformerBlock`` could name to split it."""
+    what ``TransformerBlock`` could name to split it (never members a forward may skip)."""
     owned = set(unit.param_names)
     numel: Counter = Counter()
     count: Counter = Counter()
     for name, m in model.named_modules():
-        if m is model or isinstance(m, _CONTAINERS) or _is_layer_like(m):
+        if m is model or isinstance(m, _CONTAINERS) or _is_layer_like(m) or id(m) in skipped:
             continue
         names = [f"{name}.{n}" for n, _ in m.named_parameters()]
         if names and all(n in owned for n in names):
@@ -512,6 +658,56 @@ def _fill_params(units: list[WrapUnit], model: nn.Module, ignored: set[int]) -> 
     return ignored_names, scalar_names
 
 
+def _runnable_blocks(
+    model: nn.Module,
+    blocks: list[tuple[str, nn.Module]],
+    skippable: dict[str, str],
+    *,
+    given: bool,
+    declared: bool,
+    caller: str,
+) -> list[tuple[str, nn.Module]]:
+    """``blocks`` without the members a forward may skip: a unit one rank skips would not join its
+    all-gather and reduce-scatter there (the ranks' collectives no longer line up: wrong gradients or
+    a hang). A ``TransformerBlock`` the user named is refused; blocks a Hugging Face model declares
+    (``_no_split_modules``) stay, as LayerDrop skips them only when ``config.layerdrop > 0``."""
+    skipped = _members_of(model, skippable)
+    if declared:
+        return blocks
+    bad = [name for name, module in blocks if id(module) in skipped]
+    if bad and given:
+        holder = next(c for c in skippable if _is_under(bad[0], [c]))
+        raise ValueError(
+            f"{caller}(): TransformerBlock makes {bad[0]} an FSDP unit, but a forward may skip it on some ranks "
+            f"({holder}: {skippable[holder]}). A rank whose tokens skip it would not join its unit's collectives: "
+            "wrong gradients or a hang. Name the class of the layer that holds it (the MoE layer or block) instead."
+        )
+    return [(name, module) for name, module in blocks if id(module) not in skipped]
+
+
+def _skippable_note(skippable: dict[str, str], declared: bool) -> str:
+    """The plan table's line on containers a forward may skip (grouped by why)."""
+    by_why: dict[str, list[str]] = {}
+    for name, why in skippable.items():
+        by_why.setdefault(why, []).append(name)
+    parts = [
+        f"{', '.join(names[:2])}{f' (+{len(names) - 2} more)' if len(names) > 2 else ''} ({why})"
+        for why, names in by_why.items()
+    ]
+    if declared:
+        return (
+            "a forward may skip these members: " + "; ".join(parts) + ". Units as the model declares them "
+            "(_no_split_modules); a unit one rank skips (LayerDrop with config.layerdrop > 0) would miss its "
+            "collectives there: keep layerdrop at 0 under fsdp()"
+        )
+    return (
+        "not units, as ranks may skip them in a step: "
+        + "; ".join(parts)
+        + ". They stay in the unit of the module holding them (an MoE layer is one unit, not its experts); "
+        "their unused parameters reduce zero gradients"
+    )
+
+
 def build_wrap_plan(
     model: nn.Module,
     *,
@@ -566,7 +762,14 @@ def build_wrap_plan(
                 stacklevel=3,
             )
 
+    skippable = skippable_modules(model)
     blocks = _find_blocks(model, classes)
+    if auto_wrap and skippable:
+        given = transformer_block is not None
+        blocks = _runnable_blocks(
+            model, blocks, skippable, given=given, declared=not given and bool(_declared_blocks(model)), caller=caller
+        )
+        notes.append(_skippable_note(skippable, declared=not given and bool(_declared_blocks(model))))
     units = [WrapUnit("block", [name], [module]) for name, module in blocks]
     block_counts = Counter(type(m) for _, m in blocks)
     singletons = {n for n, m in blocks if block_counts[type(m)] == 1}
@@ -584,15 +787,82 @@ def build_wrap_plan(
     plan = WrapPlan(
         units, classes, tied, ignored_param_names=ignored_names, scalar_param_names=scalar_names, notes=notes
     )
+    # Blocks a Hugging Face model declares are skipped only by LayerDrop (off unless configured).
+    declared = tuple(_declared_blocks(model))
+    plan.skippable = {
+        n: why for n, why in skippable.items() if not any(isinstance(m, declared) for m in model.get_submodule(n))
+    }
     plan.recount(model)
     largest = plan.largest
     if largest is not None and len(units) > 1:
         share = plan.share(largest)
         notes.append(f"largest unit: {largest.name} ({largest.kind}), {100 * share:.1f}% of the parameters")
-        names = [c.__name__ for c in _split_suggestion(model, largest)[:2]] if share > _LARGE_SHARE else []
+        names = (
+            [c.__name__ for c in _split_suggestion(model, largest, _members_of(model, skippable))[:2]]
+            if share > _LARGE_SHARE
+            else []
+        )
         if names:
             notes.append(
                 f"{largest.name} holds more than a quarter of the parameters (all-gathered at once); to "
                 f"split it pass TransformerBlock={names[0]!r}" + (f" (or {tuple(names)!r})" if len(names) > 1 else "")
             )
     return plan
+
+
+def add_fp32_units(plan: WrapPlan, model: nn.Module, fp32_param_names: Sequence[str], caller: str = "fsdp") -> None:
+    """Give the fp32 parameters units of their own (kind ``"fp32"``), for torch releases without
+    ``MixedPrecisionPolicy.param_dtype_override_fn``: a policy is per unit there.
+
+    Each unit is an outermost module all of whose parameters are fp32, placed just before the unit
+    that held it (bottom-up: a unit inside a block is sharded before the block); a module already
+    in a group (the final norm of ``[norm, head]``) leaves it. ``ValueError`` when an fp32
+    parameter shares its module with parameters that follow ``mp`` (torch >= 2.15 keeps such a
+    parameter alone), or is tied across units.
+    """
+    wanted = set(fp32_param_names)
+    if not wanted:
+        return
+    names = {id(p): n for n, p in model.named_parameters()}
+    marked = {n for n, p in model.named_parameters() if n in wanted}
+    full = {}  # module name -> every parameter under it is fp32
+    for mname, module in model.named_modules():
+        held = [names[id(p)] for p in module.parameters()]
+        full[mname] = bool(held) and all(n in marked for n in held) and not isinstance(module, _CONTAINERS[:2])
+    chosen = [m for m in full if full[m] and m and not any(full[o] for o in _parents(m))]
+    stray = [n for n in marked if not any(_is_under(n.rpartition(".")[0], [m]) for m in chosen)]
+    if stray:
+        owner = stray[0].rpartition(".")[0] or "<root>"
+        raise ValueError(
+            f"{caller}(): {stray[0]} must stay fp32 but its module {owner} also holds parameters that follow mp. "
+            "This torch has no MixedPrecisionPolicy.param_dtype_override_fn (torch >= 2.15 keeps one parameter "
+            f"fp32 inside a unit): upgrade torch, or keep the whole module fp32 (keep_fp32=[{owner!r}])."
+        )
+    for mname in chosen:
+        for unit in plan.units:  # a module named in a group (the final norm of [norm, head]) leaves it
+            if mname in unit.module_names and unit.kind != "root":
+                keep = [i for i, n in enumerate(unit.module_names) if n != mname]
+                unit.module_names = [unit.module_names[i] for i in keep]
+                unit.modules = [unit.modules[i] for i in keep]
+        units = [u for u in plan.units if u.module_names]
+        at = _claiming_unit(mname, units)
+        units.insert(at, WrapUnit("fp32", [mname], [model.get_submodule(mname)]))
+        plan.units = units
+    for unit in plan.units:
+        unit.param_names, unit.numel = [], 0
+    _fill_params(plan.units, model, {id(model.get_parameter(n)) for n in plan.ignored_param_names})
+    plan.units = [u for u in plan.units if u.numel > 0 or u.kind == "root"]
+    for names_tied in plan.tied_params:
+        if len({_claiming_unit(n.rpartition(".")[0], plan.units) for n in names_tied}) > 1:
+            raise ValueError(
+                f"{caller}(): the fp32 module holding {names_tied[0]} shares it with {names_tied[1:]} (tied) in "
+                "another unit; keep both fp32 (keep_fp32=[...] naming both), or upgrade to torch >= 2.15."
+            )
+    plan.recount(model)
+    plan.notes.append(f"fp32 units (own fp32 MixedPrecisionPolicy): {', '.join(chosen)}")
+
+
+def _parents(name: str) -> list[str]:
+    """``a.b.c`` -> ``["", "a", "a.b"]``."""
+    parts = name.split(".")
+    return [""] + [".".join(parts[:i]) for i in range(1, len(parts))]

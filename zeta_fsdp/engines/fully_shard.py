@@ -6,7 +6,8 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Iterator, Optional, Union
+import dataclasses
+from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -14,15 +15,20 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-from ..costs import AccumulationCost, accumulation_costs, gradient_wait_dtype
+from ..costs import AccumulationCost, accumulation_costs, gradient_wait_dtype, peak_by_device
 from ..distributed import build_mesh
 from ..options import ShardingSpec, stored_dtype
-from ..torch_compat import param_mp_policy
-from ..wrapped import fsdp_param_groups, fsdp_state
+from ..torch_compat import HAS_PARAM_DTYPE_OVERRIDE, param_mp_policy
+from ..wrapped import compute_device, fsdp_param_groups, fsdp_state
 from ..wrapping import WrapPlan
 
 # Each rank holds its own shard: a parameter's rows come from the rank that owns them.
 REPLICAS_EQUAL = False
+
+# torch >= 2.13: FSDP2 can reduce a zero gradient for a parameter this rank did not use. Older
+# releases reduce-scatter only the gradients a rank has, so ranks that used different parameters
+# (MoE routing) sum one parameter's gradient into another's, silently.
+REDUCES_UNUSED_PARAMS = hasattr(FSDPModule, "set_reduce_scatter_unused_params")
 
 
 def managed(model: nn.Module) -> list[nn.Module]:
@@ -34,8 +40,10 @@ def check(plan: WrapPlan, model: nn.Module, master: Optional[torch.dtype]) -> No
     """What ``fully_shard`` would reject in a unit, checked before any unit is sharded (a unit
     refused after others were would leave a half-wrapped model): mixed dtypes among a unit's
     trainable parameters as they WILL be stored (one reduce-scatter per unit; frozen ones may
-    differ), or a container without ``forward`` as a unit.
+    differ), or a container without ``forward`` as a unit; a forward that may skip parameters on
+    some ranks where this torch cannot reduce them right.
     """
+    _check_unused_params(plan)
     params = dict(model.named_parameters())
     for unit in plan.units:
         by_dtype: dict[torch.dtype, list[str]] = {}
@@ -63,6 +71,21 @@ def check(plan: WrapPlan, model: nn.Module, master: Optional[torch.dtype]) -> No
                 )
 
 
+def _check_unused_params(plan: WrapPlan) -> None:
+    """On a torch without ``set_reduce_scatter_unused_params``, refuse a model whose forward may skip
+    parameters on some ranks (``WrapPlan.skippable``): its gradients would come out wrong, silently."""
+    if REDUCES_UNUSED_PARAMS or not plan.skippable:
+        return
+    name, why = next(iter(plan.skippable.items()))
+    raise ValueError(
+        f"fsdp(): {name} ({why}) may go unused on some ranks in a step, and torch {torch.__version__} "
+        "cannot shard such a model correctly: its FSDP2 reduce-scatters only the gradients each rank has, "
+        "so ranks that used different parameters add one parameter's gradient into another's. torch 2.13 "
+        "added the fix (FSDPModule.set_reduce_scatter_unused_params): pip install 'torch>=2.13', or use "
+        "shard_strat='NO_SHARD' in fp32/bf16 (DDP's engine finds unused parameters)."
+    )
+
+
 def mesh_for(
     spec: ShardingSpec, device: torch.device, mesh: Optional[DeviceMesh], replicate_size: Optional[int]
 ) -> Optional[DeviceMesh]:
@@ -81,26 +104,35 @@ def wrap(
     ignored: set[nn.Parameter],
     keep_tail: int,
     prefetch: Optional[int],
+    *,
+    fp32_params: Sequence[str] = (),
 ) -> int:
     """``fully_shard`` every unit bottom-up; returns this rank's index in its shard group.
 
     One policy for every unit (FSDP2 does not inherit it). The root and the ``keep_tail`` units
     forward runs last keep their parameters after forward: backward would all-gather them again
-    at once. 0-dim parameters, which ``fully_shard`` cannot shard, stay whole.
+    at once. 0-dim parameters, which ``fully_shard`` cannot shard, stay whole. ``fp32_params``
+    compute and reduce in fp32 (``unit_policy``).
     """
     scalars = [model.get_parameter(n) for n in plan.scalar_param_names]
     # Pinned host memory needs an accelerator; on a CPU-only run offloading is a no-op anyway.
     offload = CPUOffloadPolicy(pin_memory=device.type != "cpu") if cpu_offload else OffloadPolicy()
     kept = {id(u) for u in [u for u in plan.backward_order if u.kind != "embedding"][:keep_tail]}
+    fp32_ids = frozenset(id(model.get_parameter(n)) for n in fp32_params)
     for unit in plan.units:
         fully_shard(
             unit.target,
             mesh=mesh,
             reshard_after_forward=None if unit.kind == "root" else False if id(unit) in kept else reshard,
-            mp_policy=mp_policy,
+            mp_policy=unit_policy(unit, mp_policy, fp32_ids),
             offload_policy=offload,
             ignored_params=(ignored | set(scalars)) or None,
         )
+        if REDUCES_UNUSED_PARAMS:
+            # A parameter this rank did not use (an expert no token reached) reduces a zero gradient,
+            # so every rank's reduce-scatter has the same layout. Free when every parameter is used
+            # (benchmarks/results/unused_params.md).
+            unit.modules[0].set_reduce_scatter_unused_params(True, recurse=False)
     for order, setter in ((plan.forward_order, "forward"), (plan.backward_order, "backward")):
         for i, unit in enumerate(order if prefetch else ()):
             targets = [u.modules[0] for u in order[i + 1 : i + 1 + prefetch]]
@@ -109,8 +141,31 @@ def wrap(
     for scalar in scalars:  # FSDP does not move them
         if not scalar.is_meta and scalar.device != device:
             scalar.data = scalar.data.to(device)
-    _average_whole_grads(scalars, mesh)
+    _average_whole_grads(model, scalars, mesh)
     return mesh.get_local_rank(mesh.ndim - 1) if mesh.size(mesh.ndim - 1) > 1 else 0
+
+
+def unit_policy(unit: Any, mp_policy: MixedPrecisionPolicy, fp32_ids: frozenset) -> MixedPrecisionPolicy:
+    """The policy of one unit: ``mp``'s, except for fp32 parameters (``fp32_modules``). An ``"fp32"``
+    unit (``wrapping.add_fp32_units``, torch < 2.15) computes in its parameters' own dtype (fp32) and
+    reduces in fp32; on torch >= 2.15 every unit keeps ``mp`` with a per-parameter override instead
+    (no extra unit, no extra all-gather); gradients of a unit mixing dtypes reduce in fp32.
+
+    Example:
+        >>> from types import SimpleNamespace
+        >>> unit_policy(SimpleNamespace(kind="fp32"), MixedPrecisionPolicy(torch.bfloat16), frozenset()).param_dtype
+    """
+    if unit.kind == "fp32":
+        return MixedPrecisionPolicy(param_dtype=None, reduce_dtype=torch.float32, output_dtype=mp_policy.output_dtype)
+    if not fp32_ids or not HAS_PARAM_DTYPE_OVERRIDE:
+        return mp_policy
+
+    def keep_own_dtype(param: nn.Parameter) -> Optional[torch.dtype]:
+        return param.dtype if id(param) in fp32_ids else None
+
+    return dataclasses.replace(
+        mp_policy, reduce_dtype=mp_policy.reduce_dtype or torch.float32, param_dtype_override_fn=keep_own_dtype
+    )
 
 
 def _param_groups(model: nn.Module) -> list:
@@ -119,20 +174,54 @@ def _param_groups(model: nn.Module) -> list:
     return list(groups.values())
 
 
-def _average_whole_grads(params: list[nn.Parameter], mesh: DeviceMesh) -> None:
-    """Average whole parameters' gradients over ``mesh`` after each backward, as FSDP does. Under
-    ``no_sync`` too: the already-averaged part is equal on every rank, so the mean is the same."""
+def _average_whole_grads(model: nn.Module, params: list[nn.Parameter], mesh: DeviceMesh) -> None:
+    """Average whole parameters' gradients over ``mesh`` at the end of each backward, as FSDP does.
+
+    On every rank alike, whether or not this rank used them (a parameter it did not use adds a zero
+    gradient): a per-parameter gradient hook fires only where the parameter was used, and a rank
+    whose hook never fires would leave its peers waiting in the all-reduce. The end of backward is
+    an autograd-engine callback queued from a hook on the model's outputs (FSDP2 and DDP do the
+    same). Under ``no_sync`` too: the already-averaged part is equal on every rank, so the mean is
+    the same.
+    """
     groups = [mesh.get_group(d) for d in range(mesh.ndim) if mesh.size(d) > 1]
+    trainable = [p for p in params if p.requires_grad]
+    if not trainable or not groups:
+        return
+    queued = [False]
 
-    def hook(param: torch.Tensor) -> None:
-        if param.grad is not None and groups:
+    def average() -> None:
+        queued[0] = False
+        for param in trainable:  # in the same order on every rank
+            grad = param.grad if param.grad is not None else torch.zeros_like(param)
             for group in groups:
-                dist.all_reduce(param.grad, group=group)
-            param.grad.div_(mesh.size())
+                dist.all_reduce(grad, group=group)
+            param.grad = grad.div_(mesh.size())
 
-    for p in params:
-        if p.requires_grad:
-            p.register_post_accumulate_grad_hook(hook)
+    def on_output_grad(grad: torch.Tensor) -> None:
+        if not queued[0]:
+            queued[0] = True
+            torch.autograd.Variable._execution_engine.queue_callback(average)
+
+    def after_forward(_module: nn.Module, _inputs: Any, output: Any) -> None:
+        if torch.is_grad_enabled():
+            for tensor in _tensors(output):
+                if tensor.requires_grad:
+                    tensor.register_hook(on_output_grad)
+
+    model.register_forward_hook(after_forward)
+
+
+def _tensors(output: Any) -> Iterator[torch.Tensor]:
+    """The tensors in a forward's output: a tensor, or inside tuples, lists and dicts (``ModelOutput``)."""
+    if isinstance(output, torch.Tensor):
+        yield output
+    elif isinstance(output, (tuple, list)):
+        for item in output:
+            yield from _tensors(item)
+    elif isinstance(output, dict):
+        for item in output.values():
+            yield from _tensors(item)
 
 
 def _set_sync(settings: list[tuple[FSDPModule, bool, bool]]) -> None:
@@ -247,9 +336,7 @@ def peak_memory(
             tracker.track_inputs(inputs)
         with tracker:
             step()
-    peak = tracker.get_tracker_snapshot("peak")
-    per_device = next(iter(peak.values())) if peak else {}
-    return {getattr(k, "value", str(k)): int(v) for k, v in per_device.items()}
+    return peak_by_device(tracker.get_tracker_snapshot("peak"), compute_device(model))
 
 
 # Units gathered from forward until backward even under ZeRO-3: the root, and a unit whose modules

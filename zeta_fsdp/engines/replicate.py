@@ -12,13 +12,15 @@ import sys
 from typing import Any, Callable, Iterator, Optional
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed._composable.replicate import DDP as ReplicatedModule  # noqa: N811 - torch names the class DDP
 from torch.distributed._composable.replicate import replicate
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
-from ..costs import AccumulationCost, accumulation_costs
+from ..costs import AccumulationCost, accumulation_costs, peak_by_device
 from ..options import autocast_dtype
+from ..wrapped import compute_device
 
 # DDP broadcasts rank 0's parameters when it is built, then every rank applies the same averaged
 # gradient: any rank's copy of a parameter is every rank's.
@@ -38,7 +40,7 @@ def mesh_for(*_: Any) -> None:
     """DDP runs over the default group: no mesh."""
 
 
-def wrap(model: nn.Module, plan: Any, device: torch.device, mp_policy: MixedPrecisionPolicy, *_: Any) -> int:
+def wrap(model: nn.Module, plan: Any, device: torch.device, mp_policy: MixedPrecisionPolicy, *_: Any, **__: Any) -> int:
     """Put ``model`` on DDP's engine; ``mp="bf16"`` runs its forward under ``torch.autocast``
     (parameters, gradients and their all-reduce stay fp32: DDP + autocast). Returns 0 (no shard).
 
@@ -48,6 +50,9 @@ def wrap(model: nn.Module, plan: Any, device: torch.device, mp_policy: MixedPrec
     """
     if not any(t.is_meta for t in model.parameters()):
         model.to(device)
+        # DDP would broadcast rank 0's parameters only at the first forward: a save_pretrained, a state dict
+        # or a checkpoint taken before it would mix ranks' differently initialised rows. Broadcast now.
+        broadcast_parameters(model)
     # The search for parameters a step leaves without a gradient runs every step: which ones a
     # step uses may change from step to step or rank to rank (routing, skipped layers), and
     # without the search DDP then all-reduces only some buckets, so the replicas drift apart
@@ -58,6 +63,23 @@ def wrap(model: nn.Module, plan: Any, device: torch.device, mp_policy: MixedPrec
     if dtype is not None:
         autocast_forward(model, device.type, dtype)
     return 0
+
+
+def broadcast_parameters(model: nn.Module) -> None:
+    """Rank 0's parameters on every rank of the default group (one broadcast per dtype), as DDP's first forward does."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for p in model.parameters():
+        by_dtype.setdefault(p.dtype, []).append(p)
+    with torch.no_grad():
+        for params in by_dtype.values():
+            flat = torch.cat([p.detach().reshape(-1) for p in params])
+            dist.broadcast(flat, src=0)
+            offset = 0
+            for p in params:
+                p.copy_(flat[offset : offset + p.numel()].view_as(p))
+                offset += p.numel()
 
 
 def autocast_forward(model: nn.Module, device_type: str, dtype: torch.dtype) -> None:
@@ -213,7 +235,7 @@ def peak_memory(
     tracker.track_external(*(t for t in (model, optimizer) if t is not None), *inputs)
     with tracker:
         step()
-    result = memtracker_categories(next(iter(tracker.get_tracker_snapshot("peak").values()), {}))
+    result = peak_by_device(tracker.get_tracker_snapshot("peak"), compute_device(model), memtracker_categories)
     if not grads_set:
         buckets = gradient_bucket_bytes(model)
         result["Sharded Grad"] = result.get("Sharded Grad", 0) + buckets

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Union
+from typing import Any, Union
 
 import torch
 import torch.distributed as dist
@@ -17,9 +17,8 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from ..distributed import get_rank, get_world_size, on_all_ranks
-from ..files import publish_dir
 from ..state_dict.checks import short_list
-from .files import TensorEntry, end_staging, read_rows, read_safetensors_header, staging_dir
+from .files import TensorEntry, end_staging, publish_staged, read_rows, read_safetensors_header, staging_dir
 
 __all__ = ["ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "adapter_tensors", "load_adapters", "save_adapters"]
 
@@ -109,7 +108,7 @@ def save_adapters(
                 config.save_pretrained(str(staged[0]))
             finally:
                 config.inference_mode = inference_mode
-            publish_dir(staged[0], path)
+            publish_staged(staged[0], path)
 
         on_all_ranks(write)
     finally:
@@ -118,11 +117,62 @@ def save_adapters(
     return path
 
 
+# adapter_config.json fields that change what the adapter computes (PEFT's LoRA and its variants); training-only
+# (dropout) and bookkeeping ones (inference_mode, base model name) may differ.
+COMPUTING_FIELDS = (
+    "peft_type", "r", "lora_alpha", "use_rslora", "use_dora", "fan_in_fan_out", "bias", "lora_bias",
+    "rank_pattern", "alpha_pattern", "target_modules", "exclude_modules", "layers_to_transform",
+    "layers_pattern", "modules_to_save", "target_parameters", "use_qalora", "qalora_group_size",
+    "layer_replication", "trainable_token_indices",
+)  # fmt: skip
+
+
+def _comparable(value: Any) -> Any:
+    """A config value as JSON has it (PEFT writes sets as lists; enums as their value), order-free for sets."""
+    if isinstance(value, (set, frozenset, list, tuple)):
+        items = [_comparable(v) for v in value]
+        return (
+            sorted(items, key=repr)
+            if isinstance(value, (set, frozenset)) or all(isinstance(v, str) for v in items)
+            else items
+        )
+    if isinstance(value, dict):
+        return {str(k): _comparable(v) for k, v in value.items()}
+    return getattr(value, "value", value)
+
+
+def check_adapter_config(config_file: Path, own: Any, caller: str) -> None:
+    """Every field of ``config_file`` that changes the adapter's computation equals the model's adapter config's
+    (``lora_alpha`` / ``use_rslora`` change the scaling alone: the weights would load and compute something else).
+
+    Example:
+        check_adapter_config(Path("out/adapter/adapter_config.json"), model.peft_config["default"], "load_adapters()")
+    """
+    try:
+        saved = json.loads(config_file.read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{caller}: {config_file} is not readable JSON: {e}") from e
+    if not isinstance(saved, dict):
+        raise ValueError(f"{caller}: {config_file} holds a {type(saved).__name__}, not PEFT's adapter config.")
+    mine = own.to_dict() if callable(getattr(own, "to_dict", None)) else dict(vars(own))
+    differ = [
+        f"{field}={saved[field]!r} in the file, {field}={_comparable(mine[field])!r} in the model"
+        for field in COMPUTING_FIELDS
+        if field in saved and field in mine and _comparable(saved[field]) != _comparable(mine[field])
+    ]
+    if differ:
+        raise ValueError(
+            f"{caller}: {config_file} describes another adapter than the model's ({'; '.join(differ)}). Build the "
+            "model with the adapter's own config (peft.LoraConfig.from_pretrained(path)), then load."
+        )
+
+
 def load_adapters(model: nn.Module, path: Union[str, os.PathLike], *, adapter_name: str = "default") -> None:
     """Load PEFT adapter weights from ``path`` into the adapter ``adapter_name`` of a (sharded) model.
 
     Call on every rank after ``fsdp()``: each rank reads the small adapter file and keeps its shards.
-    Its tensors (names, shapes) and ``adapter_config.json``'s ``r`` must match the model's adapter;
+    Its tensors (names, shapes) and every ``adapter_config.json`` field that changes the computation
+    (``r``, ``lora_alpha``, ``use_rslora``, target modules ...) must match the model's adapter;
     checked on every rank before anything is copied.
 
     Raises:
@@ -158,10 +208,7 @@ def load_adapters(model: nn.Module, path: Union[str, os.PathLike], *, adapter_na
             )
         config_file = path / ADAPTER_CONFIG
         if config_file.is_file():
-            saved_r = json.loads(config_file.read_text()).get("r")
-            own_r = getattr(model.peft_config[adapter_name], "r", None)
-            if saved_r is not None and own_r is not None and saved_r != own_r:
-                raise ValueError(f"{caller}: {config_file} has r={saved_r}, the model's adapter has r={own_r}.")
+            check_adapter_config(config_file, model.peft_config[adapter_name], caller)
         return tensors, header
 
     tensors, header = on_all_ranks(check)

@@ -17,13 +17,13 @@ from typing import Any, Optional, Union
 import torch
 import torch.nn as nn
 
-from ..files import publish_dir
 from ..state_dict import CheckpointError
+from ..state_dict.checks import FAILURES, error_reason
 from ..state_dict.reader import dcp_load, open_checkpoint
 from ..wrapped import unwrapped_class
-from .files import end_staging, parse_size, plan_hf_files, plan_shard_files, staging_dir, write_at
+from .files import end_staging, parse_size, plan_hf_files, plan_shard_files, publish_staged, staging_dir, write_at
 from .naming import saved_aliases, saved_layout, saved_tensors
-from .save import cast, check_dtype, write_metadata
+from .save import cast, check_dtype, check_savable, write_metadata
 
 __all__ = ["consolidate_to_hf", "meta_model_from_config"]
 
@@ -136,6 +136,7 @@ def consolidate_to_hf(
     }
     saved = saved_layout(model, metas)  # without a model: every key saved as it is
     layout = {k: v for entries in saved.values() for k, v in entries.items()}
+    check_savable(layout, _CALLER)
     where, plans = plan_hf_files(layout, limit)
     tmp = staging_dir(out_dir, overwrite=overwrite, caller=_CALLER)
     try:
@@ -145,8 +146,9 @@ def consolidate_to_hf(
         try:
             sizes = {k: math.prod(stored[source[k]].size) * stored[source[k]].properties.dtype.itemsize for k in saved}
             for batch in plan_shard_files(sizes, _BATCH_BYTES):  # a bigger tensor gets a batch of its own
+                # zeros, not empty: nothing uninitialised can reach the file (the chunks' cover is checked too)
                 state: dict[str, Any] = {
-                    _MODEL + source[key]: torch.empty(
+                    _MODEL + source[key]: torch.zeros(
                         tuple(stored[source[key]].size), dtype=stored[source[key]].properties.dtype
                     )
                     for key in batch
@@ -156,6 +158,8 @@ def consolidate_to_hf(
                     dcp_load(state, src, metadata=metadata)
                 except CheckpointError as e:
                     raise CheckpointError(f"{_CALLER}: reading {batch} from {src} failed: {e}") from None
+                except FAILURES as e:  # a record torch refuses to unpickle, sizes it cannot allocate: a bad file
+                    raise CheckpointError(f"{_CALLER}: reading {batch} from {src} failed: {error_reason(e)}") from e
                 for key in batch:
                     value = cast(state.pop(_MODEL + source[key]), dtype)
                     plain = list(saved[key]) == [key] and saved[key][key][1] == tuple(value.shape)
@@ -170,7 +174,7 @@ def consolidate_to_hf(
             for fd in fds.values():
                 os.close(fd)
         write_metadata(model, tmp, layout, where, dtype)
-        publish_dir(tmp, out_dir)
+        publish_staged(tmp, out_dir)
     finally:
         end_staging(tmp)  # removes what a failed run left; releases the path's lock
     return Path(out_dir)

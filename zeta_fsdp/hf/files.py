@@ -20,7 +20,7 @@ from typing import Iterator, Optional, Union
 
 import torch
 
-from ..files import PathLock, incomplete_path, remove_tree
+from ..files import PathLock, end_stage, incomplete_path, publish_dir, stage_dir
 from ..state_dict.checks import CheckpointError, foreign_entries
 from ..state_dict.publish import LOCK_WAIT_S
 
@@ -37,7 +37,9 @@ __all__ = [
     "read_rows",
     "read_safetensors_header",
     "end_staging",
+    "publish_staged",
     "staging_dir",
+    "written_here",
     "write_at",
 ]
 
@@ -57,6 +59,10 @@ DTYPES: dict[str, torch.dtype] = {
     "BOOL": torch.bool,
     "F8_E4M3": torch.float8_e4m3fn,
     "F8_E5M2": torch.float8_e5m2,
+    "U16": torch.uint16,
+    "U32": torch.uint32,
+    "U64": torch.uint64,
+    "F8_E8M0": torch.float8_e8m0fnu,
 }
 NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
 _MAX_HEADER = 100 * 2**20  # the safetensors library's own limit: a bigger header is a corrupt file
@@ -120,6 +126,12 @@ def read_safetensors_header(file: Union[str, os.PathLike]) -> dict[str, TensorEn
         if not isinstance(info, dict):
             raise _bad(file, f"the header entry of {key!r} is a {type(info).__name__}, not an object")
         dtype = DTYPES.get(info.get("dtype")) if isinstance(info.get("dtype"), str) else None
+        if dtype is None and isinstance(info.get("dtype"), str) and info["dtype"].isupper():
+            # a safetensors dtype torch has no type for (F4, F6_*, C64...): a valid file we cannot read
+            raise CheckpointError(
+                f"{file}: tensor {key!r} has dtype {info['dtype']!r}, which zeta_fsdp cannot read. "
+                f"Supported dtypes: {', '.join(DTYPES)}."
+            )
         shape = info.get("shape")
         shape = tuple(shape) if isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape) else None
         offsets = info.get("data_offsets")
@@ -174,8 +186,10 @@ def contained_file(folder: Union[str, os.PathLike], name: object, what: str) -> 
 
 
 def read_checkpoint_index(path: Union[str, os.PathLike]) -> dict[str, TensorEntry]:
-    """Every tensor of a Hugging Face checkpoint: one ``.safetensors`` file, or a model directory read through
-    its index when present (only the files it names, each ``contained_file``), else its ``model.safetensors``.
+    """Every tensor of a Hugging Face checkpoint: one ``.safetensors`` file, or a model directory: its
+    ``model.safetensors`` when present, else through its index (only the files it names, each ``contained_file``).
+    With both, the single file wins, as in transformers' ``from_pretrained`` (an index left by an earlier sharded
+    save is stale: transformers' own re-save leaves one).
 
     ``FileNotFoundError`` for a missing path or file; ``CheckpointError`` for a malformed index or header,
     a file outside the directory, or an index naming a key its file lacks.
@@ -185,7 +199,9 @@ def read_checkpoint_index(path: Union[str, os.PathLike]) -> dict[str, TensorEntr
         raise FileNotFoundError(f"no Hugging Face checkpoint at {path}: the path does not exist.")
     if path.is_file():
         return read_safetensors_header(path)
-    index = path / INDEX_NAME
+    index, single = path / INDEX_NAME, path / SINGLE_NAME
+    if single.is_file():
+        return read_safetensors_header(contained_file(path, SINGLE_NAME, str(path)))
     if index.is_file():
         document = _parse_json(index.read_bytes(), index, "index")
         weight_map = document.get("weight_map") if isinstance(document, dict) else None
@@ -210,9 +226,6 @@ def read_checkpoint_index(path: Union[str, os.PathLike]) -> dict[str, TensorEntr
                 raise CheckpointError(f"{index} maps {key!r} to {name}, which does not hold it.")
             entries[key] = headers[name][key]
         return entries
-    single = path / SINGLE_NAME
-    if single.is_file():
-        return read_safetensors_header(contained_file(path, SINGLE_NAME, str(path)))
     found = sorted(p.name for p in path.glob("*.safetensors"))
     raise FileNotFoundError(
         f"{path} holds neither {SINGLE_NAME} nor {INDEX_NAME}"
@@ -367,62 +380,68 @@ def write_at(fd: int, offset: int, tensor: torch.Tensor, *, file: object = "") -
 
 _WRITTEN = re.compile(
     r"^(model\.safetensors|model-\d{5}-of-\d{5}\.safetensors|model\.safetensors\.index\.json|config\.json|"
-    r"generation_config\.json)$"
+    r"generation_config\.json|adapter_model\.safetensors|adapter_config\.json)$"
 )
-_STAGING_LOCKS: dict[Path, PathLock] = {}
+# ``{staging directory: (its target, the held lock, overwrite)}`` from ``staging_dir`` to ``end_staging``.
+_STAGED: dict[Path, tuple[Path, PathLock, bool]] = {}
+
+
+def written_here(name: str) -> bool:
+    """``True`` for the names of the files ``save_pretrained``, ``consolidate_to_hf`` and ``save_adapters`` write."""
+    return bool(_WRITTEN.match(name))
 
 
 def staging_dir(path: Union[str, os.PathLike], *, overwrite: bool, caller: str) -> Path:
-    """Lock ``path``, check it may be written, then make (afresh) the hidden directory beside it to write into.
+    """Lock ``path``, check it may be written, then make (afresh) the hidden directory beside it to write into
+    (``files.stage_dir``).
 
     The lock (held until ``end_staging``) makes two jobs writing one model directory take turns.
     A non-empty ``path`` is replaced only with ``overwrite`` and only if it holds nothing but regular
-    files ``save_pretrained`` / ``consolidate_to_hf`` write (``_WRITTEN``): a folder holding notes, a
-    tokenizer or ``.git`` is not ours to replace. A file or a symbolic link (the folder it points to
-    would not be the one replaced) is refused. Nothing at ``path`` is touched here.
+    files this library writes (``written_here``): a folder holding notes, a tokenizer or ``.git`` is not
+    ours to replace. A file or a symbolic link (the folder it points to would not be the one replaced) is
+    refused. Nothing at ``path`` is touched here.
     """
     if not isinstance(overwrite, bool):
         raise ValueError(f"{caller}: overwrite={overwrite!r} is not accepted. Accepted: True or False.")
     path = Path(path)
-    lock = PathLock(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    if not lock.acquire(timeout_s=LOCK_WAIT_S):
-        raise FileExistsError(
-            f"{caller}: another job is writing {path} (it holds {lock.file}) and did not finish within "
-            f"{LOCK_WAIT_S:.0f} s; wait for it, or save elsewhere."
-        )
-    try:
-        if path.is_symlink():
+
+    def check(target: Path) -> None:
+        if target.is_symlink():
             raise FileExistsError(
-                f"{caller}: {path} is a symbolic link (to {os.path.realpath(path)}); pass the directory itself."
+                f"{caller}: {target} is a symbolic link (to {os.path.realpath(target)}); pass the directory itself."
             )
-        if path.exists() and not path.is_dir():
-            raise FileExistsError(f"{caller}: {path} exists and is a file; pass a directory path.")
-        if path.exists() and any(path.iterdir()):
+        if target.exists() and not target.is_dir():
+            raise FileExistsError(f"{caller}: {target} exists and is a file; pass a directory path.")
+        if target.exists() and any(target.iterdir()):
             if not overwrite:
-                raise FileExistsError(f"{caller}: {path} exists and is not empty; pass overwrite=True to replace it.")
-            shown = foreign_entries(path, lambda e: e.is_file(follow_symlinks=False) and bool(_WRITTEN.match(e.name)))
+                raise FileExistsError(f"{caller}: {target} exists and is not empty; pass overwrite=True to replace it.")
+            shown = foreign_entries(target, lambda e: e.is_file(follow_symlinks=False) and written_here(e.name))
             if shown:
                 raise FileExistsError(
-                    f"{caller}: {path} is not a model directory written by this library (it holds files this "
+                    f"{caller}: {target} is not a model directory written by this library (it holds files this "
                     f"library does not write ({shown})); refusing to replace it, even with overwrite=True. "
                     "Save elsewhere, or remove it yourself."
                 )
-        tmp = incomplete_path(path)
-        if os.path.lexists(tmp):  # left by an interrupted save: ours, never the user's
-            remove_tree(tmp)
-        tmp.mkdir()
-    except BaseException:
-        lock.release()
-        raise
-    _STAGING_LOCKS[tmp] = lock
+
+    lock = stage_dir(path, ours=written_here, check=check, timeout_s=LOCK_WAIT_S)
+    if lock is None:
+        raise FileExistsError(
+            f"{caller}: another job is writing {path} (it holds {PathLock(path).file}) and did not finish within "
+            f"{LOCK_WAIT_S:.0f} s; wait for it, or save elsewhere."
+        )
+    tmp = incomplete_path(path)
+    _STAGED[tmp] = (path, lock, overwrite)
     return tmp
 
 
+def publish_staged(tmp: Path, path: Union[str, os.PathLike]) -> Path:
+    """Put ``staging_dir``'s finished ``tmp`` in place at ``path`` (``files.publish_dir``, the target checked again:
+    a file a user added meanwhile is kept and named, never deleted)."""
+    return publish_dir(tmp, path, ours=written_here, replace=_STAGED[Path(tmp)][2])
+
+
 def end_staging(tmp: Path) -> None:
-    """After a save: remove ``tmp`` if a failed save left it, and release ``staging_dir``'s lock."""
-    if os.path.lexists(tmp):
-        remove_tree(tmp)
-    lock = _STAGING_LOCKS.pop(Path(tmp), None)
-    if lock is not None:
-        lock.release()
+    """After a save: discard what a failed save left in ``tmp`` (our files only), and release ``staging_dir``'s
+    lock."""
+    path, lock, _ = _STAGED.pop(Path(tmp))
+    end_stage(path, lock, written_here)

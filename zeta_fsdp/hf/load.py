@@ -20,9 +20,12 @@ import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from ..distributed import choose_device
+from ..materialize import move_buffers
 from ..state_dict import CheckpointError
 from ..state_dict.checks import describe_mismatch, on_all_ranks, short_list
 from ..ties import retie
+from ..wrapped import compute_device, fsdp_engine, shard_device
 from .files import TensorEntry, read_checkpoint_index, read_rows
 from .naming import KeyPlan, is_hf_model, map_checkpoint_keys, saved_aliases
 
@@ -70,6 +73,26 @@ def _buffer_owners(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return [(name, m) for name, m in model.named_modules() if m._non_persistent_buffers_set]
 
 
+def _same_stored(a: TensorEntry, b: TensorEntry, chunk_bytes: int = 64 * 2**20) -> bool:
+    """Whether two stored tensors hold the same bytes (read a bounded number of rows at a time)."""
+    if a.dtype != b.dtype or tuple(a.shape) != tuple(b.shape):
+        return False
+    if (a.file, a.offset) == (b.file, b.offset):
+        return True
+
+    def raw(t: torch.Tensor) -> torch.Tensor:
+        return t.reshape(-1).view(torch.uint8)
+
+    if not a.shape:
+        return torch.equal(raw(read_rows(a)), raw(read_rows(b)))
+    rows = max(1, chunk_bytes // max(1, a.nbytes // max(1, a.shape[0])))
+    for start in range(0, a.shape[0], rows):
+        count = min(rows, a.shape[0] - start)
+        if not torch.equal(raw(read_rows(a, start, count)), raw(read_rows(b, start, count))):
+            return False
+    return True
+
+
 def _check(model: nn.Module, path: Path, strict: bool) -> tuple[dict[str, TensorEntry], KeyPlan, dict, dict]:
     try:
         entries = read_checkpoint_index(path)
@@ -85,6 +108,14 @@ def _check(model: nn.Module, path: Path, strict: bool) -> tuple[dict[str, Tensor
     got = {**plan.shapes, **dict.fromkeys(plan.unexpected)}  # the keys plan.missing lacks, as the model names them
     mismatch = describe_mismatch(got, {k: wanted[k] for k in (*plan.missing, *plan.shapes)}, "checkpoint", strict)
     problems = [mismatch] if mismatch else []
+    if strict:
+        problems += [
+            f"{alias!r} and {kept!r} are one tied tensor in the model but differ in the checkpoint (an untied "
+            "checkpoint: one of them would be dropped); untie the model, or load with strict=False to keep "
+            f"{plan.direct.get(kept, kept)!r}"
+            for alias, kept in aliases.items()
+            if alias in entries and kept in entries and not _same_stored(entries[alias], entries[kept])
+        ]
     on_meta = any(t.is_meta for t in tensors.values())
     if on_meta and not strict and plan.missing:
         problems.append(
@@ -110,15 +141,32 @@ def _check(model: nn.Module, path: Path, strict: bool) -> tuple[dict[str, Tensor
     return entries, plan, tensors, aliases
 
 
+def _allocation_device(model: nn.Module, tensors: dict[str, torch.Tensor]) -> torch.device:
+    """Where the shards of ``model`` live: what ``fsdp()`` recorded (CPU under ``cpu_offload``, else its
+    compute device), else the device type of the model's mesh on this rank's device."""
+    if fsdp_engine(model) is not None:
+        return shard_device(model)
+    kind = next((t.device_mesh.device_type for t in tensors.values() if isinstance(t, DTensor)), None)
+    kind = kind or ("cuda" if torch.cuda.is_available() else "cpu")
+    return choose_device(device=kind)
+
+
 def _allocate(model: nn.Module, tensors: dict[str, torch.Tensor], aliases: dict[str, str]) -> None:
     """Allocate the shards of a model left on ``meta`` (no random init: the checkpoint fills them). Non-persistent
     buffers (rotary ``inv_freq``) are recomputed by transformers' ``_init_weights``, else ``reset_parameters()``."""
-    kind = next((t.device_mesh.device_type for t in tensors.values() if isinstance(t, DTensor)), None)
-    kind = kind or ("cuda" if torch.cuda.is_available() else "cpu")
-    model.to_empty(device=torch.device("cuda", torch.cuda.current_device()) if kind == "cuda" else torch.device(kind))
-    # to_empty may hand tied names separate tensors: one again (tied parameters; buffers stay apart)
+    model.to_empty(device=_allocation_device(model, tensors))
+    if fsdp_engine(model) is not None and shard_device(model) != compute_device(model):
+        move_buffers(model, compute_device(model))  # cpu_offload: shards on CPU, buffers where the forward runs
+    # to_empty may hand tied names separate tensors: one again
     params = dict(model.named_parameters(remove_duplicate=False))
     retie(model, [[kept, alias] for alias, kept in aliases.items() if alias in params and kept in params])
+    # A persistent buffer shared by several modules (one causal mask) is stored once: its aliases must share
+    # the tensor the checkpoint fills again, or they keep to_empty's garbage.
+    buffers = dict(model.named_buffers(remove_duplicate=False))
+    for alias, kept in aliases.items():
+        if alias in buffers and kept in buffers and buffers[alias] is not buffers[kept]:
+            owner_name, _, attr = alias.rpartition(".")
+            model.get_submodule(owner_name)._buffers[attr] = buffers[kept]
     with torch.no_grad():
         hf = is_hf_model(model)
         for _, module in _buffer_owners(model):

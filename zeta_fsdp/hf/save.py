@@ -22,14 +22,25 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from ..distributed import get_rank as rank
 from ..distributed import get_world_size as world
 from ..engines import engine_of
-from ..files import incomplete_path, publish_dir
+from ..files import incomplete_path
 from ..state_dict.checks import CheckpointError, on_all_ranks
 from ..wrapped import unwrapped_class
-from .files import INDEX_NAME, SafetensorsLayout, end_staging, parse_size, plan_hf_files, staging_dir, write_at
+from .files import (
+    DTYPES,
+    INDEX_NAME,
+    NAMES,
+    SafetensorsLayout,
+    end_staging,
+    parse_size,
+    plan_hf_files,
+    publish_staged,
+    staging_dir,
+    write_at,
+)
 from .load import local_box
 from .naming import is_hf_model, saved_aliases, saved_layout, saved_tensors
 
-__all__ = ["cast", "check_dtype", "save_pretrained", "write_metadata"]
+__all__ = ["cast", "check_dtype", "check_savable", "save_pretrained", "write_metadata"]
 
 _CALLER = "save_pretrained()"
 
@@ -40,6 +51,30 @@ def check_dtype(dtype: Optional[torch.dtype], caller: str) -> None:
         raise ValueError(
             f"{caller}: dtype={dtype!r} is not accepted. Accepted: None (keep each tensor's dtype) or a "
             "floating-point torch.dtype such as torch.bfloat16."
+        )
+
+
+def check_savable(layout: dict[str, tuple[torch.dtype, tuple[int, ...]]], caller: str) -> None:
+    """Every tensor's dtype must be one safetensors stores (a complex tensor, a quantised one, are not).
+
+    Example:
+        >>> check_savable({"w": (torch.complex64, (2,))}, "save_pretrained()")
+        Traceback (most recent call last):
+        ...
+        ValueError: save_pretrained(): safetensors cannot store torch.complex64 (tensors: ['w']). Accepted dtypes: ...
+    """
+    bad: dict[torch.dtype, list[str]] = {}
+    for key, (dtype, _) in layout.items():
+        if dtype not in NAMES:
+            bad.setdefault(dtype, []).append(key)
+    if bad:
+        what = "; ".join(
+            f"{dtype} (tensors: {keys[:4]}{' ...' if len(keys) > 4 else ''})" for dtype, keys in bad.items()
+        )
+        raise ValueError(
+            f"{caller}: safetensors cannot store {what}. Accepted dtypes: "
+            f"{', '.join(str(d).removeprefix('torch.') for d in DTYPES.values())}. Store such a tensor as real "
+            "numbers (torch.view_as_real for complex) or keep it out of the saved state (a non-persistent buffer)."
         )
 
 
@@ -231,6 +266,7 @@ def save_pretrained(
         metas = {k: torch.empty(t.shape, dtype=t.dtype, device="meta") for k, t in tensors.items() if k not in aliases}
         saved = saved_layout(model, {k: cast(t, dtype) for k, t in metas.items()})
         layout = {k: v for entries in saved.values() for k, v in entries.items()}
+        check_savable(layout, _CALLER)
         where, plans = plan_hf_files(layout, limit)
         if rank() == 0:
             staged.append(staging_dir(path, overwrite=overwrite, caller=_CALLER))
@@ -250,7 +286,7 @@ def save_pretrained(
                 write_metadata(model, tmp, layout, where, dtype)
 
         on_all_ranks(write)
-        on_all_ranks(lambda: publish_dir(tmp, path) if rank() == 0 else None)
+        on_all_ranks(lambda: publish_staged(tmp, path) if rank() == 0 else None)
     finally:
         for made in staged:  # rank 0: removes what a refused or failed save left, releases the path's lock
             end_staging(made)

@@ -29,9 +29,11 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from ..costs import AccumulationCost, accumulation_costs, accumulation_table, gradient_wait_dtype
 from ..engines import engine_named
+from ..fp32_modules import KeepFp32Spec, select_fp32
 from ..options import choose_engine, resolve_master_dtype, resolve_mixed_precision, resolve_sharding, stored_dtype
 from ..report import format_bytes, render_table
-from ..wrapping import BlockSpec, WrapUnit, build_wrap_plan
+from ..torch_compat import HAS_PARAM_DTYPE_OVERRIDE
+from ..wrapping import BlockSpec, WrapUnit, add_fp32_units, build_wrap_plan
 from .dry_run import DryRunResult, dry_run_batch, dry_run_job, dtype_name, resolve_world_and_mesh
 
 __all__ = ["OPTIMIZERS", "MemoryPlan", "UnitEstimate", "plan"]
@@ -303,6 +305,7 @@ def plan(
     dry_run: bool = False,
     master_dtype: Union[str, torch.dtype, None] = "fp32",
     micro_batches: Optional[int] = None,
+    keep_fp32: KeepFp32Spec = None,
 ) -> MemoryPlan:
     """Plan ``fsdp(model, auto_wrap, mp, shard_strat, TransformerBlock)`` at ``world_size`` ranks.
 
@@ -312,7 +315,8 @@ def plan(
     ``min(world_size, 8)``). ``optimizer``: ``"adamw"``, ``"adam"`` or ``"none"``. ``dry_run=True``
     attaches the real ``fsdp()`` on a meta copy under a fake process group (``MemoryPlan.dry_run``).
     ``master_dtype`` is ``fsdp()``'s (trainable parameters, gradients and optimizer state are
-    counted in it). ``micro_batches=K`` adds what each ``no_sync`` choice costs for K micro-batches.
+    counted in it); ``keep_fp32`` too (those parameters, and a Hugging Face model's declared ones, are
+    counted at fp32, gathered and stored). ``micro_batches=K`` adds what each ``no_sync`` choice costs for K micro-batches.
     A bad argument raises ``ValueError`` listing the accepted values.
 
     Example:
@@ -343,12 +347,18 @@ def plan(
     )
     params = dict(model.named_parameters())
     n_state = OPTIMIZERS[optimizer]
+    fp32 = select_fp32(model, keep_fp32, policy, caller="plan")
+    has_trainable = any(p.requires_grad for p in params.values())
     engine, why = choose_engine(
-        spec, policy, has_ignored=bool(ignored), has_trainable=any(p.requires_grad for p in params.values())
+        spec, policy, has_ignored=bool(ignored), has_trainable=has_trainable, has_fp32=bool(fp32)
     )
+    if fp32 and engine == "fully_shard" and not HAS_PARAM_DTYPE_OVERRIDE:
+        add_fp32_units(wrap, model, fp32.param_names, caller="plan")
 
     stored = {name: stored_dtype(p, master) for name, p in params.items()}  # what fsdp(master_dtype=) keeps
-    units = [_estimate_unit(u, params, stored, policy, shard_size, shard_rank, n_state) for u in wrap.units]
+    kept = set(fp32.param_names)
+    stored.update({n: torch.float32 for n in kept if params[n].is_floating_point()})
+    units = [_estimate_unit(u, params, stored, policy, shard_size, shard_rank, n_state, kept) for u in wrap.units]
     grads = [(stored[n], p.numel() * stored[n].itemsize) for n, p in params.items() if p.requires_grad]
     terms = (model, units, policy, spec.reshard_after_forward, shard_size, grads, why)
     peak, all_reduces, notes = engine_named(engine).plan_costs(*terms)
@@ -411,13 +421,15 @@ def _estimate_unit(
     shard_size: int,
     shard_rank: int,
     n_state: int,
+    kept: frozenset = frozenset(),
 ) -> UnitEstimate:
     sizes: Counter = Counter()
     for name in unit.param_names:
         param, dtype = params[name], stored[name]
         padded, local, gathered = _shard_geometry(param, shard_size, shard_rank)
         # FSDP2 casts only floating-point parameters to the compute dtype.
-        compute = policy.param_dtype if policy.param_dtype and param.is_floating_point() else dtype
+        cast = policy.param_dtype and param.is_floating_point() and name not in kept  # kept: fp32 modules
+        compute = policy.param_dtype if cast else dtype
         sizes["unsharded_bytes"] += gathered * compute.itemsize
         sizes["param_bytes"] += padded * dtype.itemsize
         sizes["local_param_bytes"] += local * dtype.itemsize

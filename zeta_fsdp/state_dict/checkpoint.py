@@ -18,7 +18,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 from torch.distributed.tensor import DTensor
 
 from ..distributed import get_rank, is_distributed
-from ..files import PathLock, incomplete_path, remove_tree
+from ..files import PathLock, incomplete_path, stage_dir
 from ..ties import tied_aliases
 from .checks import (
     EXTRA_KEY,
@@ -45,7 +45,16 @@ from .optimizer import (
     set_flat_optimizer_state,
     validate_optimizer,
 )
-from .publish import LOCK_WAIT_S, checkpoint_problem, is_checkpoint, is_full_checkpoint, publish_checkpoint, recover
+from .publish import (
+    LOCK_WAIT_S,
+    checkpoint_files,
+    checkpoint_problem,
+    discard_staging,
+    is_checkpoint,
+    is_full_checkpoint,
+    publish_checkpoint,
+    recover,
+)
 from .reader import dcp_load, open_checkpoint, read_checked
 
 # Types ``torch.load(weights_only=True)`` always accepts (a dict key too). Objects built only of
@@ -122,7 +131,7 @@ def save_checkpoint(
         except FAILURES as e:
             raise save_failure(path, f"writing {path}", e) from e
         try:  # rank 0 publishes; no rank returns before the checkpoint is in place
-            on_all_ranks(lambda: publish_checkpoint(path) if get_rank() == 0 else None)
+            on_all_ranks(lambda: publish_checkpoint(path, replace=overwrite) if get_rank() == 0 else None)
         except FAILURES as e:
             raise save_failure(path, f"renaming {incomplete_path(path)} to {path}", e) from e
         published = True
@@ -163,7 +172,7 @@ def end_save(path: Path, lock: Optional[PathLock], published: bool) -> None:
         return
     with lock, contextlib.suppress(OSError):  # the lock is released whatever happens
         if not published and os.path.lexists(incomplete_path(path)):
-            remove_tree(incomplete_path(path))
+            discard_staging(path)
 
 
 def check_save_target(
@@ -220,33 +229,27 @@ def check_save_target(
 
 
 def prepare_save_dir(path: Path, *, overwrite: bool) -> Optional[PathLock]:
-    """Rank 0: lock ``path``, check it may be written (``check_save_target``), make an empty
-    ``.<name>.incomplete`` beside it. The held lock (``None`` off rank 0) makes two jobs take turns."""
+    """Rank 0: ``stage_dir``: lock ``path``, finish an interrupted overwrite, check it may be written
+    (``check_save_target``), make an empty ``.<name>.incomplete`` beside it. The held lock (``None`` off rank 0)
+    makes two jobs take turns."""
     if get_rank() != 0:
         return None
+
+    def check(target: Path) -> None:
+        recover(target, locked=True)
+        check_save_target(target, overwrite=overwrite)
+
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        lock = PathLock(path)
-        got = lock.acquire(timeout_s=LOCK_WAIT_S)
-    except OSError as e:
+        lock = stage_dir(path, ours=checkpoint_files(incomplete_path(path)), check=check, timeout_s=LOCK_WAIT_S)
+    except (CheckpointError, FileExistsError):
+        raise
+    except OSError as e:  # a read-only folder, a file system without locks: the message says which
         raise CheckpointError(f"save_checkpoint(): cannot save to {path}: {e}") from e
-    if not got:
+    if lock is None:
         raise CheckpointError(
             f"save_checkpoint(): another process has been saving to {path} for {LOCK_WAIT_S:.0f} s (it holds "
-            f"{lock.file}); nothing was saved. Save to another path, or wait for that job."
+            f"{PathLock(path).file}); nothing was saved. Save to another path, or wait for that job."
         )
-    try:
-        recover(path, locked=True)
-        check_save_target(path, overwrite=overwrite)
-        tmp = incomplete_path(path)
-        if os.path.lexists(tmp):  # left by an interrupted save (the lock says no one writes it now)
-            remove_tree(tmp)
-        tmp.mkdir()
-    except BaseException as e:
-        lock.release()
-        if isinstance(e, OSError) and not isinstance(e, FileExistsError):
-            raise CheckpointError(f"save_checkpoint(): cannot prepare {path}: {e}") from e
-        raise
     return lock
 
 

@@ -38,7 +38,7 @@ def consolidate_checkpoint(dcp_dir: PathLike, out_file: PathLike, *, overwrite: 
     if out.exists() and not overwrite:
         raise FileExistsError(f"{caller}: {out} already exists; pass overwrite=True to replace it.")
     state: dict[str, Any] = {
-        key: torch.empty(md.size, dtype=md.properties.dtype) if isinstance(md, TensorStorageMetadata) else None
+        key: torch.zeros(md.size, dtype=md.properties.dtype) if isinstance(md, TensorStorageMetadata) else None
         for key, md in metadata.state_dict_metadata.items()
         if key.startswith(MODEL_PREFIX)
     }

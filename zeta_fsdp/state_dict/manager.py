@@ -16,28 +16,27 @@ from typing import Any, Iterable, Mapping, Optional
 import torch
 import torch.nn as nn
 
-from ..distributed import get_rank
-from ..files import PathLock, remove_tree
+from ..distributed import get_rank, get_world_size, is_distributed
+from ..files import PathLock
+from ..training.nonfinite import first_nonfinite
 from .async_save import AsyncCheckpointer
 from .checkpoint import load_checkpoint, save_checkpoint
 from .checks import CheckpointError, PathLike, from_rank0, on_all_ranks
 from .preemption import PreemptionHandler, SignalLike
-from .publish import discard_checkpoint_dir, is_checkpoint
+from .publish import discard_checkpoint_dir, discard_staging, is_checkpoint
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 _STALE = re.compile(r"^\.step_\d+\.incomplete$")
 
 
-def checkpoint_steps(root: PathLike) -> list[int]:
-    """The steps of the complete ``root/step_<n>`` checkpoints, oldest first (``[]`` when none)."""
+def checkpoint_dirs(root: PathLike) -> list[Path]:
+    """The complete ``root/step_<n>`` checkpoints, oldest first (``[]`` when none), under their real names
+    (``step_000300`` stays ``step_000300``)."""
     root = Path(root)
     if not root.is_dir():
         return []
-    return sorted(
-        int(match.group(1))
-        for child in root.iterdir()
-        if (match := _STEP_DIR.match(child.name)) and is_checkpoint(child)
-    )
+    found = [(int(m.group(1)), child.name) for child in root.iterdir() if (m := _STEP_DIR.match(child.name))]
+    return [root / name for _, name in sorted(found) if is_checkpoint(root / name)]
 
 
 def latest_checkpoint(root: PathLike) -> Optional[Path]:
@@ -47,8 +46,8 @@ def latest_checkpoint(root: PathLike) -> Optional[Path]:
         latest_checkpoint("ckpt")
         # -> PosixPath('ckpt/step_300')
     """
-    steps = checkpoint_steps(root)
-    return Path(root) / f"step_{steps[-1]}" if steps else None
+    dirs = checkpoint_dirs(root)
+    return dirs[-1] if dirs else None
 
 
 def prune_checkpoints(root: PathLike, keep_last: int) -> list[Path]:
@@ -65,7 +64,7 @@ def prune_checkpoints(root: PathLike, keep_last: int) -> list[Path]:
     if isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1:
         raise ValueError(f"prune_checkpoints(): keep_last must be a positive int, got {keep_last!r}.")
     deleted = []
-    for path in [Path(root) / f"step_{step}" for step in checkpoint_steps(root)[:-keep_last]]:
+    for path in checkpoint_dirs(root)[:-keep_last]:
         try:
             discard_checkpoint_dir(path, "prune_checkpoints()")
             deleted.append(path)
@@ -80,6 +79,45 @@ def _positive(name: str, value: Optional[int]) -> Optional[int]:
     return value
 
 
+def _same(a: Any, b: Any) -> bool:
+    """Equal values, tensors compared by value (``==`` on them is elementwise)."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape and torch.equal(a, b)
+    if isinstance(a, Mapping) and isinstance(b, Mapping):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return type(a) is type(b) and a == b
+
+
+def gather_rank_states(state: Mapping[str, Any]) -> dict[str, list[Any]]:
+    """``{name: [rank 0's state_dict(), rank 1's, ...]}``: every rank's own state (a per-rank stream
+    position differs by rank), gathered on every rank (one all-gather of small objects)."""
+    mine = {name: obj.state_dict() for name, obj in state.items()}
+    everyone = [mine]
+    if is_distributed() and get_world_size() > 1:
+        everyone = [None] * get_world_size()
+        torch.distributed.all_gather_object(everyone, mine)
+    return {name: [ranks[name] for ranks in everyone] for name in mine}
+
+
+def restore_rank_states(state: Mapping[str, Any], saved: Mapping[str, list[Any]], path: Path) -> None:
+    """Give each rank its own saved state. At another world size only a state every rank saved alike (a
+    ``ResumableLoader``, an LR scheduler) can be restored; a per-rank one raises (on every rank, before any load)."""
+    rank, world = get_rank(), get_world_size()
+    uneven = [
+        name for name in state if len(saved[name]) != world and not all(_same(saved[name][0], s) for s in saved[name])
+    ]
+    if uneven:
+        raise CheckpointError(
+            f"CheckpointManager.resume(): {path} holds a different state per rank for {uneven}, saved by "
+            f"{len(saved[uneven[0]])} ranks; this job has {world}. A per-rank state cannot be resharded: resume at "
+            f"{len(saved[uneven[0]])} ranks, or make that state the same on every rank (e.g. ResumableLoader)."
+        )
+    for name, obj in state.items():
+        obj.load_state_dict(saved[name][rank] if len(saved[name]) == world else saved[name][0])
+
+
 class CheckpointManager:
     """Checkpoints of one training run under ``root``: periodic, pruned, resumable, preemption-safe.
 
@@ -87,7 +125,8 @@ class CheckpointManager:
     (``preemption_signals``; ``()`` for none) arrived, then returns ``True``: stop the loop. ``keep_last=K``
     keeps the K newest; ``resume()`` loads the latest and returns its step (0 on first launch). ``state``:
     ``{name: object with state_dict() / load_state_dict()}`` (a ``ResumableLoader``, an LR scheduler) saved
-    and restored with them. Every rank (docs/long_jobs.md).
+    and restored with them, each rank's own (a per-rank state resumes only at the world size that saved it;
+    one every rank saved alike resumes at any). Every rank (docs/long_jobs.md).
 
     Example:
         manager = CheckpointManager("ckpt", model, optimizer, every=100, keep_last=3,
@@ -158,8 +197,11 @@ class CheckpointManager:
         missing = [name for name in self.state if name not in saved.get("state", {})]
         if missing:
             raise CheckpointError(f"CheckpointManager.resume(): {path} holds no state for {missing}.")
-        for name, obj in self.state.items():
-            obj.load_state_dict(saved["state"][name])
+        if "rank_state" in saved:
+            restore_rank_states(self.state, saved["rank_state"], path)
+        else:  # saved before per-rank states: rank 0's
+            for name, obj in self.state.items():
+                obj.load_state_dict(saved["state"][name])
         self.extra = saved.get("extra")
         self._saved_step = int(saved["step"])
         return int(saved["step"])
@@ -182,12 +224,17 @@ class CheckpointManager:
     def save(self, step: int, extra: Any = None) -> Path:
         """Save ``root/step_<step>`` now (in the background with ``async_save``), then prune to ``keep_last``.
 
+        A model with a NaN/inf parameter on any rank is refused (``CheckpointError`` on every rank, one
+        small all-reduce): nothing is written and nothing pruned, so the last finite checkpoints stay.
+
         Example:
             manager.save(step)
             # -> PosixPath('ckpt/step_120')
         """
+        self._refuse_nonfinite(step)
         path = self.root / f"step_{int(step)}"
-        record = {"step": int(step), "state": {n: obj.state_dict() for n, obj in self.state.items()}, "extra": extra}
+        ranks = gather_rank_states(self.state)  # each rank's own; "state" keeps rank 0's (older readers)
+        record = {"step": int(step), "state": {n: s[0] for n, s in ranks.items()}, "rank_state": ranks, "extra": extra}
         self.wait()  # a background save still in flight completes (and is pruned) first
         save = save_checkpoint if self.checkpointer is None else self.checkpointer.save
         save(path, self.model, self.optimizer, extra=record, overwrite=True)
@@ -195,6 +242,19 @@ class CheckpointManager:
             self._prune()
         self._saved_step = int(step)
         return path
+
+    def _refuse_nonfinite(self, step: int) -> None:
+        """Raise ``CheckpointError`` on every rank, before anything is written or pruned, when a model
+        parameter holds a NaN/inf on any rank: a diverged model must never replace good checkpoints."""
+        named = list(self.model.named_parameters())
+        bad = first_nonfinite([p for _, p in named])
+        if bad < len(named):
+            raise CheckpointError(
+                f"CheckpointManager.save(): refused to save step {int(step)}: parameter {named[bad][0]!r} holds "
+                f"NaN/inf (the model diverged). The checkpoints under {self.root} are kept as they are; resume "
+                "from the latest with manager.resume(), and skip non-finite steps with "
+                "zeta_fsdp.training.NonFiniteGuard."
+            )
 
     def wait(self) -> None:
         """Wait for a background save to be complete (and prune). Every rank.
@@ -235,4 +295,4 @@ class CheckpointManager:
             with contextlib.suppress(OSError):  # a read-only root, or a file we cannot remove: left as it is
                 if lock.acquire(timeout_s=0):
                     with lock:
-                        remove_tree(child)
+                        discard_staging(lock.path)  # DCP's files only: a user's file in it is kept

@@ -10,7 +10,9 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.tensor import DTensor
 
 from ..distributed import get_rank, is_distributed
-from ..ties import tied_aliases
+from ..materialize import move_buffers
+from ..ties import retie, tied_aliases, tied_parameter_groups
+from ..wrapped import compute_device, fsdp_engine
 from .checks import CheckpointError, clean_fqn, describe_mismatch, named_parameters, on_all_ranks, shape_of
 
 
@@ -142,4 +144,11 @@ def load_full_state_dict(
         model.load_state_dict(sd, strict=strict)
         return
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=broadcast_from_rank0, strict=strict)
+    ties = tied_parameter_groups(model)
     set_model_state_dict(model, sd, options=options)
+    # A meta model is filled by assignment, one name at a time: tied names get separate tensors again,
+    # and buffers land on the group's default device (CPU when it has a CPU backend), not where the
+    # forward runs.
+    retie(model, ties)
+    if fsdp_engine(model) is not None:
+        move_buffers(model, compute_device(model))

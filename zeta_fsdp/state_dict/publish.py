@@ -9,6 +9,7 @@ types only. ``checkpoint_problem`` is what every destructive call (overwrite, re
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import pickle
 import re
@@ -19,9 +20,9 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch
-from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 
-from ..files import PathLock, incomplete_path, publish_dir, replaced_path
+from ..files import Ours, PathLock, discard_ours, incomplete_path, publish_dir, replaced_path
 from .checks import METADATA_FILE, CheckpointError, PathLike, foreign_entries
 
 _METADATA_GLOBALS = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("collections", "OrderedDict")}
@@ -32,6 +33,8 @@ _METADATA_CLASSES = {"BytesStorageMetadata", "ChunkStorageMetadata", "Metadata",
 _METADATA_CLASSES |= {"TensorProperties", "TensorStorageMetadata", "_MEM_FORMAT_ENCODING"}
 # The files DCP's FileSystemWriter writes: one ``__<rank>_<n>.distcp`` per rank and writer thread.
 _SHARD_FILE = re.compile(r"^__\d+_\d+\.distcp$")
+# Everything DCP's FileSystemWriter may leave in a directory it writes (the metadata's temporary names too).
+_WRITTEN = re.compile(r"^(\.metadata(\.tmp)?|__\d+_\d+\.distcp|__\d+\.metadata(\.tmp)?)$")
 
 
 class _MetadataUnpickler(pickle.Unpickler):
@@ -75,7 +78,47 @@ def load_metadata(file: Path, caller: str) -> Metadata:
                 f"{caller}: {file} gives {getattr(index, 'fqn', index)!r} the byte range offset={offset!r}, "
                 f"length={length!r}; corrupted metadata."
             )
+    for fqn, md in metadata.state_dict_metadata.items():
+        if isinstance(md, TensorStorageMetadata):
+            problem = chunk_problem(fqn, md, metadata.storage_data)
+        else:
+            problem = None if MetadataIndex(fqn) in metadata.storage_data else "it has no stored record"
+        if problem is not None:
+            raise CheckpointError(
+                f"{caller}: {file} describes {fqn!r} inconsistently: {problem}; corrupted or crafted metadata, "
+                "nothing was loaded."
+            )
     return metadata
+
+
+def chunk_problem(fqn: str, md: TensorStorageMetadata, records: dict) -> Optional[str]:
+    """Why the saved chunks of one tensor do not cover it exactly once (``None`` when they do): each chunk lies
+    inside the tensor and has a stored record, no two overlap, and their volumes add up to the tensor's."""
+    size = tuple(md.size)
+    boxes = []
+    for chunk in md.chunks:
+        offsets, sizes = tuple(chunk.offsets), tuple(chunk.sizes)
+        inside = len(offsets) == len(sizes) == len(size) and all(
+            isinstance(o, int) and isinstance(n, int) and o >= 0 and n >= 0 and o + n <= d
+            for o, n, d in zip(offsets, sizes, size)
+        )
+        if not inside:
+            return f"a chunk at offsets {list(offsets)} of sizes {list(sizes)} lies outside its size {list(size)}"
+        if math.prod(sizes) and MetadataIndex(fqn, torch.Size(offsets)) not in records:
+            return f"its chunk at offsets {list(offsets)} has no stored record"
+        boxes.append((offsets, sizes))
+    covered = sum(math.prod(n) for _, n in boxes)
+    if covered != math.prod(size):
+        return f"its chunks hold {covered} of its {math.prod(size)} elements {list(size)} (a chunk is missing)"
+    live = sorted((b for b in boxes if math.prod(b[1])), key=lambda b: b[0][:1])
+    active: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
+    for offsets, sizes in live:  # sweep along dim 0: only chunks whose rows meet can overlap
+        active = [a for a in active if not size or a[0][0] + a[1][0] > offsets[0]]
+        for a in active:
+            if all(max(a[0][d], offsets[d]) < min(a[0][d] + a[1][d], offsets[d] + sizes[d]) for d in range(len(size))):
+                return f"its chunks at offsets {list(a[0])} and {list(offsets)} overlap"
+        active.append((offsets, sizes))
+    return None
 
 
 def is_full_checkpoint(path: Any) -> bool:
@@ -120,17 +163,21 @@ LOCK_WAIT_S = 60.0
 
 
 def is_checkpoint(path: PathLike) -> bool:
-    """``True`` if ``path`` is a complete checkpoint (an interrupted save never leaves one).
+    """``True`` if ``path`` is a complete checkpoint (an interrupted save never leaves one). Only reads: no lock,
+    no rename, no warning.
 
-    Complete: its ``.metadata`` is there and validates. An overwrite that stopped between its two
-    renames is finished first, so the checkpoint is found again at ``path``. A link to one is one.
+    Complete: its ``.metadata`` is there and validates. An overwrite that stopped between its two renames
+    counts when the checkpoint ``load_checkpoint`` would restore at ``path`` is complete. A link to one is one.
 
     Example:
         >>> if is_checkpoint("ckpt/last"):
         ...     extra = load_checkpoint("ckpt/last", model, optimizer)
     """
+    path = Path(path)
+    if not os.path.lexists(path):
+        path = _recoverable(path) or path
     try:
-        read_metadata(Path(path), "is_checkpoint()")
+        _checked_metadata(path, "is_checkpoint()")
     except (OSError, CheckpointError):
         return False
     return True
@@ -139,6 +186,10 @@ def is_checkpoint(path: PathLike) -> bool:
 def read_metadata(path: Path, caller: str) -> Metadata:
     """The validated metadata of the checkpoint directory ``path`` (an interrupted overwrite recovered first)."""
     recover(path)
+    return _checked_metadata(path, caller)
+
+
+def _checked_metadata(path: Path, caller: str) -> Metadata:
     if not path.exists():
         raise FileNotFoundError(f"{caller}: {path} does not exist.{leftovers(path)}")
     if not path.is_dir():
@@ -147,6 +198,14 @@ def read_metadata(path: Path, caller: str) -> Metadata:
         hint = leftovers(path)
         raise CheckpointError(f"{caller}: {path} is not a checkpoint (it has no {METADATA_FILE} file).{hint}")
     return load_metadata(path / METADATA_FILE, caller)
+
+
+def _recoverable(path: Path) -> Optional[Path]:
+    """Where ``recover`` would take ``path`` from after an overwrite stopped between its renames (``None``: none)."""
+    old, tmp = replaced_path(path), incomplete_path(path)
+    if os.path.lexists(path) or not old.is_dir():
+        return None
+    return tmp if (tmp / METADATA_FILE).is_file() else old if (old / METADATA_FILE).is_file() else None
 
 
 def discard_checkpoint_dir(path: Path, caller: str = "") -> None:
@@ -185,18 +244,15 @@ def recover(path: Path, *, locked: bool = False) -> None:
             with lock:
                 recover(path, locked=True)
         return
-    if (tmp / METADATA_FILE).is_file():
-        source = tmp
-    elif (old / METADATA_FILE).is_file():
-        source = old
-    else:
+    source = _recoverable(path)
+    if source is None:
         return
     try:
         source.rename(path)
     except OSError:
         return  # another process was first, or no permission: the errors then say where the data is
     if source == tmp:
-        discard_checkpoint_dir(old)
+        discard_ours(old, checkpoint_files(old), origin=path, first=(METADATA_FILE,))
     which = "new" if source == tmp else "previous"
     warnings.warn(
         f"an overwrite of {path} was interrupted; restored the {which} checkpoint from {source}.", stacklevel=3
@@ -215,10 +271,31 @@ def leftovers(path: Path) -> str:
     return hint
 
 
-def publish_checkpoint(path: Path) -> None:
-    """Rename the complete ``.<name>.incomplete`` to ``path`` (rank 0, holding ``path``'s ``PathLock``); a crash
+def checkpoint_files(path: Path) -> Ours:
+    """The names of the files this library wrote in the checkpoint directory ``path``: what DCP writes, and the
+    shard files its ``.metadata`` names (when it reads): ``discard_ours`` deletes these and keeps anything else."""
+    named: set[str] = set()
+    try:
+        if (path / METADATA_FILE).is_file() and not (path / METADATA_FILE).is_symlink():
+            named = {info.relative_path for info in load_metadata(path / METADATA_FILE, "").storage_data.values()}
+    except (OSError, CheckpointError):
+        pass
+    return lambda name: name in named or bool(_WRITTEN.match(name))
+
+
+def discard_staging(path: Path) -> None:
+    """Remove what a save of ``path`` left in ``.<name>.incomplete`` (the caller holds ``path``'s lock): the files
+    DCP writes; anything else in it is kept (``discard_ours``)."""
+    tmp = incomplete_path(path)
+    discard_ours(tmp, checkpoint_files(tmp), origin=path, first=(METADATA_FILE,))
+
+
+def publish_checkpoint(path: Path, *, replace: bool = True) -> None:
+    """Put the complete ``.<name>.incomplete`` in place at ``path`` (rank 0, holding ``path``'s ``PathLock``) with
+    ``publish_dir``: of the previous checkpoint only our files go, a file a user added meanwhile is kept. A crash
     between the two renames of a non-atomic swap is finished by the next ``recover`` of ``path``."""
-    publish_dir(incomplete_path(path), path, discard=discard_checkpoint_dir)
+    ours = checkpoint_files(path)
+    publish_dir(incomplete_path(path), path, ours=ours, replace=replace, first=(METADATA_FILE,))
     with contextlib.suppress(OSError):  # the rename itself on disk
         fd = os.open(path.parent, os.O_RDONLY)
         try:

@@ -31,7 +31,7 @@ from ..distributed import (
 from ..state_dict.checkpoint import check_save_target
 from ..state_dict.checks import from_rank0
 from ..state_dict.full import remove_checkpoint
-from ..training import clip_grad_norm_, no_sync
+from ..training import NonFiniteGuard, clip_grad_norm_, no_sync
 from ..training.accumulation import resolve_defer
 from . import checkpoint as ckpt_io
 from . import parallel as strategy_parallel
@@ -107,7 +107,8 @@ class FSDP2Strategy:
             ``fsdp()`` on the dp mesh (``shard_strat="FULL_SHARD"``, ``auto_wrap=True`` unless given).
         **kwargs: ``fsdp()``'s options (a custom ``parallelize_fn``'s own too) and the strategy's:
             ``checkpoint_format`` (``"full"``, or ``"sharded"``: DCP), ``tp_plan``, ``device``, Lightning's
-            ``process_group_backend`` / ``timeout``. Anything else (``TransformerBlok``), a bad ``mp``
+            ``process_group_backend`` / ``timeout``, ``skip_nonfinite`` (``True``: ``optimizer_step`` skips
+            a step with NaN/inf gradients on every rank alike). Anything else (``TransformerBlok``), a bad ``mp``
             or ``shard_strat``: ``ValueError`` here, before any process group starts.
 
     Example:
@@ -162,6 +163,7 @@ class FSDP2Strategy:
         self._checkpointer: Optional[sd.AsyncCheckpointer] = None
         self._preemption: Optional[sd.PreemptionHandler] = None
         self._checkpoint_root: Optional[Path] = None
+        self._nonfinite: Optional[NonFiniteGuard] = None  # skip_nonfinite=True: made at the first step
 
     # ----------------------------------------------------------------------------- module
 
@@ -359,12 +361,20 @@ class FSDP2Strategy:
         return clip_grad_norm_(self._require_module(), max_norm, norm_type)
 
     def optimizer_step(self, max_norm: Optional[float] = None, norm_type: Union[float, str] = 2.0) -> Optional[float]:
-        """Clip (when ``max_norm``), step every optimizer and scheduler, zero gradients, count the step.
+        """Clip (when ``max_norm``), step every optimizer and scheduler, zero gradients, count the step. With
+        ``skip_nonfinite=True`` a step whose gradients hold NaN/inf on any rank is skipped on every rank (gradients
+        zeroed, no optimizer or scheduler step, not counted; ``skipped_steps`` counts it).
         Example: ``strategy.training_step(batch).backward(); norm = strategy.optimizer_step(max_norm=1.0)``."""
         if not self.optimizers:
             raise RuntimeError("FSDP2Strategy.optimizer_step(): no optimizer; see setup_optimizers().")
         self.restore_pending_optimizer_state()
         norm = self.clip_grad_norm_(max_norm, norm_type) if max_norm is not None else None
+        if self.options.skip_nonfinite:
+            self._nonfinite = self._nonfinite or NonFiniteGuard(self._require_module())
+            if not self._nonfinite.check():
+                for optimizer in self.optimizers:
+                    optimizer.zero_grad(set_to_none=True)
+                return norm
         for optimizer in self.optimizers:
             optimizer.step()
         for scheduler in self.lr_schedulers:
@@ -372,6 +382,12 @@ class FSDP2Strategy:
         for optimizer in self.optimizers:
             optimizer.zero_grad(set_to_none=True)
         return norm
+
+    @property
+    def skipped_steps(self) -> int:
+        """Steps ``optimizer_step()`` skipped for NaN/inf gradients (``skip_nonfinite=True``), the same on every rank.
+        Example: ``print(f"skipped {strategy.skipped_steps}")``."""
+        return self._nonfinite.skipped if self._nonfinite is not None else 0
 
     @property
     def current_epoch_step(self) -> EpochStep:

@@ -23,7 +23,7 @@ __all__ = ["StrategyOptions", "resolve_sizes", "validate_strategy_options"]
 CHECKPOINT_FORMATS = ("full", "sharded")
 # Options that never reach fsdp(): the strategy's own, Lightning's (process_group_backend ...), NeMo's (last five).
 STRATEGY_KWARGS = tuple(
-    "checkpoint_format tp_plan device process_group_backend timeout async_save keep_last preemption_signals "
+    "checkpoint_format tp_plan device process_group_backend timeout async_save keep_last preemption_signals skip_nonfinite "
     "save_distributed_checkpoint context_parallel_size sequence_parallel use_hf_tp_plan custom_tp_plan offload_policy".split()
 )
 _BACKENDS = ("gloo", "nccl", "cuda:nccl,cpu:gloo")
@@ -46,6 +46,8 @@ class StrategyOptions:
     async_save: bool = False
     keep_last: Optional[int] = None
     preemption_signals: tuple = ()
+    # optimizer_step() skips a step whose gradients are NaN/inf on any rank, on every rank (NonFiniteGuard).
+    skip_nonfinite: bool = False
 
 
 def resolve_sizes(dp: Union[str, int], tp: Union[str, int], world: int) -> tuple[int, int]:
@@ -185,4 +187,7 @@ def _long_job_options(kwargs: dict[str, Any], checkpoint_format: str) -> dict[st
             f"checkpoint_format is {checkpoint_format!r}."
         )
     resolve_signals(signals)  # a bad name is a ValueError now
-    return {"async_save": async_save, "keep_last": keep, "preemption_signals": signals}
+    skip = kwargs.pop("skip_nonfinite", False)
+    if not isinstance(skip, bool):
+        raise ValueError(f"FSDP2Strategy: skip_nonfinite must be True or False, got {skip!r}.")
+    return {"async_save": async_save, "keep_last": keep, "preemption_signals": signals, "skip_nonfinite": skip}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from fnmatch import fnmatch
 from typing import Any, Callable, Optional
 
 import torch
@@ -10,10 +11,11 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 
+from ..distributed import choose_device
 from ..fsdp import fsdp
 from ..materialize import materialize_meta_model
 from ..options import resolve_sharding
-from ..ties import tied_parameter_groups
+from ..ties import retie, tied_parameter_groups
 from ..wrapped import is_fsdp_wrapped
 
 __all__ = ["default_parallelize", "shard_module"]
@@ -34,6 +36,55 @@ def tp_style(style: Any) -> Any:
     if style.lower() not in styles:
         raise ValueError(f"FSDP2Strategy: unknown tensor-parallel style {style!r}. Accepted: {sorted(styles)}.")
     return styles[style.lower()]()
+
+
+def _planned(fqn: str, plan: Any) -> Optional[str]:
+    """The plan key that ``parallelize_module`` applies to the module at ``fqn`` itself (its
+    parameters become DTensors), or ``None``: one ``fnmatch`` pattern per name atom, as torch matches."""
+    atoms = fqn.split(".") if fqn else []
+    for key in plan:
+        parts = key.split(".") if key else []
+        if len(parts) == len(atoms) and all(fnmatch(a, p) for a, p in zip(atoms, parts)):
+            return key
+    return None
+
+
+def check_plan_keeps_ties(module: nn.Module, plan: Any, ties: list[list[str]]) -> None:
+    """Refuse, before any module changes, a plan that parallelizes some owners of a tied parameter
+    and not the others: the tie (an embedding and its head) would split into two tensors that
+    train apart. ``ValueError`` naming the tie and what to do."""
+    for names in ties:
+        owners = {name: name.rpartition(".")[0] for name in names}
+        keys = {name: _planned(owner, plan) for name, owner in owners.items()}
+        if len({key is None for key in keys.values()}) > 1:
+            planned = [f"{n} (by {k!r})" for n, k in keys.items() if k is not None]
+            left = [n for n, k in keys.items() if k is None]
+            raise ValueError(
+                f"FSDP2Strategy: the tensor-parallel plan shards {', '.join(planned)} but not {', '.join(left)}, "
+                f"which are one tied parameter ({' is '.join(names)}); they would train apart. Give every owner a "
+                "style that shards the weight alike (e.g. the embedding RowwiseParallel() and the head "
+                "ColwiseParallel(): both shard the vocabulary rows), or leave them all out of the plan."
+            )
+
+
+def retie_parallelized(module: nn.Module, ties: list[list[str]]) -> None:
+    """After ``parallelize_module``: make each tie one parameter again. Every owner was planned
+    (``check_plan_keeps_ties``), so each name now holds its own DTensor copy of the same values;
+    they must share mesh and placements to be one tensor, else ``ValueError``."""
+    for names in ties:
+        params = [module.get_parameter(n) for n in names]
+        layouts = {(p.device_mesh, tuple(p.placements)) if isinstance(p, DTensor) else None for p in params}
+        if len(layouts) > 1:
+            shown = ", ".join(
+                f"{n}: {tuple(p.placements) if isinstance(p, DTensor) else 'not sharded'}"
+                for n, p in zip(names, params)
+            )
+            raise ValueError(
+                f"FSDP2Strategy: the tensor-parallel plan gives the tied parameter {' is '.join(names)} different "
+                f"layouts ({shown}); one tensor has one layout. Shard the weight alike in every owner "
+                "(embedding RowwiseParallel() with head ColwiseParallel(): Shard(0) both)."
+            )
+        retie(module, [names])
 
 
 def default_parallelize(
@@ -68,7 +119,10 @@ def default_parallelize(
                 "tp_plan={'layers.*.up': ColwiseParallel(), ...}, give the module a tp_plan attribute, "
                 "or parallelize it yourself (Lightning: in configure_model, with self.device_mesh)."
             )
+        ties = tied_parameter_groups(module)
+        check_plan_keeps_ties(module, plan, ties)
         parallelize_module(module, tp_mesh, {k: tp_style(v) for k, v in plan.items()})
+        retie_parallelized(module, ties)
     options = {"auto_wrap": True, "shard_strat": "FULL_SHARD", **kwargs}
     spec = resolve_sharding(options["shard_strat"])
     if "mesh" not in options:
@@ -81,8 +135,7 @@ def default_parallelize(
             )
         # tp == 1: fsdp() builds its 2-D (replicate, shard) mesh over the same ranks as the dp dimension.
     if device is None:  # the mesh's device: Lightning's accelerator (or the strategy) chose it
-        cuda = device_mesh.device_type == "cuda"
-        device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device(device_mesh.device_type)
+        device = choose_device(device=device_mesh.device_type)  # "cuda" -> cuda:LOCAL_RANK, checked visible
     return fsdp(module, mp=mp_policy, device=device, **options)
 
 

@@ -14,6 +14,8 @@ import torch.nn as nn
 
 from ..engines import hooks_on
 from ..loss import MaskedTokenLossReduction
+from ..wrapped import unwrapped_class
+from .labels import agree, classify, module_loss, own_loss_tokens, refuse_unshifted
 
 __all__ = ["StepLosses", "call_through_root", "nemo_step_result", "parse_optimizers", "run_step"]
 
@@ -159,6 +161,7 @@ class StepLosses:
         self._group_fn = group_fn
         self._defaults: dict[str, Any] = {}
         self._totals: dict[str, tuple[Any, str, torch.Tensor]] = {}  # step type -> (reduction, key, sum)
+        self._kinds: dict[tuple[str, bool], str] = {}  # (step type, has loss_mask) -> label convention
 
     def reduction(self, module: Optional[nn.Module], step_type: str) -> Any:
         """The module's ``<step_type>_loss_reduction`` / ``loss_reduction``, else the token-weighted default."""
@@ -174,13 +177,33 @@ class StepLosses:
     def step(self, module: nn.Module, step_type: str, batch: Any) -> torch.Tensor:
         """This rank's loss of ``module`` on ``batch``; its record (first entry) joins the running sum."""
         reduction = self.reduction(module, step_type)
-        loss, record = reduction.forward(batch, logits_of(forward_batch(module, batch)))
+        loss, record = reduction.forward(*self._loss_inputs(module, step_type, reduction, batch))
         key = next(iter(record))
         value = record[key].detach()
         if step_type in self._totals:
             value = value + self._totals[step_type][2]
         self._totals[step_type] = (reduction, key, value)
         return loss
+
+    def _loss_inputs(self, module: nn.Module, step_type: str, reduction: Any, batch: Any) -> tuple[Any, torch.Tensor]:
+        """``(batch, forward_out)`` for the reduction: the logits, or (Hugging Face's label convention, the
+        default reduction) the module's own mean loss at each token it averaged (strategy/labels.py)."""
+        output = forward_batch(module, batch)
+        if reduction is not self._defaults.get(step_type) or not isinstance(batch, Mapping) or "labels" not in batch:
+            return batch, logits_of(output)
+        style = (step_type, "loss_mask" in batch)  # loss_mask: NeMo's pre-shifted batch
+        kind = self._kinds.get(style)
+        if kind is None:  # decided once per batch style, by every rank together: a refusal is raised on all
+            kind = agree(classify(batch), self._group_fn())
+            if kind != "unknown":
+                self._kinds[style] = kind
+        own = module_loss(output) if "loss_mask" not in batch else None
+        if own is not None:
+            tokens = own_loss_tokens(kind, batch, own, unwrapped_class(module).__name__)
+            return {"loss_mask": tokens["loss_mask"]}, tokens["losses"]
+        if kind == "hf":
+            raise refuse_unshifted(unwrapped_class(module).__name__)
+        return batch, logits_of(output)
 
     def reduced(self, module: Optional[nn.Module], step_type: str) -> torch.Tensor:
         """Global mean of the ``step_type`` steps since the last call (one all-reduce); forgets them."""

@@ -6,6 +6,7 @@ Example:
         with no_sync(model) if i < len(micro_batches) - 1 else contextlib.nullcontext():
             (loss_fn(model(batch)) / len(micro_batches)).backward()
     norm = clip_grad_norm_(model, 1.0)
+    NonFiniteGuard(model).step(optimizer, loss)  # skipped on every rank if any rank saw NaN/inf
     print(memory_report(model, optimizer).table())
 """
 
@@ -13,6 +14,7 @@ from .accumulation import no_sync
 from .clipping import clip_grad_norm_
 from .memory import MemoryReport, memory_report
 from .meter import StepMeter, StepReport, training_flops_per_token
+from .nonfinite import NonFiniteGuard
 
-__all__ = ["MemoryReport", "clip_grad_norm_", "memory_report", "no_sync"]
+__all__ = ["MemoryReport", "NonFiniteGuard", "clip_grad_norm_", "memory_report", "no_sync"]
 __all__ += ["StepMeter", "StepReport", "training_flops_per_token"]

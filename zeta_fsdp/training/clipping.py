@@ -2,29 +2,80 @@
 
 from __future__ import annotations
 
+import math
 import numbers
 from typing import Iterable, Union
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
+
+from ..distributed import comm_device, get_world_size
 
 __all__ = ["clip_grad_norm_"]
 
 
-def _total_norm(groups: list[list[torch.Tensor]], norm_type: float) -> torch.Tensor:
-    """Norm of all gradients together, as a plain tensor, whatever meshes they live on.
+def _layout(param: torch.Tensor) -> tuple:
+    """The group a parameter's gradient norm is reduced in: its DTensor mesh and placements, or "plain".
 
-    ``torch.nn.utils.get_total_norm`` stacks per-gradient norms, which DTensor only allows on
-    one mesh with one layout. So each (mesh, placements) group's norm is one collective
-    (``full_tensor()`` of a partial norm), and the group norms combine locally. Plain tensors
-    (e.g. ignored parameters) are taken as they are on this rank: no collective.
+    Keyed by the *parameter*, not its gradient: every rank then forms the same groups in the same
+    order (a rank whose gradient is ``None`` still joins its group's collective: no hang)."""
+    if isinstance(param, DTensor):
+        return (param.device_mesh, tuple(param.placements))
+    return ("plain", param.device)
+
+
+def _local_power(grads: list[torch.Tensor], norm_type: float, device: torch.device) -> torch.Tensor:
+    """This rank's share of the norm: the max (inf) or the sum of ``|g|^p`` over its local elements,
+    fp32, on ``device``. Empty shards (a ``Linear(d, 1)`` split over more ranks than rows) add nothing."""
+    local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+    local = [t for t in local if t.numel() > 0]
+    if not local:
+        return torch.zeros((), dtype=torch.float32, device=device)
+    norm = torch.nn.utils.get_total_norm(local, norm_type).to(device=device, dtype=torch.float32)
+    return norm if math.isinf(norm_type) else norm**norm_type
+
+
+def _reduce_group(value: torch.Tensor, key: tuple, norm_type: float) -> torch.Tensor:
+    """Combine one group's local shares over the ranks its elements are spread across.
+
+    A DTensor group: summed (max for inf) over each mesh dimension it is ``Shard``-ed on; a
+    ``Replicate`` dimension holds copies, counted once. Plain gradients (DDP's engine, ignored or
+    0-dim parameters) are replicas on every rank in principle, but ignored parameters' gradients are
+    nobody's to synchronize: the world's largest share counts, so every rank gets one norm and
+    clips by one factor.
     """
-    norms = [torch.nn.utils.get_total_norm(group, norm_type) for group in groups]
-    norms = [n.full_tensor() if isinstance(n, DTensor) else n for n in norms]
-    device = norms[0].device
-    stacked = torch.stack([n.to(device=device, dtype=torch.float32) for n in norms])
-    return torch.linalg.vector_norm(stacked, norm_type)
+    op = dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM
+    if key[0] == "plain":
+        if get_world_size() > 1:
+            buffer = value.to(comm_device())
+            dist.all_reduce(buffer, op=dist.ReduceOp.MAX)
+            value = buffer.to(value.device)
+        return value
+    mesh, placements = key
+    for dim, placement in enumerate(placements):
+        if placement.is_partial():
+            raise ValueError(
+                f"clip_grad_norm_: gradients placed as {placement} are not supported (Shard or Replicate)."
+            )
+        if not placement.is_replicate() and mesh.size(dim) > 1:  # Shard, and _StridedShard (FSDP over TP)
+            dist.all_reduce(value, op=op, group=mesh.get_group(dim))
+    return value
+
+
+def _total_norm(groups: dict[tuple, list[torch.Tensor]], norm_type: float, device: torch.device) -> torch.Tensor:
+    """Norm of all gradients together, as a plain fp32 tensor identical on every rank.
+
+    One all-reduce per (mesh, placements) group over the ranks that shard it, plus one over the
+    world for plain gradients; the groups' shares combine locally (``torch.nn.utils.get_total_norm``
+    on each rank's elements, like torch's DTensor norm: partial ``|g|^p`` sums, then the root).
+    """
+    shares = [_reduce_group(_local_power(grads, norm_type, device), key, norm_type) for key, grads in groups.items()]
+    stacked = torch.stack(shares)
+    if math.isinf(norm_type):
+        return stacked.max()
+    return stacked.sum() ** (1.0 / norm_type)
 
 
 def _norm_order(norm_type: Union[float, str]) -> float:
@@ -62,14 +113,18 @@ def clip_grad_norm_(
     norm_type = _norm_order(norm_type)
     if isinstance(model_or_params, nn.Module):
         model_or_params = model_or_params.parameters()
-    params = [model_or_params] if isinstance(model_or_params, torch.Tensor) else model_or_params
-    by_layout: dict[object, list[torch.Tensor]] = {}  # DTensor ops may not mix meshes or layouts
-    for grad in (p.grad for p in params if p.grad is not None):
-        key = (grad.device_mesh, tuple(grad.placements)) if isinstance(grad, DTensor) else ("local", grad.device)
-        by_layout.setdefault(key, []).append(grad)
-    if not by_layout:
+    params = [model_or_params] if isinstance(model_or_params, torch.Tensor) else list(model_or_params)
+    if not params:
         return 0.0
-    total = _total_norm(list(by_layout.values()), norm_type)
+    by_layout: dict[tuple, list[torch.Tensor]] = {}  # one collective per mesh and layout
+    for param in params:
+        grads = by_layout.setdefault(_layout(param), [])
+        if param.grad is not None:
+            grads.append(param.grad)
+    if not any(by_layout.values()) and get_world_size() == 1:
+        return 0.0
+    device = params[0].device if not isinstance(params[0], DTensor) else params[0].to_local().device
+    total = _total_norm(by_layout, norm_type, device)
     if error_if_nonfinite and not torch.isfinite(total):
         raise RuntimeError(
             f"clip_grad_norm_: the total norm of order {norm_type} of the gradients is non-finite ({total.item()})."
@@ -78,6 +133,6 @@ def clip_grad_norm_(
     # applied even when it is 1 so the result matches torch bit for bit), one foreach per layout.
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     with torch.no_grad():
-        for group in by_layout.values():
+        for group in filter(None, by_layout.values()):
             torch._foreach_mul_(group, coef.to(group[0].device))
     return float(total.item())

@@ -1,0 +1,166 @@
+"""Ranks that use different parameters in one step (mixture of experts).
+
+In-process: which units ``auto_wrap`` picks when a forward may skip modules, and the refusals
+(a unit the user named that ranks may skip; a torch without ``set_reduce_scatter_unused_params``).
+Multi-rank parity (every strategy, blocks given and detected, experts of different sizes, Hugging
+Face MoE models): ``moe_cases.py``, one launch per rank count.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from conftest import dist_test
+from moe_models import Expert, MoEBlock, MoELM
+from worker import expect_error
+
+from zeta_fsdp import fsdp
+from zeta_fsdp.engines import fully_shard as engine
+from zeta_fsdp.models.gpt import small
+from zeta_fsdp.wrapping import build_wrap_plan, detect_block_classes, skippable_modules
+
+test_two_ranks = dist_test("moe_cases.py", 2)
+test_four_ranks = dist_test("moe_cases.py", 4)
+
+
+def test_auto_wrap_makes_the_moe_block_the_unit_not_its_experts():
+    plan = build_wrap_plan(MoELM(), auto_wrap=True)
+    assert detect_block_classes(MoELM()) == (MoEBlock,)
+    assert [u.name for u in plan.blocks] == ["blocks.0", "blocks.1"]
+    assert plan.skippable == {
+        "blocks.0.moe.experts": "MoELayer.forward runs its members under a condition",
+        "blocks.1.moe.experts": "MoELayer.forward runs its members under a condition",
+    }
+    table = plan.table()
+    assert "not units, as ranks may skip them in a step: blocks.0.moe.experts" in table, table
+    assert "Expert" not in table  # no suggestion to split a block into experts
+
+
+def test_a_named_expert_unit_is_refused_before_anything_changes():
+    model = MoELM()
+    before = {n: p.clone() for n, p in model.named_parameters()}
+    expect_error(
+        ValueError,
+        lambda: fsdp(model, auto_wrap=True, shard_strat="FULL_SHARD", TransformerBlock=(MoEBlock, Expert)),
+        "blocks.0.moe.experts.0",
+        "MoELayer.forward runs its members under a condition",
+        "Name the class of the layer",
+    )
+    assert not dist.is_initialized()
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+
+
+def test_old_torch_refuses_a_model_ranks_may_use_differently(monkeypatch):
+    monkeypatch.setattr(engine, "REDUCES_UNUSED_PARAMS", False)
+    expect_error(
+        ValueError,
+        lambda: fsdp(MoELM(), auto_wrap=True, shard_strat="FULL_SHARD"),
+        "blocks.0.moe.experts",
+        f"torch {torch.__version__}",
+        "torch>=2.13",
+    )
+    assert not dist.is_initialized()
+    # a model every rank uses alike is not refused
+    engine.check(build_wrap_plan(small(), auto_wrap=True), small(), torch.float32)
+
+
+class _Routed(nn.Module):
+    """Hugging Face 4.x Mixtral's dispatch: only the experts a token hit run."""
+
+    def __init__(self, container: str = "ffns"):
+        super().__init__()
+        setattr(self, container, nn.ModuleList(nn.Linear(2, 2) for _ in range(3)))
+        self.container = container
+
+    def forward(self, x, hit):
+        for idx in hit:
+            x = x + self.ffns[idx](x)
+        return x
+
+
+class _SkipByContinue(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.ffns = nn.ModuleList(nn.Linear(2, 2) for _ in range(3))
+
+    def forward(self, x, route):
+        for i, ffn in enumerate(self.ffns):
+            if not (route == i).any():
+                continue
+            x = x + ffn(x)
+        return x
+
+
+class _Stack(nn.Module):
+    """Every member runs: checkpointed or not, by element or by index."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(2, 2) for _ in range(3))
+        self.more = nn.ModuleList(nn.Linear(2, 2) for _ in range(3))
+        self.ckpt = False
+
+    def forward(self, x):
+        for layer in self.layers:
+            if self.ckpt:
+                x = torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=False)
+            else:
+                x = layer(x)
+        for i in range(len(self.more)):
+            x = self.more[i](x)
+            if i == 1:
+                x = x * 2
+        return x
+
+
+class _LayerDrop(nn.Module):
+    """Hugging Face's LayerDrop: a coin per layer, not a per-member condition (and all run under FSDP)."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(2, 2) for _ in range(3))
+        self.layerdrop = 0.0
+
+    def forward(self, x):
+        for layer in self.layers:
+            skip = self.training and float(torch.rand([])) < self.layerdrop
+            if not skip:
+                x = layer(x)
+        return x
+
+
+@pytest.mark.parametrize(
+    "model, expected",
+    [
+        (_Routed(), {"ffns": "_Routed.forward runs its members under a condition"}),
+        (_SkipByContinue(), {"ffns": "_SkipByContinue.forward runs its members under a condition"}),
+        (_Stack(), {}),
+        (_LayerDrop(), {}),
+        (nn.ModuleDict({"experts": nn.ModuleList(nn.Linear(2, 2) for _ in range(2))}), None),
+    ],
+    ids=["picked-by-index", "continue", "every-member-runs", "layerdrop", "named-experts"],
+)
+def test_which_containers_a_forward_may_skip(model, expected):
+    found = skippable_modules(model)
+    if expected is None:
+        assert found == {"experts": "named 'experts': the experts a router picks per token"}
+    else:
+        assert found == expected
+
+
+def test_a_hugging_face_moe_keeps_its_declared_blocks():
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.MixtralConfig(
+        vocab_size=64,
+        hidden_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        intermediate_size=8,
+        num_local_experts=4,
+    )
+    plan = build_wrap_plan(transformers.MixtralForCausalLM(cfg), auto_wrap=True)
+    assert [u.name for u in plan.blocks] == ["model.layers.0", "model.layers.1"]
+    assert plan.skippable == {}
