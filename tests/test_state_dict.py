@@ -944,7 +944,7 @@ def test_consolidate_cli_hf_only_options_and_huge_sizes(tmp_path, capsys):
         assert cli.main(argv) == 2
         err = capsys.readouterr().err
         # refused by the size check, or first by the chunk-coverage check (the crafted size is not covered)
-            assert str(path) in err and ("too large" in err or "inconsistently" in err) and err.count("\n") == 1, err
+        assert str(path) in err and ("too large" in err or "inconsistently" in err) and err.count("\n") == 1, err
     assert names(tmp_path) == ["c"]
 
 
