@@ -26,6 +26,7 @@ from ..files import atomic_write
 from ..fsdp import fsdp
 from ..measure import collectives_per_step, median_step_seconds, peak_memory_by_category
 from ..models import gpt
+from ..training import StepMeter
 
 __all__ = ["LEARNING_RATE", "PER_RANK_BATCH", "SEQ_LEN", "main"]
 
@@ -96,12 +97,14 @@ def _run_strategy(strategy: str, steps: int, mp: str, progress: _Progress, devic
             torch.cuda.synchronize(device)  # step times are wall times of finished steps
         return loss
 
-    first = None
+    first, meter = None, StepMeter(every=2, device=device, log=None)  # tokens/s for the progress line
     for step in range(steps):
-        loss = train_step(batch(step))
+        tokens = batch(step)
+        meter.step(tokens=tokens[:, :-1].numel())
+        loss = train_step(tokens)
         if first is None:
             first = mean_loss(loss)
-        progress.update(strategy)
+        progress.update(strategy if meter.last is None else f"{strategy} {meter.last.tokens_per_s:.0f} tok/s")
     with torch.no_grad():
         held_out = batch(10_000)
         final = mean_loss(gpt.lm_loss(model(held_out[:, :-1]).float(), held_out[:, 1:]))

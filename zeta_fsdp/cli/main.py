@@ -1,4 +1,4 @@
-"""``python -m zeta_fsdp {demo,plan,consolidate} ...``: the fixed table of subcommands.
+"""``python -m zeta_fsdp {demo,plan,consolidate,doctor} ...``: the fixed table of subcommands.
 
 Each subcommand is one module of this package with ``HELP``, ``add_arguments(parser)`` and
 ``run(args) -> exit code``; the table below names them (nothing registers itself on import).
@@ -11,13 +11,13 @@ from __future__ import annotations
 import sys
 from typing import Optional
 
-from . import consolidate, demo, plan
+from . import consolidate, demo, doctor, plan
 from .args import OneLineParser, UsageError
 
 __all__ = ["COMMANDS", "main"]
 
 # name -> the module implementing it, in the order ``--help`` lists them.
-COMMANDS = {"demo": demo, "plan": plan, "consolidate": consolidate}
+COMMANDS = {"demo": demo, "plan": plan, "consolidate": consolidate, "doctor": doctor}
 
 
 def main(argv: Optional[list[str]] = None) -> int:

@@ -13,6 +13,8 @@ Example:
 from .accumulation import no_sync
 from .clipping import clip_grad_norm_
 from .memory import MemoryReport, memory_report
+from .meter import StepMeter, StepReport, training_flops_per_token
 from .nonfinite import NonFiniteGuard
 
 __all__ = ["MemoryReport", "NonFiniteGuard", "clip_grad_norm_", "memory_report", "no_sync"]
+__all__ += ["StepMeter", "StepReport", "training_flops_per_token"]
