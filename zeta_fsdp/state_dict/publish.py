@@ -109,7 +109,8 @@ def chunk_problem(fqn: str, md: TensorStorageMetadata, records: dict) -> Optiona
         boxes.append((offsets, sizes))
     covered = sum(math.prod(n) for _, n in boxes)
     if covered != math.prod(size):
-        return f"its chunks hold {covered} of its {math.prod(size)} elements {list(size)} (a chunk is missing)"
+        why = "a chunk is missing" if covered < math.prod(size) else "chunks overlap or repeat"
+        return f"its chunks hold {covered} of its {math.prod(size)} elements {list(size)} ({why})"
     live = sorted((b for b in boxes if math.prod(b[1])), key=lambda b: b[0][:1])
     active: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
     for offsets, sizes in live:  # sweep along dim 0: only chunks whose rows meet can overlap
