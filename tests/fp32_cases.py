@@ -184,6 +184,30 @@ def staged_unfreeze_fp32_trains_like_reference():
 
 
 @CASES.case
+def staged_unfreeze_whole_unit_under_bf16():
+    """A whole unit frozen at wrap (fp32 model, mp="bf16": no trainable parameter at its first forward, so
+    FSDP2 fixed no gradient dtypes for it) and unfrozen after a step: trains, its fp32 gradients equal
+    those of the same model wrapped with the unit trainable from the start (same kernels: bit for bit)."""
+    torch.manual_seed(0)
+    model = small()
+    twin = copy.deepcopy(model)
+    model.blocks[0].requires_grad_(False)
+    fsdp(model, auto_wrap=True, mp="bf16", shard_strat="FULL_SHARD", TransformerBlock=Block)
+    fsdp(twin, auto_wrap=True, mp="bf16", shard_strat="FULL_SHARD", TransformerBlock=Block)
+    x, y = global_batch(0)
+    for net in (model, twin):
+        lm_loss(net(local_slice(x)).float(), local_slice(y)).backward()
+        net.zero_grad(set_to_none=True)
+    model.blocks[0].requires_grad_(True)
+    x, y = global_batch(1)
+    for net in (model, twin):
+        lm_loss(net(local_slice(x)).float(), local_slice(y)).backward()
+    for (name, p), q in zip(model.named_parameters(), twin.parameters()):
+        assert p.grad is not None and p.grad.dtype == torch.float32, name
+        assert_close(f"grad {name}", p.grad, q.grad, 0)
+
+
+@CASES.case
 def staged_unfreeze_refused_where_wrong():
     """A bf16 block frozen at wrap (kept bf16; trainable it would be fp32) and unfrozen: the next
     forward raises on every rank naming it. On DDP's engine any unfreeze after the first forward

@@ -84,6 +84,18 @@ def test_fp32_units_sit_before_their_block_and_leave_groups():
     assert sum(len(u.param_names) for u in wrap.units) == len(list(model.parameters()))
 
 
+def test_tied_fp32_modules_share_one_unit():
+    """keep_fp32 on a tied head: the weight is named under its first name (tok_emb.weight) and both modules
+    holding it go into one fp32 unit (keeping only the head once crashed in F.linear: float vs bf16)."""
+    model = small(n_layers=1)
+    for keep in (["head"], ["head", "tok_emb"]):
+        assert select_fp32(model, keep, BF16).param_names == ("tok_emb.weight",)
+        wrap = build_wrap_plan(model, auto_wrap=True)
+        add_fp32_units(wrap, model, select_fp32(model, keep, BF16).param_names)
+        assert [u.module_names for u in wrap.units if u.kind == "fp32"] == [["tok_emb", "head"]], keep
+        assert sum(len(u.param_names) for u in wrap.units) == len(list(model.parameters()))
+
+
 def test_fp32_parameter_sharing_a_module_without_override_is_refused():
     model = small(n_layers=1)
     wrap = build_wrap_plan(model, auto_wrap=True)

@@ -128,16 +128,17 @@ def select_fp32(
     if compute not in _LOW:
         return Fp32Selection()
     chosen: dict[int, str] = {}
+    canonical = {id(p): n for n, p in model.named_parameters()}  # a tied parameter under its first name
     for name in cast_modules:
-        for pname, param in model.get_submodule(name).named_parameters(prefix=name):
-            chosen.setdefault(id(param), pname)
+        for _, param in model.get_submodule(name).named_parameters(prefix=name):
+            chosen.setdefault(id(param), canonical[id(param)])
     notes = [f"keep_fp32: {', '.join(cast_modules)} compute in fp32 (inputs cast up, outputs back)"] if specs else []
     hf = hf_fp32_patterns(model, compute)
     if hf:
         search = re.compile("|".join(f"(?:{p.replace('*', '.*')})" for p in hf))
         hits = [(n, p) for n, p in model.named_parameters(remove_duplicate=False) if search.search(n)]
-        for pname, param in hits:
-            chosen.setdefault(id(param), pname)
+        for _, param in hits:
+            chosen.setdefault(id(param), canonical[id(param)])
         if hits:
             notes.append(
                 f"{type(model).__name__} declares {hf} fp32 (as from_pretrained keeps them): {len(hits)} params"

@@ -61,6 +61,11 @@ def _check_device(model: nn.Module, device: Union[str, torch.device, None]) -> t
             raise ValueError(
                 f"fsdp(): device={device!r} is not accepted. Accepted: None, 'cpu', 'cuda', 'cuda:N' or a torch.device."
             ) from err
+        if torch.device(device).type not in ("cpu", "cuda"):
+            raise ValueError(
+                f"fsdp(): device={device!r} is not accepted. Accepted: None, 'cpu', 'cuda', 'cuda:N' or a torch.device "
+                "of those types (build the model on meta, not the compute device: fsdp() materializes it)."
+            )
         if cuda and not torch.cuda.is_available():
             raise ValueError(f"fsdp(): device={device!r} but CUDA is not available here. Accepted: None or 'cpu'.")
     return choose_device(model, device)

@@ -17,6 +17,8 @@ from typing import Any, Callable, Optional
 import torch
 import torch.nn as nn
 
+from .wrapped import refresh_reduce_dtypes
+
 __all__ = ["UnfrozenAfterWrapError", "guard_unfreezing"]
 
 
@@ -34,7 +36,16 @@ def _fully_shard_check(model: nn.Module, master: Optional[torch.dtype]) -> Calla
         if param.dtype != would_be:
             watched[name] = (param, would_be)
 
+    # Frozen at wrap time in the dtype they would have had trainable: FSDP2 trains them once a unit that
+    # had no trainable parameter at its first forward re-derives its gradient dtypes.
+    allowed = [p for n, p in params.items() if not p.requires_grad and p.is_floating_point() and n not in watched]
+    seen_trainable: set[int] = set()
+
     def check() -> Optional[str]:
+        unfrozen = {id(p) for p in allowed if p.requires_grad} - seen_trainable
+        if unfrozen:
+            refresh_reduce_dtypes(model)
+            seen_trainable.update(unfrozen)
         for name, (param, would_be) in watched.items():
             if param.requires_grad:
                 return (

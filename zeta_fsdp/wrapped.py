@@ -24,6 +24,7 @@ __all__ = [
     "get_wrap_plan",
     "is_fsdp_wrapped",
     "record_wrap",
+    "refresh_reduce_dtypes",
     "unwrapped_class",
 ]
 
@@ -117,6 +118,22 @@ def fsdp_param_groups(module: nn.Module) -> Optional[list]:
             return []
         return list(groups) if isinstance(groups, (list, tuple)) else [groups]
     return None
+
+
+def refresh_reduce_dtypes(model: nn.Module) -> bool:
+    """Make FSDP2 re-derive each unit's gradient dtypes from which parameters require a gradient *now*.
+
+    FSDP2 fixes a unit's original and reduce dtypes at its first forward, from its trainable parameters;
+    a unit with none then reduces a later gradient in the compute dtype (bf16) and cannot assign it to
+    the fp32 shard. ``False`` when this torch's FSDP2 state is unreadable."""
+    refreshed = False
+    for module in model.modules():
+        for group in fsdp_param_groups(module) or []:
+            init = getattr(group, "_init_mp_dtypes", None)
+            if callable(init):
+                init()
+                refreshed = True
+    return refreshed
 
 
 def get_wrap_plan(model: nn.Module) -> Optional[WrapPlan]:

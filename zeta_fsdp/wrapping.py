@@ -838,15 +838,15 @@ def add_fp32_units(plan: WrapPlan, model: nn.Module, fp32_param_names: Sequence[
             "This torch has no MixedPrecisionPolicy.param_dtype_override_fn (torch >= 2.15 keeps one parameter "
             f"fp32 inside a unit): upgrade torch, or keep the whole module fp32 (keep_fp32=[{owner!r}])."
         )
-    for mname in chosen:
+    for group in _tied_module_groups(model, chosen):  # tied modules (embedding and head) share one unit
         for unit in plan.units:  # a module named in a group (the final norm of [norm, head]) leaves it
-            if mname in unit.module_names and unit.kind != "root":
-                keep = [i for i, n in enumerate(unit.module_names) if n != mname]
+            if unit.kind != "root" and any(m in unit.module_names for m in group):
+                keep = [i for i, n in enumerate(unit.module_names) if n not in group]
                 unit.module_names = [unit.module_names[i] for i in keep]
                 unit.modules = [unit.modules[i] for i in keep]
         units = [u for u in plan.units if u.module_names]
-        at = _claiming_unit(mname, units)
-        units.insert(at, WrapUnit("fp32", [mname], [model.get_submodule(mname)]))
+        at = min(_claiming_unit(m, units) for m in group)
+        units.insert(at, WrapUnit("fp32", list(group), [model.get_submodule(m) for m in group]))
         plan.units = units
     for unit in plan.units:
         unit.param_names, unit.numel = [], 0
@@ -856,10 +856,22 @@ def add_fp32_units(plan: WrapPlan, model: nn.Module, fp32_param_names: Sequence[
         if len({_claiming_unit(n.rpartition(".")[0], plan.units) for n in names_tied}) > 1:
             raise ValueError(
                 f"{caller}(): the fp32 module holding {names_tied[0]} shares it with {names_tied[1:]} (tied) in "
-                "another unit; keep both fp32 (keep_fp32=[...] naming both), or upgrade to torch >= 2.15."
+                "another unit; keep every module holding it fp32 (keep_fp32=[...] naming each), or upgrade to "
+                "torch >= 2.15."
             )
     plan.recount(model)
     plan.notes.append(f"fp32 units (own fp32 MixedPrecisionPolicy): {', '.join(chosen)}")
+
+
+def _tied_module_groups(model: nn.Module, module_names: Sequence[str]) -> list[list[str]]:
+    """``module_names`` grouped so that modules sharing a parameter (a tied embedding and head) are together."""
+    groups: list[tuple[list[str], set[int]]] = []
+    for name in module_names:
+        ids = {id(p) for p in model.get_submodule(name).parameters()}
+        joined = [g for g in groups if g[1] & ids]
+        merged = ([n for g in joined for n in g[0]] + [name], set().union(ids, *(g[1] for g in joined)))
+        groups = [g for g in groups if not g[1] & ids] + [merged]
+    return [names for names, _ in groups]
 
 
 def _parents(name: str) -> list[str]:
