@@ -236,6 +236,8 @@ def settings_that_cannot_work_raise_before_training():
         ValueError, lambda: build(load_best_model_at_end=True, eval_strategy="steps"), "load_best_model_at_end"
     )
     expect_error(ValueError, lambda: build(fsdp="full_shard"), "fsdp=", "Remove")
+    # transformers would model.to(bf16) the sharded master weights for evaluation, for good
+    expect_error(ValueError, lambda: build(bf16_full_eval=True), "bf16_full_eval=True", "master weights")
 
 
 @case
@@ -268,6 +270,27 @@ def accelerator_prepares_without_a_second_wrap_and_accumulates_with_no_sync():
         ref_opt.zero_grad()
     assert_same_params(full_params(model), full_params(ref), "FSDPAccelerator.accumulate")
     expect_error(ValueError, lambda: acc.save_state(str(work() / "acc_state")), "save_checkpoint")
+
+
+@case
+def plain_accelerator_does_not_wrap_again():
+    """A plain accelerate.Accelerator: prepare() returns the fsdp() model itself (no DistributedDataParallel
+    around the shards), and a step through accelerator.backward equals the same step without accelerate."""
+    from accelerate import Accelerator
+
+    base = llama()
+    ref = fsdp(copy.deepcopy(base), auto_wrap=True, shard_strat="FULL_SHARD")
+    model = fsdp(base, auto_wrap=True, shard_strat="FULL_SHARD")
+    acc = Accelerator(cpu=True)
+    opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.5), torch.optim.SGD(ref.parameters(), lr=0.5)
+    prepared, opt = acc.prepare(model, opt)
+    assert prepared is model and all(isinstance(p, DTensor) for p in model.parameters())
+    batch = Tokens(2, seed=rank()).x
+    acc.backward(model(input_ids=batch, labels=batch).loss)
+    opt.step()
+    ref(input_ids=batch, labels=batch).loss.backward()
+    ref_opt.step()
+    assert_same_params(full_params(model), full_params(ref), "plain Accelerator step")
 
 
 @case

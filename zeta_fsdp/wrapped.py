@@ -40,6 +40,9 @@ def record_wrap(
     live on CPU (``fsdp_engine``, ``get_wrap_plan``, ``compute_device``, ``shard_device``)."""
     model.__dict__[_ENGINE_ATTR] = engine
     model.__dict__[_PLAN_ATTR] = plan
+    # accelerate's "already prepared" mark: a plain Accelerator().prepare() then returns the model as is,
+    # instead of wrapping the shards in DistributedDataParallel (which cannot broadcast DTensors).
+    model.__dict__["_is_accelerate_prepared"] = True
     if device is not None:
         model.__dict__[_DEVICE_ATTR] = (device, torch.device("cpu") if cpu_offload else device)
 

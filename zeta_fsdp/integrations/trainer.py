@@ -108,6 +108,15 @@ def check_trainer_args(model: Any, args: Any) -> None:
             "TrainingArguments(load_best_model_at_end=True)",
             "is not supported: load the best checkpoint-N/zeta_fsdp yourself with zeta_fsdp.load_checkpoint.",
         )
+    for flag in ("bf16_full_eval", "fp16_full_eval"):
+        if getattr(args, flag, False):
+            # transformers casts the model with model.to(dtype) for evaluation: on sharded parameters that
+            # makes the fp32 master weights bf16/fp16 for good (or breaks FSDP's all-gather buffers).
+            _refuse(
+                f"TrainingArguments({flag}=True)",
+                "would cast the sharded master weights for good: evaluation already computes in fsdp(mp=...)'s "
+                "dtype. Remove it (use fsdp(model, mp='bf16') for low-precision compute).",
+            )
     for flag in ("bf16", "fp16"):
         if getattr(args, flag):
             check_precision(model, flag, f"TrainingArguments({flag}=True)")
