@@ -224,6 +224,27 @@ def strategy_skip_nonfinite_option():
     expect_error(ValueError, lambda: FSDP2Strategy(skip_nonfinite="yes"), "skip_nonfinite", "'yes'")
 
 
+@CASES.case
+def strategy_meter_every_reports_global_tokens():
+    """FSDP2Strategy(meter_every=2): a StepMeter report after every 2 optimizer steps, counting every
+    micro-batch's tokens on every rank (2 steps x 2 micro-batches x world x local tokens)."""
+    strategy = FSDP2Strategy(TransformerBlock=Block, meter_every=2)
+    strategy.connect(small())
+    strategy.setup_optimizers(lambda m: torch.optim.SGD(m.parameters(), lr=0.1))
+    x, y = tokens(4, seed=31)
+    batch = {"input_ids": local_slice(x), "labels": local_slice(y)}
+    for _ in range(3):
+        for _ in range(2):
+            strategy.training_step(batch).backward()
+        strategy.optimizer_step()
+    report = strategy.meter.last
+    assert report is not None and report.steps == 2, report
+    counted = report.tokens_per_s * report.step_ms * report.steps / 1000
+    want = 2 * 2 * world() * batch["input_ids"].numel()
+    assert abs(counted - want) <= 1e-6 * want, (counted, want)
+    expect_error(ValueError, lambda: FSDP2Strategy(meter_every=0), "meter_every", "0")
+
+
 # ---------------------------------------------------------------------------------------------
 # tied weights under tensor parallel
 

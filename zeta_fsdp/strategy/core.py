@@ -33,6 +33,7 @@ from ..state_dict.checks import from_rank0
 from ..state_dict.full import remove_checkpoint
 from ..training import NonFiniteGuard, clip_grad_norm_, no_sync
 from ..training.accumulation import resolve_defer
+from ..training.meter import StepMeter, batch_tokens
 from . import checkpoint as ckpt_io
 from . import parallel as strategy_parallel
 from .options import resolve_sizes, validate_strategy_options
@@ -108,7 +109,8 @@ class FSDP2Strategy:
         **kwargs: ``fsdp()``'s options (a custom ``parallelize_fn``'s own too) and the strategy's:
             ``checkpoint_format`` (``"full"``, or ``"sharded"``: DCP), ``tp_plan``, ``device``, Lightning's
             ``process_group_backend`` / ``timeout``, ``skip_nonfinite`` (``True``: ``optimizer_step`` skips
-            a step with NaN/inf gradients on every rank alike). Anything else (``TransformerBlok``), a bad ``mp``
+            a step with NaN/inf gradients on every rank alike), ``meter_every`` (``N``: a ``StepMeter`` line —
+            tokens/s, MFU, memory, slowest rank — every N optimizer steps; ``strategy.meter``). Anything else (``TransformerBlok``), a bad ``mp``
             or ``shard_strat``: ``ValueError`` here, before any process group starts.
 
     Example:
@@ -164,6 +166,8 @@ class FSDP2Strategy:
         self._preemption: Optional[sd.PreemptionHandler] = None
         self._checkpoint_root: Optional[Path] = None
         self._nonfinite: Optional[NonFiniteGuard] = None  # skip_nonfinite=True: made at the first step
+        self._meter: Optional[StepMeter] = None  # meter_every=N: made at the first training step
+        self._step_open = False  # a training step began (training_step) and optimizer_step has not closed it
 
     # ----------------------------------------------------------------------------- module
 
@@ -322,7 +326,19 @@ class FSDP2Strategy:
         Example: ``loss = strategy.training_step(batch, batch_idx); loss.backward(); strategy.optimizer_step()``."""
         self.parallelize()
         self.restore_pending_optimizer_state()
+        self._meter_step(batch)
         return self._step("training", batch, batch_idx)
+
+    def _meter_step(self, batch: Any) -> None:
+        """``meter_every=N``: the first micro-batch of a step starts it on the meter; each adds its tokens."""
+        if self.options.meter_every is None:
+            return
+        if self._meter is None:
+            self._meter = StepMeter(every=self.options.meter_every, device=self.root_device)
+        if not self._step_open:
+            self._meter.step()
+            self._step_open = True
+        self._meter.add_tokens(batch_tokens(batch))
 
     def _step(self, step_type: str, batch: Any, batch_idx: Optional[int]) -> Any:
         self.parallelize()
@@ -374,6 +390,7 @@ class FSDP2Strategy:
             if not self._nonfinite.check():
                 for optimizer in self.optimizers:
                     optimizer.zero_grad(set_to_none=True)
+                self._step_open = False
                 return norm
         for optimizer in self.optimizers:
             optimizer.step()
@@ -381,7 +398,14 @@ class FSDP2Strategy:
             scheduler.step()
         for optimizer in self.optimizers:
             optimizer.zero_grad(set_to_none=True)
+        self._step_open = False
         return norm
+
+    @property
+    def meter(self) -> Optional[StepMeter]:
+        """The ``StepMeter`` of ``meter_every=N`` (``meter.last``: the latest report), ``None`` without one.
+        Example: ``FSDP2Strategy(meter_every=10)`` logs a line every 10 steps; ``strategy.meter.last.tokens_per_s``."""
+        return self._meter
 
     @property
     def skipped_steps(self) -> int:
@@ -571,4 +595,7 @@ class FSDP2Strategy:
         if self._preemption is not None:
             self._preemption.close()
             self._preemption = None
+        if self._meter is not None:
+            self._meter.finish()  # the steps since the last report (a collective: every rank tears down)
+            self._meter = None
         shutdown()

@@ -24,6 +24,7 @@ CHECKPOINT_FORMATS = ("full", "sharded")
 # Options that never reach fsdp(): the strategy's own, Lightning's (process_group_backend ...), NeMo's (last five).
 STRATEGY_KWARGS = tuple(
     "checkpoint_format tp_plan device process_group_backend timeout async_save keep_last preemption_signals skip_nonfinite "
+    "meter_every "
     "save_distributed_checkpoint context_parallel_size sequence_parallel use_hf_tp_plan custom_tp_plan offload_policy".split()
 )
 _BACKENDS = ("gloo", "nccl", "cuda:nccl,cpu:gloo")
@@ -48,6 +49,8 @@ class StrategyOptions:
     preemption_signals: tuple = ()
     # optimizer_step() skips a step whose gradients are NaN/inf on any rank, on every rank (NonFiniteGuard).
     skip_nonfinite: bool = False
+    # A StepMeter line (tokens/s, MFU, memory, slowest rank) every N optimizer steps; None: no meter.
+    meter_every: Optional[int] = None
 
 
 def resolve_sizes(dp: Union[str, int], tp: Union[str, int], world: int) -> tuple[int, int]:
@@ -190,4 +193,15 @@ def _long_job_options(kwargs: dict[str, Any], checkpoint_format: str) -> dict[st
     skip = kwargs.pop("skip_nonfinite", False)
     if not isinstance(skip, bool):
         raise ValueError(f"FSDP2Strategy: skip_nonfinite must be True or False, got {skip!r}.")
-    return {"async_save": async_save, "keep_last": keep, "preemption_signals": signals, "skip_nonfinite": skip}
+    meter = kwargs.pop("meter_every", None)
+    if meter is not None and (isinstance(meter, bool) or not isinstance(meter, int) or meter < 1):
+        raise ValueError(
+            f"FSDP2Strategy: meter_every must be a positive int (steps per report) or None, got {meter!r}."
+        )
+    return {
+        "async_save": async_save,
+        "keep_last": keep,
+        "preemption_signals": signals,
+        "skip_nonfinite": skip,
+        "meter_every": meter,
+    }

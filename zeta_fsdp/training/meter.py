@@ -13,14 +13,15 @@ import re
 import resource
 import sys
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Callable, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-__all__ = ["PEAK_TFLOPS", "StepMeter", "StepReport", "peak_flops_of", "training_flops_per_token"]
+__all__ = ["PEAK_TFLOPS", "StepMeter", "StepReport", "batch_tokens", "peak_flops_of", "training_flops_per_token"]
 
 # Dense (no structured sparsity) peak TFLOP/s per GPU from NVIDIA's datasheets; "fp32" is plain FP32
 # (no TF32 tensor cores). Matched in order against torch.cuda.get_device_name(): specific names first.
@@ -113,6 +114,23 @@ def _peak_memory(device: torch.device) -> tuple[float, Optional[float]]:
     return float(rss if sys.platform == "darwin" else rss * 1024), None
 
 
+def batch_tokens(batch: Any) -> int:
+    """Tokens in one batch, for the meter: ``input_ids``' elements (a dict batch), else the first tensor's
+    elements when it holds token ids (integers), else its first dimension (samples).
+
+    Example:
+        >>> batch_tokens({"input_ids": torch.zeros(2, 5, dtype=torch.long)}), batch_tokens((torch.zeros(3, 4),))
+        (10, 3)
+    """
+    if isinstance(batch, Mapping) and isinstance(batch.get("input_ids"), torch.Tensor):
+        return batch["input_ids"].numel()
+    values = batch.values() if isinstance(batch, Mapping) else batch if isinstance(batch, (tuple, list)) else [batch]
+    first = next((v for v in values if isinstance(v, torch.Tensor)), None)
+    if first is None or first.dim() == 0:
+        return 0
+    return first.numel() if not (first.is_floating_point() or first.is_complex()) else first.shape[0]
+
+
 class StepMeter:
     """Call ``meter.step(tokens)`` at the top of every training step, once the batch is ready; every
     ``every`` steps it reports the steps before it (on rank 0: ``log(line)``) and returns a ``StepReport``.
@@ -169,6 +187,10 @@ class StepMeter:
                 report = self._report()
         self._pending_tokens, self.steps = tokens, self.steps + 1
         return report
+
+    def add_tokens(self, tokens: int) -> None:
+        """Count ``tokens`` more into the step begun by the last ``step()`` (its micro-batches, one at a time)."""
+        self._pending_tokens += int(tokens)
 
     def finish(self) -> Optional[StepReport]:
         """Report the steps since the last report, the current one included (every rank calls it;
