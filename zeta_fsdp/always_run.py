@@ -151,6 +151,15 @@ def _fixed_int(node: ast.AST, module: nn.Module) -> Optional[int]:
     return None
 
 
+def _holds_module(test: ast.AST, module: nn.Module) -> bool:
+    """``test`` is ``self.x is not None`` (or ``self.x``) and ``module.x`` is a module: true on every rank."""
+    if isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], ast.IsNot):
+        if isinstance(test.comparators[0], ast.Constant) and test.comparators[0].value is None:
+            test = test.left
+    attr = _self_attr(test)
+    return attr is not None and isinstance(getattr(module, attr, None), nn.Module)
+
+
 def _has(stmts: list[ast.stmt], kinds: tuple) -> bool:
     """A node of ``kinds`` in ``stmts``, not counting nested function definitions."""
     todo = list(stmts)
@@ -168,7 +177,9 @@ def _block_calls(stmts: list[ast.stmt], loop: Optional[_Loop], module: nn.Module
     early (what follows it may not run)."""
     keys: set[tuple[str, str]] = set()
     for stmt in stmts:
-        if isinstance(stmt, ast.If):
+        if isinstance(stmt, ast.If) and _holds_module(stmt.test, module):
+            keys |= _block_calls(stmt.body, loop, module)  # `if self.norm is not None:` fixed by the model
+        elif isinstance(stmt, ast.If):
             keys |= _calls_in(stmt.test, loop, module)
             keys |= _block_calls(stmt.body, loop, module) & _block_calls(stmt.orelse, loop, module)
         elif isinstance(stmt, (ast.With, ast.AsyncWith)):

@@ -847,7 +847,9 @@ def build_wrap_plan(
     units = [WrapUnit("block", [name], [module]) for name, module in blocks]
     block_counts = Counter(type(m) for _, m in blocks)
     singletons = {n for n, m in blocks if block_counts[type(m)] == 1}
+    skipped_ids = _unproven_ids(model) if blocks else set()
     for kind, group in zip(("embedding", "head"), _embedding_and_head_modules(model, blocks) if blocks else ()):
+        group = [(n, m) for n, m in group if id(m) not in skipped_ids]  # an optional tower stays in the root
         if group:
             units.append(WrapUnit(kind, [n for n, _ in group], [m for _, m in group]))
     units.append(WrapUnit("root", [""], [model]))
