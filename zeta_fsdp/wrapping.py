@@ -539,13 +539,18 @@ def detect_block_classes(model: nn.Module) -> tuple[type, ...]:
     innermost repeated block wins over the stage holding it (Swin, ConvNeXt, EfficientNet), and a
     repeated layer inside a block (per-head projections) is a sub-layer, not a block.
     ``nn.Sequential`` / ``nn.ModuleList`` / ``nn.ModuleDict`` are never block classes. Returns
-    ``()`` when nothing looks like a block.
+    ``()`` when nothing looks like a block, and a class no forward provably runs on every call
+    (``always_run``; a class without ``forward`` above it) is none.
 
     Example:
         >>> class Net(nn.Module):
         ...     def __init__(self):
         ...         super().__init__()
         ...         self.layers = nn.ModuleDict({str(i): nn.Linear(2, 2) for i in range(3)})
+        ...     def forward(self, x):
+        ...         for layer in self.layers.values():
+        ...             x = layer(x)
+        ...         return x
         >>> detect_block_classes(Net())
         (<class 'torch.nn.modules.linear.Linear'>,)
     """
