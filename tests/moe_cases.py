@@ -17,7 +17,7 @@ from typing import Optional
 
 import torch
 import torch.nn as nn
-from moe_models import DIM, VOCAB, MoEBlock, MoELM, moe_loss, routed_batch
+from moe_models import DIM, VOCAB, HelperMoELayer, MoEBlock, MoELM, moe_loss, routed_batch
 from worker import Cases, assert_close, full, local_slice, mean_over_ranks, reference_backward, run_cases, world
 
 from zeta_fsdp import fsdp
@@ -98,6 +98,15 @@ def moe_no_shard():
 @case(ranks=4)
 def moe_hybrid_shard():
     _each("HYBRID_SHARD")
+
+
+@case
+def moe_experts_behind_a_helper():
+    # experts in `self.layers` dispatched by a module-level helper: auto_wrap must keep them in their
+    # block's unit (moe_parity asserts the blocks are the units) and train them right
+    for given in (False, True):
+        torch.manual_seed(0)
+        moe_parity("FULL_SHARD", given, model=MoELM(layer=HelperMoELayer))
 
 
 class GatedByRank(MoELM):

@@ -45,11 +45,79 @@ class MoELayer(nn.Module):
         return out
 
 
-class MoEBlock(nn.Module):
+class MLP(Expert):
+    """The same two-layer MLP under another name: used as experts and as plain blocks alike."""
+
+
+def dispatch(layers: nn.ModuleList, x: torch.Tensor, route: torch.Tensor) -> torch.Tensor:
+    """A module-level helper running each token through its expert (the holder's forward shows no loop)."""
+    out = torch.zeros_like(x)
+    for i, layer in enumerate(layers):
+        mask = route == i
+        if mask.any():
+            out[mask] = layer(x[mask])
+    return out
+
+
+def hits(route: torch.Tensor) -> list[int]:
+    """The expert ids a batch reached."""
+    return route.unique().tolist()
+
+
+class HelperMoELayer(nn.Module):
+    """Experts in ``self.layers`` (no name saying "expert"), dispatched by ``dispatch()``."""
+
     def __init__(self, dim: int, hiddens: Sequence[int]) -> None:
         super().__init__()
+        self.layers = nn.ModuleList(MLP(dim, h) for h in hiddens)
+
+    def forward(self, x: torch.Tensor, route: torch.Tensor) -> torch.Tensor:
+        return dispatch(self.layers, x, route)
+
+
+class HitsMoELayer(nn.Module):
+    """Experts run in a comprehension over the ids ``hits()`` returns."""
+
+    def __init__(self, dim: int, hiddens: Sequence[int]) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(MLP(dim, h) for h in hiddens)
+
+    def forward(self, x: torch.Tensor, route: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros_like(x)
+        ids = hits(route)
+        outs = [self.layers[i](x[route == i]) for i in ids]
+        for i, o in zip(ids, outs):
+            out[route == i] = o
+        return out
+
+
+def dispatch_attrs(layer: nn.Module, x: torch.Tensor, route: torch.Tensor) -> torch.Tensor:
+    out = torch.zeros_like(x)
+    for i in range(layer.n):
+        mask = route == i
+        if mask.any():
+            out[mask] = getattr(layer, f"expert{i}")(x[mask])
+    return out
+
+
+class AttrMoELayer(nn.Module):
+    """Experts as attributes ``expert0 .. expertN`` reached by ``getattr`` in a helper, under a condition."""
+
+    def __init__(self, dim: int, hiddens: Sequence[int]) -> None:
+        super().__init__()
+        self.n = len(hiddens)
+        for i, h in enumerate(hiddens):
+            self.add_module(f"expert{i}", MLP(dim, h))
+
+    def forward(self, x: torch.Tensor, route: torch.Tensor) -> torch.Tensor:
+        return dispatch_attrs(self, x, route)
+
+
+class MoEBlock(nn.Module):
+    def __init__(self, dim: int, hiddens: Sequence[int], layer: type = MoELayer) -> None:
+        super().__init__()
         self.norm = nn.LayerNorm(dim)
-        self.moe = MoELayer(dim, hiddens)
+        self.moe = layer(dim, hiddens)
 
     def forward(self, x: torch.Tensor, route: torch.Tensor) -> torch.Tensor:
         return x + self.moe(self.norm(x), route)
@@ -58,11 +126,11 @@ class MoEBlock(nn.Module):
 class MoELM(nn.Module):
     """Embedding, ``layers`` MoE blocks, final norm and head (untied)."""
 
-    def __init__(self, layers: int = 2, hiddens: Sequence[int] = (8, 8, 8, 8)) -> None:
+    def __init__(self, layers: int = 2, hiddens: Sequence[int] = (8, 8, 8, 8), layer: type = MoELayer) -> None:
         super().__init__()
         self.n_experts = len(hiddens)
         self.emb = nn.Embedding(VOCAB, DIM)
-        self.blocks = nn.ModuleList(MoEBlock(DIM, hiddens) for _ in range(layers))
+        self.blocks = nn.ModuleList(MoEBlock(DIM, hiddens, layer) for _ in range(layers))
         self.norm = nn.LayerNorm(DIM)
         self.head = nn.Linear(DIM, VOCAB)
 
@@ -72,6 +140,24 @@ class MoELM(nn.Module):
         for block in self.blocks:
             h = block(h, route)
         return self.head(self.norm(h))
+
+
+class Towered(nn.Module):
+    """Blocks of ``MLP`` always run; a vision tower of the same class runs only when a batch has an image."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, DIM)
+        self.blocks = nn.Sequential(MLP(DIM, 8), MLP(DIM, 8))
+        self.vision = nn.Sequential(MLP(DIM, 8), MLP(DIM, 8))
+        self.head = nn.Linear(DIM, VOCAB)
+
+    def forward(self, ids: torch.Tensor, image: torch.Tensor | None = None) -> torch.Tensor:
+        h = self.blocks(self.emb(ids))
+        batch_has_image = image is not None
+        if batch_has_image:
+            h = h + self.vision(image).mean(1, keepdim=True)
+        return self.head(h)
 
 
 def moe_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from conftest import dist_test
-from moe_models import Expert, MoEBlock, MoELM
+from moe_models import MLP, AttrMoELayer, Expert, HelperMoELayer, HitsMoELayer, MoEBlock, MoELM, Towered
 from worker import expect_error
 
 from zeta_fsdp import fsdp
@@ -164,3 +164,110 @@ def test_a_hugging_face_moe_keeps_its_declared_blocks():
     plan = build_wrap_plan(transformers.MixtralForCausalLM(cfg), auto_wrap=True)
     assert [u.name for u in plan.blocks] == ["model.layers.0", "model.layers.1"]
     assert plan.skippable == {}
+
+
+# Hidden dispatch: no pattern finds it, so nothing may rely on finding it. A block is a unit only when
+# a forward provably runs it every step (zeta_fsdp.always_run); the experts stay in their block's unit.
+@pytest.mark.parametrize("layer", [HelperMoELayer, HitsMoELayer, AttrMoELayer], ids=["helper", "hits", "getattr"])
+def test_experts_behind_a_helper_are_never_units(layer):
+    model = MoELM(layer=layer)
+    plan = build_wrap_plan(model, auto_wrap=True)
+    assert [u.name for u in plan.blocks] == ["blocks.0", "blocks.1"], plan.table()
+    assert plan.block_classes == (MoEBlock,)
+    assert set(plan.unproven) == set(), plan.unproven  # MLP was never a candidate: no instance provably runs
+    assert "MLP" not in plan.table()  # no suggestion to split a block into its experts
+    # named explicitly, the experts are refused (the layer holding them is accepted)
+    before = {n: p.clone() for n, p in model.named_parameters()}
+    expect_error(
+        ValueError,
+        lambda: fsdp(model, auto_wrap=True, shard_strat="FULL_SHARD", TransformerBlock=MLP),
+        "TransformerBlock makes blocks.0.moe.",
+        "its forward may not run on every rank",
+        "_no_split_modules = ['MLP']",
+    )
+    assert not dist.is_initialized()
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+    assert [u.name for u in build_wrap_plan(model, auto_wrap=True, transformer_block=MoEBlock).blocks] == [
+        "blocks.0",
+        "blocks.1",
+    ]
+
+
+def test_experts_alone_behind_a_helper_leave_one_unit():
+    # no enclosing block: the experts (the only repeated class) are not units, the root holds them
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.moe = HelperMoELayer(4, (8, 8, 8, 8))
+
+        def forward(self, x, route):
+            return self.moe(x, route)
+
+    plan = build_wrap_plan(Net(), auto_wrap=True)
+    assert [u.name for u in plan.units] == ["<root>"]
+
+
+def test_an_optional_tower_is_not_a_unit():
+    plan = build_wrap_plan(Towered(), auto_wrap=True)
+    assert [u.name for u in plan.blocks] == ["blocks.0", "blocks.1"], plan.table()
+    assert plan.unproven == {
+        "vision.0": "vision: Towered.forward does not provably call it on every run",
+        "vision.1": "vision: Towered.forward does not provably call it on every run",
+    }
+    assert "not units, as no forward provably runs them on every rank: vision.0, vision.1" in plan.table()
+    assert "vision.0.up.weight" in plan.units[-1].param_names  # in the root's unit, gathered by every rank
+    expect_error(
+        ValueError,
+        lambda: build_wrap_plan(Towered(), auto_wrap=True, transformer_block=MLP),
+        "TransformerBlock makes vision.0 an FSDP unit",
+    )
+
+
+_GENERATED = """
+class GenBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = nn.Linear(4, 8), nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.down(self.up(x))
+
+
+class GenNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(GenBlock() for _ in range(2))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x
+"""
+
+
+def test_a_model_whose_source_cannot_be_read_needs_a_declaration():
+    scope = {"nn": nn}
+    exec(compile(_GENERATED, "<generated>", "exec"), scope)
+    model = scope["GenNet"]()
+    plan = build_wrap_plan(model, auto_wrap=True)
+    assert [u.name for u in plan.units] == ["<root>"]
+    expect_error(
+        ValueError,
+        lambda: build_wrap_plan(model, auto_wrap=True, transformer_block="GenBlock"),
+        "blocks.0",
+        "the source of GenNet.forward cannot be read",
+        "model._no_split_modules = ['GenBlock']",
+    )
+    model._no_split_modules = ["GenBlock"]  # the user's word that every rank runs every GenBlock
+    assert [u.name for u in build_wrap_plan(model, auto_wrap=True).blocks] == ["blocks.0", "blocks.1"]
+    assert [u.name for u in build_wrap_plan(model, auto_wrap=True, transformer_block="GenBlock").blocks] == [
+        "blocks.0",
+        "blocks.1",
+    ]
+
+
+def test_old_torch_refuses_experts_behind_a_helper(monkeypatch):
+    monkeypatch.setattr(engine, "REDUCES_UNUSED_PARAMS", False)
+    model = Towered()
+    with pytest.raises(ValueError, match="vision.0"):
+        engine.check(build_wrap_plan(model, auto_wrap=True), model, torch.float32)

@@ -100,10 +100,16 @@ def test_sublayer_lists_inside_blocks_are_not_blocks_themselves():
             super().__init__()
             self.heads = nn.ModuleList(nn.Linear(2, 2) for _ in range(4))  # 8 Linears in all > 2 Layers
 
+        def forward(self, x):
+            return sum(head(x) for head in self.heads)
+
     class Net(nn.Module):
         def __init__(self):
             super().__init__()
             self.layers = nn.Sequential(Layer(), Layer())
+
+        def forward(self, x):
+            return self.layers(x)
 
     assert [c.__name__ for c in detect_block_classes(Net())] == ["Layer"]
 
@@ -155,17 +161,31 @@ def test_blocks_in_a_module_dict_and_as_indexed_attributes_are_found():
             super().__init__()
             self.layers = nn.ModuleDict({str(i): _Mlp(4) for i in range(3)})
 
+        def forward(self, x):
+            for layer in self.layers.values():
+                x = layer(x)
+            return x
+
     class RegStage(nn.Module):
         def __init__(self):
             super().__init__()
             for i in range(3):
                 self.add_module(f"b{i + 1}", _Bottleneck(4))
+            self.depth = 3
+
+        def forward(self, x):
+            for i in range(self.depth):
+                x = getattr(self, f"b{i + 1}")(x)
+            return x
 
     class RegNet(nn.Module):
         def __init__(self):
             super().__init__()
             self.s1, self.s2 = RegStage(), RegStage()
             self.head = nn.Linear(4, 2)
+
+        def forward(self, x):
+            return self.head(self.s2(self.s1(x)))
 
     assert detect_block_classes(Titan()) == (_Mlp,)
     plan = build_wrap_plan(RegNet(), auto_wrap=True)
@@ -195,6 +215,9 @@ def test_table_shows_shares_and_names_the_block_to_split_a_large_unit():
             super().__init__()
             self.first, self.second = _Mlp(16), _Mlp(16)
 
+        def forward(self, x):
+            return self.second(self.first(x))
+
     class Small(nn.Linear):
         pass
 
@@ -203,6 +226,11 @@ def test_table_shows_shares_and_names_the_block_to_split_a_large_unit():
             super().__init__()
             self.layers = nn.ModuleList(Small(4, 4) for _ in range(2))
             self.tower = Tower()
+
+        def forward(self, x):
+            for layer in self.layers:
+                x = layer(x)
+            return self.tower(x)
 
     plan = build_wrap_plan(Net(), auto_wrap=True)
     tail = plan.units[-2]  # the tower comes after the last detected block: the "head" group
@@ -222,6 +250,13 @@ def test_a_repeated_plain_layer_elsewhere_does_not_make_blocks_stages():
             super().__init__()
             self.adapters = nn.ModuleList(nn.Linear(4, 4) for _ in range(2))
             self.blocks = nn.ModuleList(_Mlp(4) for _ in range(2))
+
+        def forward(self, x):
+            for adapter in self.adapters:
+                x = adapter(x)
+            for block in self.blocks:
+                x = block(x)
+            return x
 
     # _Mlp holds Linears, and Linear is repeated (in adapters): _Mlp is still a block, not a stage
     assert _Mlp in detect_block_classes(Net())

@@ -23,6 +23,7 @@ from typing import Iterable, Optional, Sequence, Union
 import torch
 import torch.nn as nn
 
+from .always_run import always_run
 from .report import render_table
 from .ties import tied_parameter_groups
 
@@ -86,7 +87,9 @@ class WrapPlan:
     shard a scalar, so ``fsdp()`` keeps them whole on every rank and averages their gradient
     across ranks itself; they are listed in ``ignored_param_names`` too and owned by no unit.
     ``skippable``: containers whose members a forward may skip on some ranks (MoE experts), by
-    name with why (``skippable_modules``); their members are never units.
+    name with why (``skippable_modules``); their members are never units. ``unproven``: blocks
+    that are not units because no forward provably runs them on every call (``always_run``:
+    a helper function dispatching experts, an optional tower, a source that cannot be read).
 
     Example:
         >>> from zeta_fsdp.models.gpt import small
@@ -110,6 +113,8 @@ class WrapPlan:
     scalar_param_names: list[str] = field(default_factory=list)
     # Containers a forward may skip on some ranks (experts of an MoE layer): name -> why.
     skippable: dict[str, str] = field(default_factory=dict)
+    # Block instances left out of the units as no forward provably runs them every step: name -> why.
+    unproven: dict[str, str] = field(default_factory=dict)
     # What the planner decided and why, in words (``table()`` prints them).
     notes: list[str] = field(default_factory=list)
 
@@ -508,12 +513,13 @@ def _members_of(model: nn.Module, containers: Iterable[str]) -> set[int]:
 
 def _detect(model: nn.Module) -> tuple[tuple[type, ...], list[type]]:
     """(block classes, stage classes passed over for the blocks they hold). A class found only among
-    members a forward may skip (experts) is no block: the layer holding them is."""
+    members a forward may skip (experts), or that no forward provably runs, is no block: the layer
+    holding them is."""
     named = _declared_blocks(model)
     if named:
         return tuple(named), []
     counts = _repeated_children(model)
-    skipped = _members_of(model, skippable_modules(model)) if counts else set()
+    skipped = _members_of(model, skippable_modules(model)) | _unproven_ids(model) if counts else set()
     candidates = [
         cls for cls, _ in counts.most_common() if not all(id(m) in skipped for m in model.modules() if type(m) is cls)
     ]
@@ -533,13 +539,18 @@ def detect_block_classes(model: nn.Module) -> tuple[type, ...]:
     innermost repeated block wins over the stage holding it (Swin, ConvNeXt, EfficientNet), and a
     repeated layer inside a block (per-head projections) is a sub-layer, not a block.
     ``nn.Sequential`` / ``nn.ModuleList`` / ``nn.ModuleDict`` are never block classes. Returns
-    ``()`` when nothing looks like a block.
+    ``()`` when nothing looks like a block, and a class no forward provably runs on every call
+    (``always_run``; a class without ``forward`` above it) is none.
 
     Example:
         >>> class Net(nn.Module):
         ...     def __init__(self):
         ...         super().__init__()
         ...         self.layers = nn.ModuleDict({str(i): nn.Linear(2, 2) for i in range(3)})
+        ...     def forward(self, x):
+        ...         for layer in self.layers.values():
+        ...             x = layer(x)
+        ...         return x
         >>> detect_block_classes(Net())
         (<class 'torch.nn.modules.linear.Linear'>,)
     """
@@ -685,6 +696,69 @@ def _runnable_blocks(
     return [(name, module) for name, module in blocks if id(module) not in skipped]
 
 
+def _is_hugging_face(model: nn.Module) -> bool:
+    """A transformers ``PreTrainedModel`` (by name: transformers is never imported here)."""
+    return any(c.__name__ == "PreTrainedModel" for c in type(model).__mro__)
+
+
+def _unproven_ids(model: nn.Module) -> set[int]:
+    """Ids of the modules no forward provably runs on every call (``always_run``); none in a Hugging
+    Face model, whose repeated layers only LayerDrop skips."""
+    if _is_hugging_face(model):
+        return set()
+    proven, _ = always_run(model)
+    return {id(m) for m in model.modules() if id(m) not in proven}
+
+
+def _proven_blocks(
+    model: nn.Module, blocks: list[tuple[str, nn.Module]], *, given: bool, caller: str
+) -> tuple[list[tuple[str, nn.Module]], dict[str, str]]:
+    """(the blocks whose forward provably runs on every forward of ``model``; the others by name, with
+    why). A unit one rank skips misses collectives the others join (a hang, or gradients paired with
+    the wrong tensors), and no check at run time can come before FSDP2's own all-gather: so a block
+    becomes a unit only when ``always_run`` proves it runs, or when the model declares its class in
+    ``_no_split_modules`` (Hugging Face models; the user's opt-in). A ``TransformerBlock`` the user
+    named that is not proven is refused."""
+    if _is_hugging_face(model):
+        return blocks, {}  # its layers are skipped only by LayerDrop (config.layerdrop > 0, docs/pitfalls.md)
+    trusted = tuple(_declared_blocks(model))
+    proven, why = always_run(model)
+    kept, unproven = [], {}
+    for name, module in blocks:
+        if id(module) in proven or isinstance(module, trusted):
+            kept.append((name, module))
+        else:
+            top = next((p for p in why if _is_under(name, [p])), name)
+            unproven[name] = f"{top}: {why.get(top, 'not called')}"
+    if unproven and given:
+        name, reason = next(iter(unproven.items()))
+        cls = type(model.get_submodule(name)).__name__
+        raise ValueError(
+            f"{caller}(): TransformerBlock makes {name} an FSDP unit, but its forward may not run on every rank "
+            f"in every step ({reason}). A unit one rank skips would not join its collectives there: a hang or "
+            "wrong gradients. Name the class of a module that always runs (the layer holding it), or, if every "
+            f"rank runs every {cls} in every step (its forward is generated, or a helper calls each one), declare "
+            f"it as Hugging Face models do: model._no_split_modules = [{cls!r}]."
+        )
+    return kept, unproven
+
+
+def _unproven_note(unproven: dict[str, str]) -> str:
+    """The plan table's line on blocks left out as no forward provably runs them (grouped by why)."""
+    by_why: dict[str, list[str]] = {}
+    for name, why in unproven.items():
+        by_why.setdefault(why, []).append(name)
+    parts = [
+        f"{', '.join(names[:2])}{f' (+{len(names) - 2} more)' if len(names) > 2 else ''} ({why})"
+        for why, names in by_why.items()
+    ]
+    return (
+        "not units, as no forward provably runs them on every rank: " + "; ".join(parts) + ". They stay in the "
+        "unit of the module holding them; if every rank always runs them, declare their class in "
+        "model._no_split_modules"
+    )
+
+
 def _skippable_note(skippable: dict[str, str], declared: bool) -> str:
     """The plan table's line on containers a forward may skip (grouped by why)."""
     by_why: dict[str, list[str]] = {}
@@ -770,10 +844,17 @@ def build_wrap_plan(
             model, blocks, skippable, given=given, declared=not given and bool(_declared_blocks(model)), caller=caller
         )
         notes.append(_skippable_note(skippable, declared=not given and bool(_declared_blocks(model))))
+    unproven: dict[str, str] = {}
+    if auto_wrap and blocks:
+        blocks, unproven = _proven_blocks(model, blocks, given=transformer_block is not None, caller=caller)
+        if unproven:
+            notes.append(_unproven_note(unproven))
     units = [WrapUnit("block", [name], [module]) for name, module in blocks]
     block_counts = Counter(type(m) for _, m in blocks)
     singletons = {n for n, m in blocks if block_counts[type(m)] == 1}
+    skipped_ids = _unproven_ids(model) if blocks else set()
     for kind, group in zip(("embedding", "head"), _embedding_and_head_modules(model, blocks) if blocks else ()):
+        group = [(n, m) for n, m in group if id(m) not in skipped_ids]  # an optional tower stays in the root
         if group:
             units.append(WrapUnit(kind, [n for n, _ in group], [m for _, m in group]))
     units.append(WrapUnit("root", [""], [model]))
@@ -787,6 +868,7 @@ def build_wrap_plan(
     plan = WrapPlan(
         units, classes, tied, ignored_param_names=ignored_names, scalar_param_names=scalar_names, notes=notes
     )
+    plan.unproven = unproven
     # Blocks a Hugging Face model declares are skipped only by LayerDrop (off unless configured).
     declared = tuple(_declared_blocks(model))
     plan.skippable = {
@@ -798,7 +880,10 @@ def build_wrap_plan(
         share = plan.share(largest)
         notes.append(f"largest unit: {largest.name} ({largest.kind}), {100 * share:.1f}% of the parameters")
         names = (
-            [c.__name__ for c in _split_suggestion(model, largest, _members_of(model, skippable))[:2]]
+            [
+                c.__name__
+                for c in _split_suggestion(model, largest, _members_of(model, skippable) | _unproven_ids(model))[:2]
+            ]
             if share > _LARGE_SHARE
             else []
         )
