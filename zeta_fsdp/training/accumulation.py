@@ -13,6 +13,7 @@ from typing import Iterator
 import torch.nn as nn
 
 from ..engines import engine_of
+from .pending import show_pending
 
 __all__ = ["no_sync", "resolve_defer"]
 
@@ -54,5 +55,8 @@ def no_sync(model: nn.Module, *, defer: str = "all") -> Iterator[nn.Module]:
         (loss_fn(model(batch1)) / 2).backward()  # reduce-scatter + the one all-reduce
     """
     reduce = resolve_defer(defer) == "all_reduce"  # validated before any unit changes
-    with engine_of(model).no_sync(model, reduce):
-        yield model
+    try:
+        with engine_of(model).no_sync(model, reduce):
+            yield model
+    finally:
+        show_pending(model)  # FSDP2's held sums, where zero_grad() reaches them (training.pending)
