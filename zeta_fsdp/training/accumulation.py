@@ -45,6 +45,8 @@ def no_sync(model: nn.Module, *, defer: str = "all") -> Iterator[nn.Module]:
     before a unit changes. Settings are restored on exit, also on an exception; a model without FSDP
     units is left alone. On DDP's engine, as with DDP, run each micro-batch's forward inside too.
     Divide each micro-batch loss by K for the mean. The table of costs: docs/strategy.md.
+    ``zero_grad()`` after a block drops what it accumulated on every engine, as under DDP
+    (``training.pending``; ``drop_accumulation(model)`` does it explicitly): docs/long_jobs.md.
 
     Example:
         with no_sync(model):
