@@ -23,6 +23,7 @@ from worker import (
     UNIT_ROUNDOFF,
     Cases,
     assert_close,
+    assert_close_scaled,
     expect_error,
     full,
     local_slice,
@@ -37,7 +38,7 @@ from zeta_fsdp import CheckpointError, CheckpointManager, fsdp
 from zeta_fsdp.measure import peak_memory_by_category
 from zeta_fsdp.models.gpt import Block, lm_loss, small
 from zeta_fsdp.strategy import FSDP2Strategy
-from zeta_fsdp.training import NonFiniteGuard, clip_grad_norm_
+from zeta_fsdp.training import NonFiniteGuard, clip_grad_norm_, drop_accumulation, no_sync
 
 CASES = Cases()
 case = CASES.case
@@ -50,11 +51,15 @@ def wrapped_gpt(**kwargs) -> tuple[nn.Module, nn.Module]:
     return fsdp(model, **{"auto_wrap": True, "TransformerBlock": Block, **kwargs}), ref
 
 
-def assert_grads_equal(model: nn.Module, ref: nn.Module, what: str, atol: float = 0.0) -> None:
+def assert_grads_equal(model: nn.Module, ref: nn.Module, what: str, atol: float = 0.0, ulps: float = 0.0) -> None:
+    """``ulps`` > 0: within that many roundings of the largest element (sums grouped differently)."""
     ref_params = dict(ref.named_parameters())
     for name, param in model.named_parameters():
         assert param.grad is not None, f"{what}: {name} has no gradient"
-        assert_close(f"{what}: grad {name}", param.grad, ref_params[name].grad, atol)
+        if ulps:
+            assert_close_scaled(f"{what}: grad {name}", full(param.grad), ref_params[name].grad, ulps)
+        else:
+            assert_close(f"{what}: grad {name}", param.grad, ref_params[name].grad, atol)
 
 
 def gather(value: float) -> list[float]:
@@ -67,6 +72,104 @@ def shared_dir() -> Path:
     box = [tempfile.mkdtemp(prefix="steps_", dir=ARGS.out) if rank() == 0 else None]
     dist.broadcast_object_list(box, src=0)
     return Path(box[0])
+
+
+# ---------------------------------------------------------------------------------------------
+# a dropped accumulation
+
+
+def _micro(model: nn.Module, seed: int, defer: str = "all") -> None:
+    """One micro-batch inside no_sync, its forward inside too (DDP's engine needs it)."""
+    x, y = tokens(8, seed=seed)
+    with no_sync(model, defer=defer):
+        lm_loss(model(local_slice(x)), local_slice(y)).backward()
+
+
+def _dropped_accumulation(shard_strat: str, replicas: int = 1, **kwargs) -> None:
+    """One micro-batch inside no_sync, then zero_grad (the optimizer's, the model's, set_to_none or
+    zeroed in place, or drop_accumulation), then a normal step: the step's gradients are the new
+    batch's alone, exactly as the reference computes them (at 2 ranks and 2x2 every reduction level
+    adds two numbers, so atol=0)."""
+    for defer in ("all", "all_reduce"):
+        for how in ("optimizer", "model", "in place", "drop_accumulation", "between blocks"):
+            model, ref = wrapped_gpt(shard_strat=shard_strat, **kwargs)
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            _micro(model, seed=3, defer=defer)
+            if how == "optimizer":
+                opt.zero_grad()
+            elif how == "model":
+                opt.zero_grad()
+                model.zero_grad()
+            elif how == "in place":
+                opt.zero_grad(set_to_none=False)
+            elif how == "drop_accumulation":
+                drop_accumulation(model)
+            else:  # dropped, then a new accumulation of one micro-batch inside no_sync
+                opt.zero_grad()
+                _micro(model, seed=5, defer=defer)
+            x, y = tokens(8, seed=4)
+            lm_loss(model(local_slice(x)), local_slice(y)).backward()
+            if how == "between blocks":  # the new accumulation: seed 5's micro-batch, then seed 4's
+                x5, y5 = tokens(8, seed=5)
+                x, y = torch.cat([x5, x]), torch.cat([y5, y])
+            reference_backward(ref, lm_loss, x, y, replicas=replicas, micro_batches=len(x) // 8)
+            # defer="all_reduce" reduce-scatters each micro-batch (sum of means, not the reference's mean
+            # of sums): 2 micro-batches, one more rounding per level (4 at most)
+            ulps = 4.0 if defer == "all_reduce" and how == "between blocks" and shard_strat != "NO_SHARD" else 0.0
+            assert_grads_equal(model, ref, f"{shard_strat} defer={defer} zero_grad ({how})", ulps=ulps)
+    _accumulation_kept(shard_strat, replicas, **kwargs)
+
+
+def _accumulation_kept(shard_strat: str, replicas: int, **kwargs) -> None:
+    """Without zero_grad the accumulation counts: three micro-batches, two of them in separate no_sync
+    blocks (the third's forward inside the second block and its backward outside, on FSDP2)."""
+    for defer in ("all", "all_reduce"):
+        model, ref = wrapped_gpt(shard_strat=shard_strat, **kwargs)
+        x, y = tokens(24, seed=6)
+        parts = [(local_slice(x[8 * i : 8 * (i + 1)]), local_slice(y[8 * i : 8 * (i + 1)])) for i in range(3)]
+        with no_sync(model, defer=defer):
+            lm_loss(model(parts[0][0]), parts[0][1]).backward()
+        with no_sync(model, defer=defer):
+            out = model(parts[1][0])
+            lm_loss(out, parts[1][1]).backward()
+            if shard_strat != "NO_SHARD":  # FSDP2: the synced backward's forward may run inside
+                out = model(parts[2][0])
+        if shard_strat == "NO_SHARD":  # DDP's engine: the synced backward's forward outside, as DDP
+            out = model(parts[2][0])
+        lm_loss(out, parts[2][1]).backward()
+        micro_ref = copy.deepcopy(ref)
+        reference_backward(micro_ref, lm_loss, x, y, replicas=replicas, micro_batches=3)
+        ulps = 8.0 if defer == "all_reduce" and shard_strat != "NO_SHARD" else 0.0  # 3 sums of means, as above
+        assert_grads_equal(model, micro_ref, f"{shard_strat} defer={defer} accumulation kept", ulps=ulps)
+
+
+@case
+def dropped_accumulation_full_shard_shard_grad_no_shard():
+    for strategy in ("FULL_SHARD", "SHARD_GRAD", "NO_SHARD"):
+        _dropped_accumulation(strategy, replicas=world() if strategy == "NO_SHARD" else 1)
+
+
+@case
+def dropped_accumulation_bf16_full_shard():
+    """mp="bf16": the held sum is FSDP2's fp32 accumulated gradient; zero_grad drops it, and without
+    zero_grad it still counts (the step differs from the same step with nothing before it)."""
+    for how in ("optimizer", "keep"):
+        model, _ = wrapped_gpt(shard_strat="FULL_SHARD", mp="bf16")
+        clean, _ = wrapped_gpt(shard_strat="FULL_SHARD", mp="bf16")
+        _micro(model, seed=6)
+        if how == "optimizer":
+            torch.optim.SGD(model.parameters(), lr=0.1).zero_grad()
+        x2, y2 = tokens(8, seed=7)
+        lm_loss(model(local_slice(x2)), local_slice(y2)).backward()
+        lm_loss(clean(local_slice(x2)), local_slice(y2)).backward()  # the same step with nothing before it
+        for (name, p), q in zip(model.named_parameters(), clean.parameters()):
+            diff = (full(p.grad) - full(q.grad)).abs().max().item()
+            assert (diff == 0.0) == (how == "optimizer"), f"bf16 {how}: {name} differs by {diff}"
+
+
+@case(ranks=4)
+def dropped_accumulation_hybrid_2x2():
+    _dropped_accumulation("HYBRID_SHARD", replicas=2, replicate_size=2)
 
 
 # ---------------------------------------------------------------------------------------------

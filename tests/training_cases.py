@@ -45,7 +45,7 @@ from zeta_fsdp.loss import MaskedTokenLossReduction, PerSampleLossReduction
 from zeta_fsdp.measure import collectives_per_step
 from zeta_fsdp.models.gpt import Block, lm_loss, small
 from zeta_fsdp.training import clip_grad_norm_, memory_report, no_sync
-from zeta_fsdp.wrapped import fsdp_engine, fsdp_param_groups
+from zeta_fsdp.wrapped import fsdp_engine, fsdp_param_groups, partial_reduce_output
 
 CASES = Cases()
 case = CASES.case
@@ -513,8 +513,15 @@ def _deferred_accumulation(shard_strat: str, k: int, **kwargs) -> None:
             assert counts.get("allreduce", 0) == 0, f"micro-step {i} all-reduced: {counts}"
             held = held_grad_bytes(model)
             assert held == report["all_reduce"].grad_bytes, f"holds {held} B, reported {report['all_reduce']}"
-            if replicas > 1:  # FSDP2 keeps the sum in its own buffer: no .grad until the all-reduce
-                assert all(p.grad is None for p in model.parameters()), "a .grad before the all-reduce"
+            if replicas > 1:  # FSDP2 keeps the sum in its own buffer; .grad only shows it (a view)
+                held_storages = {
+                    partial_reduce_output(g).untyped_storage().data_ptr()
+                    for m in model.modules()
+                    for g in fsdp_param_groups(m) or ()
+                    if partial_reduce_output(g) is not None
+                }
+                shown = {p.grad.to_local().untyped_storage().data_ptr() for p in model.parameters()}
+                assert shown <= held_storages, "a .grad of its own before the all-reduce"
                 assert held < report["all"].grad_bytes, (held, report)
         else:
             counts = comm_counts(micro_step)

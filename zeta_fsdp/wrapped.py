@@ -147,3 +147,30 @@ def get_wrap_plan(model: nn.Module) -> Optional[WrapPlan]:
         print(get_wrap_plan(model).table())
     """
     return model.__dict__.get(_PLAN_ATTR)
+
+
+def pending_unsharded_grad(fsdp_param: Any) -> Optional[torch.Tensor]:
+    """The unsharded gradient FSDP2 holds for one parameter between backwards with gradient sync off
+    (``no_sync(defer="all")``): its reduce-dtype accumulator, else the unsharded parameter's ``.grad``."""
+    accumulated = getattr(fsdp_param, "unsharded_accumulated_grad", None)
+    if accumulated is not None:
+        return accumulated
+    unsharded = getattr(fsdp_param, "_unsharded_param", None)
+    return None if unsharded is None else unsharded.grad
+
+
+def partial_reduce_output(group: Any) -> Optional[torch.Tensor]:
+    """A parameter group's reduce-scattered sum awaiting HSDP's all-reduce (``no_sync(defer="all_reduce")``)."""
+    return getattr(group, "_partial_reduce_output", None)
+
+
+def clear_pending_grads(group: Any) -> None:
+    """Drop every gradient FSDP2 holds for ``group`` outside ``.grad`` (the two readers above)."""
+    for fsdp_param in group.fsdp_params:
+        if getattr(fsdp_param, "unsharded_accumulated_grad", None) is not None:
+            fsdp_param.unsharded_accumulated_grad = None
+        unsharded = getattr(fsdp_param, "_unsharded_param", None)
+        if unsharded is not None:
+            unsharded.grad = None
+    if hasattr(group, "_partial_reduce_output"):
+        group._partial_reduce_output = None

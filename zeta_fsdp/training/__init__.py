@@ -15,6 +15,7 @@ from .clipping import clip_grad_norm_
 from .memory import MemoryReport, memory_report
 from .meter import StepMeter, StepReport, training_flops_per_token
 from .nonfinite import NonFiniteGuard
+from .pending import drop_accumulation
 
-__all__ = ["MemoryReport", "NonFiniteGuard", "clip_grad_norm_", "memory_report", "no_sync"]
+__all__ = ["MemoryReport", "NonFiniteGuard", "clip_grad_norm_", "drop_accumulation", "memory_report", "no_sync"]
 __all__ += ["StepMeter", "StepReport", "training_flops_per_token"]

@@ -13,6 +13,7 @@ from typing import Iterator
 import torch.nn as nn
 
 from ..engines import engine_of
+from .pending import show_pending
 
 __all__ = ["no_sync", "resolve_defer"]
 
@@ -44,6 +45,8 @@ def no_sync(model: nn.Module, *, defer: str = "all") -> Iterator[nn.Module]:
     before a unit changes. Settings are restored on exit, also on an exception; a model without FSDP
     units is left alone. On DDP's engine, as with DDP, run each micro-batch's forward inside too.
     Divide each micro-batch loss by K for the mean. The table of costs: docs/strategy.md.
+    ``zero_grad()`` after a block drops what it accumulated on every engine, as under DDP
+    (``training.pending``; ``drop_accumulation(model)`` does it explicitly): docs/long_jobs.md.
 
     Example:
         with no_sync(model):
@@ -54,5 +57,8 @@ def no_sync(model: nn.Module, *, defer: str = "all") -> Iterator[nn.Module]:
         (loss_fn(model(batch1)) / 2).backward()  # reduce-scatter + the one all-reduce
     """
     reduce = resolve_defer(defer) == "all_reduce"  # validated before any unit changes
-    with engine_of(model).no_sync(model, reduce):
-        yield model
+    try:
+        with engine_of(model).no_sync(model, reduce):
+            yield model
+    finally:
+        show_pending(model)  # FSDP2's held sums, where zero_grad() reaches them (training.pending)
