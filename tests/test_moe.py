@@ -223,6 +223,93 @@ def test_an_optional_tower_is_not_a_unit():
     )
 
 
+class _Stack(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(MLP(4, 8) for _ in range(2))
+
+    def forward(self, h):
+        for block in self.blocks:
+            h = block(h)
+        return h
+
+    def run_some(self, h):
+        for block in self.blocks[:1]:
+            h = block(h)
+        return h
+
+
+class _AdaptiveDepth(nn.Module):
+    """A looped transformer: the number of passes depends on the data (differs by rank)."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(MLP(4, 8) for _ in range(2))
+
+    def forward(self, h):
+        for _ in range(int(h.abs().sum()) % 3):
+            for block in self.blocks:
+                h = block(h)
+        return h
+
+
+class _ExtraCall(nn.Module):
+    """A clean loop, then the first block once more on some ranks."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(MLP(4, 8) for _ in range(2))
+
+    def forward(self, h):
+        for block in self.blocks:
+            h = block(h)
+        if h.sum() > 0:
+            h = self.blocks[0](h)
+        return h
+
+
+class _MethodUnderCondition(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.stack = _Stack()
+
+    def forward(self, h):
+        if h.sum() > 0:
+            h = self.stack.run_some(h)
+        return self.stack(h)
+
+
+class _TwiceAlways(nn.Module):
+    """The same child called twice on every run (an embedding for source and target): the same count on
+    every rank, so it may be a unit."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(MLP(4, 8) for _ in range(2))
+        self.embed = nn.Linear(4, 4)
+
+    def forward(self, a, b):
+        h = self.embed(a) + self.embed(b)
+        for block in self.blocks:
+            h = block(h)
+        return h
+
+
+@pytest.mark.parametrize("model", [_AdaptiveDepth, _ExtraCall, _MethodUnderCondition], ids=lambda c: c.__name__)
+def test_blocks_that_may_run_a_different_number_of_times_are_not_units(model):
+    """Running at least once is not enough: a unit must run the same number of times on every rank
+    (a data-dependent pass count, a conditional extra call, a second method of the holder under a condition)."""
+    with pytest.warns(UserWarning):  # auto_wrap found no block it may make a unit
+        plan = build_wrap_plan(model(), auto_wrap=True)
+    assert plan.blocks == [] and [u.kind for u in plan.units] == ["root"], plan.table()
+    expect_error(ValueError, lambda: build_wrap_plan(model(), auto_wrap=True, transformer_block=MLP), "an FSDP unit")
+
+
+def test_a_child_called_twice_on_every_run_stays_provable():
+    plan = build_wrap_plan(_TwiceAlways(), auto_wrap=True)
+    assert [u.name for u in plan.blocks] == ["blocks.0", "blocks.1"], plan.table()
+
+
 _GENERATED = """
 class GenBlock(nn.Module):
     def __init__(self):

@@ -13,7 +13,10 @@ member of ``self.blocks`` in ``for b in self.blocks: x = b(x)`` (also ``.values(
 ``range(n)`` with ``n`` equal to the count) when the loop body has no ``break`` / ``continue`` /
 ``return`` and no condition around the call, and every child of an ``nn.Sequential``. Anything else
 is unproven: a source that cannot be read (a class made by ``exec``), a helper function handed the
-container, a comprehension over the ids a router hit, a ``getattr`` under a condition.
+container, a comprehension over the ids a router hit, a ``getattr`` under a condition, a loop whose
+count is not fixed by the model (``range(k(x))``) and whatever the forward names more than once
+(``self.blocks[0](h)`` after the loop, ``self.stack.run_some(h)``): a unit must run the same number
+of times on every rank, not only at least once.
 """
 
 from __future__ import annotations
@@ -68,7 +71,7 @@ class _Loop:
         self.container, self.elements, self.index, self.bound = container, elements, index, bound
 
 
-def _calls_in(expr: ast.AST, loop: Optional[_Loop], module: nn.Module) -> set[tuple[str, str]]:
+def _calls_in(expr: ast.AST, loop: Optional[_Loop], module: nn.Module, sure: set[int]) -> set[tuple[str, str]]:
     """Keys of the children an expression surely calls: ``("call", attr)``, ``("all", container)``,
     ``("prefix", p)`` (every child named ``p<digits>``)."""
     keys: set[tuple[str, str]] = set()
@@ -79,7 +82,10 @@ def _calls_in(expr: ast.AST, loop: Optional[_Loop], module: nn.Module) -> set[tu
         name = getattr(func, "id", None) or getattr(func, "attr", None)
         targets = [func] + ([node.args[0]] if name == "checkpoint" and node.args else [])  # checkpoint(fn, ...)
         for target in targets:
-            keys |= _callee(target, loop, module)
+            found = _callee(target, loop, module)
+            if found:
+                sure.add(id(target.value if isinstance(target, ast.Subscript) else target))
+            keys |= found
     return keys
 
 
@@ -133,8 +139,9 @@ def _loop_of(node: ast.For, module: nn.Module) -> Optional[_Loop]:
     if container is not None and isinstance(getattr(module, container, None), (nn.ModuleList, nn.ModuleDict)):
         return _Loop(container, set(names[-1:]), None, None)
     is_range = isinstance(it, ast.Call) and getattr(it.func, "id", None) == "range" and len(it.args) == 1
-    if is_range and isinstance(target, ast.Name):
-        return _Loop(None, set(), target.id, _fixed_int(it.args[0], module))
+    bound = _fixed_int(it.args[0], module) if is_range else None
+    if bound is not None and isinstance(target, ast.Name):  # range(k(x)): a count that differs by rank
+        return _Loop(None, set(), target.id, bound)
     return None
 
 
@@ -172,30 +179,72 @@ def _has(stmts: list[ast.stmt], kinds: tuple) -> bool:
     return False
 
 
-def _block_calls(stmts: list[ast.stmt], loop: Optional[_Loop], module: nn.Module) -> set[tuple[str, str]]:
+def _block_calls(
+    stmts: list[ast.stmt], loop: Optional[_Loop], module: nn.Module, sure: set[int]
+) -> set[tuple[str, str]]:
     """Keys of the children a run of ``stmts`` surely calls. Stops at a statement that may return
     early (what follows it may not run)."""
     keys: set[tuple[str, str]] = set()
     for stmt in stmts:
         if isinstance(stmt, ast.If) and _holds_module(stmt.test, module):
-            keys |= _block_calls(stmt.body, loop, module)  # `if self.norm is not None:` fixed by the model
+            keys |= _block_calls(stmt.body, loop, module, sure)  # `if self.norm is not None:` fixed by the model
         elif isinstance(stmt, ast.If):
-            keys |= _calls_in(stmt.test, loop, module)
-            keys |= _block_calls(stmt.body, loop, module) & _block_calls(stmt.orelse, loop, module)
+            keys |= _calls_in(stmt.test, loop, module, sure)
+            # one branch runs: a child both call is run (once) on every rank, but neither mention is "sure"
+            keys |= _block_calls(stmt.body, loop, module, set()) & _block_calls(stmt.orelse, loop, module, set())
         elif isinstance(stmt, (ast.With, ast.AsyncWith)):
-            keys |= set().union(*(_calls_in(i.context_expr, loop, module) for i in stmt.items))
-            keys |= _block_calls(stmt.body, loop, module)
+            keys |= set().union(*(_calls_in(i.context_expr, loop, module, sure) for i in stmt.items))
+            keys |= _block_calls(stmt.body, loop, module, sure)
         elif isinstance(stmt, ast.For):
-            keys |= _calls_in(stmt.iter, loop, module)
+            keys |= _calls_in(stmt.iter, loop, module, sure)
             inner = _loop_of(stmt, module)
             if inner is not None and not stmt.orelse and not _has(stmt.body, _LOOP_EXITS):
-                keys |= {k for k in _block_calls(stmt.body, inner, module) if k[0] != "call"}
+                found = {k for k in _block_calls(stmt.body, inner, module, sure) if k[0] != "call"}
+                if found:
+                    sure |= {id(n) for n in ast.walk(stmt.iter) if _self_attr(n) is not None}
+                keys |= found
         elif isinstance(stmt, (ast.Expr, ast.Assign, ast.AugAssign, ast.AnnAssign, ast.Return)):
             if stmt.value is not None:
-                keys |= _calls_in(stmt.value, loop, module)
+                keys |= _calls_in(stmt.value, loop, module, sure)
         if isinstance(stmt, ast.Return) or _has([stmt], (ast.Return,)):
             break  # an early return: the statements after it may not run
     return keys
+
+
+def _running_mentions(fn: ast.AST) -> list[tuple[str, int]]:
+    """``(x, node id)`` for each mention of ``self.x`` in ``forward`` that may run it: called (``self.x(h)``,
+    ``self.x[i](h)``, a method ``self.x.run(h)``), looped over, or handed to a call (not ``len(self.x)``).
+    Reads (``self.layers[0].norm``) and ``self.x is not None`` tests do not run it."""
+    parent: dict[int, ast.AST] = {}
+    for node in ast.walk(fn):
+        for child in ast.iter_child_nodes(node):
+            parent[id(child)] = node
+    mentions = []
+    for node in ast.walk(fn):
+        attr = _self_attr(node)
+        if attr is None:
+            continue
+        up = parent.get(id(node))
+        if isinstance(up, (ast.Subscript, ast.Attribute)) and up.value is node:
+            outer = parent.get(id(up))  # self.x[i](...) or self.x.run(...): the element or method is called
+            runs = isinstance(outer, ast.Call) and outer.func is up
+        else:
+            runs = isinstance(up, (ast.Call, ast.For, ast.comprehension))
+            runs = runs and not (isinstance(up, ast.Call) and getattr(up.func, "id", None) == "len")
+        if runs:
+            mentions.append((attr, id(node)))
+    return mentions
+
+
+# Forwards trusted to run every child on every rank: wrappers that call the model they hold (PEFT's
+# PeftModel/LoraModel; a LightningModule, whose training_step, not forward, calls its model), and
+# Hugging Face's modeling code, whose conditions are on the call's arguments (`inputs_embeds is None`),
+# the same on every rank (its LayerDrop is the documented exception: docs/pitfalls.md).
+_PASS_THROUGH = ("peft.", "lightning.", "pytorch_lightning.", "transformers.")
+
+
+def _passes_through(forward) -> bool:
+    return any((getattr(forward, "__module__", None) or "").startswith(p) for p in _PASS_THROUGH)
 
 
 def _proven_children(module: nn.Module) -> tuple[set[str], Optional[str]]:
@@ -207,11 +256,20 @@ def _proven_children(module: nn.Module) -> tuple[set[str], Optional[str]]:
         return set(children), None
     if forward is nn.Module.forward:  # nn.ModuleList / nn.ModuleDict: their holder calls the members
         return set(), f"{type(module).__name__} has no forward"
+    if _passes_through(forward):
+        return set(children), None
     fn = _forward_def(type(module))
     if fn is None:
         return set(), f"the source of {type(module).__name__}.forward cannot be read"
     proven: set[str] = set()
-    for kind, value in _block_calls(fn.body, None, module):
+    sure: set[int] = set()
+    keys = _block_calls(fn.body, None, module, sure)
+    # a child also run from a mention the proof did not count (under a condition, via another method)
+    # may run a different number of times on different ranks
+    unsure = {name for name, node_id in _running_mentions(fn) if node_id not in sure}
+    for kind, value in keys:
+        if value in unsure:
+            continue
         if kind == "call" and value in children:
             proven.add(value)
         elif kind == "all" and value in children:
