@@ -13,8 +13,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path.cwd() if (Path.cwd() / "examples").is_dir() else Path(__file__).resolve().parents[1]))
-from zeta_fsdp import compute_device, fsdp  # noqa: E402
+from zeta_fsdp import fsdp  # noqa: E402
 from zeta_fsdp.models.gpt import Block, lm_loss, small  # noqa: E402
+from zeta_fsdp.wrapped import compute_device  # noqa: E402
 from zeta_fsdp.wrapping import build_wrap_plan  # noqa: E402
 
 torch.manual_seed(0)

@@ -20,8 +20,9 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from zeta_fsdp import compute_device, fsdp, get_wrap_plan, shutdown  # noqa: E402
+from zeta_fsdp import fsdp, get_wrap_plan, shutdown  # noqa: E402
 from zeta_fsdp.models.gpt import Block, GPTConfig, lm_loss, small  # noqa: E402
+from zeta_fsdp.wrapped import compute_device  # noqa: E402
 
 
 def counting_batch(vocab_size: int, generator: torch.Generator, batch: int = 4, length: int = 12) -> torch.Tensor:

@@ -26,7 +26,6 @@ sys.path.insert(0, str(ROOT))
 from zeta_fsdp import (  # noqa: E402
     AsyncCheckpointer,
     MaskedTokenLossReduction,
-    compute_device,
     fsdp,
     get_full_state_dict,
     load_checkpoint,
@@ -36,6 +35,7 @@ from zeta_fsdp import (  # noqa: E402
     save_pretrained,
 )
 from zeta_fsdp.models.gpt import GPT, Block, GPTConfig, lm_loss  # noqa: E402
+from zeta_fsdp.wrapped import compute_device  # noqa: E402
 
 CASES: dict[str, Callable[[], None]] = {}
 CFG = GPTConfig(vocab_size=97, dim=64, n_heads=4, n_layers=3, max_seq_len=32)

@@ -41,14 +41,13 @@ from .state_dict import (
 )
 from .strategy import EpochStep, FSDP2Strategy
 from .training import MemoryReport, clip_grad_norm_, memory_report, no_sync
-from .wrapped import compute_device, fsdp_engine, get_wrap_plan, is_fsdp_wrapped
+from .wrapped import fsdp_engine, get_wrap_plan, is_fsdp_wrapped
 from .wrapping import WrapPlan
 
 __version__ = "0.1.0"
 
 __all__ = [
     "fsdp",
-    "compute_device",
     "fsdp_engine",
     "get_wrap_plan",
     "is_fsdp_wrapped",

@@ -207,23 +207,23 @@ def _average_whole_grads(model: nn.Module, params: list[nn.Parameter], mesh: Dev
 
     def after_forward(_module: nn.Module, _inputs: Any, output: Any) -> None:
         if torch.is_grad_enabled():
-            for tensor in _tensors(output):
+            for tensor in output_tensors(output):
                 if tensor.requires_grad:
                     tensor.register_hook(on_output_grad)
 
     model.register_forward_hook(after_forward)
 
 
-def _tensors(output: Any) -> Iterator[torch.Tensor]:
+def output_tensors(output: Any) -> Iterator[torch.Tensor]:
     """The tensors in a forward's output: a tensor, or inside tuples, lists and dicts (``ModelOutput``)."""
     if isinstance(output, torch.Tensor):
         yield output
     elif isinstance(output, (tuple, list)):
         for item in output:
-            yield from _tensors(item)
+            yield from output_tensors(item)
     elif isinstance(output, dict):
         for item in output.values():
-            yield from _tensors(item)
+            yield from output_tensors(item)
 
 
 def _set_sync(settings: list[tuple[FSDPModule, bool, bool]]) -> None:

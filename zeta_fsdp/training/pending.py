@@ -15,12 +15,13 @@ runs from a hook on the model's outputs: the first thing a backward computes.
 from __future__ import annotations
 
 import weakref
-from typing import Any, Iterator, Optional
+from typing import Any, Optional
 
 import torch
 import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule
 
+from ..engines.fully_shard import output_tensors
 from ..wrapped import clear_pending_grads, fsdp_param_groups, partial_reduce_output, pending_unsharded_grad
 
 __all__ = ["drop_accumulation", "show_pending"]
@@ -123,21 +124,9 @@ def _after_forward(module: nn.Module, _inputs: Any, output: Any) -> None:
             for group in _groups(found):
                 _settle(group)
 
-    for tensor in _tensors(output):
+    for tensor in output_tensors(output):
         if tensor.requires_grad:
             tensor.register_hook(settle_first)
-
-
-def _tensors(output: Any) -> Iterator[torch.Tensor]:
-    """The tensors in a forward's output: a tensor, or inside tuples, lists and dicts (``ModelOutput``)."""
-    if isinstance(output, torch.Tensor):
-        yield output
-    elif isinstance(output, (tuple, list)):
-        for item in output:
-            yield from _tensors(item)
-    elif isinstance(output, dict):
-        for item in output.values():
-            yield from _tensors(item)
 
 
 def _versions(grad: torch.Tensor) -> tuple[int, int]:
