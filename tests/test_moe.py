@@ -310,6 +310,75 @@ def test_a_child_called_twice_on_every_run_stays_provable():
     assert [u.name for u in plan.blocks] == ["blocks.0", "blocks.1"], plan.table()
 
 
+def checkpoint_seq(blocks, x):
+    """timm's helper: run each member once (under activation checkpointing in timm)."""
+    for block in blocks:
+        x = block(x)
+    return x
+
+
+class _TimmLike(nn.Module):
+    """timm's shape: forward -> forward_features / forward_head methods, a setting-gated branch, a
+    flag with a default, a classifier head whose fc is skipped only for pre_logits=True."""
+
+    def __init__(self, checkpointing: bool = False):
+        super().__init__()
+        self.grad_checkpointing = checkpointing
+        self.blocks = nn.Sequential(MLP(4, 8), MLP(4, 8))
+        self.head = _Head()
+        self.extra = None
+
+    def forward_features(self, x):
+        if self.grad_checkpointing and not torch.jit.is_scripting():
+            x = checkpoint_seq(self.blocks, x)
+        else:
+            x = self.blocks(x)
+        if self.extra is not None:
+            x = self.extra(x)
+        return x
+
+    def forward_head(self, x, pre_logits: bool = False):
+        return self.head(x, pre_logits=True) if pre_logits else self.head(x)
+
+    def forward(self, x):
+        return self.forward_head(self.forward_features(x))
+
+
+class _Head(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm, self.fc = nn.LayerNorm(4), nn.Linear(4, 2)
+
+    def forward(self, x, pre_logits: bool = False):
+        x = self.norm(x)
+        if pre_logits:
+            return x
+        return self.fc(x)
+
+
+class _DataGatedMethod(_TimmLike):
+    """The same model, but a method that runs the first block again when the data says so."""
+
+    def again(self, x):
+        return self.blocks[0](x)
+
+    def forward(self, x):
+        if x.sum() > 0:
+            x = self.again(x)
+        return self.forward_head(self.forward_features(x))
+
+
+def test_methods_settings_and_default_flags_are_read_as_the_model_has_them():
+    plan = build_wrap_plan(_TimmLike(), auto_wrap=True)
+    assert [u.name for u in plan.units] == ["blocks.0", "blocks.1", "[head.norm, head.fc]", "<root>"], plan.table()
+    # with checkpointing on, timm's checkpoint_seq runs every member once: the same units
+    assert [u.name for u in build_wrap_plan(_TimmLike(True), auto_wrap=True).units] == [u.name for u in plan.units]
+    # a method run under a data condition that calls a block again: that block's count differs by rank
+    with pytest.warns(UserWarning):
+        gated = build_wrap_plan(_DataGatedMethod(), auto_wrap=True)
+    assert gated.blocks == [], gated.table()
+
+
 _GENERATED = """
 class GenBlock(nn.Module):
     def __init__(self):
