@@ -379,6 +379,30 @@ def test_methods_settings_and_default_flags_are_read_as_the_model_has_them():
     assert gated.blocks == [], gated.table()
 
 
+class _Switchable(nn.Module):
+    """Dense now; a setting turns on routing later (a data-dependent subset of the layers runs)."""
+
+    def __init__(self):
+        super().__init__()
+        self.routed = False
+        self.layers = nn.ModuleList(MLP(4, 8) for _ in range(2))
+
+    def forward(self, x):
+        for i, layer in enumerate(self.layers):
+            if self.routed:
+                if (x.argmax(-1) == i).any():
+                    x = x + layer(x)
+            else:
+                x = x + layer(x)
+        return x
+
+
+def test_a_branch_a_setting_may_take_later_is_read_too():
+    with pytest.warns(UserWarning):  # no block it may make a unit
+        plan = build_wrap_plan(_Switchable(), auto_wrap=True)
+    assert plan.blocks == [], plan.table()
+
+
 _GENERATED = """
 class GenBlock(nn.Module):
     def __init__(self):

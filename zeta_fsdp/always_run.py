@@ -202,6 +202,7 @@ class _Proof:
         if isinstance(node, ast.IfExp):
             test = self.value(node.test, env)
             if test is not _UNKNOWN:
+                self.shadow(lambda: self.expr(node.orelse if test else node.body, dict(env)))
                 return self.expr(node.body if test else node.orelse, env)
             return _sequence(self.expr(node.test, env), self.expr(node.body, env) + self.expr(node.orelse, env))
         if isinstance(node, ast.BoolOp):
@@ -339,6 +340,17 @@ class _Proof:
                 bound[param.name] = param.default if isinstance(param.default, _FIXED) else _UNKNOWN
         return {k: v for k, v in bound.items() if v is not _UNKNOWN}
 
+    def shadow(self, read: Callable[[], list[Counter]]) -> None:
+        """The branch a setting does not take now, read too: a user may flip the setting later (on
+        every rank alike), so a child that branch runs a data-dependent number of times is unproven.
+        The calls it makes do not count as calls (their arguments are not the ones used now)."""
+        saved = {k: list(v) for k, v in self.call_args.items()}
+        paths = read()
+        self.call_args = saved
+        for key in set().union(*paths) if paths else ():
+            if len({p.get(key, 0) for p in paths}) > 1:
+                self.poisoned.add(_child_of(key, self.children))
+
     # --- mentions the proof cannot count ---------------------------------------------------------
     def check_mention(self, node: ast.AST, env: dict[str, Any]) -> None:
         """Poison a child mentioned where it may run uncounted: handed to a call or a name, or a
@@ -433,6 +445,8 @@ class _Proof:
     def if_stmt(self, stmt: ast.If, env: dict[str, Any]) -> list[tuple[Counter, bool]]:
         test = self.value(stmt.test, env)
         if test is not _UNKNOWN:  # fixed by the model: the same branch on every rank
+            untaken = stmt.orelse if test else stmt.body
+            self.shadow(lambda: [c for c, _ in self.body(untaken, dict(env), [(Counter(), False)])])
             return self.body(stmt.body if test else stmt.orelse, env, [(Counter(), False)])
         starts = [(c, False) for c in self.expr(stmt.test, env)]
         branches = self.body(stmt.body, dict(env), starts) + self.body(stmt.orelse, dict(env), starts)
