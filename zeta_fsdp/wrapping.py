@@ -23,7 +23,7 @@ from typing import Iterable, Optional, Sequence, Union
 import torch
 import torch.nn as nn
 
-from .always_run import always_run
+from .always_run import always_run, modality_towers
 from .report import render_table
 from .ties import tied_parameter_groups
 
@@ -705,7 +705,8 @@ def _unproven_ids(model: nn.Module) -> set[int]:
     """Ids of the modules no forward provably runs on every call (``always_run``); none in a Hugging
     Face model, whose repeated layers only LayerDrop skips."""
     if _is_hugging_face(model):
-        return set()
+        towers = [model.get_submodule(n) for n in modality_towers(model)]
+        return {id(m) for tower in towers for m in tower.modules()}
     proven, _ = always_run(model)
     return {id(m) for m in model.modules() if id(m) not in proven}
 
@@ -719,8 +720,10 @@ def _proven_blocks(
     becomes a unit only when ``always_run`` proves it runs, or when the model declares its class in
     ``_no_split_modules`` (Hugging Face models; the user's opt-in). A ``TransformerBlock`` the user
     named that is not proven is refused."""
-    if _is_hugging_face(model):
-        return blocks, {}  # its layers are skipped only by LayerDrop (config.layerdrop > 0, docs/pitfalls.md)
+    if _is_hugging_face(model):  # its layers are skipped only by LayerDrop (docs/pitfalls.md) ...
+        towers = {} if given else modality_towers(model)  # ... and its towers, by batches without their input
+        unproven = {n: f"{t}: {towers[t]}" for n, _ in blocks for t in towers if _is_under(n, [t])}
+        return [(n, m) for n, m in blocks if n not in unproven], unproven
     trusted = tuple(_declared_blocks(model))
     proven, why = always_run(model)
     kept, unproven = [], {}
