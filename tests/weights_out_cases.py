@@ -293,5 +293,90 @@ def hf_mixtral_streams_save_pretrained_names():
     assert "lm_head.weight" not in got, "a tied weight is streamed once"
 
 
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_receiver(*flags: str):
+    """Rank 0 starts a receiver process (``weights_receiver.py``) and joins the weights group with it."""
+    import subprocess
+    import sys
+
+    if rank() != 0:
+        return None, None, None
+    from zeta_fsdp.weights_out import weights_group
+
+    address = f"127.0.0.1:{free_port()}"
+    out = os.path.join(ARGS.out, f"received_{'_'.join(f.strip('-') for f in flags) or 'plain'}.pt")
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "weights_receiver.py")
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    }
+    proc = subprocess.Popen(
+        [sys.executable, script, address, out, *flags],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    return weights_group(address, rank=0, world_size=2, timeout_s=30), proc, out
+
+
+@case
+def receiver_process_gets_the_same_bytes():
+    from zeta_fsdp.weights_out import send_weights
+
+    model = wrapped()
+    want = get_full_state_dict(model, rank0_only=False)
+    group, proc, out = start_receiver()
+    sent = send_weights(model, group, bucket_mb=0.0005, timeout_s=30)
+    if rank() == 0:
+        assert proc.wait(timeout=60) == 0, proc.stdout.read()[-3000:]
+        got = torch.load(out, weights_only=True)
+        assert_same(got, want, "receiver")
+        assert sent >= sum(t.numel() * t.element_size() for k, t in want.items() if k != "head.weight"), sent
+    else:
+        assert sent == 0
+
+
+@case
+def receiver_whose_model_differs_fails_every_rank_with_one_error():
+    from zeta_fsdp.weights_out import send_weights
+
+    model = wrapped()
+    group, proc, _ = start_receiver("--wrong-shape")
+    start = time.monotonic()
+    expect_error(
+        StreamError,
+        lambda: send_weights(model, group, timeout_s=30),
+        "receiver 1 failed",
+        "tiny.weight: sent [1, 6], model [2, 6]",
+    )
+    assert time.monotonic() - start < 20
+    if rank() == 0:
+        assert proc.wait(timeout=60) != 0
+        assert "tiny.weight: sent [1, 6], model [2, 6]" in proc.stdout.read()
+
+
+@case
+def receiver_dying_mid_stream_makes_every_trainer_rank_raise_fast():
+    from zeta_fsdp.weights_out import send_weights
+
+    model = wrapped()
+    group, proc, _ = start_receiver("--die-after-bucket", "1")
+    start = time.monotonic()
+    expect_error(StreamError, lambda: send_weights(model, group, bucket_mb=0.0005, timeout_s=30), "failed")
+    elapsed = time.monotonic() - start
+    assert elapsed < 20, f"the trainer ranks raised after {elapsed:.1f} s"
+    if rank() == 0:
+        assert proc.wait(timeout=60) == 3
+
+
 if __name__ == "__main__":
     run_cases(CASES)

@@ -7,5 +7,7 @@ Hugging Face's), ``gather`` (one flat all-gather per bucket, overlapped), ``stre
 
 from .gather import StreamError, WeightBucket, WeightStream
 from .stream import iter_full_weights
+from .transfer import receive_weights, send_weights, weights_group
 
-__all__ = ["StreamError", "WeightBucket", "WeightStream", "iter_full_weights"]
+__all__ = ["StreamError", "WeightBucket", "WeightStream", "iter_full_weights", "receive_weights", "send_weights"]
+__all__ += ["weights_group"]
