@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import dist_test
+from conftest import ROOT, dist_test, torchrun
 
 from zeta_fsdp.weights_out.plan import HEADER_BYTES, Item, Output, Source, plan_buckets
 
@@ -42,3 +42,16 @@ def test_a_tensor_larger_than_the_cap_gets_its_own_bucket_and_groups_split_bucke
     assert len(only_plain) == 1 and not only_plain[0].gathers and only_plain[0].segment_bytes == HEADER_BYTES
     with pytest.raises(ValueError, match="cap_bytes=0"):
         plan_buckets(items, cap_bytes=0)
+
+
+@pytest.mark.launch
+def test_example_streams_to_a_receiver_process_that_generates(tmp_path):
+    """``examples/stream_weights.py`` as a user runs it: 2 trainer ranks under torchrun, a receiver process."""
+    digests = tmp_path / "digests.json"
+    proc = torchrun(
+        2, str(ROOT / "examples" / "stream_weights.py"), "--steps", "2", "--every", "1", "--digests", str(digests)
+    )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    assert "receiver weights equal get_full_state_dict bit for bit: True" in out, out[-4000:]
+    assert out.count("receiver: round") == 2 and out.count("trainer: step") == 2, out[-4000:]
