@@ -165,8 +165,8 @@ class WeightStream:
                 t = self.read[s.key]
                 if s.shards == 1 and isinstance(t, DTensor) and shard_layout(t) is None:
                     fallback[s.key] = t.full_tensor()
-        self._launched = index + 1
         if not plan.gathers:
+            self._launched = index + 1
             return index, None, None, fallback
         group = self._group(plan)
         me = dist.get_rank(group)
@@ -178,6 +178,7 @@ class WeightStream:
             except Exception as e:  # noqa: BLE001 - told to every peer through the header, then raised below
                 status, message = FAILED, f"{type(e).__name__}: {e}"
         _header(segment, status, index, message)
+        self._launched = index + 1  # from here on, the peers can count on this rank's segment of bucket ``index``
         work = dist.all_gather_into_tensor(recv, segment, group=group, async_op=True)
         return index, recv, work, fallback
 

@@ -72,7 +72,8 @@ def iter_full_weights(
     costs one flat all-gather over the shard group (nothing to gather for NO_SHARD); the next bucket's
     all-gather runs while the caller works on the current one. Memory per rank: at most two buckets and
     one tensor beyond what the caller keeps. A bucket's tensors view one buffer (``bucket.flat``), kept
-    alive while any of them is.
+    alive while any of them is. Units a forward left unsharded (``reshard_after_forward=False``) are resharded
+    first: the stream reads the shards.
 
     Args:
         bucket_mb: the bucket size cap, in MiB.
