@@ -34,34 +34,41 @@ def build(layers: int, width: int) -> nn.Module:
     return fsdp(model, auto_wrap=True, TransformerBlock=nn.Linear, shard_strat="FULL_SHARD")
 
 
-def variants(model: nn.Module, bucket_mb: float) -> dict[str, Callable[[], Any]]:
-    def stream() -> None:
-        for bucket in iter_full_weights(model, bucket_mb=bucket_mb):
-            del bucket
+def variants(model: nn.Module, bucket_mbs: list[float]) -> dict[str, Callable[[], Any]]:
+    def stream(mb: float) -> Callable[[], None]:
+        def run() -> None:
+            for bucket in iter_full_weights(model, bucket_mb=mb):
+                del bucket  # dropped before the next is asked for (a plain loop variable would hold it)
+
+        return run
 
     def per_tensor() -> None:
         for p in model.parameters():
             full = p.full_tensor() if isinstance(p, DTensor) else p
             del full
 
+    out: dict[str, Callable[[], Any]] = {f"iter_full_weights (bucket {mb:g} MiB)": stream(mb) for mb in bucket_mbs}
+    out["get_full_state_dict (rank 0, CPU)"] = lambda: get_full_state_dict(model)
+    out["per-tensor full_tensor()"] = per_tensor
+    out.update({f"all-gather floor (bucket {mb:g} MiB)": floor(model, mb) for mb in bucket_mbs})
+    return out
+
+
+def floor(model: nn.Module, bucket_mb: float) -> Callable[[], None]:
+    """The iterator's bucket bytes, one flat all-gather each into one reused buffer: nothing packed or unpacked."""
     plan = iter_full_weights(model, bucket_mb=bucket_mb)
     sizes = [(b.shards * b.segment_bytes, b.shards) for b in plan.buckets if b.gathers]
     plan.close()
-    floor_buf = torch.empty(max(n for n, _ in sizes), dtype=torch.uint8)
+    buf = torch.empty(max(n for n, _ in sizes), dtype=torch.uint8)
     group = next(p for p in model.parameters() if isinstance(p, DTensor)).device_mesh.get_group(0)
 
-    def floor() -> None:
+    def run() -> None:
         rank = dist.get_rank(group)
         for n, shards in sizes:
-            out = floor_buf[:n]
+            out = buf[:n]
             dist.all_gather_into_tensor(out, out.narrow(0, rank * (n // shards), n // shards), group=group)
 
-    return {
-        f"iter_full_weights (bucket {bucket_mb:g} MiB)": stream,
-        "get_full_state_dict (rank 0, CPU)": lambda: get_full_state_dict(model),
-        "per-tensor full_tensor()": per_tensor,
-        "all-gather floor (same buckets)": floor,
-    }
+    return run
 
 
 def timed(fn: Callable[[], Any], reps: int) -> float:
@@ -75,6 +82,11 @@ def timed(fn: Callable[[], Any], reps: int) -> float:
     return finite(statistics.median(times))
 
 
+def drain(stream: Any) -> None:
+    for bucket in stream:
+        del bucket
+
+
 def peak(fn: Callable[[], Any]) -> int:
     tracker = MemTracker()
     with tracker:
@@ -85,24 +97,27 @@ def peak(fn: Callable[[], Any]) -> int:
 def rank_main(args: Any) -> None:
     width = 256 if args.quick else WIDTH
     sizes = [1, 2, 4] if args.quick else [int(s) for s in args.layers.split(",")]
-    bucket_mb = 0.5 if args.quick else args.bucket_mb
+    bucket_mbs = [0.5] if args.quick else [float(b) for b in args.bucket_mb.split(",")]
     reps = 1 if args.quick else args.reps
     rows, mem_rows, data = [], [], {}
     for layers in sizes:
         model = build(layers, width)
         nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
-        runs = variants(model, bucket_mb)
+        runs = variants(model, bucket_mbs)
         for fn in runs.values():
             fn()  # warm-up: first-touch allocations, gloo connections
         times = {name: timed(fn, reps) for name, fn in runs.items()}
         peaks = {name: peak(fn) for name, fn in runs.items() if "floor" not in name and "iter" not in name}
-        stream = iter_full_weights(model, bucket_mb=bucket_mb)  # made outside: the tracker sees its iteration
-        peaks = {f"iter_full_weights (bucket {bucket_mb:g} MiB)": peak(lambda s=stream: [None for _ in s]), **peaks}
-        floor = times["all-gather floor (same buckets)"]
+        for mb in reversed(bucket_mbs):  # streams made outside the tracker: it sees their iteration only
+            stream = iter_full_weights(model, bucket_mb=mb)
+            peaks = {f"iter_full_weights (bucket {mb:g} MiB)": peak(lambda s=stream: drain(s)), **peaks}
         key = f"{nbytes / 1e6:.1f} MB"
         data[key] = {"bytes": nbytes, "seconds": times, "peak_bytes_rank0": peaks}
+        floors = {mb: times[f"all-gather floor (bucket {mb:g} MiB)"] for mb in bucket_mbs}
         for name, t in times.items():
-            rows.append([key, f"`{name}`", f"{t * 1e3:.0f}", f"{nbytes / t / MIB:.0f}", f"{t / floor:.2f}x"])
+            mb = next((m for m in bucket_mbs if f"(bucket {m:g} MiB)" in name), None)
+            vs = f"{t / floors[mb]:.2f}x" if mb is not None else ", ".join(f"{t / f:.2f}x" for f in floors.values())
+            rows.append([key, f"`{name}`", f"{t * 1e3:.0f}", f"{nbytes / t / MIB:.0f}", vs])
         mem_rows.append([key] + [fmt_mib(peaks[name]) for name in peaks])
         del model, runs
     report = Report(
@@ -115,7 +130,8 @@ def rank_main(args: Any) -> None:
         "bytes in one flat all-gather each, nothing packed or copied out.",
         data=data,
     )
-    report.table("Time", ["model (fp32)", "variant", "ms", "MiB/s", "vs floor"], rows)
+    floors_head = "vs floor (" + ", ".join(f"{mb:g} MiB" for mb in bucket_mbs) + " buckets)"
+    report.table("Time", ["model (fp32)", "variant", "ms", "MiB/s", floors_head], rows)
     report.table(
         "Peak memory allocated on rank 0 while running (MemTracker, CPU, beyond the model)",
         ["model (fp32)"] + [f"`{n}`" for n in list(data.values())[0]["peak_bytes_rank0"]],
@@ -123,7 +139,9 @@ def rank_main(args: Any) -> None:
     )
     report.notes.append(
         "The iterator's peak is its one all-gather buffer plus one bucket of full tensors: flat in the model's size "
-        "(at most 2 buckets + the largest tensor). get_full_state_dict keeps the whole model on rank 0; its figure "
+        "(at most 2 buckets + the largest tensor), with the caller dropping each bucket before asking for the next "
+        "(`del bucket` at the end of the loop body; a plain loop variable keeps the previous bucket alive while the "
+        "next one is unpacked: one bucket more). get_full_state_dict keeps the whole model on rank 0; its figure "
         "also counts this rank's shards (MemTracker counts the views its state dict makes of them as new tensors)."
     )
     report.publish(args.out_dir)
@@ -132,7 +150,7 @@ def rank_main(args: Any) -> None:
 def main() -> None:
     parser = bench_parser(__doc__.splitlines()[0])
     parser.add_argument("--layers", default="6,24,96", help="model sizes, in 16 MiB layers (100 MB, 400 MB, 1.6 GB)")
-    parser.add_argument("--bucket-mb", type=float, default=256)
+    parser.add_argument("--bucket-mb", default="32,256", help="bucket sizes, comma-separated")
     parser.add_argument("--reps", type=int, default=3)
     run_benchmark(rank_main, parser)
 

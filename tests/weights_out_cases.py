@@ -96,10 +96,14 @@ def check_strategy(shard_strat: str, model: nn.Module = None, **kw) -> None:
         assert_same(got, want, f"{shard_strat} bucket_mb={mb:.5f}")
         assert got["head.weight"] is got["embed.weight"], "a tied alias is the same tensor"
         expected = sum(b.gathers for b in stream.buckets)
+        # one flat all-gather per bucket with shards, plus the 1 KiB closing exchange (every rank's status)
         assert gathers(comm.get_comm_counts()) == expected + 1, (comm.get_comm_counts(), expected)
+        assert sum(comm.get_comm_counts().values()) == expected + 1, comm.get_comm_counts()
         if shard_strat == "NO_SHARD":
             assert expected == 0, "NO_SHARD has nothing to gather"
-        else:  # every parameter in one bucket, or split over several below the largest tensor
+        elif shard_strat == "HYBRID_SHARD":  # 2x2 mesh: gathered over the 2 ranks of the shard dim, not all 4
+            assert {b.shards for b in stream.buckets if b.gathers} == {2}, [b.shards for b in stream.buckets]
+        if shard_strat != "NO_SHARD":  # every parameter in one bucket, or split over several below the largest tensor
             assert len(stream.buckets) == 1 if mb >= 1 else expected > 3, (mb, expected, len(stream.buckets))
 
 

@@ -71,7 +71,8 @@ def iter_full_weights(
     Each bucket holds at most ``bucket_mb`` MiB of weights (a larger tensor gets a bucket of its own) and
     costs one flat all-gather over the shard group (nothing to gather for NO_SHARD); the next bucket's
     all-gather runs while the caller works on the current one. Memory per rank: at most two buckets and
-    one tensor beyond what the caller keeps. A bucket's tensors view one buffer (``bucket.flat``), kept
+    one tensor beyond what the caller keeps (``del bucket`` at the end of a loop body: the loop variable
+    would otherwise keep the previous bucket alive while the next one is copied out). A bucket's tensors view one buffer (``bucket.flat``), kept
     alive while any of them is. Units a forward left unsharded (``reshard_after_forward=False``) are resharded
     first: the stream reads the shards.
 
@@ -96,6 +97,7 @@ def iter_full_weights(
         for bucket in iter_full_weights(model, bucket_mb=64, dtype=torch.bfloat16):
             for name, tensor in bucket:
                 ...  # e.g. engine.load_weights(bucket); the next bucket is already on its way
+            del bucket
     """
 
     def prepare() -> tuple:

@@ -133,6 +133,7 @@ def _send(stream: Any, group: Any, timeout_s: float) -> int:
             told = False
             _broadcast(group, bucket.flat, timeout_s, f"sending bucket {bucket.index}")
             sent += bucket.flat.numel()
+            del bucket  # before the next one is copied out
         told = True
         _exchange(group, None, timeout_s, "after the last bucket")
     except Exception as e:
