@@ -51,6 +51,7 @@ RUNS = {
     if importlib.util.find_spec("accelerate")
     else ("bench_accelerate.py",),
     "checkpoint": ("bench_checkpoint.py",),
+    "weights_out": ("bench_weights_out.py",),
 }
 if importlib.util.find_spec("peft") is not None:
     RUNS["lora"] = ("bench_lora.py",)
@@ -295,3 +296,16 @@ def test_bench_lora(bench) -> None:
     for name, m in data["memory"].items():
         assert m["total peak"] > 0 and m["grads (+ reduce-scatter)"] >= 0, (name, m)
     assert data["memory"]["lora"]["optimizer state"] < data["memory"]["full"]["optimizer state"]
+
+
+def test_bench_weights_out(bench) -> None:
+    _, tmp_path = finished(bench, "weights_out")
+    data = results(tmp_path, "weights_out")
+    assert len(data) == 3 + 2, sorted(data)  # three model sizes, plus command and machine
+    for size, d in ((k, v) for k, v in data.items() if k not in ("command", "machine")):
+        assert len(d["seconds"]) == 4 and all(positive(t) for t in d["seconds"].values()), (size, d)
+        peaks = d["peak_bytes_rank0"]
+        stream = next(v for k, v in peaks.items() if k.startswith("iter_full_weights"))
+        # the iterator holds at most its gather buffer and one bucket (0.5 MiB in --quick) plus headers
+        assert 0 < stream <= 2 * 2**19 + 2 * 4096 + d["bytes"] // 8, (size, peaks)
+        assert peaks["get_full_state_dict (rank 0, CPU)"] >= d["bytes"], (size, peaks)  # the whole model on rank 0

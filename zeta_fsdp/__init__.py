@@ -41,6 +41,7 @@ from .state_dict import (
 )
 from .strategy import EpochStep, FSDP2Strategy
 from .training import MemoryReport, clip_grad_norm_, memory_report, no_sync
+from .weights_out import iter_full_weights
 from .wrapped import fsdp_engine, get_wrap_plan, is_fsdp_wrapped
 from .wrapping import WrapPlan
 
@@ -66,6 +67,7 @@ __all__ += ["load_pretrained", "save_pretrained", "consolidate_to_hf"]  # Huggin
 __all__ += ["no_sync", "clip_grad_norm_", "memory_report", "MemoryReport"]
 __all__ += ["MaskedTokenLossReduction", "PerSampleLossReduction"]
 __all__ += ["FSDP2Strategy", "EpochStep"]  # NeMo's strategy
+__all__ += ["iter_full_weights"]  # weights out while training
 
 # Former top-level names, by their home module (under zeta_fsdp.): still importable from here, with a warning.
 _MOVED = {

@@ -1,0 +1,159 @@
+"""Weights out: ``iter_full_weights`` vs ``get_full_state_dict`` vs per-tensor ``full_tensor()``, and the floor.
+
+Every rank of a FULL_SHARD model (one unit per ``nn.Linear(2048, 2048)``, fp32) gets the full weights; the
+caller drops each tensor at once (no consumer work, so no overlap to gain: the times are the gathering's
+own). The all-gather floor moves the same bytes as the iterator (its buckets' sizes) in one flat
+``all_gather_into_tensor`` per bucket into one buffer, with no packing or copying out. Peak memory: the
+bytes each variant allocates on rank 0 while it runs (``MemTracker``, exact on CPU), beyond the model.
+
+    python benchmarks/bench_weights_out.py                      # launches 2 ranks itself
+    python -m torch.distributed.run --standalone --nproc-per-node 2 benchmarks/bench_weights_out.py
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from _common import MIB, Report, bench_parser, finite, fmt_mib, run_benchmark
+from torch.distributed._tools.mem_tracker import MemTracker
+from torch.distributed.tensor import DTensor
+
+from zeta_fsdp import fsdp, get_full_state_dict, iter_full_weights
+
+WIDTH = 2048  # one layer: 2048 x 2048 fp32 weight + bias, 16 MiB
+
+
+def build(layers: int, width: int) -> nn.Module:
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)])
+    return fsdp(model, auto_wrap=True, TransformerBlock=nn.Linear, shard_strat="FULL_SHARD")
+
+
+def variants(model: nn.Module, bucket_mbs: list[float]) -> dict[str, Callable[[], Any]]:
+    def stream(mb: float) -> Callable[[], None]:
+        def run() -> None:
+            for bucket in iter_full_weights(model, bucket_mb=mb):
+                del bucket  # dropped before the next is asked for (a plain loop variable would hold it)
+
+        return run
+
+    def per_tensor() -> None:
+        for p in model.parameters():
+            full = p.full_tensor() if isinstance(p, DTensor) else p
+            del full
+
+    out: dict[str, Callable[[], Any]] = {f"iter_full_weights (bucket {mb:g} MiB)": stream(mb) for mb in bucket_mbs}
+    out["get_full_state_dict (rank 0, CPU)"] = lambda: get_full_state_dict(model)
+    out["per-tensor full_tensor()"] = per_tensor
+    out.update({f"all-gather floor (bucket {mb:g} MiB)": floor(model, mb) for mb in bucket_mbs})
+    return out
+
+
+def floor(model: nn.Module, bucket_mb: float) -> Callable[[], None]:
+    """The iterator's bucket bytes, one flat all-gather each into one reused buffer: nothing packed or unpacked."""
+    plan = iter_full_weights(model, bucket_mb=bucket_mb)
+    sizes = [(b.shards * b.segment_bytes, b.shards) for b in plan.buckets if b.gathers]
+    plan.close()
+    buf = torch.empty(max(n for n, _ in sizes), dtype=torch.uint8)
+    group = next(p for p in model.parameters() if isinstance(p, DTensor)).device_mesh.get_group(0)
+
+    def run() -> None:
+        rank = dist.get_rank(group)
+        for n, shards in sizes:
+            out = buf[:n]
+            dist.all_gather_into_tensor(out, out.narrow(0, rank * (n // shards), n // shards), group=group)
+
+    return run
+
+
+def timed(fn: Callable[[], Any], reps: int) -> float:
+    times = []
+    for _ in range(reps):
+        dist.barrier()
+        start = time.perf_counter()
+        fn()
+        dist.barrier()
+        times.append(time.perf_counter() - start)
+    return finite(statistics.median(times))
+
+
+def drain(stream: Any) -> None:
+    for bucket in stream:
+        del bucket
+
+
+def peak(fn: Callable[[], Any]) -> int:
+    tracker = MemTracker()
+    with tracker:
+        fn()
+    return int(tracker.get_tracker_snapshot("peak").get(torch.device("cpu"), {}).get("Total", 0))
+
+
+def rank_main(args: Any) -> None:
+    width = 256 if args.quick else WIDTH
+    sizes = [1, 2, 4] if args.quick else [int(s) for s in args.layers.split(",")]
+    bucket_mbs = [0.5] if args.quick else [float(b) for b in args.bucket_mb.split(",")]
+    reps = 1 if args.quick else args.reps
+    rows, mem_rows, data = [], [], {}
+    for layers in sizes:
+        model = build(layers, width)
+        nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        runs = variants(model, bucket_mbs)
+        for fn in runs.values():
+            fn()  # warm-up: first-touch allocations, gloo connections
+        times = {name: timed(fn, reps) for name, fn in runs.items()}
+        peaks = {name: peak(fn) for name, fn in runs.items() if "floor" not in name and "iter" not in name}
+        for mb in reversed(bucket_mbs):  # streams made outside the tracker: it sees their iteration only
+            stream = iter_full_weights(model, bucket_mb=mb)
+            peaks = {f"iter_full_weights (bucket {mb:g} MiB)": peak(lambda s=stream: drain(s)), **peaks}
+        key = f"{nbytes / 1e6:.1f} MB"
+        data[key] = {"bytes": nbytes, "seconds": times, "peak_bytes_rank0": peaks}
+        floors = {mb: times[f"all-gather floor (bucket {mb:g} MiB)"] for mb in bucket_mbs}
+        for name, t in times.items():
+            mb = next((m for m in bucket_mbs if f"(bucket {m:g} MiB)" in name), None)
+            vs = f"{t / floors[mb]:.2f}x" if mb is not None else ", ".join(f"{t / f:.2f}x" for f in floors.values())
+            rows.append([key, f"`{name}`", f"{t * 1e3:.0f}", f"{nbytes / t / MIB:.0f}", vs])
+        mem_rows.append([key] + [fmt_mib(peaks[name]) for name in peaks])
+        del model, runs
+    report = Report(
+        name="weights_out",
+        title="Weights out benchmark",
+        command=args.command,
+        what=f"The full weights of a FULL_SHARD model at {dist.get_world_size()} ranks (gloo, CPU), every rank; "
+        f"median of {reps} runs after a warm-up. `iter_full_weights` vs `get_full_state_dict` (one tensor at a "
+        "time, kept on rank 0) vs per-tensor `full_tensor()`, and the all-gather floor: the iterator's bucket "
+        "bytes in one flat all-gather each, nothing packed or copied out.",
+        data=data,
+    )
+    floors_head = "vs floor (" + ", ".join(f"{mb:g} MiB" for mb in bucket_mbs) + " buckets)"
+    report.table("Time", ["model (fp32)", "variant", "ms", "MiB/s", floors_head], rows)
+    report.table(
+        "Peak memory allocated on rank 0 while running (MemTracker, CPU, beyond the model)",
+        ["model (fp32)"] + [f"`{n}`" for n in list(data.values())[0]["peak_bytes_rank0"]],
+        mem_rows,
+    )
+    report.notes.append(
+        "The iterator's peak is its one all-gather buffer plus one bucket of full tensors: flat in the model's size "
+        "(at most 2 buckets + the largest tensor), with the caller dropping each bucket before asking for the next "
+        "(`del bucket` at the end of the loop body; a plain loop variable keeps the previous bucket alive while the "
+        "next one is unpacked: one bucket more). get_full_state_dict keeps the whole model on rank 0; its figure "
+        "also counts this rank's shards (MemTracker counts the views its state dict makes of them as new tensors)."
+    )
+    report.publish(args.out_dir)
+
+
+def main() -> None:
+    parser = bench_parser(__doc__.splitlines()[0])
+    parser.add_argument("--layers", default="6,24,96", help="model sizes, in 16 MiB layers (100 MB, 400 MB, 1.6 GB)")
+    parser.add_argument("--bucket-mb", default="32,256", help="bucket sizes, comma-separated")
+    parser.add_argument("--reps", type=int, default=3)
+    run_benchmark(rank_main, parser)
+
+
+if __name__ == "__main__":
+    main()
