@@ -21,6 +21,7 @@ Off: ``ZETA_FSDP_LOCAL_STEP=0`` (the whole process) or ``use_local_step(optimize
 from __future__ import annotations
 
 import functools
+import operator
 import os
 import weakref
 from collections import defaultdict
@@ -94,73 +95,132 @@ def steps_locally(optimizer: Optimizer) -> bool:
     return cached[1]
 
 
-def _grads_match(optimizer: Optimizer) -> bool:
-    """Every gradient has its parameter's mesh and placements (what FSDP2 produces), so its local tensor
-    is the parameter's local elements' gradient."""
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            grad = p.grad
-            if grad is not None and (
-                not isinstance(grad, DTensor) or grad.placements != p.placements or grad.device_mesh != p.device_mesh
-            ):
-                return False
-    return True
+def _local_of(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's own local tensor (sharing its storage; what ``to_local()`` returns under no_grad),
+    without the Python call: this runs for every parameter and state entry of every step."""
+    return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
 
 
-def _to_local_views(optimizer: Optimizer) -> tuple[list, list, defaultdict]:
-    """Swap the param groups to the local tensors (gradients attached) and build the local state."""
-    saved = [group["params"] for group in optimizer.param_groups]
-    pairs, state = [], defaultdict(dict)
-    for group in optimizer.param_groups:
-        local = []
-        for p in group["params"]:
-            t = p.to_local()  # under no_grad: the DTensor's own local tensor, sharing its storage
-            grad = p.grad
-            t.grad = None if grad is None else grad.to_local()
+def _ids(entries: list) -> list:
+    """The identity of every value of every entry: in-place updates keep it, a replaced value changes it."""
+    return [tuple(map(id, entry.values())) for entry in entries]
+
+
+_LOCAL_TENSOR = operator.attrgetter("_local_tensor")  # C-level, for all parameters at once
+
+
+class _LocalView:
+    """An optimizer's param groups and state as local tensors, built once and reused while valid.
+
+    Valid while the optimizer keeps its state dict object (``load_state_dict`` replaces it), its
+    entries and the objects each holds (in-place updates keep them), its param groups and each
+    parameter's local tensor (FSDP2 may re-create it, e.g. after ``model.to()``). The checks are
+    identity comparisons in C loops: a few microseconds per step for a hundred parameters.
+    """
+
+    def __init__(self, optimizer: Optimizer) -> None:
+        self.state = optimizer.state
+        self.signature = _signature(optimizer)
+        self.params = [p for g in optimizer.param_groups for p in g["params"]]
+        self.groups = [[_local_of(p) for p in g["params"]] for g in optimizer.param_groups]
+        self.locals = [t for group in self.groups for t in group]
+        self.specs = [p._spec for p in self.params]
+        self.local_state: defaultdict = defaultdict(dict)
+        for p, t in zip(self.params, self.locals):
             entry = optimizer.state.get(p)
             if entry:
-                state[t] = {k: v.to_local() if isinstance(v, DTensor) else v for k, v in entry.items()}
-            local.append(t)
-            pairs.append((p, t))
-        group["params"] = local
-    return saved, pairs, state
+                self.local_state[t] = {k: _local_of(v) for k, v in entry.items()}
+        self._snapshot()
+
+    def _snapshot(self) -> None:
+        self.entries = list(self.state.values())
+        self.entry_ids = _ids(self.entries)
+        self.local_entries = list(self.local_state.values())
+        self.local_keys = sum(map(len, self.local_entries))
+
+    def valid(self, optimizer: Optimizer) -> bool:
+        state = optimizer.state
+        return (
+            state is self.state
+            and len(state) == len(self.entries)
+            and _signature(optimizer) == self.signature
+            and all(map(operator.is_, map(_LOCAL_TENSOR, self.params), self.locals))
+            and all(map(operator.is_, state.values(), self.entries))
+            and _ids(self.entries) == self.entry_ids
+        )
+
+    def attach_grads(self) -> bool:
+        """Each local tensor gets its parameter's local gradient; ``False`` (nothing attached) if a
+        gradient's layout differs from its parameter's (then only torch's DTensor path is right)."""
+        grads = [p.grad for p in self.params]
+        for grad, spec in zip(grads, self.specs):
+            if grad is None or (type(grad) is DTensor and grad._spec is spec):  # FSDP2 reuses the param's spec
+                continue
+            if type(grad) is not DTensor or grad.device_mesh != spec.mesh or grad.placements != spec.placements:
+                return False
+        for t, grad in zip(self.locals, grads):
+            t.grad = None if grad is None else grad._local_tensor
+        return True
+
+    def detach_grads(self) -> None:
+        for t in self.locals:
+            t.grad = None  # the DTensor keeps the gradient; no second reference outlives the step
+
+    def sync_state(self) -> None:
+        """Fold state torch created or replaced during the step back into the DTensor state: a new entry
+        (first step, ``add_param_group``) gets the parameter's DTensor layout; entries updated in place
+        (every later step) need nothing: torch's elementwise optimizers add a key or an entry when they create
+        state, and otherwise update it in place (SGD re-stores the same momentum buffer)."""
+        if len(self.local_state) == len(self.local_entries) and sum(map(len, self.local_entries)) == self.local_keys:
+            return
+        for p, t in zip(self.params, self.locals):
+            local = self.local_state.get(t)
+            if not local:
+                continue
+            entry = self.state[p]  # a defaultdict: created for a new entry
+            for key, value in local.items():
+                old = entry.get(key)
+                if isinstance(old, DTensor):
+                    if value is not old._local_tensor:
+                        old._local_tensor.copy_(value)
+                        local[key] = old._local_tensor
+                elif isinstance(value, torch.Tensor) and value.ndim > 0 and value.shape == t.shape:
+                    entry[key] = DTensor.from_local(
+                        value, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
+                    )
+                else:
+                    entry[key] = value
+        self._snapshot()
 
 
-def _write_back(optimizer: Optimizer, saved_state: Any, pairs: list, local_state: defaultdict) -> None:
-    """Drop the local gradients and fold the local state back: DTensor entries were updated in place;
-    an entry torch created (first step, ``add_param_group``) gets the parameter's DTensor layout."""
-    for p, t in pairs:
-        t.grad = None  # the DTensor keeps the gradient; no second reference outlives the step
-        new = local_state.get(t)
-        if not new:
-            continue
-        entry = saved_state[p]
-        for key, value in new.items():
-            old = entry.get(key)
-            if isinstance(old, DTensor):
-                if value is not old.to_local():
-                    old.to_local().copy_(value)
-            elif isinstance(value, torch.Tensor) and value.ndim > 0 and value.shape == t.shape:
-                entry[key] = DTensor.from_local(
-                    value, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
-                )
-            else:
-                entry[key] = value
+_VIEWS: weakref.WeakKeyDictionary[Optimizer, _LocalView] = weakref.WeakKeyDictionary()
+
+
+def _view(optimizer: Optimizer) -> _LocalView:
+    view = _VIEWS.get(optimizer)
+    if view is None or not view.valid(optimizer):
+        view = _VIEWS[optimizer] = _LocalView(optimizer)
+    return view
 
 
 def _step_on_local_shards(optimizer: Optimizer, step: Callable, args: tuple, kwargs: dict) -> Any:
-    saved_state = optimizer.state
     with torch.no_grad():
-        saved_params, pairs, local_state = _to_local_views(optimizer)
-    optimizer.state = local_state
+        view = _view(optimizer)
+        if not view.attach_grads():
+            return step(optimizer, *args, **kwargs)
+    saved = [group["params"] for group in optimizer.param_groups]
+    for group, local in zip(optimizer.param_groups, view.groups):
+        group["params"] = local
+    optimizer.state = view.local_state
     try:
         return step(optimizer, *args, **kwargs)
     finally:
-        for group, params in zip(optimizer.param_groups, saved_params):
+        for group, params in zip(optimizer.param_groups, saved):
             group["params"] = params
-        optimizer.state = saved_state
+        optimizer.state = view.state
         with torch.no_grad():
-            _write_back(optimizer, saved_state, pairs, local_state)
+            view.detach_grads()
+            view.sync_state()
 
 
 def _local_step(step: Callable) -> Callable:
@@ -169,7 +229,7 @@ def _local_step(step: Callable) -> Callable:
     @functools.wraps(step)
     def wrapper(self: Optimizer, *args: Any, **kwargs: Any) -> Any:
         closure = kwargs.get("closure", args[0] if args else None)
-        if closure is not None or torch.compiler.is_compiling() or not steps_locally(self) or not _grads_match(self):
+        if closure is not None or torch.compiler.is_compiling() or not steps_locally(self):
             return step(self, *args, **kwargs)
         return _step_on_local_shards(self, step, args, kwargs)
 
