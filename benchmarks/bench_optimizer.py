@@ -43,18 +43,18 @@ from _common import (
 from zeta_fsdp import fsdp
 from zeta_fsdp.optim import steps_locally, use_local_step
 
-O = torch.optim
+OPT = torch.optim
 # (row name, class, options); each row is timed with every implementation the class accepts.
 OPTIMIZERS: list[tuple[str, type, dict[str, Any]]] = [
-    ("SGD", O.SGD, {"lr": 1e-3}),
-    ("SGD momentum=0.9", O.SGD, {"lr": 1e-3, "momentum": 0.9}),
-    ("Adam", O.Adam, {"lr": 1e-4}),
-    ("AdamW", O.AdamW, {"lr": 1e-4}),
-    ("Adagrad", O.Adagrad, {"lr": 1e-3}),
-    ("RMSprop", O.RMSprop, {"lr": 1e-4}),
-    ("Adamax", O.Adamax, {"lr": 1e-4}),
-    ("NAdam", O.NAdam, {"lr": 1e-4}),
-    ("RAdam", O.RAdam, {"lr": 1e-4}),
+    ("SGD", OPT.SGD, {"lr": 1e-3}),
+    ("SGD momentum=0.9", OPT.SGD, {"lr": 1e-3, "momentum": 0.9}),
+    ("Adam", OPT.Adam, {"lr": 1e-4}),
+    ("AdamW", OPT.AdamW, {"lr": 1e-4}),
+    ("Adagrad", OPT.Adagrad, {"lr": 1e-3}),
+    ("RMSprop", OPT.RMSprop, {"lr": 1e-4}),
+    ("Adamax", OPT.Adamax, {"lr": 1e-4}),
+    ("NAdam", OPT.NAdam, {"lr": 1e-4}),
+    ("RAdam", OPT.RAdam, {"lr": 1e-4}),
 ]
 IMPLEMENTATIONS = {"foreach": {"foreach": True}, "fused": {"fused": True}, "single-tensor": {"foreach": False}}
 VARIANTS = ("DTensor (torch path)", "DTensor (fsdp() local step)", "plain local tensors")
