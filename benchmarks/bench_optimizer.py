@@ -12,7 +12,10 @@ interleaved block by block:
 * ``plain local tensors``: over plain tensors shaped like this rank's shards, with gradients:
   the floor (goal: the fsdp() step <= 1.2x it).
 
-Gradients are fixed random tensors; only ``optimizer.step()`` is timed (median step per block,
+A second table times ``clip_grad_norm_(model)`` against its floor: torch's norm of the local
+gradients, one all-reduce, one local foreach scale (goal <= 1.2x), with its collectives.
+
+Gradients come from one real backward; only ``optimizer.step()`` is timed (median step per block,
 slowest rank). Results: ``results/optimizer.md`` and ``.json``.
 
 Run:
@@ -25,6 +28,7 @@ import argparse
 from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
 from _common import (
     BENCH_MODEL,
     QUICK_MODEL,
@@ -33,7 +37,10 @@ from _common import (
     add_timing_args,
     bench_parser,
     build_model,
+    fmt_collectives,
     interleaved_block_times,
+    lm_loss,
+    make_batch,
     median,
     paired_ratio,
     run_benchmark,
@@ -41,7 +48,9 @@ from _common import (
 )
 
 from zeta_fsdp import fsdp
+from zeta_fsdp.measure import collectives_per_step
 from zeta_fsdp.optim import steps_locally, use_local_step
+from zeta_fsdp.training import clip_grad_norm_
 
 OPT = torch.optim
 # (row name, class, options); each row is timed with every implementation the class accepts.
@@ -58,13 +67,6 @@ OPTIMIZERS: list[tuple[str, type, dict[str, Any]]] = [
 ]
 IMPLEMENTATIONS = {"foreach": {"foreach": True}, "fused": {"fused": True}, "single-tensor": {"foreach": False}}
 VARIANTS = ("DTensor (torch path)", "DTensor (fsdp() local step)", "plain local tensors")
-
-
-def _with_grads(params: list[torch.Tensor], seed: int) -> list[torch.Tensor]:
-    torch.manual_seed(seed)
-    for p in params:
-        p.grad = torch.randn_like(p) * 1e-2
-    return params
 
 
 def _optimizers(cls: type, options: dict, model: torch.nn.Module, plain: list) -> dict[str, Any]:
@@ -92,11 +94,49 @@ def _step(optimizer: torch.optim.Optimizer) -> Callable[[], None]:
     return lambda: optimizer.step()
 
 
+def _clip_floor(model: torch.nn.Module) -> Callable[[], None]:
+    """The floor of clipping: torch's norm of the local gradients, one all-reduce, one local foreach scale."""
+    grads = [p.grad.to_local() for p in model.parameters()]
+
+    def clip() -> None:
+        share = torch.nn.utils.get_total_norm([g for g in grads if g.numel()], 2.0) ** 2
+        dist.all_reduce(share)
+        torch._foreach_mul_(grads, torch.clamp(1e9 / (share.sqrt() + 1e-6), max=1.0))
+
+    return clip
+
+
+def _clip_rows(model: torch.nn.Module, args: argparse.Namespace) -> tuple[list, dict]:
+    steps = {
+        "clip_grad_norm_(model)": lambda: clip_grad_norm_(model, 1e9),
+        "local norm + 1 all-reduce + local scale": _clip_floor(model),
+    }
+    comms = collectives_per_step(steps["clip_grad_norm_(model)"])
+    t = interleaved_block_times(steps, blocks=args.blocks, steps_per_block=args.steps_per_block)
+    names = list(steps)
+    ratio = paired_ratio(t[names[0]]["wall"], t[names[1]]["wall"])
+    rows = [[n, f"{median(t[n]['wall']) * 1e3:.3f}"] for n in names]
+    rows[0].append(_fmt(ratio))
+    rows[1].append("1")
+    rows[0].append(fmt_collectives(comms))
+    rows[1].append("allreduce_ 1")
+    return rows, {"ratio": ratio, "collectives": comms, **{n: t[n]["wall"] for n in names}}
+
+
+def _gradients(model: torch.nn.Module, spec: Any) -> None:
+    """Gradients from a real backward: FSDP2's gradient DTensors, laid out as in training."""
+    inputs, targets = make_batch(spec)
+    lm_loss(model(inputs), targets).backward()
+
+
 def rank_main(args: argparse.Namespace) -> None:
     spec = QUICK_MODEL if args.quick else BENCH_MODEL
     model = fsdp(build_model(spec), auto_wrap=True, shard_strat="FULL_SHARD", TransformerBlock=Block)
-    params = _with_grads(list(model.parameters()), seed=1)
-    plain = _with_grads([p.to_local().detach().clone() for p in params], seed=2)
+    _gradients(model, spec)
+    params = list(model.parameters())
+    plain = [p.to_local().detach().clone() for p in params]
+    for t, p in zip(plain, params):
+        t.grad = p.grad.to_local().clone()
     local_elems = sum(t.numel() for t in plain)
     report = Report(
         "optimizer",
@@ -128,6 +168,12 @@ def rank_main(args: argparse.Namespace) -> None:
             }
             del opts, steps
     report.table("optimizer.step() median ms (slowest rank), ratios vs plain local tensors", headers, rows)
+    clip_rows, data["clip_grad_norm_"] = _clip_rows(model, args)
+    report.table(
+        "clip_grad_norm_ (max_norm large: the factor is 1, applied as torch does) vs its floor",
+        ["variant", "median ms (slowest rank)", "ratio vs floor", "collectives"],
+        clip_rows,
+    )
     report.notes.append(timing_note(args.blocks, args.steps_per_block))
     report.notes.append(
         "Fused: torch's CPU fused kernels exist for SGD, Adam, AdamW and Adagrad; the other classes have no row. "

@@ -11,6 +11,7 @@ the same optimizer over plain tensors of the same local values.
 
 from __future__ import annotations
 
+import copy
 import os
 from pathlib import Path
 from typing import Any, Callable
@@ -18,12 +19,26 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.debug import CommDebugMode
 from torch.optim import SGD, Adagrad, Adam, Adamax, AdamW, NAdam, RAdam, RMSprop
-from worker import ARGS, Cases, expect_error, rank, run_cases
+from worker import (
+    ARGS,
+    UNIT_ROUNDOFF,
+    Cases,
+    assert_close,
+    expect_error,
+    local_slice,
+    rank,
+    reference_backward,
+    run_cases,
+    tokens,
+)
 
 from zeta_fsdp import fsdp, fsdp_engine
+from zeta_fsdp.models.gpt import Block, lm_loss, small
 from zeta_fsdp.optim import ENV_VAR, steps_locally, use_local_step
 from zeta_fsdp.state_dict import get_optimizer_state_dict, load_checkpoint, save_checkpoint
+from zeta_fsdp.training import clip_grad_norm_
 
 CASES = Cases()
 case = CASES.case
@@ -252,6 +267,29 @@ def checkpoint_round_trip():
         o.step()
     assert steps_locally(o_new)
     assert_same("after load_checkpoint", m_new, o_new, m_ref, o_ref)
+
+
+@case
+def clip_grad_norm_one_all_reduce():
+    """clip_grad_norm_ on fsdp() models: ONE all-reduce for every parameter (CommDebugMode), the norm and
+    the clipped gradients equal torch's on the single-process reference (bound as in steps_cases.py)."""
+    for wrap in ({"shard_strat": "FULL_SHARD"}, {"shard_strat": "HYBRID_SHARD", "replicate_size": 1}):
+        torch.manual_seed(0)
+        plain = small()
+        ref = copy.deepcopy(plain)
+        model = fsdp(plain, auto_wrap=True, TransformerBlock=Block, **wrap)
+        x, y = tokens(4, seed=3)
+        reference_backward(ref, lm_loss, x, y)
+        lm_loss(model(local_slice(x)), local_slice(y)).backward()
+        want = torch.nn.utils.clip_grad_norm_(ref.parameters(), 1e-2).item()
+        comm = CommDebugMode()
+        with comm:
+            got = clip_grad_norm_(model, 1e-2)
+        counts = {str(op): n for op, n in comm.get_comm_counts().items()}
+        assert sum(counts.values()) == 1 and "allreduce" in str(counts), f"{wrap}: collectives {counts}"
+        assert abs(got - want) <= 20 * UNIT_ROUNDOFF * want, f"{wrap}: norm {got} vs torch {want}"
+        for name, p in ref.named_parameters():
+            assert_close(f"{wrap} clipped {name}", model.get_parameter(name).grad, p.grad, 8 * UNIT_ROUNDOFF * want)
 
 
 class MyAdamW(AdamW):

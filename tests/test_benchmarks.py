@@ -51,6 +51,7 @@ RUNS = {
     if importlib.util.find_spec("accelerate")
     else ("bench_accelerate.py",),
     "checkpoint": ("bench_checkpoint.py",),
+    "optimizer": ("bench_optimizer.py", "--blocks", "1", "--steps-per-block", "2"),
 }
 if importlib.util.find_spec("peft") is not None:
     RUNS["lora"] = ("bench_lora.py",)
@@ -295,3 +296,16 @@ def test_bench_lora(bench) -> None:
     for name, m in data["memory"].items():
         assert m["total peak"] > 0 and m["grads (+ reduce-scatter)"] >= 0, (name, m)
     assert data["memory"]["lora"]["optimizer state"] < data["memory"]["full"]["optimizer state"]
+
+
+def test_bench_optimizer(bench) -> None:
+    _, out = finished(bench, "optimizer")
+    data = results(out, "optimizer")
+    rows = data["rows"]
+    assert {"AdamW / foreach", "AdamW / fused", "AdamW / single-tensor", "SGD / fused", "RAdam / foreach"} <= set(rows)
+    for name, row in rows.items():
+        if name == "clip_grad_norm_":
+            assert row["collectives"] == {"allreduce_": 1}, row["collectives"]
+            continue
+        assert positive(row["plain local tensors"]["median_wall_s"]), name
+        assert positive(row["vs plain"]["DTensor (fsdp() local step)"]["median"]), name
