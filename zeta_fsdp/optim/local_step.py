@@ -188,6 +188,7 @@ class _LocalView:
                     entry[key] = DTensor.from_local(
                         value, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
                     )
+                    local[key] = entry[key]._local_tensor  # from_local may wrap a view: step that very tensor
                 else:
                     entry[key] = value
         self._snapshot()
