@@ -13,7 +13,8 @@ interleaved block by block:
   the floor (goal: the fsdp() step <= 1.2x it).
 
 A second table times ``clip_grad_norm_(model)`` against its floor: torch's norm of the local
-gradients, one all-reduce, one local foreach scale (goal <= 1.2x), with its collectives.
+gradients (read from ``model.parameters()``), one all-reduce, one local foreach scale (goal <= 1.2x),
+with its collectives.
 
 Gradients come from one real backward; only ``optimizer.step()`` is timed (median step per block,
 slowest rank). Results: ``results/optimizer.md`` and ``.json``.
@@ -95,10 +96,12 @@ def _step(optimizer: torch.optim.Optimizer) -> Callable[[], None]:
 
 
 def _clip_floor(model: torch.nn.Module) -> Callable[[], None]:
-    """The floor of clipping: torch's norm of the local gradients, one all-reduce, one local foreach scale."""
-    grads = [p.grad.to_local() for p in model.parameters()]
+    """The floor of clipping: the model's local gradients (``model.parameters()``, as any clipping of a model
+    walks it), torch's norm of them, one all-reduce, one local foreach scale."""
 
     def clip() -> None:
+        with torch.no_grad():
+            grads = [p.grad.to_local() for p in model.parameters() if p.grad is not None]
         share = torch.nn.utils.get_total_norm([g for g in grads if g.numel()], 2.0) ** 2
         dist.all_reduce(share)
         torch._foreach_mul_(grads, torch.clamp(1e9 / (share.sqrt() + 1e-6), max=1.0))
@@ -148,6 +151,7 @@ def rank_main(args: argparse.Namespace) -> None:
         "runs, the default), and over plain tensors of the same local sizes. Ratios are paired per block.",
     )
     headers = ["optimizer", "implementation", *[f"{v} ms" for v in VARIANTS], "torch path / plain", "fsdp() / plain"]
+    headers += ["torch path / plain (CPU)", "fsdp() / plain (CPU)"]
     rows, data = [], {}
     for name, cls, options in OPTIMIZERS:
         for impl, flag in IMPLEMENTATIONS.items():
@@ -158,13 +162,16 @@ def rank_main(args: argparse.Namespace) -> None:
             t = interleaved_block_times(steps, blocks=args.blocks, steps_per_block=args.steps_per_block)
             wall = {v: t[v]["wall"] for v in opts}
             ratios = {v: paired_ratio(wall[v], wall[VARIANTS[2]]) for v in VARIANTS[:2] if v in opts}
+            cpu = {v: paired_ratio(t[v]["cpu"], t[VARIANTS[2]]["cpu"]) for v in VARIANTS[:2] if v in opts}
             rows.append(
                 [name, impl, *[f"{median(wall[v]) * 1e3:.2f}" if v in wall else "fails" for v in VARIANTS]]
                 + [_fmt(ratios[v]) if v in ratios else "-" for v in VARIANTS[:2]]
+                + [_fmt(cpu[v]) if v in cpu else "-" for v in VARIANTS[:2]]
             )
             data[f"{name} / {impl}"] = {
                 **{v: {"median_wall_s": median(wall[v]), "block_wall_s": wall[v]} for v in wall},
                 "vs plain": ratios,
+                "vs plain (cpu)": cpu,
             }
             del opts, steps
     report.table("optimizer.step() median ms (slowest rank), ratios vs plain local tensors", headers, rows)

@@ -22,7 +22,7 @@ def _layout(param: torch.Tensor) -> tuple:
     Keyed by the *parameter*, not its gradient: every rank then forms the same groups in the same
     order (a rank whose gradient is ``None`` still joins its group's collective: no hang)."""
     if isinstance(param, DTensor):
-        return (param.device_mesh, tuple(param.placements))
+        return (param.device_mesh, param.placements)  # already a tuple
     return ("plain", param.device)
 
 
