@@ -67,7 +67,8 @@ def _signature(optimizer: torch.optim.Optimizer) -> tuple:
 
 def check_optimizer(optimizer: torch.optim.Optimizer) -> None:
     """``ValueError`` if ``optimizer`` holds parameters ``fsdp()`` replaced, or DTensor parameters of
-    several ``fsdp()`` models on different device meshes (one foreach step cannot mix meshes)."""
+    several ``fsdp()`` models on different device meshes (one model on several meshes, FSDP + tensor
+    parallel, is fine)."""
     params = [p for group in optimizer.param_groups for p in group["params"]]
     stale = [p for p in params if p in _REPLACED]
     if stale:
@@ -77,17 +78,17 @@ def check_optimizer(optimizer: torch.optim.Optimizer) -> None:
             "a gradient. Build the optimizer after wrapping: model = fsdp(model, ...); "
             "optimizer = torch.optim.AdamW(model.parameters())."
         )
-    meshes: dict[Any, str] = {}
+    meshes: dict[int, tuple[str, set]] = {}  # per fsdp() model: its name and the meshes of its parameters here
     for p in params:
         owner = fsdp_owner(p)
         if owner is not None:
-            meshes.setdefault(p.device_mesh, type(owner).__name__)
-    if len(meshes) > 1:
+            meshes.setdefault(id(owner), (type(owner).__name__, set()))[1].add(p.device_mesh)
+    if len(meshes) > 1 and len({frozenset(m) for _, m in meshes.values()}) > 1:
         raise ValueError(
-            f"{type(optimizer).__name__} holds parameters of several fsdp() models on different device meshes "
-            f"({', '.join(f'{name}: {mesh}' for mesh, name in meshes.items())}): torch's optimizers cannot step "
-            "DTensors of different meshes together. Build one optimizer per model, or wrap the models on one "
-            "mesh (fsdp(..., mesh=mesh))."
+            f"{type(optimizer).__name__} holds parameters of {len(meshes)} fsdp() models on different device "
+            f"meshes ({'; '.join(f'{name}: {sorted(map(str, m))}' for name, m in meshes.values())}): DTensors of "
+            "different meshes cannot meet in one foreach/fused step, and a checkpoint of this optimizer would mix "
+            "the models. Build one optimizer per model, or wrap the models on one mesh (fsdp(..., mesh=mesh))."
         )
 
 
