@@ -28,6 +28,7 @@ from _common import (
     QUICK_MODEL,
     Block,
     GPTConfig,
+    ModelSpec,
     Report,
     add_timing_args,
     bench_parser,
@@ -114,6 +115,56 @@ def compare_step(args: argparse.Namespace, report: Report) -> None:
         "peak_diff": mem_diff,
         "collectives": comms,
         "collectives_equal": comm_equal,
+        "first_loss": first_loss,
+    }
+
+
+README_LM = ModelSpec(GPTConfig(vocab_size=2048, dim=128, n_heads=4, n_layers=8, max_seq_len=64), batch=4)
+
+
+def compare_readme_optimizer(args: argparse.Namespace, report: Report) -> None:
+    """Issue 32: fsdp() + the README's ``torch.optim.AdamW(model.parameters())`` (torch's defaults: foreach on
+    GPUs, single-tensor on CPU; fsdp() steps it on the local shards) vs hand-written ``fully_shard`` + the same
+    line, an 8-block LM, 2 ranks: step-time ratio (goal <= 0.94), collectives and peaks equal."""
+    spec = QUICK_MODEL if args.quick else README_LM
+    base = build_model(spec)
+    models = {"fsdp() + README AdamW": copy.deepcopy(base), "hand-written + AdamW": copy.deepcopy(base)}
+    fsdp(models["fsdp() + README AdamW"], auto_wrap=True, mp=args.mp, shard_strat="FULL_SHARD", TransformerBlock=Block)
+    hand_written_fully_shard(models["hand-written + AdamW"], mp=args.mp)
+    batch = make_batch(spec)
+    optims = {k: torch.optim.AdamW(m.parameters()) for k, m in models.items()}  # the README's line, verbatim
+    steps = {k: train_step(m, optims[k], batch) for k, m in models.items()}
+    first_loss = {k: float(step()) for k, step in steps.items()}
+    blocks = 2 if args.quick else max(10, args.blocks // 3)
+    times = interleaved_block_times(steps, blocks=blocks, steps_per_block=1, warmup=1 if args.quick else 3)
+    comms = {k: collectives_per_step(step) for k, step in steps.items()}
+    peaks = {
+        k: peak_memory_by_category(m, optims[k], steps[k], inputs=(batch[0],), warmup=1) for k, m in models.items()
+    }
+    headers, rows, timing = timing_table(times, references=["hand-written + AdamW"])
+    report.table(f"README optimizer line (issue 32): {spec.describe()}, FULL_SHARD, mp={args.mp}", headers, rows)
+    wall = timing["fsdp() + README AdamW"]["vs hand-written + AdamW"]["wall"]
+    report.table(
+        "fsdp() + README AdamW / hand-written + AdamW",
+        ["figure", "value", "target", "met"],
+        [
+            ["step-time ratio, wall", fmt_ratio(wall), "<= 0.94", _yes(wall["median"] <= 0.94)],
+            ["peak MiB (rank 0)", " vs ".join(fmt_mib(p["Total"]) for p in peaks.values()), "equal", "-"],
+            [
+                "collectives per step",
+                "equal" if len({str(c) for c in comms.values()}) == 1 else "DIFFERENT",
+                "equal",
+                "-",
+            ],
+            ["first-step loss", " vs ".join(f"{v:.6f}" for v in first_loss.values()), "equal", "-"],
+        ],
+    )
+    report.notes.append(timing_note(blocks, 1))
+    report.data["readme_optimizer"] = {
+        "model": spec.describe(),
+        "timing": timing,
+        "collectives": comms,
+        "peak_bytes_rank0": {k: p["Total"] for k, p in peaks.items()},
         "first_loss": first_loss,
     }
 
@@ -208,6 +259,8 @@ def rank_main(args: argparse.Namespace) -> None:
         "per step, and wrap time of the ~1B Llama-shaped model built on meta.",
     )
     compare_step(args, report)
+    gc.collect()
+    compare_readme_optimizer(args, report)
     gc.collect()
     if args.wrap_reps > 0:
         compare_wrap(args, report)

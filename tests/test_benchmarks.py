@@ -52,6 +52,7 @@ RUNS = {
     else ("bench_accelerate.py",),
     "checkpoint": ("bench_checkpoint.py",),
     "weights_out": ("bench_weights_out.py",),
+    "optimizer": ("bench_optimizer.py", "--blocks", "1", "--steps-per-block", "2"),
 }
 if importlib.util.find_spec("peft") is not None:
     RUNS["lora"] = ("bench_lora.py",)
@@ -309,3 +310,16 @@ def test_bench_weights_out(bench) -> None:
         # the iterator holds at most its gather buffer and one bucket (0.5 MiB in --quick) plus headers
         assert 0 < stream <= 2 * 2**19 + 2 * 4096 + d["bytes"] // 8, (size, peaks)
         assert peaks["get_full_state_dict (rank 0, CPU)"] >= d["bytes"], (size, peaks)  # the whole model on rank 0
+
+
+def test_bench_optimizer(bench) -> None:
+    _, out = finished(bench, "optimizer")
+    data = results(out, "optimizer")
+    rows = data["rows"]
+    assert {"AdamW / foreach", "AdamW / fused", "AdamW / single-tensor", "SGD / fused", "RAdam / foreach"} <= set(rows)
+    for name, row in rows.items():
+        if name == "clip_grad_norm_":
+            assert row["collectives"] == {"allreduce_": 1}, row["collectives"]
+            continue
+        assert positive(row["plain local tensors"]["median_wall_s"]), name
+        assert positive(row["vs plain"]["DTensor (fsdp() local step)"]["median"]), name

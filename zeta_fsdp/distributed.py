@@ -22,6 +22,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from .cpu_threads import share_cores
 from .options import ShardingSpec
 
 __all__ = ["LAUNCHER_ENV_VARS", "comm_device", "get_rank", "get_world_size", "is_distributed", "process_group_of"]
@@ -211,6 +212,7 @@ def ensure_process_group(
     else:
         dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1, **kwargs)
     _CREATED_BY_US["group"] = dist.group.WORLD
+    share_cores(device, cpu_offload)  # CPU ranks on one machine: cores // local ranks threads each
     return True
 
 

@@ -21,6 +21,7 @@ from .distributed import choose_device, ensure_process_group, shard_group_size, 
 from .engines import engine_named
 from .fp32_modules import KeepFp32Spec, add_cast_hooks, select_fp32
 from .materialize import materialize_meta_model
+from .optim import snapshot_params, track_fsdp_model
 from .options import (
     choose_engine,
     resolve_master_dtype,
@@ -218,6 +219,7 @@ def fsdp(
         apply_compile(plan, compile)
     if cast_to_master(model, master) + cast_to_fp32(model, fp32.param_names):
         plan.recount(model)
+    before = snapshot_params(model)  # weakly: for the "optimizer built before fsdp()" error
     shard_index = engine.wrap(
         model,
         plan,
@@ -241,4 +243,5 @@ def fsdp(
     record_wrap(
         model, name, plan, compute_device, cpu_offload
     )  # what fsdp_engine(), get_wrap_plan(), compute_device() read
+    track_fsdp_model(model, before)  # optimizer checks, elementwise optimizers step on local shards (optim/)
     return model

@@ -22,15 +22,21 @@ def _layout(param: torch.Tensor) -> tuple:
     Keyed by the *parameter*, not its gradient: every rank then forms the same groups in the same
     order (a rank whose gradient is ``None`` still joins its group's collective: no hang)."""
     if isinstance(param, DTensor):
-        return (param.device_mesh, tuple(param.placements))
+        return (param.device_mesh, param.placements)  # already a tuple
     return ("plain", param.device)
+
+
+def _locals(grads: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The local tensors of (DTensor) gradients, sharing their storage: the norm and the scaling are
+    elementwise on each rank's own elements, so they run there, without DTensor dispatch per op."""
+    with torch.no_grad():  # to_local() is then the DTensor's own tensor, not an autograd view
+        return [g.to_local() if isinstance(g, DTensor) else g for g in grads]
 
 
 def _local_power(grads: list[torch.Tensor], norm_type: float, device: torch.device) -> torch.Tensor:
     """This rank's share of the norm: the max (inf) or the sum of ``|g|^p`` over its local elements,
     fp32, on ``device``. Empty shards (a ``Linear(d, 1)`` split over more ranks than rows) add nothing."""
-    local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
-    local = [t for t in local if t.numel() > 0]
+    local = [t for t in _locals(grads) if t.numel() > 0]
     if not local:
         return torch.zeros((), dtype=torch.float32, device=device)
     norm = torch.nn.utils.get_total_norm(local, norm_type).to(device=device, dtype=torch.float32)
@@ -134,5 +140,6 @@ def clip_grad_norm_(
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     with torch.no_grad():
         for group in filter(None, by_layout.values()):
-            torch._foreach_mul_(group, coef.to(group[0].device))
+            local = _locals(group)
+            torch._foreach_mul_(local, coef.to(local[0].device))
     return float(total.item())

@@ -1,0 +1,341 @@
+"""Multi-rank cases for the optimizer step on local shards (issue 32), run by ``torchrun``.
+
+The reference of the local step is the same torch implementation stepping the DTensors (the local
+step turned off with ``use_local_step(opt, False)``), trained side by side on identical models and
+gradients: parameters and every optimizer state entry must be bit-identical (``torch.equal``), the
+state must stay DTensors, for every elementwise optimizer and variant, several param groups, an LR
+scheduler, ``zero_grad(set_to_none=False)``, ``add_param_group``, GradScaler, a checkpoint round trip,
+on every strategy. Where torch's DTensor path has no kernel (fused SGD / Adagrad), the reference is
+the same optimizer over plain tensors of the same local values.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.debug import CommDebugMode
+from torch.optim import SGD, Adagrad, Adam, Adamax, AdamW, NAdam, RAdam, RMSprop
+from worker import (
+    ARGS,
+    UNIT_ROUNDOFF,
+    Cases,
+    assert_close,
+    expect_error,
+    local_slice,
+    rank,
+    reference_backward,
+    run_cases,
+    tokens,
+)
+
+from zeta_fsdp import fsdp, fsdp_engine
+from zeta_fsdp.models.gpt import Block, lm_loss, small
+from zeta_fsdp.optim import ENV_VAR, steps_locally, use_local_step
+from zeta_fsdp.state_dict import get_optimizer_state_dict, load_checkpoint, save_checkpoint
+from zeta_fsdp.training import clip_grad_norm_
+
+CASES = Cases()
+case = CASES.case
+
+# Every elementwise class with its variants (weight decay, amsgrad, maximize, nesterov, centered, ...).
+CONFIGS: list[tuple[type, dict[str, Any]]] = [
+    (SGD, {"lr": 0.1}),
+    (SGD, {"lr": 0.1, "momentum": 0.9, "nesterov": True, "weight_decay": 0.01}),
+    (SGD, {"lr": 0.1, "momentum": 0.9, "dampening": 0.1, "maximize": True}),
+    (Adam, {"lr": 0.01}),
+    (Adam, {"lr": 0.01, "amsgrad": True, "maximize": True, "weight_decay": 0.1}),
+    (AdamW, {"lr": 0.01}),
+    (AdamW, {"lr": 0.01, "amsgrad": True}),
+    (Adagrad, {"lr": 0.1, "lr_decay": 0.01, "weight_decay": 0.1}),
+    (Adagrad, {"lr": 0.1, "maximize": True}),
+    (RMSprop, {"lr": 0.01}),
+    (RMSprop, {"lr": 0.01, "centered": True, "momentum": 0.5, "weight_decay": 0.1, "maximize": True}),
+    (Adamax, {"lr": 0.01, "weight_decay": 0.1}),
+    (Adamax, {"lr": 0.01, "maximize": True}),
+    (NAdam, {"lr": 0.01}),
+    (NAdam, {"lr": 0.01, "decoupled_weight_decay": True, "weight_decay": 0.1}),
+    (RAdam, {"lr": 0.01}),
+    (RAdam, {"lr": 0.01, "decoupled_weight_decay": True, "weight_decay": 0.1}),
+]
+IMPLS = ({"foreach": True}, {"foreach": False}, {"fused": True})
+SHORT = [(AdamW, {"lr": 0.01, "weight_decay": 0.1}), (SGD, {"lr": 0.1, "momentum": 0.9}), (Adagrad, {"lr": 0.1})]
+
+
+def mlp() -> nn.Module:
+    """Odd sizes: uneven shards (rank 1 holds fewer rows), a bias of 5 split 3 + 2."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(7, 11), nn.Tanh(), nn.Linear(11, 5))
+
+
+def two_groups(model: nn.Module, cls: type, options: dict) -> torch.optim.Optimizer:
+    """Two param groups with their own lr and weight decay."""
+    first, second = list(model[0].parameters()), list(model[2].parameters())
+    second_options = {"lr": options["lr"] / 2}
+    if "weight_decay" in options:
+        second_options["weight_decay"] = 0.0
+    return cls([{"params": first}, {"params": second, **second_options}], **options)
+
+
+def local(t: Any) -> Any:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def train(
+    model: nn.Module,
+    opt: torch.optim.Optimizer,
+    steps: int = 3,
+    scaler: Any = None,
+    after: Callable = None,
+    schedule: bool = True,
+) -> None:
+    """A few steps with an LR scheduler, alternating ``zero_grad(set_to_none=True/False)``; data per rank.
+    ``schedule=False`` for ``add_param_group`` (torch's schedulers do not follow a group added later)."""
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s)) if schedule else None
+    g = torch.Generator().manual_seed(10 + rank())
+    for s in range(steps):
+        loss = model(torch.randn(4, 7, generator=g)).square().mean()
+        if scaler is None:
+            loss.backward()
+            opt.step()
+        else:
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+        if sched is not None:
+            sched.step()
+        opt.zero_grad(set_to_none=s % 2 == 0)
+        if after is not None:
+            after(s)
+
+
+def assert_same(what: str, m1: nn.Module, o1: torch.optim.Optimizer, m2: nn.Module, o2: torch.optim.Optimizer) -> None:
+    """Bit-identical parameters and optimizer state, with the same types (DTensor stays DTensor)."""
+    for (name, p1), p2 in zip(m1.named_parameters(), m2.parameters()):
+        assert type(p1) is type(p2), f"{what}: {name} {type(p1).__name__} vs {type(p2).__name__}"
+        assert torch.equal(local(p1), local(p2)), f"{what}: parameter {name} differs"
+        s1, s2 = o1.state.get(p1, {}), o2.state.get(p2, {})
+        assert sorted(s1) == sorted(s2), f"{what}: state keys of {name}: {sorted(s1)} vs {sorted(s2)}"
+        for key in s1:
+            v1, v2 = s1[key], s2[key]
+            assert type(v1) is type(v2), f"{what}: state {name}.{key}: {type(v1).__name__} vs {type(v2).__name__}"
+            if isinstance(v1, DTensor):
+                assert v1.placements == v2.placements and v1.shape == v2.shape, f"{what}: {name}.{key} layout"
+            assert torch.equal(local(v1), local(v2)), f"{what}: state {name}.{key} differs"
+    for g1, g2 in zip(o1.param_groups, o2.param_groups):
+        skip = ("params", "initial_lr")  # initial_lr: set by an LR scheduler, not saved in checkpoints
+        assert {k: v for k, v in g1.items() if k not in skip} == {k: v for k, v in g2.items() if k not in skip}
+
+
+def side_by_side(what: str, cls: type, options: dict, wrap: dict, **train_kwargs) -> bool:
+    """Local step vs torch's DTensor path; ``False`` if torch's path has no kernel for this (nothing compared)."""
+    m_ref, m_loc = fsdp(mlp(), **wrap), fsdp(mlp(), **wrap)
+    o_ref = use_local_step(two_groups(m_ref, cls, options), False)
+    o_loc = two_groups(m_loc, cls, options)
+    sharded = isinstance(next(m_loc.parameters()), DTensor)
+    assert steps_locally(o_loc) == sharded and not steps_locally(o_ref), what
+    try:
+        train(m_ref, o_ref, **train_kwargs)
+    except NotImplementedError:
+        return False
+    train(m_loc, o_loc, **train_kwargs)
+    assert_same(what, m_loc, o_loc, m_ref, o_ref)
+    if sharded:
+        tensors = [v for st in o_loc.state.values() for v in st.values() if getattr(v, "ndim", 0) > 0]
+        assert all(isinstance(v, DTensor) for v in tensors), f"{what}: optimizer state is not DTensors"
+    return True
+
+
+def plain_reference(what: str, cls: type, options: dict, wrap: dict) -> None:
+    """Where torch's DTensor path fails (no sharding rule for the fused kernel): the local step equals
+    the same optimizer over plain tensors holding this rank's local values and gradients."""
+    model = fsdp(mlp(), **wrap)
+    params = list(model.parameters())
+    plain = [nn.Parameter(p.to_local().detach().clone()) for p in params]
+    opt, ref = cls(params, **options), cls(plain, **options)
+    g = torch.Generator().manual_seed(10 + rank())
+    for _ in range(3):
+        model(torch.randn(4, 7, generator=g)).square().mean().backward()
+        for p, q in zip(params, plain):
+            q.grad = p.grad.to_local().clone()
+        opt.step()
+        ref.step()
+        opt.zero_grad()
+    for p, q in zip(params, plain):
+        assert torch.equal(p.to_local(), q.detach()), f"{what}: parameter differs from the plain-tensor step"
+        for key, value in opt.state[p].items():
+            assert torch.equal(local(value), ref.state[q][key]), f"{what}: state {key} differs"
+
+
+def each_config(wrap: dict, configs: list, tag: str) -> int:
+    compared = 0
+    for cls, options in configs:
+        for impl in IMPLS:
+            if "fused" in impl and "fused" not in cls.__init__.__code__.co_varnames:
+                continue
+            what = f"{tag} {cls.__name__}({options}, {impl})"
+            if side_by_side(what, cls, {**options, **impl}, wrap):
+                compared += 1
+            else:
+                plain_reference(what, cls, {**options, **impl}, wrap)
+    return compared
+
+
+@case
+def every_optimizer_full_shard():
+    compared = each_config({"shard_strat": "FULL_SHARD"}, CONFIGS, "FULL_SHARD")
+    # 17 configs x (foreach, single-tensor) + fused Adam/AdamW (4); fused SGD (3) and Adagrad (2) have no
+    # DTensor kernel: they were checked against the plain-tensor reference instead.
+    assert compared == 38, compared
+
+
+@case
+def strategies_and_cpu_offload():
+    for tag, wrap in {
+        "SHARD_GRAD_OP": {"shard_strat": "SHARD_GRAD_OP"},
+        "HYBRID_SHARD 2x1": {"shard_strat": "HYBRID_SHARD", "replicate_size": 2},
+        "HYBRID_SHARD 1x2": {"shard_strat": "HYBRID_SHARD", "replicate_size": 1},
+        "cpu_offload": {"shard_strat": "FULL_SHARD", "cpu_offload": True},
+    }.items():
+        each_config(wrap, SHORT, tag)
+
+
+@case
+def no_shard_replicate_engine_untouched():
+    """NO_SHARD on DDP's engine: plain parameters, torch's path (nothing to localize), same results."""
+    model = fsdp(mlp(), shard_strat="NO_SHARD")
+    assert fsdp_engine(model) == "replicate", fsdp_engine(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    assert not steps_locally(opt) and not isinstance(next(model.parameters()), DTensor)
+    each_config({"shard_strat": "NO_SHARD"}, SHORT, "NO_SHARD")
+
+
+@case
+def add_param_group_and_grad_scaler():
+    for cls, options in SHORT:
+        for impl in IMPLS[:2] + (({"fused": True},) if cls is AdamW else ()):  # no DTensor fused SGD/Adagrad
+            m_ref, m_loc = fsdp(mlp(), shard_strat="FULL_SHARD"), fsdp(mlp(), shard_strat="FULL_SHARD")
+            opts = []
+            for m, on in ((m_ref, False), (m_loc, True)):
+                opt = use_local_step(cls(m[0].parameters(), **options, **impl), on)
+
+                def add(s, m=m, opt=opt):
+                    return s == 1 and opt.add_param_group({"params": list(m[2].parameters())})
+
+                train(m, opt, steps=4, after=add, schedule=False)
+                opts.append(opt)
+            assert_same(f"add_param_group {cls.__name__} {impl}", m_loc, opts[1], m_ref, opts[0])
+            assert all(isinstance(v, DTensor) for v in opts[1].state[m_loc[2].weight].values() if v.ndim > 0)
+    for impl in IMPLS:  # GradScaler: unscaling outside the step; fused AdamW reads grad_scale/found_inf inside
+        m_ref, m_loc = fsdp(mlp(), shard_strat="FULL_SHARD"), fsdp(mlp(), shard_strat="FULL_SHARD")
+        o_ref = use_local_step(AdamW(m_ref.parameters(), lr=0.01, **impl), False)
+        o_loc = AdamW(m_loc.parameters(), lr=0.01, **impl)
+        train(m_ref, o_ref, scaler=torch.amp.GradScaler("cpu", init_scale=64.0))
+        train(m_loc, o_loc, scaler=torch.amp.GradScaler("cpu", init_scale=64.0))
+        assert_same(f"GradScaler AdamW {impl}", m_loc, o_loc, m_ref, o_ref)
+
+
+@case
+def checkpoint_round_trip():
+    """State saved from local steps = state of torch's path; a checkpoint saved after local steps and
+    loaded (get_optimizer_state_dict / save_checkpoint / load_checkpoint) continues bit-identically."""
+    path = Path(ARGS.out) / "ckpt"
+    m_ref, m_loc = fsdp(mlp(), shard_strat="FULL_SHARD"), fsdp(mlp(), shard_strat="FULL_SHARD")
+    o_ref = use_local_step(AdamW(m_ref.parameters(), lr=0.01, weight_decay=0.1), False)
+    o_loc = AdamW(m_loc.parameters(), lr=0.01, weight_decay=0.1)
+    train(m_ref, o_ref, steps=2)
+    train(m_loc, o_loc, steps=2)
+    full_ref = get_optimizer_state_dict(m_ref, o_ref, full=True)
+    full_loc = get_optimizer_state_dict(m_loc, o_loc, full=True)
+    assert repr(sorted(full_ref)) == repr(sorted(full_loc))
+    for key in full_ref:
+        a, b = full_ref[key], full_loc[key]
+        assert torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b, f"full optimizer state {key}"
+    save_checkpoint(path, m_loc, o_loc, overwrite=True)
+    m_new = fsdp(nn.Sequential(nn.Linear(7, 11), nn.Tanh(), nn.Linear(11, 5)), shard_strat="FULL_SHARD")
+    o_new = AdamW(m_new.parameters(), lr=0.01, weight_decay=0.1)
+    load_checkpoint(path, m_new, o_new)
+    assert all(isinstance(v, DTensor) for st in o_new.state.values() for v in st.values() if v.ndim > 0)
+    for m, o in ((m_ref, o_ref), (m_new, o_new)):
+        g = torch.Generator().manual_seed(99 + rank())
+        m(torch.randn(4, 7, generator=g)).square().mean().backward()
+        o.step()
+    assert steps_locally(o_new)
+    assert_same("after load_checkpoint", m_new, o_new, m_ref, o_ref)
+
+
+@case
+def clip_grad_norm_one_all_reduce():
+    """clip_grad_norm_ on fsdp() models: ONE all-reduce for every parameter (CommDebugMode), the norm and
+    the clipped gradients equal torch's on the single-process reference (bound as in steps_cases.py)."""
+    for wrap in ({"shard_strat": "FULL_SHARD"}, {"shard_strat": "HYBRID_SHARD", "replicate_size": 1}):
+        torch.manual_seed(0)
+        plain = small()
+        ref = copy.deepcopy(plain)
+        model = fsdp(plain, auto_wrap=True, TransformerBlock=Block, **wrap)
+        x, y = tokens(4, seed=3)
+        reference_backward(ref, lm_loss, x, y)
+        lm_loss(model(local_slice(x)), local_slice(y)).backward()
+        want = torch.nn.utils.clip_grad_norm_(ref.parameters(), 1e-2).item()
+        comm = CommDebugMode()
+        with comm:
+            got = clip_grad_norm_(model, 1e-2)
+        counts = {str(op): n for op, n in comm.get_comm_counts().items()}
+        assert sum(counts.values()) == 1 and "allreduce" in str(counts), f"{wrap}: collectives {counts}"
+        assert abs(got - want) <= 20 * UNIT_ROUNDOFF * want, f"{wrap}: norm {got} vs torch {want}"
+        for name, p in ref.named_parameters():
+            assert_close(f"{wrap} clipped {name}", model.get_parameter(name).grad, p.grad, 8 * UNIT_ROUNDOFF * want)
+
+
+class MyAdamW(AdamW):
+    """A user's subclass: its step may look across elements, so it keeps torch's path."""
+
+
+@case
+def bad_input_and_excluded_optimizers():
+    model = mlp()
+    early = AdamW(model.parameters(), lr=0.01)
+    model = fsdp(model, shard_strat="FULL_SHARD")
+    model(torch.randn(2, 7)).sum().backward()
+    expect_error(ValueError, early.step, "from before fsdp() wrapped it", "Build the optimizer after wrapping")
+    other = fsdp(mlp(), shard_strat="HYBRID_SHARD", replicate_size=1)  # a 2-D mesh
+    mixed = AdamW(list(model.parameters()) + list(other.parameters()), lr=0.01)
+    expect_error(ValueError, mixed.step, "different device meshes", "one optimizer per model")
+    same_mesh = fsdp(mlp(), shard_strat="FULL_SHARD")  # two models on equal meshes: fine
+    together = AdamW(list(model.parameters()) + list(same_mesh.parameters()), lr=0.01)
+    assert steps_locally(together)
+    together.step()
+    # Not elementwise or not plain: torch's path, same numbers as the off switch.
+    for make in (lambda m: MyAdamW(m.parameters(), lr=0.01), lambda m: torch.optim.LBFGS(m.parameters())):
+        assert not steps_locally(make(fsdp(mlp(), shard_strat="FULL_SHARD")))
+    m_ref, m_sub = fsdp(mlp(), shard_strat="FULL_SHARD"), fsdp(mlp(), shard_strat="FULL_SHARD")
+    o_ref, o_sub = use_local_step(AdamW(m_ref.parameters(), lr=0.01), False), MyAdamW(m_sub.parameters(), lr=0.01)
+    seen = []
+    o_sub.register_step_pre_hook(lambda opt, args, kwargs: seen.append(type(opt.param_groups[0]["params"][0])))
+    train(m_ref, o_ref)
+    train(m_sub, o_sub)
+    assert_same("user subclass", m_sub, o_sub, m_ref, o_ref)
+    # A closure: torch's path (the closure recomputes gradients inside step). Hooks still see DTensors.
+    m_cl = fsdp(mlp(), shard_strat="FULL_SHARD")
+    o_cl = AdamW(m_cl.parameters(), lr=0.01)
+    o_cl.register_step_pre_hook(lambda opt, args, kwargs: seen.append(type(opt.param_groups[0]["params"][0])))
+    x = torch.randn(4, 7)
+    o_cl.step(lambda: m_cl(x).square().mean().backward())
+    o_cl.step()
+    assert seen and all(t is DTensor for t in seen), seen
+    os.environ[ENV_VAR] = "0"
+    try:
+        assert not steps_locally(o_cl)
+    finally:
+        del os.environ[ENV_VAR]
+    assert steps_locally(o_cl)
+    expect_error(ValueError, lambda: use_local_step(o_cl, "yes"), "True or False")
+
+
+if __name__ == "__main__":
+    run_cases(CASES)

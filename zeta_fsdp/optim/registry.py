@@ -1,0 +1,100 @@
+"""Which parameters ``fsdp()`` made, which it replaced, and the checks of an optimizer over them.
+
+``fsdp()`` registers each model it wraps: its DTensor parameters (the only ones the local step
+touches) and the parameters ``fully_shard`` replaced (an optimizer built over those before
+wrapping would step tensors that no longer get gradients: training silently does nothing). A
+global optimizer step pre-hook (torch's public ``register_optimizer_step_pre_hook``) turns both
+mistakes, and one optimizer over models on different meshes, into a clear error before the step.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, Optional
+
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.utils.weak import WeakIdKeyDictionary
+
+__all__ = ["check_optimizer", "fsdp_owner", "register_fsdp_model", "snapshot_params"]
+
+# Keyed by tensor identity (a tensor's == is elementwise: a plain WeakKeyDictionary cannot hold tensors).
+_OWNER = WeakIdKeyDictionary()  # DTensor parameter fsdp() made -> weakref to its model
+_REPLACED = WeakIdKeyDictionary()  # parameter fully_shard replaced -> the model's class name
+_CHECKED: weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple] = weakref.WeakKeyDictionary()
+_HOOK: list = []
+
+
+def snapshot_params(model: nn.Module) -> WeakIdKeyDictionary:
+    """``model``'s parameters, held weakly: wrapping still frees each original as its unit is sharded
+    (only one an optimizer holds survives, and that is the one to report)."""
+    return WeakIdKeyDictionary({p: True for p in model.parameters()})
+
+
+def register_fsdp_model(model: nn.Module, before: WeakIdKeyDictionary) -> None:
+    """Record what ``fsdp()`` did to ``model``'s parameters; ``before`` = ``snapshot_params`` taken before wrapping.
+
+    Example:
+        >>> m = nn.Linear(2, 2)
+        >>> register_fsdp_model(m, snapshot_params(m))  # nothing replaced, nothing sharded
+        >>> fsdp_owner(m.weight) is None
+        True
+    """
+    now = {id(p) for p in model.parameters()}
+    for param in list(before.keys()):
+        if id(param) not in now:
+            _REPLACED[param] = type(model).__name__
+    owner = weakref.ref(model)
+    for param in model.parameters():
+        if isinstance(param, DTensor):
+            _OWNER[param] = owner
+    if not _HOOK:
+        _HOOK.append(register_optimizer_step_pre_hook(_pre_step_check))
+
+
+def fsdp_owner(param: torch.Tensor) -> Optional[nn.Module]:
+    """The ``fsdp()`` model that made DTensor ``param``, or ``None`` (not made by ``fsdp()``, or gone)."""
+    ref = _OWNER.get(param)
+    return ref() if ref is not None else None
+
+
+def _signature(optimizer: torch.optim.Optimizer) -> tuple:
+    """Changes when a param group is added or its list replaced or resized (``add_param_group``)."""
+    return tuple((id(g["params"]), len(g["params"])) for g in optimizer.param_groups)
+
+
+def check_optimizer(optimizer: torch.optim.Optimizer) -> None:
+    """``ValueError`` if ``optimizer`` holds parameters ``fsdp()`` replaced, or DTensor parameters of
+    several ``fsdp()`` models on different device meshes (one model on several meshes, FSDP + tensor
+    parallel, is fine)."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    stale = [p for p in params if p in _REPLACED]
+    if stale:
+        raise ValueError(
+            f"{type(optimizer).__name__} holds {len(stale)} parameter(s) of {_REPLACED[stale[0]]} from before "
+            "fsdp() wrapped it: fsdp() replaces them with sharded DTensor parameters, so these would never get "
+            "a gradient. Build the optimizer after wrapping: model = fsdp(model, ...); "
+            "optimizer = torch.optim.AdamW(model.parameters())."
+        )
+    meshes: dict[int, tuple[str, set]] = {}  # per fsdp() model: its name and the meshes of its parameters here
+    for p in params:
+        owner = fsdp_owner(p)
+        if owner is not None:
+            meshes.setdefault(id(owner), (type(owner).__name__, set()))[1].add(p.device_mesh)
+    if len(meshes) > 1 and len({frozenset(m) for _, m in meshes.values()}) > 1:
+        raise ValueError(
+            f"{type(optimizer).__name__} holds parameters of {len(meshes)} fsdp() models on different device "
+            f"meshes ({'; '.join(f'{name}: {sorted(map(str, m))}' for name, m in meshes.values())}): DTensors of "
+            "different meshes cannot meet in one foreach/fused step, and a checkpoint of this optimizer would mix "
+            "the models. Build one optimizer per model, or wrap the models on one mesh (fsdp(..., mesh=mesh))."
+        )
+
+
+def _pre_step_check(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """Global step pre-hook: :func:`check_optimizer` once per optimizer and param-group layout."""
+    signature = _signature(optimizer)
+    if _CHECKED.get(optimizer) != signature:
+        check_optimizer(optimizer)
+        _CHECKED[optimizer] = signature
