@@ -17,7 +17,8 @@ import torch
 
 __all__ = ["fair_share", "local_ranks", "share_cores"]
 
-_AT_IMPORT = torch.get_num_threads()  # a later difference means the user called torch.set_num_threads
+# The thread count we last saw or set: a later difference means the user called torch.set_num_threads.
+_AT_IMPORT = torch.get_num_threads()
 
 
 def _cores() -> int:
@@ -72,8 +73,10 @@ def share_cores(device: torch.device, cpu_offload: bool = False) -> Optional[int
     Example:
         >>> share_cores(torch.device("cuda"))  # GPU ranks without offload: nothing to share
     """
+    global _AT_IMPORT
     if (device.type != "cpu" and not cpu_offload) or _user_chose():
         return None
     threads = fair_share()
     torch.set_num_threads(threads)
+    _AT_IMPORT = threads  # ours: a change from here on is the user's
     return threads
