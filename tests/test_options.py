@@ -11,11 +11,11 @@ import torch.nn as nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, ShardingStrategy
 
 from zeta_fsdp import fsdp
-from zeta_fsdp.distributed import mesh_shape
 from zeta_fsdp.engines import SEAM, engine_named
 from zeta_fsdp.models.gpt import Block, small
 from zeta_fsdp.options import (
     choose_engine,
+    mesh_shape,
     resolve_mixed_precision,
     resolve_sharding,
     validate_keep_tail_unsharded,

@@ -17,13 +17,14 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
-from .distributed import choose_device, ensure_process_group, shard_group_size, validate_mesh
+from .distributed import choose_device, ensure_process_group, expected_world_size, local_world_size
 from .engines import engine_named
 from .fp32_modules import KeepFp32Spec, add_cast_hooks, select_fp32
 from .materialize import materialize_meta_model
 from .options import (
     choose_engine,
     resolve_master_dtype,
+    resolve_mesh_shape,
     resolve_mixed_precision,
     resolve_sharding,
     validate_keep_tail_unsharded,
@@ -175,16 +176,8 @@ def fsdp(
     mp_policy = resolve_mixed_precision(mp)
     master = resolve_master_dtype(master_dtype)
     spec = resolve_sharding(shard_strat)
-    if mesh is not None:
-        validate_mesh(spec, mesh)
-        if replicate_size is not None:
-            raise ValueError(
-                f"fsdp(): replicate_size={replicate_size!r} cannot be combined with mesh=: the mesh's "
-                f"shape {tuple(mesh.shape)} already fixes the replicas. Pass one or the other."
-            )
-    reshard = validate_reshard_after_forward(
-        reshard_after_forward, shard_group_size(spec, mesh, replicate_size=replicate_size)
-    )
+    shape = resolve_mesh_shape(spec, mesh, replicate_size, expected_world_size(), local_world_size())
+    reshard = validate_reshard_after_forward(reshard_after_forward, shape[-1])
     if reshard is None:
         reshard = spec.reshard_after_forward
     keep_tail = validate_keep_tail_unsharded(keep_tail_unsharded)
@@ -209,7 +202,7 @@ def fsdp(
 
     # 2. Environment: a process group (ours only if none exists) and the mesh.
     ensure_process_group(compute_device, cpu_offload=cpu_offload)
-    mesh = engine.mesh_for(spec, compute_device, mesh, replicate_size)
+    mesh = engine.mesh_for(compute_device, mesh, shape)
 
     # 3. Per-block transforms, then sharding bottom-up (or replication), then meta materialization.
     if activation_checkpointing:

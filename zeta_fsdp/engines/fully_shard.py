@@ -16,8 +16,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from ..costs import AccumulationCost, accumulation_costs, gradient_wait_dtype, peak_by_device
-from ..distributed import build_mesh
-from ..options import ShardingSpec, stored_dtype
+from ..distributed import init_mesh
+from ..options import stored_dtype
 from ..torch_compat import HAS_PARAM_DTYPE_OVERRIDE, param_mp_policy
 from ..wrapped import compute_device, fsdp_param_groups, fsdp_state
 from ..wrapping import WrapPlan
@@ -88,11 +88,9 @@ def _check_unused_params(plan: WrapPlan) -> None:
     )
 
 
-def mesh_for(
-    spec: ShardingSpec, device: torch.device, mesh: Optional[DeviceMesh], replicate_size: Optional[int]
-) -> Optional[DeviceMesh]:
-    """The caller's mesh, else the one ``spec`` needs over the default group."""
-    return mesh if mesh is not None else build_mesh(spec, device, replicate_size=replicate_size)
+def mesh_for(device: torch.device, mesh: Optional[DeviceMesh], shape: tuple[int, ...]) -> Optional[DeviceMesh]:
+    """The caller's mesh, else one of ``shape`` (``options.resolve_mesh_shape``) over the default group."""
+    return mesh if mesh is not None else init_mesh(shape, device)
 
 
 def wrap(

@@ -22,8 +22,8 @@ import torch
 import torch.nn as nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
-from ..distributed import expected_world_size, fake_process_group, mesh_shape, without_launcher_env
-from ..options import resolve_master_dtype, resolve_mixed_precision, resolve_sharding
+from ..distributed import expected_world_size, fake_process_group, without_launcher_env
+from ..options import mesh_shape, resolve_master_dtype, resolve_mixed_precision, resolve_sharding
 from ..wrapped import fsdp_param_groups
 from ..wrapping import BlockSpec, block_specs
 
