@@ -19,6 +19,7 @@ import warnings
 from . import torch_compat  # noqa: F401
 from .data import ResumableLoader, shard_dataloader
 from .distributed import shutdown
+from .engines import fsdp_engine, get_wrap_plan, is_fsdp_wrapped
 from .fsdp import fsdp
 from .hf import consolidate_to_hf, load_pretrained, save_pretrained
 from .loss import MaskedTokenLossReduction, PerSampleLossReduction
@@ -41,7 +42,6 @@ from .state_dict import (
 )
 from .strategy import EpochStep, FSDP2Strategy
 from .training import MemoryReport, clip_grad_norm_, memory_report, no_sync
-from .wrapped import fsdp_engine, get_wrap_plan, is_fsdp_wrapped
 from .wrapping import WrapPlan
 
 __version__ = "0.1.0"

@@ -9,6 +9,7 @@ recorded on the model and read back by ``wrapped``.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from typing import Any, Iterable, Optional, Union
 
@@ -18,7 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from .distributed import choose_device, ensure_process_group, expected_world_size, local_world_size
-from .engines import engine_named
+from .engines import WrapOptions, engine_named, fsdp_engine, get_wrap_plan, is_fsdp_wrapped, record_wrap
 from .fp32_modules import KeepFp32Spec, add_cast_hooks, select_fp32
 from .materialize import materialize_meta_model
 from .options import (
@@ -32,10 +33,8 @@ from .options import (
     validate_reshard_after_forward,
 )
 from .sharding import apply_activation_checkpointing, apply_compile, cast_to_fp32, cast_to_master
-from .torch_compat import HAS_PARAM_DTYPE_OVERRIDE
 from .unfreeze import guard_unfreezing
-from .wrapped import fsdp_engine, get_wrap_plan, is_fsdp_wrapped, record_wrap
-from .wrapping import BlockSpec, add_fp32_units, build_wrap_plan
+from .wrapping import BlockSpec, build_wrap_plan
 
 # fsdp_engine, get_wrap_plan, is_fsdp_wrapped: public names that have always been importable from here.
 __all__ = ["fsdp", "fsdp_engine", "get_wrap_plan", "is_fsdp_wrapped"]
@@ -194,15 +193,26 @@ def fsdp(
         has_trainable=any(p.requires_grad for p in model.parameters()),
         has_fp32=bool(fp32),
     )
-    if fp32 and name == "fully_shard" and not HAS_PARAM_DTYPE_OVERRIDE:
-        add_fp32_units(plan, model, fp32.param_names)
     engine = engine_named(name)
+    engine.add_fp32_units(plan, model, fp32.param_names)
     engine.check(plan, model, master)
     compute_device = _check_device(model, device)
+    options = WrapOptions(
+        compute_device,
+        mp_policy,
+        shape=shape,
+        mesh=mesh,
+        reshard=reshard,
+        cpu_offload=cpu_offload,
+        ignored=frozenset(ignored),
+        keep_tail=keep_tail,
+        prefetch=prefetch,
+        fp32_params=tuple(fp32.param_names),
+    )
 
     # 2. Environment: a process group (ours only if none exists) and the mesh.
     ensure_process_group(compute_device, cpu_offload=cpu_offload)
-    mesh = engine.mesh_for(compute_device, mesh, shape)
+    options = dataclasses.replace(options, mesh=engine.mesh_for(options))
 
     # 3. Per-block transforms, then sharding bottom-up (or replication), then meta materialization.
     if activation_checkpointing:
@@ -211,26 +221,14 @@ def fsdp(
         apply_compile(plan, compile)
     if cast_to_master(model, master) + cast_to_fp32(model, fp32.param_names):
         plan.recount(model)
-    shard_index = engine.wrap(
-        model,
-        plan,
-        compute_device,
-        mp_policy,
-        mesh,
-        reshard,
-        cpu_offload,
-        ignored,
-        keep_tail,
-        prefetch,
-        fp32_params=fp32.param_names,
-    )
+    shard_index = engine.wrap(model, plan, options)
     add_cast_hooks(model, fp32.cast_modules)
     plan.notes.extend(fp32.notes)
     if materialize:
         materialize_meta_model(
             model, compute_device, plan.tied_params, shard_index=shard_index, offload_to_cpu=cpu_offload
         )
-    guard_unfreezing(model, name, master)
+    guard_unfreezing(model, engine.unfreeze_check(model, master))
     record_wrap(
         model, name, plan, compute_device, cpu_offload
     )  # what fsdp_engine(), get_wrap_plan(), compute_device() read

@@ -17,10 +17,10 @@ from typing import Any, Optional, Union
 import torch
 import torch.nn as nn
 
+from ..engines import unwrapped_class
 from ..state_dict import CheckpointError
 from ..state_dict.checks import FAILURES, error_reason
 from ..state_dict.reader import dcp_load, open_checkpoint
-from ..wrapped import unwrapped_class
 from .files import end_staging, parse_size, plan_hf_files, plan_shard_files, publish_staged, staging_dir, write_at
 from .naming import saved_aliases, saved_layout, saved_tensors
 from .save import cast, check_dtype, check_savable, write_metadata

@@ -21,11 +21,11 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from ..distributed import choose_device
+from ..engines import compute_device, fsdp_engine, shard_device
 from ..materialize import move_buffers
 from ..state_dict import CheckpointError
 from ..state_dict.checks import describe_mismatch, on_all_ranks, short_list
 from ..ties import retie
-from ..wrapped import compute_device, fsdp_engine, shard_device
 from .files import TensorEntry, read_checkpoint_index, read_rows
 from .naming import KeyPlan, is_hf_model, map_checkpoint_keys, saved_aliases
 

@@ -21,10 +21,9 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from ..distributed import get_rank as rank
 from ..distributed import get_world_size as world
-from ..engines import engine_of
+from ..engines import engine_of, unwrapped_class
 from ..files import incomplete_path
 from ..state_dict.checks import CheckpointError, on_all_ranks
-from ..wrapped import unwrapped_class
 from .files import (
     DTYPES,
     INDEX_NAME,

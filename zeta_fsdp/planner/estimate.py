@@ -28,12 +28,11 @@ import torch.nn as nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from ..costs import AccumulationCost, accumulation_costs, accumulation_table, gradient_wait_dtype
-from ..engines import engine_named
+from ..engines import PlanTerms, engine_named
 from ..fp32_modules import KeepFp32Spec, select_fp32
 from ..options import choose_engine, resolve_master_dtype, resolve_mixed_precision, resolve_sharding, stored_dtype
 from ..report import format_bytes, render_table
-from ..torch_compat import HAS_PARAM_DTYPE_OVERRIDE
-from ..wrapping import BlockSpec, WrapUnit, add_fp32_units, build_wrap_plan
+from ..wrapping import BlockSpec, WrapUnit, build_wrap_plan
 from .dry_run import DryRunResult, dry_run_batch, dry_run_job, dtype_name, resolve_world_and_mesh
 
 __all__ = ["OPTIMIZERS", "MemoryPlan", "UnitEstimate", "plan"]
@@ -352,16 +351,15 @@ def plan(
     engine, why = choose_engine(
         spec, policy, has_ignored=bool(ignored), has_trainable=has_trainable, has_fp32=bool(fp32)
     )
-    if fp32 and engine == "fully_shard" and not HAS_PARAM_DTYPE_OVERRIDE:
-        add_fp32_units(wrap, model, fp32.param_names, caller="plan")
+    engine_named(engine).add_fp32_units(wrap, model, fp32.param_names, caller="plan")
 
     stored = {name: stored_dtype(p, master) for name, p in params.items()}  # what fsdp(master_dtype=) keeps
     kept = set(fp32.param_names)
     stored.update({n: torch.float32 for n in kept if params[n].is_floating_point()})
     units = [_estimate_unit(u, params, stored, policy, shard_size, shard_rank, n_state, kept) for u in wrap.units]
     grads = [(stored[n], p.numel() * stored[n].itemsize) for n, p in params.items() if p.requires_grad]
-    terms = (model, units, policy, spec.reshard_after_forward, shard_size, grads, why)
-    peak, all_reduces, notes = engine_named(engine).plan_costs(*terms)
+    terms = PlanTerms(model, units, policy, spec.reshard_after_forward, shard_size, grads, why)
+    peak, all_reduces, notes = engine_named(engine).plan_costs(terms)
     # Ignored parameters stay whole (and unsharded) on every rank, as do their gradients.
     ignored_sizes = {n: params[n].numel() * stored[n].itemsize for n in wrap.ignored_param_names}
     ignored_bytes = sum(ignored_sizes.values())

@@ -10,9 +10,9 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.tensor import DTensor
 
 from ..distributed import get_rank, is_distributed
+from ..engines import compute_device, fsdp_engine
 from ..materialize import move_buffers
 from ..ties import retie, tied_aliases, tied_parameter_groups
-from ..wrapped import compute_device, fsdp_engine
 from .checks import CheckpointError, clean_fqn, describe_mismatch, named_parameters, on_all_ranks, shape_of
 
 
