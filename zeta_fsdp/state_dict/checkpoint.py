@@ -31,10 +31,10 @@ from .checks import (
     STATE_PREFIX,
     CheckpointError,
     PathLike,
+    checkpoint_on_all_ranks,
     describe_mismatch,
     error_reason,
     named_parameters,
-    on_all_ranks,
     shape_of,
 )
 from .model import get_sharded_state_dict
@@ -131,7 +131,7 @@ def save_checkpoint(
         except FAILURES as e:
             raise save_failure(path, f"writing {path}", e) from e
         try:  # rank 0 publishes; no rank returns before the checkpoint is in place
-            on_all_ranks(lambda: publish_checkpoint(path, replace=overwrite) if get_rank() == 0 else None)
+            checkpoint_on_all_ranks(lambda: publish_checkpoint(path, replace=overwrite) if get_rank() == 0 else None)
         except FAILURES as e:
             raise save_failure(path, f"renaming {incomplete_path(path)} to {path}", e) from e
         published = True
@@ -159,7 +159,7 @@ def start_save(
         return lock
 
     try:
-        return on_all_ranks(start)
+        return checkpoint_on_all_ranks(start)
     except FAILURES:
         for lock in holder:  # rank 0 prepared, another rank refused: nothing stays behind
             end_save(path, lock, published=False)
@@ -331,7 +331,7 @@ def load_checkpoint(
             raise CheckpointError(f"{caller}: {path} does not match the model: {problem}")
         return metadata, objects, stored
 
-    metadata, objects, stored = on_all_ranks(check_model)
+    metadata, objects, stored = checkpoint_on_all_ranks(check_model)
     saved = metadata.state_dict_metadata
     # Read straight into the live tensors (``read_checked`` checks every record, and copies only once all
     # ranks agree); a value that is not the live storage goes through scratch and ``set_model_state_dict``.
@@ -355,11 +355,11 @@ def load_checkpoint(
             }
             saved_optim.update(objects.get(PACKED_GROUPS_KEY) or {})
             source = f"{caller}: {path}"
-            chosen = on_all_ranks(lambda: validate_optimizer(list(saved_optim), model, optimizer, source))
+            chosen = checkpoint_on_all_ranks(lambda: validate_optimizer(list(saved_optim), model, optimizer, source))
             optim_scratch = optimizer_scratch(saved_optim, model, optimizer, chosen)
             targets.update({OPTIM_PREFIX + k: v for k, v in optim_scratch.items() if k.startswith(STATE_PREFIX)})
         try:
-            checked = on_all_ranks(lambda: read_checked(targets, path, metadata))
+            checked = checkpoint_on_all_ranks(lambda: read_checked(targets, path, metadata))
         except FAILURES as e:
             raise CheckpointError(
                 f"{caller}: reading {path} failed; the model and optimizer were not changed. {error_reason(e)}"
@@ -368,7 +368,7 @@ def load_checkpoint(
             checked.commit(lambda key: key.startswith(OPTIM_PREFIX))  # into scratch: the live state is untouched
             flat_optim = {k: v for k, v in optim_scratch.items() if not k.startswith(STATE_PREFIX)}
             flat_optim.update({k[len(OPTIM_PREFIX) :]: v for k, v in targets.items() if k.startswith(OPTIM_PREFIX)})
-            on_all_ranks(lambda: check_group_consistency(model, optimizer, flat_optim))
+            checkpoint_on_all_ranks(lambda: check_group_consistency(model, optimizer, flat_optim))
     except FAILURES:
         if was_fresh:
             optimizer.state.clear()  # validation created its state: back to the fresh optimizer we were given
