@@ -155,7 +155,7 @@ class AsyncCheckpointer:
                 raise
             gate.set_result(True)
         except FAILURES as e:
-            end_save(path, lock, published=False)
+            end_save(path, lock)
             raise save_failure(path, f"staging {path}", e) from e
         done: Future = Future()
         publisher = get_rank() == 0
@@ -177,14 +177,12 @@ class AsyncCheckpointer:
             return None
         path, lock, done = self._pending
         self._pending = None
-        published = False
         try:
             checkpoint_on_all_ranks(done.result)  # raises this rank's write error, if any, on every rank
-            published = True
         except FAILURES as e:
             raise save_failure(path, f"writing {path}", e) from e
         finally:
-            end_save(path, lock, published)
+            end_save(path, lock)
         return path
 
     def close(self) -> None:

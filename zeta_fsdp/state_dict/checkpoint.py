@@ -18,13 +18,14 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 from torch.distributed.tensor import DTensor
 
 from ..distributed import get_rank, is_distributed
-from ..files import PathLock, incomplete_path, stage_dir
+from ..files import PathLock, end_stage, incomplete_path, stage_dir
 from ..ties import tied_aliases
 from .checks import (
     EXTRA_KEY,
     FAILURES,
     GROUPS_PREFIX,
     LAYOUT_KEY,
+    METADATA_FILE,
     MODEL_PREFIX,
     OPTIM_PREFIX,
     PACKED_GROUPS_KEY,
@@ -49,7 +50,6 @@ from .publish import (
     LOCK_WAIT_S,
     checkpoint_files,
     checkpoint_problem,
-    discard_staging,
     is_checkpoint,
     is_full_checkpoint,
     publish_checkpoint,
@@ -118,7 +118,6 @@ def save_checkpoint(
     """
     path = Path(path)
     lock = start_save(path, optimizer, extra, overwrite=overwrite)
-    published = False
     try:
         state = checkpoint_state(model, optimizer, extra)
         try:
@@ -134,9 +133,8 @@ def save_checkpoint(
             checkpoint_on_all_ranks(lambda: publish_checkpoint(path, replace=overwrite) if get_rank() == 0 else None)
         except FAILURES as e:
             raise save_failure(path, f"renaming {incomplete_path(path)} to {path}", e) from e
-        published = True
     finally:
-        end_save(path, lock, published)
+        end_save(path, lock)
     return path
 
 
@@ -162,17 +160,18 @@ def start_save(
         return checkpoint_on_all_ranks(start)
     except FAILURES:
         for lock in holder:  # rank 0 prepared, another rank refused: nothing stays behind
-            end_save(path, lock, published=False)
+            end_save(path, lock)
         raise
 
 
-def end_save(path: Path, lock: Optional[PathLock], published: bool) -> None:
-    """Rank 0, after a save: remove ``.<name>.incomplete`` unless it was published, then release the lock."""
+def end_save(path: Path, lock: Optional[PathLock]) -> None:
+    """Rank 0, after a save: ``files.end_stage`` (what a failed save left in ``.<name>.incomplete`` goes,
+    ``.metadata`` first; a published one left nothing there), then the lock is released."""
     if lock is None:
         return
-    with lock, contextlib.suppress(OSError):  # the lock is released whatever happens
-        if not published and os.path.lexists(incomplete_path(path)):
-            discard_staging(path)
+    tmp = incomplete_path(path)
+    with contextlib.suppress(OSError):  # end_stage releases the lock whatever happens
+        end_stage(path, lock, checkpoint_files(tmp), first=(METADATA_FILE,))
 
 
 def check_save_target(
