@@ -21,7 +21,7 @@ import itertools
 import math
 from collections import Counter
 from dataclasses import asdict, dataclass, field
-from typing import Any, Iterable, Optional, Union
+from typing import Any, Iterable, Optional, Sequence, Union
 
 import torch
 import torch.nn as nn
@@ -326,50 +326,22 @@ def plan(
         >>> p.mesh_shape, p.param_bytes
         ((128, 8), 18260)
     """
-    if not isinstance(model, nn.Module):
-        raise ValueError(f"plan(): model must be a torch.nn.Module, got {type(model).__name__}.")
-    if optimizer not in OPTIMIZERS:
-        raise ValueError(f"plan(): unknown optimizer={optimizer!r}. Accepted: {', '.join(map(repr, OPTIMIZERS))}.")
-    if micro_batches is not None:
-        accumulation_costs(micro_batches, sharded=0, unsharded=0, partial=0, reduce_scatter_units=0, all_reduce_units=0)
-    policy = resolve_mixed_precision(mp, caller="plan")
-    master = resolve_master_dtype(master_dtype, caller="plan")
-    spec = resolve_sharding(shard_strat, caller="plan")
-    world_size, shape = resolve_world_and_mesh(spec, world_size, replicate_size, local_world_size, "plan")
-    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
-        raise ValueError(f"plan(): rank={rank!r} is not accepted. Accepted: an int in [0, {world_size - 1}].")
-    shard_size = shape[-1]
-    shard_rank = rank % shard_size  # meshes are row-major: (replicate, shard)
+    _check_plan_args(model, optimizer, micro_batches)
+    policy, master, spec = _resolve_options(mp, master_dtype, shard_strat)
+    world_size, shape = _world_and_mesh(spec, world_size, replicate_size, local_world_size, rank)
     ignored = set(ignored_params or ())
     wrap = build_wrap_plan(
         model, auto_wrap=auto_wrap, transformer_block=TransformerBlock, ignored_params=ignored, caller="plan"
     )
-    params = dict(model.named_parameters())
-    n_state = OPTIMIZERS[optimizer]
+    params, n_state = dict(model.named_parameters()), OPTIMIZERS[optimizer]
     fp32 = select_fp32(model, keep_fp32, policy, caller="plan")
-    has_trainable = any(p.requires_grad for p in params.values())
-    engine, why = choose_engine(
-        spec, policy, has_ignored=bool(ignored), has_trainable=has_trainable, has_fp32=bool(fp32)
-    )
-    engine_named(engine).add_fp32_units(wrap, model, fp32.param_names, caller="plan")
-
-    stored = {name: stored_dtype(p, master) for name, p in params.items()}  # what fsdp(master_dtype=) keeps
-    kept = set(fp32.param_names)
-    stored.update({n: torch.float32 for n in kept if params[n].is_floating_point()})
-    units = [_estimate_unit(u, params, stored, policy, shard_size, shard_rank, n_state, kept) for u in wrap.units]
-    grads = [(stored[n], p.numel() * stored[n].itemsize) for n, p in params.items() if p.requires_grad]
-    terms = PlanTerms(model, units, policy, spec.reshard_after_forward, shard_size, grads, why)
-    peak, all_reduces, notes = engine_named(engine).plan_costs(terms)
-    # Ignored parameters stay whole (and unsharded) on every rank, as do their gradients.
-    ignored_sizes = {n: params[n].numel() * stored[n].itemsize for n in wrap.ignored_param_names}
-    ignored_bytes = sum(ignored_sizes.values())
-    ignored_state = sum(
-        n_state * b + _STEP_BYTES for n, b in ignored_sizes.items() if n_state and params[n].requires_grad
-    )
-    names = sorted({dtype_name(stored[n]) for n, p in params.items() if p.is_floating_point()})
-    stored_label = names[0] if len(names) == 1 else ("mixed: " + ", ".join(names) if names else "none")
-    casts = policy.param_dtype is not None or policy.reduce_dtype is not None
-    mp_label = f"compute {dtype_name(policy.param_dtype)}, reduce {dtype_name(policy.reduce_dtype)}"
+    engine, why = _choose_engine(model, wrap, spec, policy, ignored, fp32)
+    stored = _stored_dtypes(params, master, fp32.param_names)
+    shard = (shape[-1], rank % shape[-1])  # meshes are row-major: (replicate, shard)
+    units = [_estimate_unit(u, params, stored, policy, *shard, n_state, set(fp32.param_names)) for u in wrap.units]
+    peak, all_reduces, notes = _engine_terms(engine, why, model, units, policy, spec, shape[-1], stored)
+    ignored_bytes, ignored_state = _ignored_bytes(wrap, params, stored, n_state)
+    stored_label = _stored_label(params, stored)
     result = MemoryPlan(
         model_name=type(model).__name__,
         model_bytes=wrap.nbytes + ignored_bytes,
@@ -377,7 +349,7 @@ def plan(
         rank=rank,
         strategy=spec.name,
         mesh_shape=tuple(shape),
-        mp=mp_label if casts else "fp32 (no casting)",
+        mp=_mp_label(policy),
         optimizer=optimizer,
         reshard_after_forward=spec.reshard_after_forward,
         units=units,
@@ -392,23 +364,129 @@ def plan(
         ddp_all_reduce_count=all_reduces,
         notes=notes,
     )
+    _add_notes(result, params, wrap.notes)
+    if dry_run:  # (the flag shadows the function dry_run(): call what it calls)
+        result.dry_run = _dry_run(model, result, policy, auto_wrap, TransformerBlock, wrap, master)
+    return result
+
+
+def _dry_run(
+    model: nn.Module,
+    result: MemoryPlan,
+    policy: MixedPrecisionPolicy,
+    auto_wrap: bool,
+    block: BlockSpec,
+    wrap: Any,
+    master: Optional[torch.dtype],
+) -> Any:
+    """``plan(dry_run=True)``: the real ``fsdp()`` on a meta copy, as ``result``'s rank of its job."""
+    replicas = result.mesh_shape[0] if len(result.mesh_shape) == 2 else None
+    args = (result.world_size, result.strategy, policy, auto_wrap, block, result.rank, replicas)
+    job = dry_run_job(*args, ignored_param_names=wrap.ignored_param_names, master_dtype=master)
+    return dry_run_batch(model, [job])[0]
+
+
+def _world_and_mesh(
+    spec: Any, world_size: Optional[int], replicate_size: Optional[int], local_world_size: Optional[int], rank: Any
+) -> tuple[int, tuple[int, ...]]:
+    """``resolve_world_and_mesh``, and ``rank`` checked against the world size."""
+    world_size, shape = resolve_world_and_mesh(spec, world_size, replicate_size, local_world_size, "plan")
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
+        raise ValueError(f"plan(): rank={rank!r} is not accepted. Accepted: an int in [0, {world_size - 1}].")
+    return world_size, shape
+
+
+def _choose_engine(
+    model: nn.Module, wrap: Any, spec: Any, policy: MixedPrecisionPolicy, ignored: set, fp32: Any
+) -> tuple[str, str]:
+    """The engine ``fsdp()`` would pick, and why (``options.choose_engine``); its fp32 units added to ``wrap``."""
+    trainable = any(p.requires_grad for p in model.parameters())
+    engine, why = choose_engine(spec, policy, has_ignored=bool(ignored), has_trainable=trainable, has_fp32=bool(fp32))
+    engine_named(engine).add_fp32_units(wrap, model, fp32.param_names, caller="plan")
+    return engine, why
+
+
+def _engine_terms(
+    engine: str,
+    why: str,
+    model: nn.Module,
+    units: list[UnitEstimate],
+    policy: MixedPrecisionPolicy,
+    spec: Any,
+    shard_size: int,
+    stored: dict[str, torch.dtype],
+) -> tuple[int, int, list[str]]:
+    """The engine's terms (``Engine.plan_costs``): all-gather peak, all-reduces per synced backward, notes."""
+    grads = [(stored[n], p.numel() * stored[n].itemsize) for n, p in model.named_parameters() if p.requires_grad]
+    terms = PlanTerms(model, units, policy, spec.reshard_after_forward, shard_size, grads, why)
+    return engine_named(engine).plan_costs(terms)
+
+
+def _resolve_options(
+    mp: Union[str, MixedPrecisionPolicy], master_dtype: Union[str, torch.dtype, None], shard_strat: Any
+) -> tuple[MixedPrecisionPolicy, Optional[torch.dtype], Any]:
+    """``fsdp()``'s options as ``fsdp()`` resolves them, errors naming ``plan()``."""
+    policy = resolve_mixed_precision(mp, caller="plan")
+    master = resolve_master_dtype(master_dtype, caller="plan")
+    return policy, master, resolve_sharding(shard_strat, caller="plan")
+
+
+def _check_plan_args(model: Any, optimizer: str, micro_batches: Optional[int]) -> None:
+    """``plan()``'s own arguments (the options ``fsdp()`` shares are checked by their resolvers)."""
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"plan(): model must be a torch.nn.Module, got {type(model).__name__}.")
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"plan(): unknown optimizer={optimizer!r}. Accepted: {', '.join(map(repr, OPTIMIZERS))}.")
+    if micro_batches is not None:
+        accumulation_costs(micro_batches, sharded=0, unsharded=0, partial=0, reduce_scatter_units=0, all_reduce_units=0)
+
+
+def _ignored_bytes(
+    wrap: Any, params: dict[str, nn.Parameter], stored: dict[str, torch.dtype], n_state: int
+) -> tuple[int, int]:
+    """(parameter bytes, optimizer bytes) of the ignored parameters: whole (unsharded) on every rank, as are
+    their gradients."""
+    sizes = {n: params[n].numel() * stored[n].itemsize for n in wrap.ignored_param_names}
+    state = sum(n_state * b + _STEP_BYTES for n, b in sizes.items() if n_state and params[n].requires_grad)
+    return sum(sizes.values()), state
+
+
+def _stored_dtypes(
+    params: dict[str, nn.Parameter], master: Optional[torch.dtype], fp32_names: Sequence[str]
+) -> dict[str, torch.dtype]:
+    """What ``fsdp(master_dtype=)`` stores each parameter in; fp32 modules' parameters in fp32."""
+    stored = {name: stored_dtype(p, master) for name, p in params.items()}
+    stored.update({n: torch.float32 for n in fp32_names if params[n].is_floating_point()})
+    return stored
+
+
+def _mp_label(policy: MixedPrecisionPolicy) -> str:
+    """The policy in words: compute and reduce dtypes, or no casting."""
+    if policy.param_dtype is None and policy.reduce_dtype is None:
+        return "fp32 (no casting)"
+    return f"compute {dtype_name(policy.param_dtype)}, reduce {dtype_name(policy.reduce_dtype)}"
+
+
+def _stored_label(params: dict[str, nn.Parameter], stored: dict[str, torch.dtype]) -> str:
+    """The dtype floating-point parameters are stored in: one name, ``"mixed: ..."`` or ``"none"``."""
+    names = sorted({dtype_name(stored[n]) for n, p in params.items() if p.is_floating_point()})
+    return names[0] if len(names) == 1 else ("mixed: " + ", ".join(names) if names else "none")
+
+
+def _add_notes(result: MemoryPlan, params: dict[str, nn.Parameter], wrap_notes: list[str]) -> None:
+    """The plan's notes after the engine's: frozen parameters, the wrap plan's own, dim-0 padding."""
     frozen = [p for p in params.values() if not p.requires_grad]
     if frozen:
         result.notes.append(
             f"{len(frozen)} frozen parameter(s) ({sum(p.numel() for p in frozen):,} elements) are stored in their "
             "own dtype, sharded, with no gradient and no optimizer state"
         )
-    result.notes.extend(wrap.notes)
-    if any(u.param_bytes != u.local_param_bytes for u in units):
+    result.notes.extend(wrap_notes)
+    if any(u.param_bytes != u.local_param_bytes for u in result.units):
         result.notes.append(
-            f"dim-0 padding: each rank stores {result.param_bytes:,} parameter bytes; rank {rank}'s logical "
+            f"dim-0 padding: each rank stores {result.param_bytes:,} parameter bytes; rank {result.rank}'s logical "
             f"shard is {result.local_param_bytes:,} (optimizer state follows the logical shard)"
         )
-    if dry_run:  # (the flag shadows the function dry_run(): call what it calls)
-        args = (world_size, spec.name, policy, auto_wrap, TransformerBlock, rank, shape[0] if len(shape) == 2 else None)
-        job = dry_run_job(*args, ignored_param_names=wrap.ignored_param_names, master_dtype=master)
-        result.dry_run = dry_run_batch(model, [job])[0]
-    return result
 
 
 def _estimate_unit(
