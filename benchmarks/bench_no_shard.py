@@ -49,8 +49,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from zeta_fsdp import fsdp
 from zeta_fsdp.distributed import build_mesh
+from zeta_fsdp.engines import fsdp_engine
 from zeta_fsdp.options import resolve_sharding
-from zeta_fsdp.wrapped import fsdp_engine
 
 
 def replicated_units(model: torch.nn.Module, per_block: bool) -> torch.nn.Module:

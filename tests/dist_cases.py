@@ -29,9 +29,9 @@ from worker import (
 
 from zeta_fsdp import fsdp, no_sync
 from zeta_fsdp.distributed import build_mesh
+from zeta_fsdp.engines import fsdp_engine
 from zeta_fsdp.models.gpt import GPT, Block, GPTConfig, lm_loss, small
 from zeta_fsdp.options import choose_engine, resolve_mixed_precision, resolve_sharding
-from zeta_fsdp.wrapped import fsdp_engine
 
 CASES = Cases()
 case = CASES.case
@@ -579,7 +579,7 @@ def untied_head_keep_tail_and_prefetch():
 
 @case
 def prefetch_chains_follow_forward_and_backward_order():
-    from zeta_fsdp.wrapped import fsdp_state
+    from zeta_fsdp.engines import fsdp_state
 
     torch.manual_seed(0)
     model = fsdp(small(), auto_wrap=True, shard_strat="FULL_SHARD", TransformerBlock=Block, prefetch=2)

@@ -21,7 +21,7 @@ from moe_models import DIM, VOCAB, HelperMoELayer, MoEBlock, MoELM, moe_loss, ro
 from worker import Cases, assert_close, full, local_slice, mean_over_ranks, reference_backward, run_cases, world
 
 from zeta_fsdp import fsdp
-from zeta_fsdp.wrapped import fsdp_engine, get_wrap_plan
+from zeta_fsdp.engines import fsdp_engine, get_wrap_plan
 
 warnings.filterwarnings("ignore")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")

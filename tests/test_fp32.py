@@ -13,10 +13,10 @@ from conftest import dist_test
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from zeta_fsdp import fsdp
+from zeta_fsdp.engines import is_fsdp_wrapped
 from zeta_fsdp.fp32_modules import select_fp32
 from zeta_fsdp.models.gpt import small
 from zeta_fsdp.planner import plan
-from zeta_fsdp.wrapped import is_fsdp_wrapped
 from zeta_fsdp.wrapping import add_fp32_units, build_wrap_plan
 
 test_two_ranks = dist_test("fp32_cases.py", 2)

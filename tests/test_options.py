@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import copy
+import inspect
+import types
 
 import pytest
 import torch
@@ -11,11 +13,13 @@ import torch.nn as nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, ShardingStrategy
 
 from zeta_fsdp import fsdp
-from zeta_fsdp.distributed import mesh_shape
-from zeta_fsdp.engines import SEAM, engine_named
+from zeta_fsdp.engines import SEAM, Engine, engine_named
+from zeta_fsdp.engines import fully_shard as fully_shard_engine
+from zeta_fsdp.engines import replicate as replicate_engine
 from zeta_fsdp.models.gpt import Block, small
 from zeta_fsdp.options import (
     choose_engine,
+    mesh_shape,
     resolve_mixed_precision,
     resolve_sharding,
     validate_keep_tail_unsharded,
@@ -106,6 +110,41 @@ def test_engine_choice(strat, mp, kwargs, engine, why):
     module = engine_named(got)
     missing = [name for name in SEAM if not hasattr(module, name)]
     assert not missing and module.__name__ == f"zeta_fsdp.engines.{got}", (module.__name__, missing)
+
+
+def seam_mismatches(module: types.ModuleType) -> list[str]:
+    """Where ``module`` departs from the ``Engine`` protocol: a missing name, or a function whose
+    parameters (names, kinds, defaults, annotations) or return annotation differ from the protocol's."""
+    found = []
+    for name in SEAM:
+        if not hasattr(module, name):
+            found.append(f"{name}: missing")
+            continue
+        wanted = getattr(Engine, name, None)
+        if wanted is None:  # a constant: its declared type
+            if not isinstance(getattr(module, name), eval(Engine.__annotations__[name])):
+                found.append(f"{name}: not a {Engine.__annotations__[name]}")
+            continue
+        protocol = inspect.signature(wanted)
+        protocol = protocol.replace(parameters=list(protocol.parameters.values())[1:])  # drop self
+        got = inspect.signature(getattr(module, name))
+        if got != protocol:
+            found.append(f"{name}{got} != {name}{protocol}")
+    return found
+
+
+def test_engines_implement_the_protocol_signatures():
+    # both engines, every function with the protocol's exact signature: a changed one fails here
+    assert SEAM and "wrap" in SEAM and "plan_costs" in SEAM
+    for engine in (fully_shard_engine, replicate_engine):
+        assert seam_mismatches(engine) == [], (engine.__name__, seam_mismatches(engine))
+    # the check itself can fail: a module whose wrap takes the old positionals, and one missing a name
+    drifted = types.ModuleType("drifted")
+    vars(drifted).update({n: getattr(replicate_engine, n) for n in SEAM})
+    drifted.wrap = lambda model, plan, device, mp_policy, *_: 0
+    del drifted.plan_accumulation
+    problems = seam_mismatches(drifted)
+    assert len(problems) == 2 and problems[0].startswith("wrap(") and problems[1] == "plan_accumulation: missing"
 
 
 def test_reshard_after_forward_values():

@@ -41,11 +41,11 @@ from worker import (
 )
 
 from zeta_fsdp import fsdp
+from zeta_fsdp.engines import fsdp_engine, fsdp_param_groups, partial_reduce_output
 from zeta_fsdp.loss import MaskedTokenLossReduction, PerSampleLossReduction
 from zeta_fsdp.measure import collectives_per_step
 from zeta_fsdp.models.gpt import Block, lm_loss, small
 from zeta_fsdp.training import clip_grad_norm_, memory_report, no_sync
-from zeta_fsdp.wrapped import fsdp_engine, fsdp_param_groups, partial_reduce_output
 
 CASES = Cases()
 case = CASES.case
@@ -137,7 +137,7 @@ _DISGUISE = {"on": False}
 
 def unit_groups(module: nn.Module) -> list:
     """torch's FSDP parameter groups of one unit, through the library's reader
-    (``zeta_fsdp.wrapped.fsdp_param_groups``: whichever name this torch release uses)."""
+    (``zeta_fsdp.engines.fsdp_param_groups``: whichever name this torch release uses)."""
     was, _DISGUISE["on"] = _DISGUISE["on"], False
     try:
         groups = fsdp_param_groups(module)

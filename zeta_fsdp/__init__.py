@@ -6,19 +6,17 @@ Example:
 
 The names below are the whole public surface (docs/api.md is their map). Tools and internals
 (option resolvers, plan units, measuring helpers, checkpoint retention) are importable from their
-own modules; the old top-level names still work but warn, and will be removed.
+own modules.
 
 Optional, imported only on demand (never by ``import zeta_fsdp``): ``zeta_fsdp.lightning.FSDP2Strategy``,
 a Lightning ``Trainer`` strategy (``pip install "zeta-fsdp[lightning]"``).
 """
 
-import importlib
-import warnings
-
 # First: refuses a torch older than the supported floor (torch_compat.MIN_TORCH), naming both.
 from . import torch_compat  # noqa: F401
 from .data import ResumableLoader, shard_dataloader
 from .distributed import shutdown
+from .engines import fsdp_engine, get_wrap_plan, is_fsdp_wrapped
 from .fsdp import fsdp
 from .hf import consolidate_to_hf, load_pretrained, save_pretrained
 from .loss import MaskedTokenLossReduction, PerSampleLossReduction
@@ -42,7 +40,6 @@ from .state_dict import (
 from .strategy import EpochStep, FSDP2Strategy
 from .training import MemoryReport, clip_grad_norm_, memory_report, no_sync
 from .weights_out import iter_full_weights
-from .wrapped import fsdp_engine, get_wrap_plan, is_fsdp_wrapped
 from .wrapping import WrapPlan
 
 __version__ = "0.1.0"
@@ -68,26 +65,3 @@ __all__ += ["no_sync", "clip_grad_norm_", "memory_report", "MemoryReport"]
 __all__ += ["MaskedTokenLossReduction", "PerSampleLossReduction"]
 __all__ += ["FSDP2Strategy", "EpochStep"]  # NeMo's strategy
 __all__ += ["iter_full_weights"]  # weights out while training
-
-# Former top-level names, by their home module (under zeta_fsdp.): still importable from here, with a warning.
-_MOVED = {
-    "options": ("choose_engine", "resolve_master_dtype", "resolve_mixed_precision", "resolve_sharding", "ShardingSpec"),
-    "wrapping": ("WrapUnit", "build_wrap_plan", "detect_block_classes"),
-    "planner": ("UnitEstimate", "DryRunResult"),
-    "cli.model_spec": ("meta_model_from_spec",),
-    "measure": ("collectives_per_step", "median_step_seconds", "peak_memory_by_category"),
-    "state_dict": ("latest_checkpoint", "prune_checkpoints"),
-}
-_HOME = {name: f"zeta_fsdp.{home}" for home, names in _MOVED.items() for name in names}
-
-
-def __getattr__(name: str):
-    home = _HOME.get(name)
-    if home is None:
-        raise AttributeError(f"module 'zeta_fsdp' has no attribute {name!r}")
-    warnings.warn(
-        f"zeta_fsdp.{name} moved out of the top-level API: import it as `from {home} import {name}`",
-        DeprecationWarning,
-        stacklevel=2,
-    )
-    return getattr(importlib.import_module(home), name)

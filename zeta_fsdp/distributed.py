@@ -23,12 +23,13 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from .cpu_threads import share_cores
-from .options import ShardingSpec
+from .options import ShardingSpec, mesh_shape, resolve_mesh_shape, validate_mesh  # mesh_shape: documented here
 
 __all__ = ["LAUNCHER_ENV_VARS", "comm_device", "get_rank", "get_world_size", "is_distributed", "process_group_of"]
 __all__ += ["without_launcher_env", "choose_device", "ensure_process_group", "expected_world_size"]
-__all__ += ["fake_process_group", "mesh_shape", "build_mesh", "build_dp_tp_mesh", "shard_group_size", "shutdown"]
-__all__ += ["on_all_ranks", "validate_mesh"]
+__all__ += ["fake_process_group", "mesh_shape", "build_mesh", "build_dp_tp_mesh", "init_mesh", "shutdown"]
+__all__ += ["shard_group_size"]
+__all__ += ["local_world_size", "on_all_ranks", "validate_mesh"]
 
 # Groups this package started, so shutdown() never tears down one the user made.
 _CREATED_BY_US: dict[str, Any] = {"group": None, "shutdowns": 0}
@@ -104,7 +105,8 @@ def expected_world_size() -> int:
     return int(os.environ["WORLD_SIZE"]) if _running_under_torchrun() else 1
 
 
-def _local_world_size() -> int:
+def local_world_size() -> int:
+    """Ranks per node the job has or will have (``LOCAL_WORLD_SIZE``, else the world size)."""
     return int(os.environ.get("LOCAL_WORLD_SIZE", expected_world_size()))
 
 
@@ -233,72 +235,23 @@ def fake_process_group(world_size: int, rank: int = 0) -> Iterator[None]:
         dist.destroy_process_group()
 
 
-def mesh_shape(
-    spec: ShardingSpec,
-    world_size: int,
-    *,
-    local_world_size: Optional[int] = None,
-    replicate_size: Optional[int] = None,
-    caller: str = "fsdp",
-) -> tuple[int, ...]:
-    """The mesh shape ``spec`` needs at ``world_size`` ranks. Pure; raises ``ValueError`` when impossible.
-
-    HYBRID replicates across nodes by default (``world_size // LOCAL_WORLD_SIZE`` groups) and
-    shards within a node; ``replicate_size`` overrides the number of replicas. Error messages
-    start with ``caller``, the public function the user called.
-    """
-    if spec.mesh_ndim == 1:
-        if replicate_size not in (None, 1):
-            raise ValueError(
-                f"{caller}(): replicate_size={replicate_size!r} only applies to HYBRID_SHARD / "
-                f"HYBRID_SHARD_ZERO2, not {spec.name}."
-            )
-        return (world_size,)
-    if spec.replicate_all:
-        if replicate_size not in (None, world_size):
-            raise ValueError(
-                f"{caller}(): replicate_size={replicate_size!r} does not apply to NO_SHARD, which replicates "
-                f"over all {world_size} ranks. Accepted: None or {world_size}."
-            )
-        return (world_size, 1)
-    if replicate_size is None:
-        local = local_world_size or world_size
-        replicate_size = max(1, world_size // local) if world_size % local == 0 else 1
-    if not isinstance(replicate_size, int) or replicate_size < 1 or world_size % replicate_size != 0:
-        divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
-        raise ValueError(
-            f"{caller}(): replicate_size={replicate_size!r} must divide the world size {world_size}. Accepted: {divisors}."
-        )
-    return (replicate_size, world_size // replicate_size)
+def build_mesh(spec: ShardingSpec, device: torch.device, *, replicate_size: Optional[int] = None) -> DeviceMesh:
+    """Build the DeviceMesh ``spec`` needs over the default group (which must exist)."""
+    shape = mesh_shape(spec, dist.get_world_size(), local_world_size=local_world_size(), replicate_size=replicate_size)
+    return init_mesh(shape, device)
 
 
 def shard_group_size(
     spec: ShardingSpec, mesh: Optional[DeviceMesh] = None, *, replicate_size: Optional[int] = None
 ) -> int:
-    """Number of ranks one parameter is sharded over (the last mesh dimension)."""
-    if mesh is not None:
-        return mesh.size(-1)
-    world, local = expected_world_size(), _local_world_size()
-    return mesh_shape(spec, world, local_world_size=local, replicate_size=replicate_size)[-1]
+    """Number of ranks one parameter is sharded over (the last mesh dimension) in this job."""
+    shape = resolve_mesh_shape(spec, mesh, replicate_size, expected_world_size(), local_world_size())
+    return shape[-1]
 
 
-def validate_mesh(spec: ShardingSpec, mesh: DeviceMesh) -> None:
-    """A user mesh must have the dimensions ``spec`` shards over (1-D, or 2-D for HYBRID/NO_SHARD)."""
-    if not isinstance(mesh, DeviceMesh):
-        raise ValueError(f"fsdp(): mesh={mesh!r} is not accepted. Accepted: None or a torch DeviceMesh.")
-    if mesh.ndim != spec.mesh_ndim:
-        raise ValueError(
-            f"fsdp(): shard_strat={spec.name!r} needs a {spec.mesh_ndim}-D mesh "
-            f"({'(shard,)' if spec.mesh_ndim == 1 else '(replicate, shard)'}), got a {mesh.ndim}-D "
-            f"mesh of shape {tuple(mesh.shape)}."
-        )
-    if spec.replicate_all and mesh.size(-1) != 1:
-        raise ValueError(f"fsdp(): NO_SHARD needs a mesh of shape (world, 1), got {tuple(mesh.shape)}.")
-
-
-def build_mesh(spec: ShardingSpec, device: torch.device, *, replicate_size: Optional[int] = None) -> DeviceMesh:
-    """Build the DeviceMesh ``spec`` needs over the default group (which must exist)."""
-    shape = mesh_shape(spec, dist.get_world_size(), local_world_size=_local_world_size(), replicate_size=replicate_size)
+def init_mesh(shape: tuple[int, ...], device: torch.device) -> DeviceMesh:
+    """A data-parallel mesh of ``shape`` (``options.mesh_shape``) over the default group: 1-D
+    ``("dp_shard",)``, or 2-D ``("dp_replicate", "dp_shard")``."""
     names = ("dp_shard",) if len(shape) == 1 else ("dp_replicate", "dp_shard")
     return init_device_mesh(device.type, shape, mesh_dim_names=names)
 

@@ -276,13 +276,13 @@ def stage_dir(
     return lock
 
 
-def end_stage(path: Union[str, Path], lock: Optional[PathLock], ours: Ours) -> None:
-    """After a write: discard what a failed one left in ``incomplete_path(path)`` (``discard_ours``), release
-    ``stage_dir``'s lock whatever happens."""
+def end_stage(path: Union[str, Path], lock: Optional[PathLock], ours: Ours, *, first: tuple[str, ...] = ()) -> None:
+    """After a write: discard what a failed one left in ``incomplete_path(path)`` (``discard_ours``, ``first``
+    before the others), release ``stage_dir``'s lock whatever happens (a published write left nothing there)."""
     tmp = incomplete_path(path)
     try:
         if os.path.lexists(tmp):
-            discard_ours(tmp, ours, origin=path)
+            discard_ours(tmp, ours, origin=path, first=first)
     finally:
         if lock is not None:
             lock.release()

@@ -9,6 +9,7 @@ recorded on the model and read back by ``wrapped``.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from typing import Any, Iterable, Optional, Union
 
@@ -17,14 +18,16 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
-from .distributed import choose_device, ensure_process_group, shard_group_size, validate_mesh
-from .engines import engine_named
-from .fp32_modules import KeepFp32Spec, add_cast_hooks, select_fp32
+from .distributed import choose_device, ensure_process_group, expected_world_size, local_world_size
+from .engines import Engine, WrapOptions, engine_named, fsdp_engine, get_wrap_plan, is_fsdp_wrapped, record_wrap
+from .fp32_modules import Fp32Selection, KeepFp32Spec, add_cast_hooks, select_fp32
 from .materialize import materialize_meta_model
 from .optim import snapshot_params, track_fsdp_model
 from .options import (
+    ShardingSpec,
     choose_engine,
     resolve_master_dtype,
+    resolve_mesh_shape,
     resolve_mixed_precision,
     resolve_sharding,
     validate_keep_tail_unsharded,
@@ -32,10 +35,8 @@ from .options import (
     validate_reshard_after_forward,
 )
 from .sharding import apply_activation_checkpointing, apply_compile, cast_to_fp32, cast_to_master
-from .torch_compat import HAS_PARAM_DTYPE_OVERRIDE
 from .unfreeze import guard_unfreezing
-from .wrapped import fsdp_engine, get_wrap_plan, is_fsdp_wrapped, record_wrap
-from .wrapping import BlockSpec, add_fp32_units, build_wrap_plan
+from .wrapping import BlockSpec, WrapPlan, build_wrap_plan
 
 # fsdp_engine, get_wrap_plan, is_fsdp_wrapped: public names that have always been importable from here.
 __all__ = ["fsdp", "fsdp_engine", "get_wrap_plan", "is_fsdp_wrapped"]
@@ -160,6 +161,83 @@ def fsdp(
         optimizer = torch.optim.AdamW(model.parameters())  # after wrapping: DTensor parameters
     """
     # 1. Validate everything first: nothing below may run if an argument is bad.
+    flags = dict(auto_wrap=auto_wrap, cpu_offload=cpu_offload, materialize=materialize)
+    _check_call(model, dict(flags, activation_checkpointing=activation_checkpointing), compile)
+    mp_policy = resolve_mixed_precision(mp)
+    master = resolve_master_dtype(master_dtype)
+    spec = resolve_sharding(shard_strat)
+    shape = resolve_mesh_shape(spec, mesh, replicate_size, expected_world_size(), local_world_size())
+    reshard = validate_reshard_after_forward(reshard_after_forward, shape[-1])
+    keep_tail = validate_keep_tail_unsharded(keep_tail_unsharded)
+    prefetch = validate_prefetch(prefetch)
+    ignored = _ignored_parameters(model, ignored_params, ignored_modules)
+    plan = build_wrap_plan(model, auto_wrap=auto_wrap, transformer_block=TransformerBlock, ignored_params=ignored)
+    fp32 = select_fp32(model, keep_fp32, mp_policy)
+    name = _engine_name(
+        model, spec, mp_policy, mesh_given=mesh is not None, cpu_offload=cpu_offload, ignored=ignored, fp32=fp32
+    )
+    engine = engine_named(name)
+    engine.add_fp32_units(plan, model, fp32.param_names)
+    engine.check(plan, model, master)
+    options = WrapOptions(
+        _check_device(model, device),
+        mp_policy,
+        shape=shape,
+        mesh=mesh,
+        reshard=spec.reshard_after_forward if reshard is None else reshard,
+        cpu_offload=cpu_offload,
+        ignored=frozenset(ignored),
+        keep_tail=keep_tail,
+        prefetch=prefetch,
+        fp32_params=tuple(fp32.param_names),
+    )
+
+    # 2. Environment: a process group (ours only if none exists) and the mesh.
+    ensure_process_group(options.device, cpu_offload=cpu_offload)
+    options = dataclasses.replace(options, mesh=engine.mesh_for(options))
+
+    # 3. Per-block transforms, then sharding bottom-up (or replication), then meta materialization.
+    transforms = dict(activation_checkpointing=activation_checkpointing, compile=compile, materialize=materialize)
+    before = snapshot_params(model)  # weakly: for the "optimizer built before fsdp()" error
+    _shard(model, plan, engine, options, master=master, fp32=fp32, **transforms)
+    record_wrap(
+        model, name, plan, options.device, cpu_offload
+    )  # what fsdp_engine(), get_wrap_plan(), compute_device() read
+    track_fsdp_model(model, before)  # optimizer checks; elementwise optimizers step on local shards (optim/)
+    return model
+
+
+def _shard(
+    model: nn.Module,
+    plan: WrapPlan,
+    engine: Engine,
+    options: WrapOptions,
+    *,
+    master: Optional[torch.dtype],
+    fp32: Fp32Selection,
+    activation_checkpointing: bool,
+    compile: Union[bool, dict],  # noqa: A002 - fsdp()'s keyword
+    materialize: bool,
+) -> None:
+    """``fsdp()``'s changes, in order: per-block checkpointing and compile, the master/fp32 casts, the engine's
+    wrap, fp32 cast hooks, materializing a ``meta`` model, the unfreeze guard."""
+    if activation_checkpointing:
+        apply_activation_checkpointing(plan)
+    if compile:
+        apply_compile(plan, compile)
+    if cast_to_master(model, master) + cast_to_fp32(model, fp32.param_names):
+        plan.recount(model)
+    shard_index = engine.wrap(model, plan, options)
+    add_cast_hooks(model, fp32.cast_modules)
+    plan.notes.extend(fp32.notes)
+    if materialize:
+        offload = options.cpu_offload
+        materialize_meta_model(model, options.device, plan.tied_params, shard_index=shard_index, offload_to_cpu=offload)
+    guard_unfreezing(model, engine.unfreeze_check(model, master))
+
+
+def _check_call(model: Any, flags: dict[str, Any], compile: Any) -> None:  # noqa: A002 - fsdp()'s keyword
+    """``model`` is an unwrapped ``nn.Module``, every flag a bool, ``compile`` a bool or torch.compile options."""
     if not isinstance(model, nn.Module):
         raise ValueError(f"fsdp(): model must be a torch.nn.Module, got {type(model).__name__}.")
     if is_fsdp_wrapped(model):
@@ -167,81 +245,30 @@ def fsdp(
             f"fsdp(): {type(model).__name__} (or one of its submodules) is already wrapped with "
             "FSDP2 (fully_shard) or DDP's engine (replicate). Call fsdp() once, on the unwrapped model."
         )
-    flags = dict(auto_wrap=auto_wrap, cpu_offload=cpu_offload, materialize=materialize)
-    flags.update(activation_checkpointing=activation_checkpointing)
     for name, value in flags.items():
         if not isinstance(value, bool):
             raise ValueError(f"fsdp(): {name}={value!r} is not accepted. Accepted: True or False.")
     _check_compile_options(compile)
-    mp_policy = resolve_mixed_precision(mp)
-    master = resolve_master_dtype(master_dtype)
-    spec = resolve_sharding(shard_strat)
-    if mesh is not None:
-        validate_mesh(spec, mesh)
-        if replicate_size is not None:
-            raise ValueError(
-                f"fsdp(): replicate_size={replicate_size!r} cannot be combined with mesh=: the mesh's "
-                f"shape {tuple(mesh.shape)} already fixes the replicas. Pass one or the other."
-            )
-    reshard = validate_reshard_after_forward(
-        reshard_after_forward, shard_group_size(spec, mesh, replicate_size=replicate_size)
-    )
-    if reshard is None:
-        reshard = spec.reshard_after_forward
-    keep_tail = validate_keep_tail_unsharded(keep_tail_unsharded)
-    prefetch = validate_prefetch(prefetch)
-    ignored = _ignored_parameters(model, ignored_params, ignored_modules)
-    plan = build_wrap_plan(model, auto_wrap=auto_wrap, transformer_block=TransformerBlock, ignored_params=ignored)
-    fp32 = select_fp32(model, keep_fp32, mp_policy)
+
+
+def _engine_name(
+    model: nn.Module,
+    spec: ShardingSpec,
+    mp_policy: MixedPrecisionPolicy,
+    *,
+    mesh_given: bool,
+    cpu_offload: bool,
+    ignored: set[nn.Parameter],
+    fp32: Fp32Selection,
+) -> str:
+    """``options.choose_engine`` for this model and these options."""
     name, _ = choose_engine(
         spec,
         mp_policy,
-        mesh_given=mesh is not None,
+        mesh_given=mesh_given,
         cpu_offload=cpu_offload,
         has_ignored=bool(ignored),
         has_trainable=any(p.requires_grad for p in model.parameters()),
         has_fp32=bool(fp32),
     )
-    if fp32 and name == "fully_shard" and not HAS_PARAM_DTYPE_OVERRIDE:
-        add_fp32_units(plan, model, fp32.param_names)
-    engine = engine_named(name)
-    engine.check(plan, model, master)
-    compute_device = _check_device(model, device)
-
-    # 2. Environment: a process group (ours only if none exists) and the mesh.
-    ensure_process_group(compute_device, cpu_offload=cpu_offload)
-    mesh = engine.mesh_for(spec, compute_device, mesh, replicate_size)
-
-    # 3. Per-block transforms, then sharding bottom-up (or replication), then meta materialization.
-    if activation_checkpointing:
-        apply_activation_checkpointing(plan)
-    if compile:
-        apply_compile(plan, compile)
-    if cast_to_master(model, master) + cast_to_fp32(model, fp32.param_names):
-        plan.recount(model)
-    before = snapshot_params(model)  # weakly: for the "optimizer built before fsdp()" error
-    shard_index = engine.wrap(
-        model,
-        plan,
-        compute_device,
-        mp_policy,
-        mesh,
-        reshard,
-        cpu_offload,
-        ignored,
-        keep_tail,
-        prefetch,
-        fp32_params=fp32.param_names,
-    )
-    add_cast_hooks(model, fp32.cast_modules)
-    plan.notes.extend(fp32.notes)
-    if materialize:
-        materialize_meta_model(
-            model, compute_device, plan.tied_params, shard_index=shard_index, offload_to_cpu=cpu_offload
-        )
-    guard_unfreezing(model, name, master)
-    record_wrap(
-        model, name, plan, compute_device, cpu_offload
-    )  # what fsdp_engine(), get_wrap_plan(), compute_device() read
-    track_fsdp_model(model, before)  # optimizer checks, elementwise optimizers step on local shards (optim/)
-    return model
+    return name

@@ -13,9 +13,9 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.overrides import TorchFunctionMode
 
+from .engines import unwrapped_class
 from .ties import retie
 from .torch_compat import dtensor_random_from_local_generator
-from .wrapped import unwrapped_class
 
 __all__ = ["materialize_meta_model", "move_buffers"]
 

@@ -13,9 +13,7 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 import torch.nn as nn
 
-from .engines import engine_of
-from .engines.fully_shard import restore_fsdp_hooks
-from .engines.replicate import gradient_bucket_bytes, memtracker_categories
+from .engines import engine_of, gradient_bucket_bytes, memtracker_categories, restore_fsdp_hooks
 
 __all__ = [
     "collectives_per_step",

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Optional, Union
 
 import torch
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 __all__ = [
@@ -21,12 +22,16 @@ __all__ = [
     "ShardingSpec",
     "autocast_dtype",
     "choose_engine",
+    "mesh_shape",
+    "resolve_mesh_shape",
     "resolve_master_dtype",
     "stored_dtype",
     "resolve_mixed_precision",
     "resolve_sharding",
     "validate_keep_tail_unsharded",
+    "validate_mesh",
     "validate_prefetch",
+    "validate_replicate_size",
     "validate_reshard_after_forward",
 ]
 
@@ -201,6 +206,106 @@ def choose_engine(
     if autocast is not None:
         return "replicate", "NO_SHARD, bf16: DDP's engine + autocast(bfloat16)"
     return "replicate", "NO_SHARD, fp32: DDP's engine"
+
+
+def validate_replicate_size(
+    spec: ShardingSpec, replicate_size: Optional[int], world_size: int, *, caller: str = "fsdp"
+) -> None:
+    """Check ``replicate_size`` (the number of HYBRID replicas) against ``spec`` and ``world_size``.
+
+    Example:
+        >>> validate_replicate_size(resolve_sharding("HYBRID_SHARD"), 2, 8)
+        >>> validate_replicate_size(resolve_sharding("FULL_SHARD"), 2, 8)
+        Traceback (most recent call last):
+        ValueError: fsdp(): replicate_size=2 only applies to HYBRID_SHARD / HYBRID_SHARD_ZERO2, not FULL_SHARD.
+    """
+    if spec.mesh_ndim == 1:
+        if replicate_size not in (None, 1):
+            raise ValueError(
+                f"{caller}(): replicate_size={replicate_size!r} only applies to HYBRID_SHARD / "
+                f"HYBRID_SHARD_ZERO2, not {spec.name}."
+            )
+    elif spec.replicate_all:
+        if replicate_size not in (None, world_size):
+            raise ValueError(
+                f"{caller}(): replicate_size={replicate_size!r} does not apply to NO_SHARD, which replicates "
+                f"over all {world_size} ranks. Accepted: None or {world_size}."
+            )
+    elif replicate_size is not None and (
+        not isinstance(replicate_size, int) or replicate_size < 1 or world_size % replicate_size != 0
+    ):
+        divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
+        raise ValueError(
+            f"{caller}(): replicate_size={replicate_size!r} must divide the world size {world_size}. Accepted: {divisors}."
+        )
+
+
+def mesh_shape(
+    spec: ShardingSpec,
+    world_size: int,
+    *,
+    local_world_size: Optional[int] = None,
+    replicate_size: Optional[int] = None,
+    caller: str = "fsdp",
+) -> tuple[int, ...]:
+    """The mesh shape ``spec`` needs at ``world_size`` ranks. Pure; raises ``ValueError`` when impossible.
+
+    HYBRID replicates across nodes by default (``world_size // LOCAL_WORLD_SIZE`` groups) and
+    shards within a node; ``replicate_size`` overrides the number of replicas. Error messages
+    start with ``caller``, the public function the user called.
+
+    Example:
+        >>> mesh_shape(resolve_sharding("HYBRID_SHARD"), 16, local_world_size=8)
+        (2, 8)
+    """
+    validate_replicate_size(spec, replicate_size, world_size, caller=caller)
+    if spec.mesh_ndim == 1:
+        return (world_size,)
+    if spec.replicate_all:
+        return (world_size, 1)
+    if replicate_size is None:
+        local = local_world_size or world_size
+        replicate_size = max(1, world_size // local) if world_size % local == 0 else 1
+    return (replicate_size, world_size // replicate_size)
+
+
+def validate_mesh(spec: ShardingSpec, mesh: DeviceMesh) -> None:
+    """A user mesh must have the dimensions ``spec`` shards over (1-D, or 2-D for HYBRID/NO_SHARD)."""
+    if not isinstance(mesh, DeviceMesh):
+        raise ValueError(f"fsdp(): mesh={mesh!r} is not accepted. Accepted: None or a torch DeviceMesh.")
+    if mesh.ndim != spec.mesh_ndim:
+        raise ValueError(
+            f"fsdp(): shard_strat={spec.name!r} needs a {spec.mesh_ndim}-D mesh "
+            f"({'(shard,)' if spec.mesh_ndim == 1 else '(replicate, shard)'}), got a {mesh.ndim}-D "
+            f"mesh of shape {tuple(mesh.shape)}."
+        )
+    if spec.replicate_all and mesh.size(-1) != 1:
+        raise ValueError(f"fsdp(): NO_SHARD needs a mesh of shape (world, 1), got {tuple(mesh.shape)}.")
+
+
+def resolve_mesh_shape(
+    spec: ShardingSpec,
+    mesh: Optional[DeviceMesh],
+    replicate_size: Optional[int],
+    world_size: int,
+    local_world_size: Optional[int] = None,
+) -> tuple[int, ...]:
+    """The mesh shape one ``fsdp()`` call runs on, computed once: the user's ``mesh`` (checked against
+    ``spec``; ``replicate_size`` must then be left out), else ``mesh_shape``.
+
+    Example:
+        >>> resolve_mesh_shape(resolve_sharding("FULL_SHARD"), None, None, 4)
+        (4,)
+    """
+    if mesh is None:
+        return mesh_shape(spec, world_size, local_world_size=local_world_size, replicate_size=replicate_size)
+    validate_mesh(spec, mesh)
+    if replicate_size is not None:
+        raise ValueError(
+            f"fsdp(): replicate_size={replicate_size!r} cannot be combined with mesh=: the mesh's "
+            f"shape {tuple(mesh.shape)} already fixes the replicas. Pass one or the other."
+        )
+    return tuple(mesh.shape)
 
 
 def validate_reshard_after_forward(

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Any, Callable, Iterator, Optional, Sequence, Union
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -16,14 +16,19 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from ..costs import AccumulationCost, accumulation_costs, gradient_wait_dtype, peak_by_device
-from ..distributed import build_mesh
-from ..options import ShardingSpec, stored_dtype
+from ..distributed import init_mesh
+from ..options import stored_dtype
 from ..torch_compat import HAS_PARAM_DTYPE_OVERRIDE, param_mp_policy
-from ..wrapped import compute_device, fsdp_param_groups, fsdp_state
 from ..wrapping import WrapPlan
+from ..wrapping import add_fp32_units as plan_fp32_units
+from .base import PlanTerms, WrapOptions
+from .fsdp2_state import fsdp_param_groups, fsdp_state, refresh_reduce_dtypes
+from .record import compute_device
 
 # Each rank holds its own shard: a parameter's rows come from the rank that owns them.
 REPLICAS_EQUAL = False
+# mp is a MixedPrecisionPolicy (parameters cast at all-gather), never torch.autocast.
+AUTOCAST_MP = False
 
 # torch >= 2.13: FSDP2 can reduce a zero gradient for a parameter this rank did not use. Older
 # releases reduce-scatter only the gradients a rank has, so ranks that used different parameters
@@ -88,63 +93,66 @@ def _check_unused_params(plan: WrapPlan) -> None:
     )
 
 
-def mesh_for(
-    spec: ShardingSpec, device: torch.device, mesh: Optional[DeviceMesh], replicate_size: Optional[int]
-) -> Optional[DeviceMesh]:
-    """The caller's mesh, else the one ``spec`` needs over the default group."""
-    return mesh if mesh is not None else build_mesh(spec, device, replicate_size=replicate_size)
+def add_fp32_units(plan: WrapPlan, model: nn.Module, names: Sequence[str], caller: str = "fsdp") -> None:
+    """fp32 parameters get units of their own where this torch has no per-parameter dtype override
+    (``wrapping.add_fp32_units``); on torch >= 2.15 ``unit_policy`` keeps them fp32 in place."""
+    if names and not HAS_PARAM_DTYPE_OVERRIDE:
+        plan_fp32_units(plan, model, names, caller=caller)
 
 
-def wrap(
-    model: nn.Module,
-    plan: WrapPlan,
-    device: torch.device,
-    mp_policy: MixedPrecisionPolicy,
-    mesh: DeviceMesh,
-    reshard: Union[bool, int],
-    cpu_offload: bool,
-    ignored: set[nn.Parameter],
-    keep_tail: int,
-    prefetch: Optional[int],
-    *,
-    fp32_params: Sequence[str] = (),
-) -> int:
-    """``fully_shard`` every unit bottom-up; returns this rank's index in its shard group.
+def mesh_for(options: WrapOptions) -> Optional[DeviceMesh]:
+    """The caller's mesh, else one of ``options.shape`` (``options.resolve_mesh_shape``) over the default group."""
+    return options.mesh if options.mesh is not None else init_mesh(options.shape, options.device)
+
+
+def wrap(model: nn.Module, plan: WrapPlan, options: WrapOptions) -> int:
+    """``fully_shard`` every unit bottom-up on ``options.mesh``; returns this rank's index in its shard group.
 
     One policy for every unit (FSDP2 does not inherit it). The root and the ``keep_tail`` units
     forward runs last keep their parameters after forward: backward would all-gather them again
     at once. 0-dim parameters, which ``fully_shard`` cannot shard, stay whole. ``fp32_params``
     compute and reduce in fp32 (``unit_policy``).
     """
+    mesh, device = options.mesh, options.device
     scalars = [model.get_parameter(n) for n in plan.scalar_param_names]
+    _shard_units(model, plan, options, set(options.ignored) | set(scalars))
+    _set_prefetch(plan, options.prefetch)
+    for scalar in scalars:  # FSDP does not move them
+        if not scalar.is_meta and scalar.device != device:
+            scalar.data = scalar.data.to(device)
+    _average_whole_grads(model, scalars, mesh)
+    return mesh.get_local_rank(mesh.ndim - 1) if mesh.size(mesh.ndim - 1) > 1 else 0
+
+
+def _shard_units(model: nn.Module, plan: WrapPlan, options: WrapOptions, ignored: set[nn.Parameter]) -> None:
+    """``fully_shard`` each unit, bottom-up, with its policy and reshard setting."""
     # Pinned host memory needs an accelerator; on a CPU-only run offloading is a no-op anyway.
-    offload = CPUOffloadPolicy(pin_memory=device.type != "cpu") if cpu_offload else OffloadPolicy()
-    kept = {id(u) for u in [u for u in plan.backward_order if u.kind != "embedding"][:keep_tail]}
-    fp32_ids = frozenset(id(model.get_parameter(n)) for n in fp32_params)
+    offload = CPUOffloadPolicy(pin_memory=options.device.type != "cpu") if options.cpu_offload else OffloadPolicy()
+    kept = {id(u) for u in [u for u in plan.backward_order if u.kind != "embedding"][: options.keep_tail]}
+    fp32_ids = frozenset(id(model.get_parameter(n)) for n in options.fp32_params)
     for unit in plan.units:
         fully_shard(
             unit.target,
-            mesh=mesh,
-            reshard_after_forward=None if unit.kind == "root" else False if id(unit) in kept else reshard,
-            mp_policy=unit_policy(unit, mp_policy, fp32_ids),
+            mesh=options.mesh,
+            reshard_after_forward=None if unit.kind == "root" else False if id(unit) in kept else options.reshard,
+            mp_policy=unit_policy(unit, options.mp_policy, fp32_ids),
             offload_policy=offload,
-            ignored_params=(ignored | set(scalars)) or None,
+            ignored_params=ignored or None,
         )
         if REDUCES_UNUSED_PARAMS:
             # A parameter this rank did not use (an expert no token reached) reduces a zero gradient,
             # so every rank's reduce-scatter has the same layout. Free when every parameter is used
             # (benchmarks/results/unused_params.md).
             unit.modules[0].set_reduce_scatter_unused_params(True, recurse=False)
+
+
+def _set_prefetch(plan: WrapPlan, prefetch: Optional[int]) -> None:
+    """Each unit all-gathers the next ``prefetch`` units in forward, the previous ones in backward."""
     for order, setter in ((plan.forward_order, "forward"), (plan.backward_order, "backward")):
         for i, unit in enumerate(order if prefetch else ()):
             targets = [u.modules[0] for u in order[i + 1 : i + 1 + prefetch]]
             if targets:
                 getattr(unit.modules[0], f"set_modules_to_{setter}_prefetch")(targets)
-    for scalar in scalars:  # FSDP does not move them
-        if not scalar.is_meta and scalar.device != device:
-            scalar.data = scalar.data.to(device)
-    _average_whole_grads(model, scalars, mesh)
-    return mesh.get_local_rank(mesh.ndim - 1) if mesh.size(mesh.ndim - 1) > 1 else 0
 
 
 def unit_policy(unit: Any, mp_policy: MixedPrecisionPolicy, fp32_ids: frozenset) -> MixedPrecisionPolicy:
@@ -168,6 +176,44 @@ def unit_policy(unit: Any, mp_policy: MixedPrecisionPolicy, fp32_ids: frozenset)
     return dataclasses.replace(
         mp_policy, reduce_dtype=mp_policy.reduce_dtype or torch.float32, param_dtype_override_fn=keep_own_dtype
     )
+
+
+def unfreeze_check(model: nn.Module, master: Optional[torch.dtype]) -> Callable[[], Optional[str]]:
+    """``unfreeze.guard_unfreezing``'s check on FSDP2: a parameter frozen at wrap time in another dtype than
+    it would have had trainable may not be unfrozen; one frozen in that dtype is trained once its unit
+    re-derives its gradient dtypes."""
+    params = dict(model.named_parameters())
+    watched = {}
+    for name, param in params.items():
+        if param.requires_grad or not param.is_floating_point():
+            continue
+        would_be = master if master is not None else param.dtype
+        if param.dtype != would_be:
+            watched[name] = (param, would_be)
+
+    # Frozen at wrap time in the dtype they would have had trainable: FSDP2 trains them once a unit that
+    # had no trainable parameter at its first forward re-derives its gradient dtypes.
+    allowed = [p for n, p in params.items() if not p.requires_grad and p.is_floating_point() and n not in watched]
+    seen_trainable: set[int] = set()
+
+    def check() -> Optional[str]:
+        unfrozen = {id(p) for p in allowed if p.requires_grad} - seen_trainable
+        if unfrozen:
+            refresh_reduce_dtypes(model)
+            seen_trainable.update(unfrozen)
+        for name, (param, would_be) in watched.items():
+            if param.requires_grad:
+                return (
+                    f"{name} was frozen when fsdp() wrapped the model, so it was kept in "
+                    f"{str(param.dtype).replace('torch.', '')} (frozen parameters keep their dtype); trainable, it "
+                    f"would be stored in {str(would_be).replace('torch.', '')}, and its master weight, gradient "
+                    "reduction and optimizer state would not be. Wrap with it trainable (requires_grad=True "
+                    "during fsdp(), then freeze it: parameters frozen after fsdp() can be unfrozen later), or "
+                    f"cast it to {str(would_be).replace('torch.', '')} before fsdp()."
+                )
+        return None
+
+    return check
 
 
 def _param_groups(model: nn.Module) -> list:
@@ -346,19 +392,18 @@ def peak_memory(
 _RESIDENT_KINDS = ("root", "embedding+head")
 
 
-def plan_costs(
-    model: nn.Module, units: list, policy: MixedPrecisionPolicy, reshard: bool, shard_size: int, grads: list, why: str
-) -> tuple[int, int, list[str]]:
+def plan_costs(terms: PlanTerms) -> tuple[int, int, list[str]]:
     """The planner's engine terms: ``(all-gather peak, all-reduces per synced backward, notes)``.
 
     The peak: gathered parameters plus the flat all-gather buffers alive at once (a unit's lives
     until the next unit's copy-out; none with one rank per shard group); units not resharded
     before backward stay (``_RESIDENT_KINDS``, every unit under ZeRO-2).
     """
+    units = terms.units
     if not units:
         return 0, 0, []
-    flat = [u.unsharded_bytes if shard_size > 1 else 0 for u in units]
-    if not reshard:
+    flat = [u.unsharded_bytes if terms.shard_size > 1 else 0 for u in units]
+    if not terms.reshard:
         return sum(u.unsharded_bytes for u in units) + max(flat), 0, []
     resident = sum(u.unsharded_bytes for u in units if u.kind in _RESIDENT_KINDS)
     moments = [0] + [b if u.kind in _RESIDENT_KINDS else u.unsharded_bytes + b for u, b in zip(units, flat)]

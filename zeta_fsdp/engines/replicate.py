@@ -9,22 +9,27 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed._composable.replicate import DDP as ReplicatedModule  # noqa: N811 - torch names the class DDP
 from torch.distributed._composable.replicate import replicate
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from ..costs import AccumulationCost, accumulation_costs, peak_by_device
 from ..options import autocast_dtype
-from ..wrapped import compute_device
+from ..wrapping import WrapPlan
+from .base import PlanTerms, WrapOptions
+from .record import compute_device
 
 # DDP broadcasts rank 0's parameters when it is built, then every rank applies the same averaged
 # gradient: any rank's copy of a parameter is every rank's.
 REPLICAS_EQUAL = True
+# mp="bf16" runs the forward under torch.autocast; parameters, gradients and all-reduce stay fp32.
+AUTOCAST_MP = True
 
 
 def managed(model: nn.Module) -> list[nn.Module]:
@@ -32,15 +37,20 @@ def managed(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if isinstance(m, ReplicatedModule)]
 
 
-def check(plan: Any, model: nn.Module, master: Optional[torch.dtype]) -> None:
+def check(plan: WrapPlan, model: nn.Module, master: Optional[torch.dtype]) -> None:
     """Nothing to refuse: DDP buckets per dtype and has no units."""
 
 
-def mesh_for(*_: Any) -> None:
+def add_fp32_units(plan: WrapPlan, model: nn.Module, names: Sequence[str], caller: str = "fsdp") -> None:
+    """No units: ``options.choose_engine`` never picks DDP's engine for fp32 modules under autocast,
+    and in fp32 every parameter already computes in fp32."""
+
+
+def mesh_for(options: WrapOptions) -> Optional[DeviceMesh]:
     """DDP runs over the default group: no mesh."""
 
 
-def wrap(model: nn.Module, plan: Any, device: torch.device, mp_policy: MixedPrecisionPolicy, *_: Any, **__: Any) -> int:
+def wrap(model: nn.Module, plan: WrapPlan, options: WrapOptions) -> int:
     """Put ``model`` on DDP's engine; ``mp="bf16"`` runs its forward under ``torch.autocast``
     (parameters, gradients and their all-reduce stay fp32: DDP + autocast). Returns 0 (no shard).
 
@@ -48,6 +58,7 @@ def wrap(model: nn.Module, plan: Any, device: torch.device, mp_policy: MixedPrec
     checks every rank's shapes and broadcasts rank 0's parameters; buffers are not broadcast
     (like FSDP2, a BatchNorm's running statistics stay each rank's own).
     """
+    device = options.device
     if not any(t.is_meta for t in model.parameters()):
         model.to(device)
         # DDP would broadcast rank 0's parameters only at the first forward: a save_pretrained, a state dict
@@ -59,10 +70,35 @@ def wrap(model: nn.Module, plan: Any, device: torch.device, mp_policy: MixedPrec
     # and a rank hangs or fails a step later. Its cost is one graph walk and one small all-reduce.
     replicate(model, device_id=device, gradient_as_bucket_view=True, find_unused_parameters=True)
     _quiet_search_notice(model)
-    dtype = autocast_dtype(mp_policy)
+    dtype = autocast_dtype(options.mp_policy)
     if dtype is not None:
         autocast_forward(model, device.type, dtype)
     return 0
+
+
+def unfreeze_check(model: nn.Module, master: Optional[torch.dtype]) -> Callable[[], Optional[str]]:
+    """``unfreeze.guard_unfreezing``'s check on DDP's engine: a parameter frozen when DDP built its
+    all-reduce (the first forward) may not be unfrozen (its gradient would never be averaged)."""
+    frozen: list[tuple[str, nn.Parameter]] = []
+    built = [False]
+
+    def check() -> Optional[str]:
+        if not built[0]:  # DDP's reducer was built by this forward's own pre-hook, which ran before ours
+            frozen.extend((n, p) for n, p in model.named_parameters() if not p.requires_grad)
+            built[0] = True
+            return None
+        for name, param in frozen:
+            if param.requires_grad:
+                return (
+                    f"{name} was frozen at the first forward, when DDP's engine (NO_SHARD) built its gradient "
+                    "all-reduce, and requires a gradient now: its gradient would never be averaged across ranks. "
+                    'Pass a (world, 1) DeviceMesh (fsdp(..., mesh=init_device_mesh(device, (world, 1), mesh_dim_names=("replicate", "shard"))): FSDP2\'s '
+                    "engine, where unfreezing works), or keep it trainable through the first step and freeze "
+                    "it after."
+                )
+        return None
+
+    return check
 
 
 def broadcast_parameters(model: nn.Module) -> None:
@@ -254,18 +290,16 @@ def _autocast_copies(model: nn.Module, policy: MixedPrecisionPolicy) -> int:
     return sum(p.numel() * dtype.itemsize for p in cast if p.requires_grad and p.is_floating_point())
 
 
-def plan_costs(
-    model: nn.Module, units: list, policy: MixedPrecisionPolicy, reshard: bool, shard_size: int, grads: list, why: str
-) -> tuple[int, int, list[str]]:
+def plan_costs(terms: PlanTerms) -> tuple[int, int, list[str]]:
     """The planner's engine terms: ``(all-gather peak, all-reduces per synced backward, notes)``.
 
     Nothing is gathered: DDP computes with the parameters themselves; under autocast the
     low-precision weight copies stand in the all-gather's place. A planned model has not run, so
     it is counted as one that uses every parameter (no unused-parameter search).
     """
-    copies = _autocast_copies(model, policy)
+    copies = _autocast_copies(terms.model, terms.policy)
     notes = [
-        f"engine: replicate ({why}): plain tensor parameters used in place, gradients are views "
+        f"engine: replicate ({terms.why}): plain tensor parameters used in place, gradients are views "
         "of DDP's all-reduce buckets (no second copy)"
     ]
     if copies:
@@ -273,7 +307,7 @@ def plan_costs(
             f"autocast: {copies:,} bytes of low-precision copies of Linear/conv weights, cached for "
             "the forward and kept by autograd until backward (in 'all-gather peak')"
         )
-    return copies, all_reduces(grads), notes
+    return copies, all_reduces(terms.grads), notes
 
 
 def plan_accumulation(plan: Any, micro_batches: int) -> dict[str, AccumulationCost]:

@@ -21,11 +21,11 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from ..distributed import choose_device
+from ..engines import compute_device, fsdp_engine, shard_device
 from ..materialize import move_buffers
 from ..state_dict import CheckpointError
-from ..state_dict.checks import describe_mismatch, on_all_ranks, short_list
+from ..state_dict.checks import checkpoint_on_all_ranks, describe_mismatch, short_list
 from ..ties import retie
-from ..wrapped import compute_device, fsdp_engine, shard_device
 from .files import TensorEntry, read_checkpoint_index, read_rows
 from .naming import KeyPlan, is_hf_model, map_checkpoint_keys, saved_aliases
 
@@ -204,7 +204,7 @@ def load_pretrained(model: nn.Module, path: Union[str, os.PathLike], *, strict: 
     for m in model.modules():  # shards registered, not unsharded parameters left by a forward
         if isinstance(m, FSDPModule):
             m.reshard()
-    entries, plan, tensors, aliases = on_all_ranks(lambda: _check(model, path, strict))
+    entries, plan, tensors, aliases = checkpoint_on_all_ranks(lambda: _check(model, path, strict))
 
     def fill() -> None:
         nonlocal tensors
@@ -245,7 +245,7 @@ def load_pretrained(model: nn.Module, path: Union[str, os.PathLike], *, strict: 
             for fd in fds.values():
                 os.close(fd)
 
-    on_all_ranks(fill)  # an allocation or I/O error on one rank raises on all (no peer left waiting)
+    checkpoint_on_all_ranks(fill)  # an allocation or I/O error on one rank raises on all (no peer left waiting)
     left = [k for k, t in tensors.items() if t.is_meta]
     if left:
         raise CheckpointError(f"{_CALLER}: these tensors are still on the meta device: {short_list(left)}")

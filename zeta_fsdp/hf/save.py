@@ -21,10 +21,9 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from ..distributed import get_rank as rank
 from ..distributed import get_world_size as world
-from ..engines import engine_of
+from ..engines import engine_of, unwrapped_class
 from ..files import incomplete_path
-from ..state_dict.checks import CheckpointError, on_all_ranks
-from ..wrapped import unwrapped_class
+from ..state_dict.checks import CheckpointError, checkpoint_on_all_ranks
 from .files import (
     DTYPES,
     INDEX_NAME,
@@ -278,15 +277,15 @@ def save_pretrained(
         if isinstance(m, FSDPModule):
             m.reshard()
     try:
-        tensors, saved, layout, where, plans = on_all_ranks(prepare)
+        tensors, saved, layout, where, plans = checkpoint_on_all_ranks(prepare)
 
         def write() -> None:
             _write_data(model, tensors, saved, where, plans, tmp, dtype)
             if rank() == world() - 1:  # rank 0 created the files (and writes every plain buffer)
                 write_metadata(model, tmp, layout, where, dtype)
 
-        on_all_ranks(write)
-        on_all_ranks(lambda: publish_staged(tmp, path) if rank() == 0 else None)
+        checkpoint_on_all_ranks(write)
+        checkpoint_on_all_ranks(lambda: publish_staged(tmp, path) if rank() == 0 else None)
     finally:
         for made in staged:  # rank 0: removes what a refused or failed save left, releases the path's lock
             end_staging(made)

@@ -22,9 +22,9 @@ try:
 except ImportError as e:  # pragma: no cover - the extra is installed in CI
     raise ImportError("zeta_fsdp.integrations needs accelerate: pip install 'zeta-fsdp[hf]'") from e
 
+from ..engines import engine_named, fsdp_engine, fsdp_param_groups, is_fsdp_wrapped
 from ..torch_compat import param_mp_policy
 from ..training import clip_grad_norm_, no_sync
-from ..wrapped import fsdp_engine, fsdp_param_groups, is_fsdp_wrapped
 
 __all__ = ["FSDPAccelerator", "check_precision", "compute_dtype"]
 
@@ -67,7 +67,8 @@ def check_precision(model: nn.Module, mixed_precision: str, setting: str) -> boo
             f"zeta_fsdp: {setting} asks for mixed precision {mixed_precision!r}, which a model sharded by fsdp() "
             "cannot take from accelerate. Set it once, in fsdp(model, mp='bf16'), and leave it off here."
         )
-    if fsdp_engine(model) == "replicate" and wanted == torch.bfloat16:
+    engine = fsdp_engine(model)
+    if engine is not None and engine_named(engine).AUTOCAST_MP and wanted == torch.bfloat16:
         return True  # the same torch.autocast(bf16) the engine's own mp="bf16" runs: one mechanism
     has = compute_dtype(model)
     if wanted == torch.bfloat16 and has == torch.bfloat16:

@@ -37,10 +37,10 @@ except ImportError as e:  # pragma: no cover - the extra is installed in CI
         "zeta_fsdp.integrations.trainer needs transformers and accelerate: pip install 'zeta-fsdp[hf]'"
     ) from e
 
+from ..engines import fsdp_engine, is_fsdp_wrapped
 from ..hf import load_pretrained, save_pretrained
 from ..hf.adapters import save_adapters
 from ..state_dict import load_checkpoint, save_checkpoint
-from ..wrapped import fsdp_engine, is_fsdp_wrapped
 from .accelerator import FSDPAccelerator, check_precision
 
 __all__ = ["CHECKPOINT_DIR", "FSDPTrainer", "FSDPTrainerMixin", "check_trainer_args"]

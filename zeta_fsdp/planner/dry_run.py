@@ -22,9 +22,9 @@ import torch
 import torch.nn as nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
-from ..distributed import expected_world_size, fake_process_group, mesh_shape, without_launcher_env
-from ..options import resolve_master_dtype, resolve_mixed_precision, resolve_sharding
-from ..wrapped import fsdp_param_groups
+from ..distributed import expected_world_size, fake_process_group, without_launcher_env
+from ..engines import fsdp_param_groups
+from ..options import mesh_shape, resolve_master_dtype, resolve_mixed_precision, resolve_sharding
 from ..wrapping import BlockSpec, block_specs
 
 __all__ = ["DryRunResult", "dry_run", "dry_run_batch", "dry_run_job", "dtype_name", "resolve_world_and_mesh"]

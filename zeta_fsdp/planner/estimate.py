@@ -17,24 +17,21 @@ the engine is the engine's (``engines``); ``dry_run()`` checks the bytes against
 
 from __future__ import annotations
 
-import itertools
 import math
 from collections import Counter
-from dataclasses import asdict, dataclass, field
-from typing import Any, Iterable, Optional, Union
+from typing import Any, Iterable, Optional, Sequence, Union
 
 import torch
 import torch.nn as nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
-from ..costs import AccumulationCost, accumulation_costs, accumulation_table, gradient_wait_dtype
-from ..engines import engine_named
+from ..costs import accumulation_costs, gradient_wait_dtype
+from ..engines import PlanTerms, engine_named
 from ..fp32_modules import KeepFp32Spec, select_fp32
 from ..options import choose_engine, resolve_master_dtype, resolve_mixed_precision, resolve_sharding, stored_dtype
-from ..report import format_bytes, render_table
-from ..torch_compat import HAS_PARAM_DTYPE_OVERRIDE
-from ..wrapping import BlockSpec, WrapUnit, add_fp32_units, build_wrap_plan
-from .dry_run import DryRunResult, dry_run_batch, dry_run_job, dtype_name, resolve_world_and_mesh
+from ..wrapping import BlockSpec, WrapUnit, build_wrap_plan
+from .dry_run import dry_run_batch, dry_run_job, dtype_name, resolve_world_and_mesh
+from .memory_plan import MemoryPlan, UnitEstimate
 
 __all__ = ["OPTIMIZERS", "MemoryPlan", "UnitEstimate", "plan"]
 
@@ -42,238 +39,6 @@ __all__ = ["OPTIMIZERS", "MemoryPlan", "UnitEstimate", "plan"]
 OPTIMIZERS: dict[str, int] = {"adamw": 2, "adam": 2, "none": 0}
 # Adam's ``step`` is a 0-d float32 tensor per parameter (torch's default scalar dtype).
 _STEP_BYTES = 4
-
-
-@dataclass(frozen=True)
-class UnitEstimate:
-    """One FSDP unit's parameters and its per-rank bytes (for the plan's ``rank``).
-
-    Attributes:
-        name, kind: as in ``wrapping.WrapUnit`` (``"block"``, ``"embedding+head"``, ``"root"``, ...).
-        num_params: parameter tensors the unit owns; numel: their elements (unsharded).
-        unsharded_bytes: the unit's all-gather output (``shard_size * padded rows``, compute dtype).
-        param_bytes: sharded parameter storage on the rank (padded rows: the same on every rank).
-        local_param_bytes: the logical local shard (what ``DTensor.to_local()`` holds on the rank).
-        grad_bytes: sharded gradient storage (padded rows, parameter dtype).
-        optimizer_bytes: optimizer state on the rank (unpadded local shard).
-        unsharded_grad_bytes: the unsharded gradients ``no_sync(defer="all")`` keeps (reduce dtype).
-        partial_grad_bytes: the reduce-scattered sum ``no_sync(defer="all_reduce")`` keeps
-            (padded rows, reduce dtype).
-
-    Example:
-        >>> from zeta_fsdp.models.gpt import small
-        >>> with torch.device("meta"): model = small()  # the demo GPT, nothing allocated
-        >>> plan(model, world_size=8).units[0].param_bytes
-        5796
-    """
-
-    name: str
-    kind: str
-    num_params: int
-    numel: int
-    unsharded_bytes: int = 0
-    param_bytes: int = 0
-    local_param_bytes: int = 0
-    grad_bytes: int = 0
-    optimizer_bytes: int = 0
-    unsharded_grad_bytes: int = 0
-    partial_grad_bytes: int = 0
-
-
-def _units_total(attribute: str, doc: str, example: int, plus: str = "") -> property:
-    """A ``MemoryPlan`` property: ``attribute`` summed over the units, plus the plan's ``plus`` if named
-    (ignored parameters, kept whole); ``example``: its value for the demo GPT at 2 ranks."""
-
-    def total(self: MemoryPlan) -> int:
-        return sum(getattr(u, attribute) for u in self.units) + (getattr(self, plus) if plus else 0)
-
-    doc += f"""
-
-        Example:
-            >>> from zeta_fsdp.models.gpt import small
-            >>> with torch.device("meta"): model = small()  # the demo GPT, nothing allocated
-            >>> plan(model, world_size=2).{attribute}
-            {example}
-        """
-    return property(total, doc=doc)
-
-
-@dataclass
-class MemoryPlan:
-    """Per-rank memory estimate of ``fsdp(model, ...)`` at ``world_size`` ranks; see ``plan()``.
-
-    The totals exclude activations (they depend on batch size and sequence length).
-
-    Example:
-        >>> from zeta_fsdp.models.gpt import small
-        >>> with torch.device("meta"): model = small()  # the demo GPT, nothing allocated
-        >>> p = plan(model, world_size=64, shard_strat="HYBRID_SHARD")
-        >>> p.param_bytes, p.grad_bytes, p.optimizer_bytes, p.allgather_peak_bytes
-        (18260, 18260, 36668, 99712)
-    """
-
-    model_name: str
-    model_bytes: int
-    world_size: int
-    rank: int
-    strategy: str
-    mesh_shape: tuple[int, ...]
-    mp: str
-    optimizer: str
-    reshard_after_forward: bool
-    units: list[UnitEstimate]
-    ignored_param_names: list[str]
-    ignored_bytes: int
-    ignored_optimizer_bytes: int
-    allgather_peak_bytes: int
-    dry_run: Optional[DryRunResult] = None
-    notes: list[str] = field(default_factory=list)
-    # What the sharded floating-point parameters are stored in (``fsdp(master_dtype=)``) and so
-    # what AdamW's state is kept in; "mixed: ..." when the model keeps several dtypes.
-    master_dtype: str = "float32"
-    optimizer_state_dtype: str = "float32"
-    # ``options.choose_engine``: "fully_shard" (FSDP2), or "replicate" (NO_SHARD on DDP's engine).
-    engine: str = "fully_shard"
-    # plan(micro_batches=K): the report compares the ways of accumulating K micro-batches.
-    micro_batches: Optional[int] = None
-    # DDP's engine: all-reduces per synced backward (``engines.replicate.all_reduces``).
-    ddp_all_reduce_count: int = 0
-
-    @property
-    def shard_size(self) -> int:
-        """Ranks one parameter is sharded over (the last mesh dimension).
-
-        Example:
-            >>> from zeta_fsdp.models.gpt import small
-            >>> with torch.device("meta"): model = small()  # the demo GPT, nothing allocated
-            >>> plan(model, world_size=64, shard_strat="HYBRID_SHARD").shard_size  # 8 x 8 mesh
-            8
-        """
-        return self.mesh_shape[-1]
-
-    # Sums over the units; ignored parameters (kept whole on every rank) are added to the byte figures.
-    numel = _units_total("numel", "Parameters of the model (tied ones once).", 34950)
-    param_bytes = _units_total("param_bytes", "Sharded parameter storage per rank.", 69960, "ignored_bytes")
-    local_param_bytes = _units_total("local_param_bytes", "Logical local shards per rank.", 69960, "ignored_bytes")
-    grad_bytes = _units_total("grad_bytes", "Sharded gradient storage per rank.", 69960, "ignored_bytes")
-    optimizer_bytes = _units_total("optimizer_bytes", "Optimizer state per rank.", 140068, "ignored_optimizer_bytes")
-
-    @property
-    def total_bytes(self) -> int:
-        """Parameters + gradients + optimizer state + all-gather peak (no activations).
-
-        Example:
-            >>> from zeta_fsdp.models.gpt import small
-            >>> with torch.device("meta"): model = small()  # the demo GPT, nothing allocated
-            >>> p = plan(model, world_size=2)
-            >>> p.total_bytes == p.param_bytes + p.grad_bytes + p.optimizer_bytes + p.allgather_peak_bytes
-            True
-        """
-        return self.param_bytes + self.grad_bytes + self.optimizer_bytes + self.allgather_peak_bytes
-
-    def accumulation(self, micro_batches: Optional[int] = None) -> dict[str, AccumulationCost]:
-        """What each way of accumulating ``micro_batches`` (default: the plan's, else 4) costs the rank.
-
-        Keys ``"sync"`` (reduce every micro-batch), ``"all"`` and ``"all_reduce"``
-        (``no_sync(defer=...)``); values ``training.AccumulationCost``: the gradient bytes held
-        between micro-batches and the gradient collectives per K micro-batches, all units.
-
-        Example:
-            >>> from zeta_fsdp.models.gpt import small
-            >>> with torch.device("meta"): model = small()  # the demo GPT, nothing allocated
-            >>> costs = plan(model, world_size=4, shard_strat="HYBRID_SHARD", replicate_size=2).accumulation(3)
-            >>> costs["all"].grad_bytes, costs["all_reduce"].grad_bytes, costs["all_reduce"].reduce_scatters
-            (139800, 69960, 12)
-        """
-        k = micro_batches if micro_batches is not None else (self.micro_batches or 4)
-        return engine_named(self.engine).plan_accumulation(self, k)
-
-    @property
-    def dry_run_matches(self) -> Optional[bool]:
-        """``True``/``False`` once a dry run is attached: do its parameter bytes equal the plan's?
-
-        ``None`` without a dry run (``plan(..., dry_run=False)``, the default).
-
-        Example:
-            plan(model, world_size=8, dry_run=True).dry_run_matches
-            # -> True
-        """
-        if self.dry_run is None:
-            return None
-        return (self.dry_run.param_bytes, self.dry_run.local_param_bytes) == (self.param_bytes, self.local_param_bytes)
-
-    def to_dict(self) -> dict[str, Any]:
-        """Plain JSON-ready data: every figure in bytes, totals included.
-
-        Example:
-            >>> from zeta_fsdp.models.gpt import small
-            >>> with torch.device("meta"): model = small()  # the demo GPT, nothing allocated
-            >>> data = plan(model, world_size=2).to_dict()
-            >>> data["param_bytes"], data["total_bytes"], data["dry_run"]
-            (69960, 375508, None)
-        """
-        data = asdict(self)
-        totals = ("shard_size", "numel", "param_bytes", "local_param_bytes", "grad_bytes", "optimizer_bytes")
-        data.update({name: getattr(self, name) for name in (*totals, "total_bytes", "dry_run_matches")})
-        return data
-
-    def report(self) -> str:
-        """A printable report: the job, one row per unit (identical blocks folded), per-rank totals.
-
-        Example:
-            >>> from zeta_fsdp.models.gpt import small
-            >>> with torch.device("meta"): model = small()  # the demo GPT, nothing allocated
-            >>> print(plan(model, world_size=2).report())  # doctest: +ELLIPSIS
-            GPT: 34,950 parameters (136.52 KiB unsharded)
-            FULL_SHARD on 2 ranks: mesh 2 (parameters sharded over 2), mp=fp32 (no casting), optimizer=adamw
-            ...
-        """
-        mesh = "x".join(str(s) for s in self.mesh_shape)
-        lines = [
-            f"{self.model_name}: {self.numel:,} parameters ({format_bytes(self.model_bytes)} unsharded)",
-            f"{self.strategy} on {self.world_size} ranks: mesh {mesh} (parameters sharded over {self.shard_size}), "
-            f"mp={self.mp}, optimizer={self.optimizer}",
-            f"master weights {self.master_dtype}, optimizer state "
-            + (self.optimizer_state_dtype if self.optimizer != "none" else "none"),
-            f"per-rank figures for rank {self.rank}"
-            + (" (the largest shard: FSDP2 pads dim 0 to ceil(dim0 / shard size) rows)" if self.rank == 0 else ""),
-            "",
-        ]
-        header = ("unit", "kind", "params", "numel", "all-gathered", "shard/rank")
-        rows = [header]
-        # runs of identical consecutive units (the blocks of a transformer): one row each
-        keys = ("kind", "num_params", "numel", "unsharded_bytes", "param_bytes", "grad_bytes", "optimizer_bytes")
-        for _, run in itertools.groupby(self.units, key=lambda u: tuple(getattr(u, k) for k in keys)):
-            first, *rest = run
-            name = f"{first.name} .. {rest[-1].name} (x{len(rest) + 1})" if rest else first.name
-            sizes = (f"{first.numel:,}", format_bytes(first.unsharded_bytes), format_bytes(first.param_bytes))
-            rows.append((name, first.kind, str(first.num_params), *sizes))
-        lines += render_table(rows, align="llrrrr").splitlines()
-        lines += [
-            "",
-            f"  parameters (sharded)        {format_bytes(self.param_bytes):>12}",
-            f"  gradients (sharded)         {format_bytes(self.grad_bytes):>12}",
-            f"  optimizer state ({self.optimizer:<5})     {format_bytes(self.optimizer_bytes):>12}",
-            f"  all-gather peak             {format_bytes(self.allgather_peak_bytes):>12}",
-            f"  total, without activations  {format_bytes(self.total_bytes):>12}",
-        ]
-        if self.ignored_param_names:
-            lines.append(f"  ({len(self.ignored_param_names)} ignored parameter(s) kept whole on every rank)")
-        if self.micro_batches:
-            lines += ["", *accumulation_table(self.accumulation(), self.micro_batches).splitlines()]
-        lines += [f"note: {n}" for n in self.notes]
-        if self.dry_run is not None:
-            d = self.dry_run
-            verdict = "matches the plan" if self.dry_run_matches else "DOES NOT match the plan"
-            lines += [
-                "",
-                f"dry run: real fsdp() on a meta copy, fake process group of {d.world_size} ranks (rank {d.rank}, "
-                f"engine={self.engine}, mesh {'x'.join(str(s) for s in d.mesh_shape)}): wrap {d.wrap_seconds:.2f} s, "
-                f"{d.num_units} FSDP units",
-                f"  sharded parameter bytes on rank {d.rank}: {d.param_bytes:,} (logical {d.local_param_bytes:,}) "
-                f"-> {verdict} ({self.param_bytes:,} / {self.local_param_bytes:,})",
-            ]
-        return "\n".join(lines)
 
 
 def _shard_geometry(param: torch.Tensor, shard_size: int, shard_rank: int) -> tuple[int, int, int]:
@@ -327,51 +92,22 @@ def plan(
         >>> p.mesh_shape, p.param_bytes
         ((128, 8), 18260)
     """
-    if not isinstance(model, nn.Module):
-        raise ValueError(f"plan(): model must be a torch.nn.Module, got {type(model).__name__}.")
-    if optimizer not in OPTIMIZERS:
-        raise ValueError(f"plan(): unknown optimizer={optimizer!r}. Accepted: {', '.join(map(repr, OPTIMIZERS))}.")
-    if micro_batches is not None:
-        accumulation_costs(micro_batches, sharded=0, unsharded=0, partial=0, reduce_scatter_units=0, all_reduce_units=0)
-    policy = resolve_mixed_precision(mp, caller="plan")
-    master = resolve_master_dtype(master_dtype, caller="plan")
-    spec = resolve_sharding(shard_strat, caller="plan")
-    world_size, shape = resolve_world_and_mesh(spec, world_size, replicate_size, local_world_size, "plan")
-    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
-        raise ValueError(f"plan(): rank={rank!r} is not accepted. Accepted: an int in [0, {world_size - 1}].")
-    shard_size = shape[-1]
-    shard_rank = rank % shard_size  # meshes are row-major: (replicate, shard)
+    _check_plan_args(model, optimizer, micro_batches)
+    policy, master, spec = _resolve_options(mp, master_dtype, shard_strat)
+    world_size, shape = _world_and_mesh(spec, world_size, replicate_size, local_world_size, rank)
     ignored = set(ignored_params or ())
     wrap = build_wrap_plan(
         model, auto_wrap=auto_wrap, transformer_block=TransformerBlock, ignored_params=ignored, caller="plan"
     )
-    params = dict(model.named_parameters())
-    n_state = OPTIMIZERS[optimizer]
+    params, n_state = dict(model.named_parameters()), OPTIMIZERS[optimizer]
     fp32 = select_fp32(model, keep_fp32, policy, caller="plan")
-    has_trainable = any(p.requires_grad for p in params.values())
-    engine, why = choose_engine(
-        spec, policy, has_ignored=bool(ignored), has_trainable=has_trainable, has_fp32=bool(fp32)
-    )
-    if fp32 and engine == "fully_shard" and not HAS_PARAM_DTYPE_OVERRIDE:
-        add_fp32_units(wrap, model, fp32.param_names, caller="plan")
-
-    stored = {name: stored_dtype(p, master) for name, p in params.items()}  # what fsdp(master_dtype=) keeps
-    kept = set(fp32.param_names)
-    stored.update({n: torch.float32 for n in kept if params[n].is_floating_point()})
-    units = [_estimate_unit(u, params, stored, policy, shard_size, shard_rank, n_state, kept) for u in wrap.units]
-    grads = [(stored[n], p.numel() * stored[n].itemsize) for n, p in params.items() if p.requires_grad]
-    terms = (model, units, policy, spec.reshard_after_forward, shard_size, grads, why)
-    peak, all_reduces, notes = engine_named(engine).plan_costs(*terms)
-    # Ignored parameters stay whole (and unsharded) on every rank, as do their gradients.
-    ignored_sizes = {n: params[n].numel() * stored[n].itemsize for n in wrap.ignored_param_names}
-    ignored_bytes = sum(ignored_sizes.values())
-    ignored_state = sum(
-        n_state * b + _STEP_BYTES for n, b in ignored_sizes.items() if n_state and params[n].requires_grad
-    )
-    names = sorted({dtype_name(stored[n]) for n, p in params.items() if p.is_floating_point()})
-    stored_label = names[0] if len(names) == 1 else ("mixed: " + ", ".join(names) if names else "none")
-    casts = policy.param_dtype is not None or policy.reduce_dtype is not None
-    mp_label = f"compute {dtype_name(policy.param_dtype)}, reduce {dtype_name(policy.reduce_dtype)}"
+    engine, why = _choose_engine(model, wrap, spec, policy, ignored, fp32)
+    stored = _stored_dtypes(params, master, fp32.param_names)
+    shard = (shape[-1], rank % shape[-1])  # meshes are row-major: (replicate, shard)
+    units = [_estimate_unit(u, params, stored, policy, *shard, n_state, set(fp32.param_names)) for u in wrap.units]
+    peak, all_reduces, notes = _engine_terms(engine, why, model, units, policy, spec, shape[-1], stored)
+    ignored_bytes, ignored_state = _ignored_bytes(wrap, params, stored, n_state)
+    stored_label = _stored_label(params, stored)
     result = MemoryPlan(
         model_name=type(model).__name__,
         model_bytes=wrap.nbytes + ignored_bytes,
@@ -379,7 +115,7 @@ def plan(
         rank=rank,
         strategy=spec.name,
         mesh_shape=tuple(shape),
-        mp=mp_label if casts else "fp32 (no casting)",
+        mp=_mp_label(policy),
         optimizer=optimizer,
         reshard_after_forward=spec.reshard_after_forward,
         units=units,
@@ -394,23 +130,129 @@ def plan(
         ddp_all_reduce_count=all_reduces,
         notes=notes,
     )
+    _add_notes(result, params, wrap.notes)
+    if dry_run:  # (the flag shadows the function dry_run(): call what it calls)
+        result.dry_run = _dry_run(model, result, policy, auto_wrap, TransformerBlock, wrap, master)
+    return result
+
+
+def _dry_run(
+    model: nn.Module,
+    result: MemoryPlan,
+    policy: MixedPrecisionPolicy,
+    auto_wrap: bool,
+    block: BlockSpec,
+    wrap: Any,
+    master: Optional[torch.dtype],
+) -> Any:
+    """``plan(dry_run=True)``: the real ``fsdp()`` on a meta copy, as ``result``'s rank of its job."""
+    replicas = result.mesh_shape[0] if len(result.mesh_shape) == 2 else None
+    args = (result.world_size, result.strategy, policy, auto_wrap, block, result.rank, replicas)
+    job = dry_run_job(*args, ignored_param_names=wrap.ignored_param_names, master_dtype=master)
+    return dry_run_batch(model, [job])[0]
+
+
+def _world_and_mesh(
+    spec: Any, world_size: Optional[int], replicate_size: Optional[int], local_world_size: Optional[int], rank: Any
+) -> tuple[int, tuple[int, ...]]:
+    """``resolve_world_and_mesh``, and ``rank`` checked against the world size."""
+    world_size, shape = resolve_world_and_mesh(spec, world_size, replicate_size, local_world_size, "plan")
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
+        raise ValueError(f"plan(): rank={rank!r} is not accepted. Accepted: an int in [0, {world_size - 1}].")
+    return world_size, shape
+
+
+def _choose_engine(
+    model: nn.Module, wrap: Any, spec: Any, policy: MixedPrecisionPolicy, ignored: set, fp32: Any
+) -> tuple[str, str]:
+    """The engine ``fsdp()`` would pick, and why (``options.choose_engine``); its fp32 units added to ``wrap``."""
+    trainable = any(p.requires_grad for p in model.parameters())
+    engine, why = choose_engine(spec, policy, has_ignored=bool(ignored), has_trainable=trainable, has_fp32=bool(fp32))
+    engine_named(engine).add_fp32_units(wrap, model, fp32.param_names, caller="plan")
+    return engine, why
+
+
+def _engine_terms(
+    engine: str,
+    why: str,
+    model: nn.Module,
+    units: list[UnitEstimate],
+    policy: MixedPrecisionPolicy,
+    spec: Any,
+    shard_size: int,
+    stored: dict[str, torch.dtype],
+) -> tuple[int, int, list[str]]:
+    """The engine's terms (``Engine.plan_costs``): all-gather peak, all-reduces per synced backward, notes."""
+    grads = [(stored[n], p.numel() * stored[n].itemsize) for n, p in model.named_parameters() if p.requires_grad]
+    terms = PlanTerms(model, units, policy, spec.reshard_after_forward, shard_size, grads, why)
+    return engine_named(engine).plan_costs(terms)
+
+
+def _resolve_options(
+    mp: Union[str, MixedPrecisionPolicy], master_dtype: Union[str, torch.dtype, None], shard_strat: Any
+) -> tuple[MixedPrecisionPolicy, Optional[torch.dtype], Any]:
+    """``fsdp()``'s options as ``fsdp()`` resolves them, errors naming ``plan()``."""
+    policy = resolve_mixed_precision(mp, caller="plan")
+    master = resolve_master_dtype(master_dtype, caller="plan")
+    return policy, master, resolve_sharding(shard_strat, caller="plan")
+
+
+def _check_plan_args(model: Any, optimizer: str, micro_batches: Optional[int]) -> None:
+    """``plan()``'s own arguments (the options ``fsdp()`` shares are checked by their resolvers)."""
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"plan(): model must be a torch.nn.Module, got {type(model).__name__}.")
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"plan(): unknown optimizer={optimizer!r}. Accepted: {', '.join(map(repr, OPTIMIZERS))}.")
+    if micro_batches is not None:
+        accumulation_costs(micro_batches, sharded=0, unsharded=0, partial=0, reduce_scatter_units=0, all_reduce_units=0)
+
+
+def _ignored_bytes(
+    wrap: Any, params: dict[str, nn.Parameter], stored: dict[str, torch.dtype], n_state: int
+) -> tuple[int, int]:
+    """(parameter bytes, optimizer bytes) of the ignored parameters: whole (unsharded) on every rank, as are
+    their gradients."""
+    sizes = {n: params[n].numel() * stored[n].itemsize for n in wrap.ignored_param_names}
+    state = sum(n_state * b + _STEP_BYTES for n, b in sizes.items() if n_state and params[n].requires_grad)
+    return sum(sizes.values()), state
+
+
+def _stored_dtypes(
+    params: dict[str, nn.Parameter], master: Optional[torch.dtype], fp32_names: Sequence[str]
+) -> dict[str, torch.dtype]:
+    """What ``fsdp(master_dtype=)`` stores each parameter in; fp32 modules' parameters in fp32."""
+    stored = {name: stored_dtype(p, master) for name, p in params.items()}
+    stored.update({n: torch.float32 for n in fp32_names if params[n].is_floating_point()})
+    return stored
+
+
+def _mp_label(policy: MixedPrecisionPolicy) -> str:
+    """The policy in words: compute and reduce dtypes, or no casting."""
+    if policy.param_dtype is None and policy.reduce_dtype is None:
+        return "fp32 (no casting)"
+    return f"compute {dtype_name(policy.param_dtype)}, reduce {dtype_name(policy.reduce_dtype)}"
+
+
+def _stored_label(params: dict[str, nn.Parameter], stored: dict[str, torch.dtype]) -> str:
+    """The dtype floating-point parameters are stored in: one name, ``"mixed: ..."`` or ``"none"``."""
+    names = sorted({dtype_name(stored[n]) for n, p in params.items() if p.is_floating_point()})
+    return names[0] if len(names) == 1 else ("mixed: " + ", ".join(names) if names else "none")
+
+
+def _add_notes(result: MemoryPlan, params: dict[str, nn.Parameter], wrap_notes: list[str]) -> None:
+    """The plan's notes after the engine's: frozen parameters, the wrap plan's own, dim-0 padding."""
     frozen = [p for p in params.values() if not p.requires_grad]
     if frozen:
         result.notes.append(
             f"{len(frozen)} frozen parameter(s) ({sum(p.numel() for p in frozen):,} elements) are stored in their "
             "own dtype, sharded, with no gradient and no optimizer state"
         )
-    result.notes.extend(wrap.notes)
-    if any(u.param_bytes != u.local_param_bytes for u in units):
+    result.notes.extend(wrap_notes)
+    if any(u.param_bytes != u.local_param_bytes for u in result.units):
         result.notes.append(
-            f"dim-0 padding: each rank stores {result.param_bytes:,} parameter bytes; rank {rank}'s logical "
+            f"dim-0 padding: each rank stores {result.param_bytes:,} parameter bytes; rank {result.rank}'s logical "
             f"shard is {result.local_param_bytes:,} (optimizer state follows the logical shard)"
         )
-    if dry_run:  # (the flag shadows the function dry_run(): call what it calls)
-        args = (world_size, spec.name, policy, auto_wrap, TransformerBlock, rank, shape[0] if len(shape) == 2 else None)
-        job = dry_run_job(*args, ignored_param_names=wrap.ignored_param_names, master_dtype=master)
-        result.dry_run = dry_run_batch(model, [job])[0]
-    return result
 
 
 def _estimate_unit(

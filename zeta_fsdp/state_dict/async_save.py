@@ -21,7 +21,7 @@ from torch.distributed.tensor import DTensor
 from ..distributed import get_rank, get_world_size, is_distributed
 from ..files import PathLock, incomplete_path
 from .checkpoint import checkpoint_state, end_save, save_failure, start_save
-from .checks import FAILURES, CheckpointError, PathLike, on_all_ranks
+from .checks import FAILURES, CheckpointError, PathLike, checkpoint_on_all_ranks
 from .publish import publish_checkpoint
 
 
@@ -129,7 +129,9 @@ class AsyncCheckpointer:
         lock = start_save(path, optimizer, extra, overwrite=overwrite)
         try:
             # every rank staged, or every rank raises; the live tensors are not referenced afterwards
-            staged = on_all_ranks(lambda: stage_state(checkpoint_state(model, optimizer, extra), self._buffers))
+            staged = checkpoint_on_all_ranks(
+                lambda: stage_state(checkpoint_state(model, optimizer, extra), self._buffers)
+            )
             gate: Future = Future()
 
             def start() -> Any:
@@ -147,13 +149,13 @@ class AsyncCheckpointer:
             # Started on every rank, or on none: a write thread must not wait in its first collective for a
             # peer whose write failed to start (until gloo's timeout). It waits at the gate until the ranks agree.
             try:
-                upload = on_all_ranks(start)
+                upload = checkpoint_on_all_ranks(start)
             except FAILURES:
                 gate.set_result(False)  # a thread that started here stops before its first collective
                 raise
             gate.set_result(True)
         except FAILURES as e:
-            end_save(path, lock, published=False)
+            end_save(path, lock)
             raise save_failure(path, f"staging {path}", e) from e
         done: Future = Future()
         publisher = get_rank() == 0
@@ -175,14 +177,12 @@ class AsyncCheckpointer:
             return None
         path, lock, done = self._pending
         self._pending = None
-        published = False
         try:
-            on_all_ranks(done.result)  # raises this rank's write error, if any, on every rank
-            published = True
+            checkpoint_on_all_ranks(done.result)  # raises this rank's write error, if any, on every rank
         except FAILURES as e:
             raise save_failure(path, f"writing {path}", e) from e
         finally:
-            end_save(path, lock, published)
+            end_save(path, lock)
         return path
 
     def close(self) -> None:

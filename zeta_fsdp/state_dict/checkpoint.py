@@ -18,23 +18,24 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 from torch.distributed.tensor import DTensor
 
 from ..distributed import get_rank, is_distributed
-from ..files import PathLock, incomplete_path, stage_dir
+from ..files import PathLock, end_stage, incomplete_path, stage_dir
 from ..ties import tied_aliases
 from .checks import (
     EXTRA_KEY,
     FAILURES,
     GROUPS_PREFIX,
     LAYOUT_KEY,
+    METADATA_FILE,
     MODEL_PREFIX,
     OPTIM_PREFIX,
     PACKED_GROUPS_KEY,
     STATE_PREFIX,
     CheckpointError,
     PathLike,
+    checkpoint_on_all_ranks,
     describe_mismatch,
     error_reason,
     named_parameters,
-    on_all_ranks,
     shape_of,
 )
 from .model import get_sharded_state_dict
@@ -49,7 +50,6 @@ from .publish import (
     LOCK_WAIT_S,
     checkpoint_files,
     checkpoint_problem,
-    discard_staging,
     is_checkpoint,
     is_full_checkpoint,
     publish_checkpoint,
@@ -118,7 +118,6 @@ def save_checkpoint(
     """
     path = Path(path)
     lock = start_save(path, optimizer, extra, overwrite=overwrite)
-    published = False
     try:
         state = checkpoint_state(model, optimizer, extra)
         try:
@@ -131,12 +130,11 @@ def save_checkpoint(
         except FAILURES as e:
             raise save_failure(path, f"writing {path}", e) from e
         try:  # rank 0 publishes; no rank returns before the checkpoint is in place
-            on_all_ranks(lambda: publish_checkpoint(path, replace=overwrite) if get_rank() == 0 else None)
+            checkpoint_on_all_ranks(lambda: publish_checkpoint(path, replace=overwrite) if get_rank() == 0 else None)
         except FAILURES as e:
             raise save_failure(path, f"renaming {incomplete_path(path)} to {path}", e) from e
-        published = True
     finally:
-        end_save(path, lock, published)
+        end_save(path, lock)
     return path
 
 
@@ -159,20 +157,21 @@ def start_save(
         return lock
 
     try:
-        return on_all_ranks(start)
+        return checkpoint_on_all_ranks(start)
     except FAILURES:
         for lock in holder:  # rank 0 prepared, another rank refused: nothing stays behind
-            end_save(path, lock, published=False)
+            end_save(path, lock)
         raise
 
 
-def end_save(path: Path, lock: Optional[PathLock], published: bool) -> None:
-    """Rank 0, after a save: remove ``.<name>.incomplete`` unless it was published, then release the lock."""
+def end_save(path: Path, lock: Optional[PathLock]) -> None:
+    """Rank 0, after a save: ``files.end_stage`` (what a failed save left in ``.<name>.incomplete`` goes,
+    ``.metadata`` first; a published one left nothing there), then the lock is released."""
     if lock is None:
         return
-    with lock, contextlib.suppress(OSError):  # the lock is released whatever happens
-        if not published and os.path.lexists(incomplete_path(path)):
-            discard_staging(path)
+    tmp = incomplete_path(path)
+    with contextlib.suppress(OSError):  # end_stage releases the lock whatever happens
+        end_stage(path, lock, checkpoint_files(tmp), first=(METADATA_FILE,))
 
 
 def check_save_target(
@@ -302,73 +301,25 @@ def load_checkpoint(
         load_checkpoint("ckpt/step_100", model, optimizer, model_weights=False)  # optimizer only
     """
     path = Path(path)
-    caller = "load_checkpoint()"
     live = get_sharded_state_dict(model)
-
-    def check_model() -> tuple[Metadata, dict[str, Any], dict[str, str]]:
-        # One collective for every check that needs no optimizer: files, records, model keys/shapes.
-        metadata = open_checkpoint(path, caller)
-        saved = metadata.state_dict_metadata
-        # The small non-tensor records (options, ``extra``, layout), read on this rank alone before the real load.
-        objects: dict[str, Any] = {k: None for k in (PACKED_GROUPS_KEY, EXTRA_KEY, LAYOUT_KEY) if k in saved}
-        try:
-            dcp_load(objects, path, metadata=metadata)
-        except FAILURES as e:
-            raise CheckpointError(
-                f"{caller}: reading {path} failed; the model and optimizer were not changed. {error_reason(e)}"
-            ) from e
-        # Where each model key is stored: under its own name, or under the name it is tied to.
-        stored = {k[len(MODEL_PREFIX) :]: k for k in saved if k.startswith(MODEL_PREFIX)}
-        for alias, source in (objects.get(LAYOUT_KEY) or {}).get("tied", {}).items():
-            if source in stored and alias not in stored:
-                stored[alias] = stored[source]
-        got = {
-            k: tuple(saved[key].size) if isinstance(saved[key], TensorStorageMetadata) else None
-            for k, key in stored.items()
-        }
-        problem = describe_mismatch(got, {k: shape_of(v) for k, v in live.items()}, "checkpoint", strict)
-        if problem:
-            raise CheckpointError(f"{caller}: {path} does not match the model: {problem}")
-        return metadata, objects, stored
-
-    metadata, objects, stored = on_all_ranks(check_model)
-    saved = metadata.state_dict_metadata
-    # Read straight into the live tensors (``read_checked`` checks every record, and copies only once all
-    # ranks agree); a value that is not the live storage goes through scratch and ``set_model_state_dict``.
-    targets: dict[str, Any] = {}
-    via_scratch: dict[str, str] = {}
-    owned = {_storage_of(t) for t in (*model.parameters(), *model.buffers())}  # local shards of DTensors
-    for key, value in live.items() if model_weights else ():
-        if key not in stored or stored[key] in targets:
-            continue
-        if isinstance(value, torch.Tensor) and _storage_of(value) in owned:
-            targets[stored[key]] = value
-        else:
-            targets[stored[key]] = torch.empty_like(value) if isinstance(value, torch.Tensor) else value
-            via_scratch[key] = stored[key]
-    via_scratch.update({k: stored[k] for k in live if k in stored and stored[k] in via_scratch.values()})
+    metadata, objects, stored = checkpoint_on_all_ranks(lambda: _check_model(path, live, strict))
+    targets, via_scratch = _model_targets(model, live, stored) if model_weights else ({}, {})
     was_fresh = optimizer is not None and not optimizer.state
     try:
         if optimizer is not None:
-            saved_optim: dict[str, Any] = {
-                k[len(OPTIM_PREFIX) :]: md for k, md in saved.items() if k.startswith(OPTIM_PREFIX + STATE_PREFIX)
-            }
-            saved_optim.update(objects.get(PACKED_GROUPS_KEY) or {})
-            source = f"{caller}: {path}"
-            chosen = on_all_ranks(lambda: validate_optimizer(list(saved_optim), model, optimizer, source))
-            optim_scratch = optimizer_scratch(saved_optim, model, optimizer, chosen)
+            optim_scratch = _optimizer_scratch(path, metadata, objects, model, optimizer)
             targets.update({OPTIM_PREFIX + k: v for k, v in optim_scratch.items() if k.startswith(STATE_PREFIX)})
         try:
-            checked = on_all_ranks(lambda: read_checked(targets, path, metadata))
+            checked = checkpoint_on_all_ranks(lambda: read_checked(targets, path, metadata))
         except FAILURES as e:
             raise CheckpointError(
-                f"{caller}: reading {path} failed; the model and optimizer were not changed. {error_reason(e)}"
+                f"{_LOAD}: reading {path} failed; the model and optimizer were not changed. {error_reason(e)}"
             ) from e
         if optimizer is not None:
             checked.commit(lambda key: key.startswith(OPTIM_PREFIX))  # into scratch: the live state is untouched
             flat_optim = {k: v for k, v in optim_scratch.items() if not k.startswith(STATE_PREFIX)}
             flat_optim.update({k[len(OPTIM_PREFIX) :]: v for k, v in targets.items() if k.startswith(OPTIM_PREFIX)})
-            on_all_ranks(lambda: check_group_consistency(model, optimizer, flat_optim))
+            checkpoint_on_all_ranks(lambda: check_group_consistency(model, optimizer, flat_optim))
     except FAILURES:
         if was_fresh:
             optimizer.state.clear()  # validation created its state: back to the fresh optimizer we were given
@@ -382,6 +333,71 @@ def load_checkpoint(
     if optimizer is not None:
         set_flat_optimizer_state(model, optimizer, flat_optim)
     return objects.get(EXTRA_KEY)
+
+
+_LOAD = "load_checkpoint()"
+
+
+def _check_model(path: Path, live: dict[str, Any], strict: bool) -> tuple[Metadata, dict[str, Any], dict[str, str]]:
+    """Every check that needs no optimizer, in one collective: the files, the small non-tensor records (options,
+    ``extra``, layout; read on this rank alone before the real load), the model's keys and shapes. Returns the
+    metadata, those records and where each model key is stored (under its own name, or the one it is tied to)."""
+    metadata = open_checkpoint(path, _LOAD)
+    saved = metadata.state_dict_metadata
+    objects: dict[str, Any] = {k: None for k in (PACKED_GROUPS_KEY, EXTRA_KEY, LAYOUT_KEY) if k in saved}
+    try:
+        dcp_load(objects, path, metadata=metadata)
+    except FAILURES as e:
+        raise CheckpointError(
+            f"{_LOAD}: reading {path} failed; the model and optimizer were not changed. {error_reason(e)}"
+        ) from e
+    stored = {k[len(MODEL_PREFIX) :]: k for k in saved if k.startswith(MODEL_PREFIX)}
+    for alias, source in (objects.get(LAYOUT_KEY) or {}).get("tied", {}).items():
+        if source in stored and alias not in stored:
+            stored[alias] = stored[source]
+    got = {
+        k: tuple(saved[key].size) if isinstance(saved[key], TensorStorageMetadata) else None
+        for k, key in stored.items()
+    }
+    problem = describe_mismatch(got, {k: shape_of(v) for k, v in live.items()}, "checkpoint", strict)
+    if problem:
+        raise CheckpointError(f"{_LOAD}: {path} does not match the model: {problem}")
+    return metadata, objects, stored
+
+
+def _model_targets(
+    model: nn.Module, live: dict[str, Any], stored: dict[str, str]
+) -> tuple[dict[str, Any], dict[str, str]]:
+    """Where each stored model record is read to: straight into the live tensor (``read_checked`` checks every
+    record, and copies only once all ranks agree), else into scratch (returned by key: ``set_model_state_dict``)."""
+    targets: dict[str, Any] = {}
+    via_scratch: dict[str, str] = {}
+    owned = {_storage_of(t) for t in (*model.parameters(), *model.buffers())}  # local shards of DTensors
+    for key, value in live.items():
+        if key not in stored or stored[key] in targets:
+            continue
+        if isinstance(value, torch.Tensor) and _storage_of(value) in owned:
+            targets[stored[key]] = value
+        else:
+            targets[stored[key]] = torch.empty_like(value) if isinstance(value, torch.Tensor) else value
+            via_scratch[key] = stored[key]
+    via_scratch.update({k: stored[k] for k in live if k in stored and stored[k] in via_scratch.values()})
+    return targets, via_scratch
+
+
+def _optimizer_scratch(
+    path: Path, metadata: Metadata, objects: dict[str, Any], model: nn.Module, optimizer: torch.optim.Optimizer
+) -> dict[str, Any]:
+    """The optimizer's saved state checked against ``optimizer`` on every rank, and scratch to read it into."""
+    saved_optim: dict[str, Any] = {
+        k[len(OPTIM_PREFIX) :]: md
+        for k, md in metadata.state_dict_metadata.items()
+        if k.startswith(OPTIM_PREFIX + STATE_PREFIX)
+    }
+    saved_optim.update(objects.get(PACKED_GROUPS_KEY) or {})
+    source = f"{_LOAD}: {path}"
+    chosen = checkpoint_on_all_ranks(lambda: validate_optimizer(list(saved_optim), model, optimizer, source))
+    return optimizer_scratch(saved_optim, model, optimizer, chosen)
 
 
 def _storage_of(tensor: torch.Tensor) -> int:

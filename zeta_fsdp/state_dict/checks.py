@@ -10,8 +10,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.checkpoint import CheckpointException
 
-from ..distributed import get_world_size, is_distributed
-from ..distributed import on_all_ranks as _on_all_ranks
+from ..distributed import get_world_size, is_distributed, on_all_ranks
 
 PathLike = Union[str, os.PathLike]
 # DCP's CheckpointException derives from BaseException, not Exception: catch it explicitly.
@@ -55,11 +54,11 @@ def error_reason(error: BaseException) -> str:
     return f"{type(error).__name__}: {error}" if not isinstance(error, CheckpointError) else str(error)
 
 
-def on_all_ranks(fn: Callable[[], Any], *, rank0_only: bool = False) -> Any:
+def checkpoint_on_all_ranks(fn: Callable[[], Any], *, rank0_only: bool = False) -> Any:
     """``distributed.on_all_ranks`` (an error on any rank raised on every rank) for checkpoint code:
     DCP's exceptions count and read as one line per failing rank; other error types arrive as ``CheckpointError``.
     """
-    return _on_all_ranks(
+    return on_all_ranks(
         fn,
         rank0_only=rank0_only,
         errors=(CheckpointError, ImportError),
@@ -71,7 +70,7 @@ def on_all_ranks(fn: Callable[[], Any], *, rank0_only: bool = False) -> Any:
 
 def from_rank0(fn: Callable[[], Any]) -> Any:
     """``fn()`` run on rank 0 alone, its result (it must pickle) or its error given to every rank."""
-    result = on_all_ranks(fn, rank0_only=True)
+    result = checkpoint_on_all_ranks(fn, rank0_only=True)
     if is_distributed() and get_world_size() > 1:
         box = [result]
         dist.broadcast_object_list(box, src=0)

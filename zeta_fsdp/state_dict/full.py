@@ -18,7 +18,7 @@ import torch.distributed as dist
 from ..distributed import get_rank, is_distributed
 from ..files import atomic_write
 from .checkpoint import check_save_target
-from .checks import CheckpointError, PathLike, from_rank0, on_all_ranks
+from .checks import CheckpointError, PathLike, checkpoint_on_all_ranks, from_rank0
 from .publish import discard_checkpoint_dir, is_checkpoint, is_full_checkpoint
 
 __all__ = ["TENSOR_KEYS", "read_full_checkpoint", "remove_checkpoint", "write_full_checkpoint"]
@@ -57,7 +57,7 @@ def write_full_checkpoint(
         except Exception as e:  # noqa: BLE001 - torch's own messages do not name the path
             raise OSError(f"{caller}: cannot write {path}: {type(e).__name__}: {e}") from e
 
-    on_all_ranks(write, rank0_only=True)
+    checkpoint_on_all_ranks(write, rank0_only=True)
 
 
 def _load_file(path: Path, weights_only: bool, caller: str) -> dict[str, Any]:
@@ -141,4 +141,4 @@ def remove_checkpoint(
 
     if is_distributed():
         dist.barrier()  # no rank may still be reading it
-    on_all_ranks(remove, rank0_only=True)
+    checkpoint_on_all_ranks(remove, rank0_only=True)

@@ -21,7 +21,7 @@ from ..files import PathLock
 from ..training.nonfinite import first_nonfinite
 from .async_save import AsyncCheckpointer
 from .checkpoint import load_checkpoint, save_checkpoint
-from .checks import CheckpointError, PathLike, from_rank0, on_all_ranks
+from .checks import CheckpointError, PathLike, checkpoint_on_all_ranks, from_rank0
 from .preemption import PreemptionHandler, SignalLike
 from .publish import discard_checkpoint_dir, discard_staging, is_checkpoint
 
@@ -187,7 +187,7 @@ class CheckpointManager:
         Example:
             start = manager.resume()
         """
-        on_all_ranks(self._remove_stale if get_rank() == 0 else lambda: None)
+        checkpoint_on_all_ranks(self._remove_stale if get_rank() == 0 else lambda: None)
         path = self.latest()
         if path is None:
             return 0
@@ -284,7 +284,7 @@ class CheckpointManager:
         """Rank 0 deletes complete checkpoints older than the newest ``keep_last`` (the in-flight one is hidden)."""
         if self.keep_last is not None:
             keep = self.keep_last
-            on_all_ranks(lambda: prune_checkpoints(self.root, keep) if get_rank() == 0 else None)
+            checkpoint_on_all_ranks(lambda: prune_checkpoints(self.root, keep) if get_rank() == 0 else None)
 
     def _remove_stale(self) -> None:
         for child in self.root.iterdir() if self.root.is_dir() else ():

@@ -10,10 +10,10 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.tensor import DTensor
 
 from ..distributed import get_rank, is_distributed
+from ..engines import compute_device, fsdp_engine
 from ..materialize import move_buffers
 from ..ties import retie, tied_aliases, tied_parameter_groups
-from ..wrapped import compute_device, fsdp_engine
-from .checks import CheckpointError, clean_fqn, describe_mismatch, named_parameters, on_all_ranks, shape_of
+from .checks import CheckpointError, checkpoint_on_all_ranks, clean_fqn, describe_mismatch, named_parameters, shape_of
 
 
 def get_sharded_state_dict(model: nn.Module) -> dict[str, Any]:
@@ -47,7 +47,7 @@ def load_sharded_state_dict(model: nn.Module, state_dict: Mapping[str, Any], *, 
         if problem:
             raise CheckpointError(f"load_sharded_state_dict(): the state dict does not match the model: {problem}")
 
-    on_all_ranks(check)
+    checkpoint_on_all_ranks(check)
     if not strict:
         state_dict = {k: v for k, v in state_dict.items() if k in live}
     set_model_state_dict(model, state_dict, options=StateDictOptions(strict=strict))
@@ -139,7 +139,7 @@ def load_full_state_dict(
             raise CheckpointError(f"load_full_state_dict(): the state dict does not match the model: {problem}")
         return {k: v for k, v in sd.items() if k in live}
 
-    sd = on_all_ranks(prepare)
+    sd = checkpoint_on_all_ranks(prepare)
     if not is_distributed():
         model.load_state_dict(sd, strict=strict)
         return

@@ -18,8 +18,8 @@ from .checks import (
     GROUPS_PREFIX,
     STATE_PREFIX,
     CheckpointError,
+    checkpoint_on_all_ranks,
     clean_fqn,
-    on_all_ranks,
     short_list,
 )
 from .model import gather_full
@@ -276,11 +276,11 @@ def load_optimizer_state_dict(
     was_fresh = not optimizer.state
     try:
         source = "the optimizer state dict"
-        chosen = on_all_ranks(lambda: validate_optimizer(list(entries), model, optimizer, source))
+        chosen = checkpoint_on_all_ranks(lambda: validate_optimizer(list(entries), model, optimizer, source))
         if full:
             scratch = optimizer_scratch(entries, model, optimizer, chosen)
             flat = _distribute_full(flat, entries, scratch, broadcast=broadcast_from_rank0 and get_world_size() > 1)
-        on_all_ranks(lambda: check_group_consistency(model, optimizer, flat))
+        checkpoint_on_all_ranks(lambda: check_group_consistency(model, optimizer, flat))
     except FAILURES:
         if was_fresh:
             optimizer.state.clear()

@@ -1,6 +1,7 @@
 """``FSDP2Strategy``: NeMo's strategy API on top of ``fsdp()``, the class and the plain functions it delegates to.
 
-``core``: the class and its ``EpochStep``; ``options``: its arguments; ``parallel``: sharding; ``steps``: steps and
+``core``: the class (set-up, sharding, steps, optimizers, data); ``checkpointing``: its state-dict, checkpoint and
+long-job methods; ``epoch``: ``EpochStep``; ``options``: its arguments; ``parallel``: sharding; ``steps``: steps and
 losses; ``checkpoint``: what goes in a checkpoint (``zeta_fsdp.state_dict`` writes it).
 
 Example:

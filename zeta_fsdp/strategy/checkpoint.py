@@ -14,7 +14,7 @@ import torch
 from .. import state_dict as sd
 from ..state_dict import CheckpointError, is_checkpoint
 from ..state_dict.checkpoint import check_loadable
-from ..state_dict.checks import PathLike, on_all_ranks
+from ..state_dict.checks import PathLike, checkpoint_on_all_ranks
 from ..state_dict.full import TENSOR_KEYS, read_full_checkpoint, write_full_checkpoint
 
 # Where the strategy's own bookkeeping lives inside a checkpoint.
@@ -72,7 +72,7 @@ def save_strategy_checkpoint(
     }
     if strategy.entries_weights_only:
         caller = "FSDP2Strategy.save_checkpoint()"
-        on_all_ranks(lambda: check_loadable(extras, "the checkpoint's entries", caller))
+        checkpoint_on_all_ranks(lambda: check_loadable(extras, "the checkpoint's entries", caller))
     if fmt == "sharded":
         if len(optimizers) > 1:
             raise NotImplementedError("FSDP2Strategy: the sharded format saves one optimizer; use the full format.")
@@ -96,12 +96,12 @@ def load_strategy_checkpoint(strategy: Any, filepath: PathLike, weights_only: Op
     ``current_epoch_step`` and the LR schedulers restored."""
     path = Path(filepath)
     module = strategy.model
-    if strategy.checkpoint_io is None and on_all_ranks(lambda: is_checkpoint(path)):
-        ckpt = dict(on_all_ranks(lambda: sd.load_checkpoint(path, module, model_weights=False) or {}))
+    if strategy.checkpoint_io is None and checkpoint_on_all_ranks(lambda: is_checkpoint(path)):
+        ckpt = dict(checkpoint_on_all_ranks(lambda: sd.load_checkpoint(path, module, model_weights=False) or {}))
         count = ckpt.get(META_KEY, {}).get("optimizers", 0)
         ckpt["optimizer_states"] = [{SHARDED_REF: str(path)} for _ in range(count)]
         check_optimizers_match(strategy.optimizers, ckpt, path)
-        on_all_ranks(lambda: sd.load_checkpoint(path, module))
+        checkpoint_on_all_ranks(lambda: sd.load_checkpoint(path, module))
         ckpt["state_dict"] = sd.get_sharded_state_dict(module)
     else:
         ckpt = read_full_checkpoint(filepath, checkpoint_io=strategy.checkpoint_io, weights_only=weights_only)

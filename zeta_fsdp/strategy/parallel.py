@@ -12,11 +12,11 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 
 from ..distributed import choose_device
+from ..engines import is_fsdp_wrapped
 from ..fsdp import fsdp
 from ..materialize import materialize_meta_model
 from ..options import resolve_sharding
 from ..ties import retie, tied_parameter_groups
-from ..wrapped import is_fsdp_wrapped
 
 __all__ = ["default_parallelize", "shard_module"]
 

@@ -12,9 +12,8 @@ from typing import Any, Callable, Mapping, Optional
 import torch
 import torch.nn as nn
 
-from ..engines import hooks_on
+from ..engines import hooks_on, unwrapped_class
 from ..loss import MaskedTokenLossReduction
-from ..wrapped import unwrapped_class
 from .labels import agree, classify, module_loss, own_loss_tokens, refuse_unshifted
 
 __all__ = ["StepLosses", "call_through_root", "nemo_step_result", "parse_optimizers", "run_step"]

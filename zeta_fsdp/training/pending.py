@@ -21,8 +21,13 @@ import torch
 import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule
 
-from ..engines.fully_shard import output_tensors
-from ..wrapped import clear_pending_grads, fsdp_param_groups, partial_reduce_output, pending_unsharded_grad
+from ..engines import (
+    clear_pending_grads,
+    fsdp_param_groups,
+    output_tensors,
+    partial_reduce_output,
+    pending_unsharded_grad,
+)
 
 __all__ = ["drop_accumulation", "show_pending"]
 
