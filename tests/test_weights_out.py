@@ -7,10 +7,13 @@ The bucket planner is pure and runs here.
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from conftest import ROOT, dist_test, torchrun
 
+from zeta_fsdp import iter_full_weights
 from zeta_fsdp.weights_out.plan import HEADER_BYTES, Item, Output, Source, plan_buckets
 
 pytest.importorskip("transformers")
@@ -55,3 +58,19 @@ def test_example_streams_to_a_receiver_process_that_generates(tmp_path):
     assert proc.returncode == 0, out[-4000:]
     assert "receiver weights equal get_full_state_dict bit for bit: True" in out, out[-4000:]
     assert out.count("receiver: round") == 2 and out.count("trainer: step") == 2, out[-4000:]
+
+
+@pytest.mark.parametrize(
+    "kwargs, fragment",
+    [
+        (dict(bucket_mb=float("inf")), "bucket_mb=inf is not accepted"),
+        (dict(bucket_mb=1e-9), "bucket_mb=1e-09 is not accepted"),
+        (dict(device="meta"), "device='meta' is not accepted"),
+        (dict(device=torch.device("meta")), "never 'meta'"),
+        (dict(ranks=[True]), "ranks=[True] is not accepted"),
+    ],
+)
+def test_bad_arguments_are_refused_before_anything_moves(kwargs, fragment):
+    model = torch.nn.Linear(4, 4)
+    with pytest.raises(ValueError, match=re.escape(fragment)):
+        iter_full_weights(model, **kwargs)

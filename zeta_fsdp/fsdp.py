@@ -198,12 +198,10 @@ def fsdp(
 
     # 3. Per-block transforms, then sharding bottom-up (or replication), then meta materialization.
     transforms = dict(activation_checkpointing=activation_checkpointing, compile=compile, materialize=materialize)
-    before = snapshot_params(model)  # weakly: for the "optimizer built before fsdp()" error
     _shard(model, plan, engine, options, master=master, fp32=fp32, **transforms)
     record_wrap(
         model, name, plan, options.device, cpu_offload
     )  # what fsdp_engine(), get_wrap_plan(), compute_device() read
-    track_fsdp_model(model, before)  # optimizer checks; elementwise optimizers step on local shards (optim/)
     return model
 
 
@@ -220,7 +218,8 @@ def _shard(
     materialize: bool,
 ) -> None:
     """``fsdp()``'s changes, in order: per-block checkpointing and compile, the master/fp32 casts, the engine's
-    wrap, fp32 cast hooks, materializing a ``meta`` model, the unfreeze guard."""
+    wrap, fp32 cast hooks, materializing a ``meta`` model, the unfreeze guard, the optimizer registry."""
+    before = snapshot_params(model)  # weakly: for the "optimizer built before fsdp()" error
     if activation_checkpointing:
         apply_activation_checkpointing(plan)
     if compile:
@@ -234,6 +233,7 @@ def _shard(
         offload = options.cpu_offload
         materialize_meta_model(model, options.device, plan.tied_params, shard_index=shard_index, offload_to_cpu=offload)
     guard_unfreezing(model, engine.unfreeze_check(model, master))
+    track_fsdp_model(model, before)  # optimizer checks; elementwise optimizers step on local shards (optim/)
 
 
 def _check_call(model: Any, flags: dict[str, Any], compile: Any) -> None:  # noqa: A002 - fsdp()'s keyword

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import math
 from typing import Optional, Sequence, Union
 
 import torch
@@ -22,21 +23,36 @@ _CALLER = "iter_full_weights()"
 
 
 def _check_args(bucket_mb: float, names: str, lora: str, device: object, ranks: object) -> None:
-    if not isinstance(bucket_mb, (int, float)) or isinstance(bucket_mb, bool) or not bucket_mb > 0:
-        raise ValueError(f"{_CALLER}: bucket_mb={bucket_mb!r} is not accepted. Accepted: a positive number of MiB.")
+    if (
+        not isinstance(bucket_mb, (int, float))
+        or isinstance(bucket_mb, bool)
+        or not math.isfinite(bucket_mb)
+        or not bucket_mb * 2**20 >= 1
+    ):
+        raise ValueError(
+            f"{_CALLER}: bucket_mb={bucket_mb!r} is not accepted. Accepted: a finite number of MiB, at least one byte."
+        )
     if names not in NAMES:
         raise ValueError(f"{_CALLER}: names={names!r} is not accepted. Accepted: {', '.join(map(repr, NAMES))}.")
     if lora not in LORA:
         raise ValueError(f"{_CALLER}: lora={lora!r} is not accepted. Accepted: {', '.join(map(repr, LORA))}.")
-    if not (device in ("cpu", "compute") or isinstance(device, torch.device)):
-        raise ValueError(
-            f"{_CALLER}: device={device!r} is not accepted. Accepted: 'cpu', 'compute' (the device the model "
-            "computes on), or a torch.device."
-        )
+    if device != "compute":
+        try:
+            where = torch.device(device)  # type: ignore[arg-type]
+        except (RuntimeError, TypeError):
+            where = None
+        usable = where is not None and where.type != "meta"
+        if usable and where.type == "cuda" and not torch.cuda.is_available():
+            usable = False
+        if not usable:
+            raise ValueError(
+                f"{_CALLER}: device={device!r} is not accepted. Accepted: 'cpu', 'compute' (the device the model "
+                "computes on), or a torch.device (or its name) this machine has; never 'meta'."
+            )
     world = get_world_size() if is_distributed() else 1
     if ranks is not None and (
         not isinstance(ranks, (list, tuple, set, frozenset))
-        or not all(isinstance(r, int) and 0 <= r < world for r in ranks)
+        or not all(isinstance(r, int) and not isinstance(r, bool) and 0 <= r < world for r in ranks)
     ):
         raise ValueError(
             f"{_CALLER}: ranks={ranks!r} is not accepted. Accepted: None (every rank) or ranks in 0..{world - 1}."
@@ -94,10 +110,11 @@ def iter_full_weights(
 
     Example:
         model = fsdp(GPT(GPTConfig()), auto_wrap=True, shard_strat="FULL_SHARD")
-        for bucket in iter_full_weights(model, bucket_mb=64, dtype=torch.bfloat16):
-            for name, tensor in bucket:
-                ...  # e.g. engine.load_weights(bucket); the next bucket is already on its way
-            del bucket
+        with iter_full_weights(model, bucket_mb=64, dtype=torch.bfloat16) as stream:  # every rank, to the end
+            for bucket in stream:
+                for name, tensor in bucket:
+                    ...  # e.g. engine.load_weights(bucket); the next bucket is already on its way
+                del bucket
     """
 
     def prepare() -> tuple:
@@ -112,7 +129,8 @@ def iter_full_weights(
         dist.all_gather_object(digests, _digest(buckets))
         if len(set(digests)) > 1:
             raise StreamError(
-                f"{_CALLER}: the ranks planned different buckets (their models differ: names, shapes or dtypes); "
+                f"{_CALLER}: the ranks planned different buckets (their models differ in names, shapes or dtypes, or "
+                "the call's bucket_mb, dtype, names or lora differ by rank); "
                 f"layout digests per rank: {[d[:8] for d in digests]}."
             )
     where = compute_device(model) if device == "compute" else torch.device(device)

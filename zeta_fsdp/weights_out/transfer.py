@@ -148,7 +148,8 @@ def _send(stream: Any, group: Any, timeout_s: float) -> int:
 
 def _check_names(manifest: list[dict], target: dict[str, torch.Tensor], strict: bool) -> Optional[str]:
     shapes = {e[0]: tuple(e[2]) for b in manifest for e in b["tensors"]}
-    missing = [k for k in target if k not in shapes] if strict else []
+    sent = {target[k].data_ptr() for k in target if k in shapes}  # a tied alias of a sent tensor is filled too
+    missing = [k for k in target if k not in shapes and target[k].data_ptr() not in sent] if strict else []
     unexpected = [k for k in shapes if k not in target]
     wrong = [
         f"{k}: sent {list(s)}, model {list(target[k].shape)}"
