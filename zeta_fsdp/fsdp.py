@@ -22,7 +22,7 @@ from .distributed import choose_device, ensure_process_group, expected_world_siz
 from .engines import Engine, WrapOptions, engine_named, fsdp_engine, get_wrap_plan, is_fsdp_wrapped, record_wrap
 from .fp32_modules import Fp32Selection, KeepFp32Spec, add_cast_hooks, select_fp32
 from .materialize import materialize_meta_model
-from .optim import snapshot_params, track_fsdp_model
+from .optim import forget_snapshot, snapshot_params, track_fsdp_model
 from .options import (
     ShardingSpec,
     choose_engine,
@@ -219,20 +219,26 @@ def _shard(
 ) -> None:
     """``fsdp()``'s changes, in order: per-block checkpointing and compile, the master/fp32 casts, the engine's
     wrap, fp32 cast hooks, materializing a ``meta`` model, the unfreeze guard, the optimizer registry."""
-    before = snapshot_params(model)  # weakly: for the "optimizer built before fsdp()" error
-    if activation_checkpointing:
-        apply_activation_checkpointing(plan)
-    if compile:
-        apply_compile(plan, compile)
-    if cast_to_master(model, master) + cast_to_fp32(model, fp32.param_names):
-        plan.recount(model)
-    shard_index = engine.wrap(model, plan, options)
-    add_cast_hooks(model, fp32.cast_modules)
-    plan.notes.extend(fp32.notes)
-    if materialize:
-        offload = options.cpu_offload
-        materialize_meta_model(model, options.device, plan.tied_params, shard_index=shard_index, offload_to_cpu=offload)
-    guard_unfreezing(model, engine.unfreeze_check(model, master))
+    before = snapshot_params(model)  # marks the originals: the "optimizer built before fsdp()" error
+    try:
+        if activation_checkpointing:
+            apply_activation_checkpointing(plan)
+        if compile:
+            apply_compile(plan, compile)
+        if cast_to_master(model, master) + cast_to_fp32(model, fp32.param_names):
+            plan.recount(model)
+        shard_index = engine.wrap(model, plan, options)
+        add_cast_hooks(model, fp32.cast_modules)
+        plan.notes.extend(fp32.notes)
+        if materialize:
+            offload = options.cpu_offload
+            materialize_meta_model(
+                model, options.device, plan.tied_params, shard_index=shard_index, offload_to_cpu=offload
+            )
+        guard_unfreezing(model, engine.unfreeze_check(model, master))
+    except BaseException:
+        forget_snapshot(model)  # nothing replaced for good: no parameter stays marked
+        raise
     track_fsdp_model(model, before)  # optimizer checks; elementwise optimizers step on local shards (optim/)
 
 

@@ -23,6 +23,7 @@ from .local_step import (
     track_fsdp_model,
     use_local_step,
 )
+from .registry import forget_snapshot
 
 __all__ = ["ELEMENTWISE_OPTIMIZERS", "ENV_VAR", "is_elementwise", "snapshot_params", "steps_locally"]
-__all__ += ["track_fsdp_model", "use_local_step"]
+__all__ += ["track_fsdp_model", "use_local_step", "forget_snapshot"]

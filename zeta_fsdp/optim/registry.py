@@ -16,24 +16,35 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_pre_hook
-from torch.utils.weak import WeakIdKeyDictionary
 
-__all__ = ["check_optimizer", "fsdp_owner", "register_fsdp_model", "snapshot_params"]
+__all__ = ["check_optimizer", "forget_snapshot", "fsdp_owner", "register_fsdp_model", "snapshot_params"]
 
-# Keyed by tensor identity (a tensor's == is elementwise: a plain WeakKeyDictionary cannot hold tensors).
-_OWNER = WeakIdKeyDictionary()  # DTensor parameter fsdp() made -> weakref to its model
-_REPLACED = WeakIdKeyDictionary()  # parameter fully_shard replaced -> the model's class name
+# No weak reference to a parameter anywhere: torch.utils.swap_tensors (to_empty, load_pretrained into a
+# meta model) refuses a tensor that has one. DTensor parameters fsdp() made are known by id (the module
+# keeps the same Python object across a swap); the parameters fully_shard replaced carry a marker.
+_OWNER: dict[int, weakref.ref[nn.Module]] = {}  # id(DTensor parameter fsdp() made) -> its model
+_MARK = "_zeta_fsdp_replaced_in"  # on a parameter fsdp() replaced: the model's class name
 _CHECKED: weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple] = weakref.WeakKeyDictionary()
 _HOOK: list = []
 
 
-def snapshot_params(model: nn.Module) -> WeakIdKeyDictionary:
-    """``model``'s parameters, held weakly: wrapping still frees each original as its unit is sharded
-    (only one an optimizer holds survives, and that is the one to report)."""
-    return WeakIdKeyDictionary({p: True for p in model.parameters()})
+def snapshot_params(model: nn.Module) -> str:
+    """Mark ``model``'s parameters before wrapping (an attribute on each, no reference kept: wrapping
+    still frees each original as its unit is sharded); ``register_fsdp_model`` unmarks those the model
+    still holds afterwards, so only the replaced ones an optimizer may hold stay marked."""
+    for param in model.parameters():
+        setattr(param, _MARK, type(model).__name__)
+    return type(model).__name__
 
 
-def register_fsdp_model(model: nn.Module, before: WeakIdKeyDictionary) -> None:
+def forget_snapshot(model: nn.Module) -> None:
+    """Unmark ``model``'s parameters (``fsdp()`` failed part way: nothing was replaced for good)."""
+    for param in model.parameters():
+        if hasattr(param, _MARK):
+            delattr(param, _MARK)
+
+
+def register_fsdp_model(model: nn.Module, before: str) -> None:
     """Record what ``fsdp()`` did to ``model``'s parameters; ``before`` = ``snapshot_params`` taken before wrapping.
 
     Example:
@@ -42,22 +53,23 @@ def register_fsdp_model(model: nn.Module, before: WeakIdKeyDictionary) -> None:
         >>> fsdp_owner(m.weight) is None
         True
     """
-    now = {id(p) for p in model.parameters()}
-    for param in list(before.keys()):
-        if id(param) not in now:
-            _REPLACED[param] = type(model).__name__
     owner = weakref.ref(model)
     for param in model.parameters():
+        if hasattr(param, _MARK):
+            delattr(param, _MARK)  # still the model's: not replaced
         if isinstance(param, DTensor):
-            _OWNER[param] = owner
+            _OWNER[id(param)] = owner
+    for key in [k for k, ref in _OWNER.items() if ref() is None]:
+        del _OWNER[key]  # models gone
     if not _HOOK:
         _HOOK.append(register_optimizer_step_pre_hook(_pre_step_check))
 
 
 def fsdp_owner(param: torch.Tensor) -> Optional[nn.Module]:
     """The ``fsdp()`` model that made DTensor ``param``, or ``None`` (not made by ``fsdp()``, or gone)."""
-    ref = _OWNER.get(param)
-    return ref() if ref is not None else None
+    ref = _OWNER.get(id(param))
+    model = ref() if ref is not None else None
+    return model if isinstance(param, DTensor) and model is not None else None
 
 
 def _signature(optimizer: torch.optim.Optimizer) -> tuple:
@@ -70,10 +82,10 @@ def check_optimizer(optimizer: torch.optim.Optimizer) -> None:
     several ``fsdp()`` models on different device meshes (one model on several meshes, FSDP + tensor
     parallel, is fine)."""
     params = [p for group in optimizer.param_groups for p in group["params"]]
-    stale = [p for p in params if p in _REPLACED]
+    stale = [p for p in params if hasattr(p, _MARK)]
     if stale:
         raise ValueError(
-            f"{type(optimizer).__name__} holds {len(stale)} parameter(s) of {_REPLACED[stale[0]]} from before "
+            f"{type(optimizer).__name__} holds {len(stale)} parameter(s) of {getattr(stale[0], _MARK)} from before "
             "fsdp() wrapped it: fsdp() replaces them with sharded DTensor parameters, so these would never get "
             "a gradient. Build the optimizer after wrapping: model = fsdp(model, ...); "
             "optimizer = torch.optim.AdamW(model.parameters())."
