@@ -23,7 +23,8 @@ from _common import MIB, Report, bench_parser, finite, fmt_mib, run_benchmark
 from torch.distributed._tools.mem_tracker import MemTracker
 from torch.distributed.tensor import DTensor
 
-from zeta_fsdp import fsdp, get_full_state_dict, iter_full_weights
+from zeta_fsdp import fsdp, get_full_state_dict
+from zeta_fsdp.weights_out import iter_full_weights
 
 WIDTH = 2048  # one layer: 2048 x 2048 fp32 weight + bias, 16 MiB
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 from conftest import ROOT, dist_test, torchrun
 
-from zeta_fsdp import iter_full_weights
+from zeta_fsdp.weights_out import iter_full_weights
 from zeta_fsdp.weights_out.plan import HEADER_BYTES, Item, Output, Source, plan_buckets
 
 pytest.importorskip("transformers")

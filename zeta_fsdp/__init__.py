@@ -39,7 +39,6 @@ from .state_dict import (
 )
 from .strategy import EpochStep, FSDP2Strategy
 from .training import MemoryReport, clip_grad_norm_, memory_report, no_sync
-from .weights_out import iter_full_weights
 from .wrapping import WrapPlan
 
 __version__ = "0.1.0"
@@ -64,4 +63,3 @@ __all__ += ["load_pretrained", "save_pretrained", "consolidate_to_hf"]  # Huggin
 __all__ += ["no_sync", "clip_grad_norm_", "memory_report", "MemoryReport"]
 __all__ += ["MaskedTokenLossReduction", "PerSampleLossReduction"]
 __all__ += ["FSDP2Strategy", "EpochStep"]  # NeMo's strategy
-__all__ += ["iter_full_weights"]  # weights out while training
