@@ -18,7 +18,7 @@ if TYPE_CHECKING:  # imported where used: an old torch must reach check_torch_ve
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
 __all__ = ["MIN_TORCH", "REDUCE_DTYPE_NONE_KEEPS_PARAM_DTYPE", "UnsupportedTorchError", "check_torch_version"]
-__all__ += ["HAS_PARAM_DTYPE_OVERRIDE", "param_mp_policy", "torch_release"]
+__all__ += ["HAS_PARAM_DTYPE_OVERRIDE", "all_gather_single", "param_mp_policy", "torch_release"]
 
 # The oldest release the whole suite passes on (docs/install.md has the table and how it was made).
 # setup.py's install_requires says the same (tests/test_torch_compat.py and the built wheel's
@@ -122,3 +122,17 @@ def dtensor_random_from_local_generator(mesh: Any) -> Iterator[None]:
         yield
     finally:
         tracker.distribute_region_enabled = before
+
+
+def all_gather_single(output: torch.Tensor, local: torch.Tensor, **kwargs: Any) -> Any:
+    """``torch.distributed.all_gather_single`` (torch >= 2.13, where the old name
+    ``all_gather_into_tensor`` warns on every call) or the old name on older releases.
+
+    Example:
+        >>> callable(all_gather_single)
+        True
+    """
+    import torch.distributed as dist
+
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return gather(output, local, **kwargs)

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from ..distributed import shutdown
+from ..torch_compat import all_gather_single
 from .args import int_in
 from .doctor_checks import (
     LinkResult,
@@ -44,8 +45,6 @@ __all__ = ["HELP", "add_arguments", "gloo_interface", "local_facts", "route_inte
 HELP = "check a launch in seconds (world size, hosts, devices, network, a small collective per link); run it under torchrun/srun"
 _PREFIX = "zeta_fsdp/doctor"
 _SIOCGIFADDR = 0x8915  # Linux ioctl: an interface's IPv4 address
-# torch 2.13 renamed all_gather_into_tensor (which now warns); older releases have only the old name.
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -236,14 +235,14 @@ def _collectives(facts: list[RankFacts], me: RankFacts, nbytes: int, slow_s: flo
     world, device = len(facts), torch.device(me.device)
     waits = torch.zeros(world, dtype=torch.float64, device=device)
     wait = _timed(lambda: dist.all_reduce(torch.zeros(1, device=device)), device)
-    _all_gather(waits, torch.tensor([wait], dtype=torch.float64, device=device))
+    all_gather_single(waits, torch.tensor([wait], dtype=torch.float64, device=device))
     late, lag = slowest_at_collective(waits.tolist())
     info = [f"first collective: rank {late} ({facts[late].host}) arrived last, {lag * 1000:.1f} ms after the median"]
     n = max(world, nbytes // 4 // world * world)
     buf = torch.ones(n, device=device)
     t_ar = min(_timed(lambda: dist.all_reduce(buf), device) for _ in range(3))
     out = torch.empty(n, device=device)
-    t_ag = min(_timed(lambda: _all_gather(out, buf[: n // world]), device) for _ in range(3))
+    t_ag = min(_timed(lambda: all_gather_single(out, buf[: n // world]), device) for _ in range(3))
     size = n * 4
     info.append(
         f"all_reduce {size / 2**20:.1f} MiB: {t_ar * 1000:.1f} ms, bus {2 * (world - 1) / world * size / t_ar / 1e9:.3g} GB/s"
@@ -274,7 +273,7 @@ def _ring_links(facts: list[RankFacts], me: RankFacts, buf: torch.Tensor, device
 
     dist.all_reduce(torch.zeros(1, device=device))  # start together
     seconds = torch.zeros(world, dtype=torch.float64, device=device)
-    _all_gather(seconds, torch.tensor([_timed(exchange, device)], dtype=torch.float64, device=device))
+    all_gather_single(seconds, torch.tensor([_timed(exchange, device)], dtype=torch.float64, device=device))
     nbytes = buf.numel() * buf.element_size()
     links = []
     for dst in range(world):
