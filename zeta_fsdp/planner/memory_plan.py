@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
 from ..costs import AccumulationCost, accumulation_table
-from ..engines import engine_named
+from ..engines import DEFAULT_ENGINE, engine_named
 from ..report import format_bytes, render_table
 from .dry_run import DryRunResult
 
@@ -109,8 +109,8 @@ class MemoryPlan:
     # what AdamW's state is kept in; "mixed: ..." when the model keeps several dtypes.
     master_dtype: str = "float32"
     optimizer_state_dtype: str = "float32"
-    # ``options.choose_engine``: "fully_shard" (FSDP2), or "replicate" (NO_SHARD on DDP's engine).
-    engine: str = "fully_shard"
+    # ``options.choose_engine``'s name for the engine (``engines.engine_named`` turns it into the module).
+    engine: str = DEFAULT_ENGINE
     # plan(micro_batches=K): the report compares the ways of accumulating K micro-batches.
     micro_batches: Optional[int] = None
     # DDP's engine: all-reduces per synced backward (``engines.replicate.all_reduces``).
