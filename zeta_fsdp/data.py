@@ -104,6 +104,26 @@ def shard_dataloader(
         loader, sampler = shard_dataloader(DataLoader(ds, batch_size=4, shuffle=True), rank=0, world_size=2)
         sampler.set_epoch(1)
     """
+    kept = _kept_loader(dataloader, data_sampler, caller)
+    if kept is not None:
+        return kept
+    if dataloader.batch_size is None:
+        raise ValueError(
+            f"{caller}: the loader uses a custom batch_sampler; pass data_sampler= "
+            "with a transform_dataloader(dataloader) method that splits it by data-parallel rank."
+        )
+    if data_sampler is not None and not isinstance(data_sampler, Sampler):
+        raise ValueError(
+            "FSDP2Strategy: data_sampler must be a torch Sampler or have transform_dataloader(dataloader)."
+        )
+    sampler = data_sampler if data_sampler is not None else _rank_sampler(dataloader, rank, world_size, epoch)
+    return _with_sampler(dataloader, sampler), sampler
+
+
+def _kept_loader(dataloader: Any, data_sampler: Any, caller: str) -> Optional[tuple[Any, Optional[Sampler]]]:
+    """``shard_dataloader``'s answer where no new sampler is made (``None`` elsewhere): ``data_sampler``'s
+    ``transform_dataloader``, an ``IterableDataset`` (it must shard itself), a ``DistributedSampler``'s loader.
+    Anything but a ``DataLoader`` is refused."""
     if data_sampler is not None and callable(getattr(data_sampler, "transform_dataloader", None)):
         return data_sampler.transform_dataloader(dataloader), None
     if not isinstance(dataloader, DataLoader):
@@ -115,37 +135,37 @@ def shard_dataloader(
         warnings.warn(
             f"{caller}: an IterableDataset cannot be split by a sampler; "
             "it is returned unchanged, so it must shard itself by data-parallel rank.",
-            stacklevel=3,
+            stacklevel=4,
         )
         return dataloader, None
     if isinstance(dataloader.sampler, DistributedSampler) and data_sampler is None:
         return dataloader, dataloader.sampler
-    if dataloader.batch_size is None:
-        raise ValueError(
-            f"{caller}: the loader uses a custom batch_sampler; pass data_sampler= "
-            "with a transform_dataloader(dataloader) method that splits it by data-parallel rank."
+    return None
+
+
+def _rank_sampler(dataloader: DataLoader, rank: int, world_size: int, epoch: int) -> Sampler:
+    """This rank's sampler, at ``epoch``: a ``DistributedSampler`` for a plain order (shuffled or not),
+    else the loader's own sampler sliced by rank (``RankSlicedSampler``)."""
+    shuffle = _plain_order(dataloader.sampler, dataloader.dataset)
+    if shuffle is None:
+        sampler = RankSlicedSampler(
+            dataloader.sampler, rank=rank, world_size=world_size, drop_last=dataloader.drop_last
         )
-    if data_sampler is not None and not isinstance(data_sampler, Sampler):
-        raise ValueError(
-            "FSDP2Strategy: data_sampler must be a torch Sampler or have transform_dataloader(dataloader)."
+    else:
+        sampler = DistributedSampler(
+            dataloader.dataset, num_replicas=world_size, rank=rank, shuffle=shuffle, drop_last=dataloader.drop_last
         )
-    sampler = data_sampler
-    if sampler is None:
-        shuffle = _plain_order(dataloader.sampler, dataloader.dataset)
-        if shuffle is None:
-            sampler = RankSlicedSampler(
-                dataloader.sampler, rank=rank, world_size=world_size, drop_last=dataloader.drop_last
-            )
-        else:
-            sampler = DistributedSampler(
-                dataloader.dataset, num_replicas=world_size, rank=rank, shuffle=shuffle, drop_last=dataloader.drop_last
-            )
-        sampler.set_epoch(epoch)
+    sampler.set_epoch(epoch)
+    return sampler
+
+
+def _with_sampler(dataloader: DataLoader, sampler: Sampler) -> DataLoader:
+    """``dataloader`` rebuilt around ``sampler``, its other options kept."""
     kept = ("batch_size", "num_workers", "collate_fn", "pin_memory", "drop_last", "timeout", "worker_init_fn")
     options = {name: getattr(dataloader, name) for name in (*kept, "persistent_workers")}
     if dataloader.num_workers > 0:
         options["prefetch_factor"] = dataloader.prefetch_factor
-    return DataLoader(dataloader.dataset, sampler=sampler, **options), sampler
+    return DataLoader(dataloader.dataset, sampler=sampler, **options)
 
 
 class ResumableLoader:
