@@ -168,6 +168,41 @@ def _with_sampler(dataloader: DataLoader, sampler: Sampler) -> DataLoader:
     return DataLoader(dataloader.dataset, sampler=sampler, **options)
 
 
+def _rank_and_world(rank: Optional[int], world_size: Optional[int]) -> tuple[int, int]:
+    """``(rank, world_size)``, each the given one else the process group's, else the launcher's. A loader
+    is built before the process group exists (under torchrun, before fsdp() starts it): the launcher's
+    RANK / WORLD_SIZE say which rank this is, as fsdp() will read them."""
+    default_world = expected_world_size()
+    default_rank = get_rank() if is_distributed() else (int(os.environ["RANK"]) if default_world > 1 else 0)
+    world_size = int(world_size if world_size is not None else default_world)
+    return int(rank if rank is not None else default_rank), world_size
+
+
+def _check_loader_args(dataset: Any, global_batch_size: Any, rank: int, world_size: int, loader_kwargs: dict) -> None:
+    """``ResumableLoader``'s arguments: a positive global batch that splits over the ranks and fits the
+    dataset, a rank of the world, no ``DataLoader`` option the loader decides."""
+    if isinstance(global_batch_size, bool) or not isinstance(global_batch_size, int) or global_batch_size < 1:
+        raise ValueError(f"ResumableLoader(): global_batch_size must be a positive int, got {global_batch_size!r}.")
+    if global_batch_size % world_size:
+        raise ValueError(
+            f"ResumableLoader(): global_batch_size={global_batch_size} does not split over world_size="
+            f"{world_size} ranks; use a multiple of {world_size}."
+        )
+    if not 0 <= rank < world_size:
+        raise ValueError(f"ResumableLoader(): rank={rank} is outside 0..{world_size - 1}.")
+    for key in ("batch_size", "sampler", "batch_sampler", "shuffle", "drop_last"):
+        if key in loader_kwargs:
+            raise ValueError(f"ResumableLoader(): {key}= is decided by the loader (global_batch_size, seed, shuffle).")
+    samples = len(dataset)
+    if samples < global_batch_size:
+        # Not one global batch fits (a last partial one is dropped): every epoch would be empty
+        # and a `while step < total: for batch in loader:` loop would never end.
+        raise ValueError(
+            f"ResumableLoader(): the dataset has {samples} samples, fewer than one global batch "
+            f"(global_batch_size={global_batch_size}); use a global batch of at most {samples} samples."
+        )
+
+
 class ResumableLoader:
     """Batches for this data-parallel rank from a stream of global batches that resumes exactly, at any world size.
 
@@ -201,33 +236,8 @@ class ResumableLoader:
         world_size: Optional[int] = None,
         **loader_kwargs: Any,
     ) -> None:
-        # Built before the process group exists (under torchrun, before fsdp() starts it): the
-        # launcher's RANK / WORLD_SIZE say which rank this is, as fsdp() will read them.
-        default_world = expected_world_size()
-        default_rank = get_rank() if is_distributed() else (int(os.environ["RANK"]) if default_world > 1 else 0)
-        self.world_size = int(world_size if world_size is not None else default_world)
-        self.rank = int(rank if rank is not None else default_rank)
-        if isinstance(global_batch_size, bool) or not isinstance(global_batch_size, int) or global_batch_size < 1:
-            raise ValueError(f"ResumableLoader(): global_batch_size must be a positive int, got {global_batch_size!r}.")
-        if global_batch_size % self.world_size:
-            raise ValueError(
-                f"ResumableLoader(): global_batch_size={global_batch_size} does not split over world_size="
-                f"{self.world_size} ranks; use a multiple of {self.world_size}."
-            )
-        if not 0 <= self.rank < self.world_size:
-            raise ValueError(f"ResumableLoader(): rank={self.rank} is outside 0..{self.world_size - 1}.")
-        for key in ("batch_size", "sampler", "batch_sampler", "shuffle", "drop_last"):
-            if key in loader_kwargs:
-                raise ValueError(
-                    f"ResumableLoader(): {key}= is decided by the loader (global_batch_size, seed, shuffle)."
-                )
-        if len(dataset) < global_batch_size:
-            # Not one global batch fits (a last partial one is dropped): every epoch would be empty
-            # and a `while step < total: for batch in loader:` loop would never end.
-            raise ValueError(
-                f"ResumableLoader(): the dataset has {len(dataset)} samples, fewer than one global batch "
-                f"(global_batch_size={global_batch_size}); use a global batch of at most {len(dataset)} samples."
-            )
+        self.rank, self.world_size = _rank_and_world(rank, world_size)
+        _check_loader_args(dataset, global_batch_size, self.rank, self.world_size, loader_kwargs)
         self.dataset = dataset
         self.global_batch_size = global_batch_size
         self.seed, self.shuffle = int(seed), bool(shuffle)

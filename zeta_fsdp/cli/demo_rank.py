@@ -169,32 +169,42 @@ def main(argv: list[str]) -> None:
         device = choose_device(device=args.device)  # "cuda" -> cuda:LOCAL_RANK
         ensure_process_group(device, timeout_s=120)  # nccl on CUDA, gloo on CPU
         world = int(os.environ.get("WORLD_SIZE", "1"))
-        strategies = ["FULL_SHARD", "SHARD_GRAD", "NO_SHARD"]
-        if world >= 4 and world % 2 == 0:  # HYBRID needs 2 replicas of >= 2 ranks
-            strategies.append("HYBRID_SHARD")
-        progress = _Progress(args.steps * len(strategies), args.tty if rank == 0 else "")
-        try:
-            rows = []
-            for strategy in strategies:
-                rows.append(_run_strategy(strategy, args.steps, args.mp, progress, device))
-                # A wrapped model is a reference cycle; under NO_SHARD it holds DDP's reducer and so the
-                # group. Collected now, not in interpreter finalization (SIGABRT in gloo, docs/pitfalls.md).
-                gc.collect()
-        finally:
-            progress.close()
+        rows = _run_strategies(args, device, world, rank)
         if rank == 0:
-            reference = gpt.small()
-            numel = sum(p.numel() for p in reference.parameters())
-            tied = ", tied embedding/head" if reference.cfg.tie_weights else ""
-            model = f"GPT ({numel:,} parameters, {reference.cfg.n_layers} blocks{tied})"
-            result = dict(model=model, nproc=world, steps=args.steps, mp=args.mp, rows=rows)
-            result.update(device=device.type, backend=str(dist.get_backend()))
-            # all or nothing: the launcher treats a present result.json as a finished run
-            atomic_write(out / "result.json", lambda tmp: tmp.write_text(json.dumps(result)))
+            _write_result(out, args, device, world, rows)
         shutdown()  # collects what is left in cycles, then waits for every rank before destroying
     except BaseException:
         (out / f"error_rank{rank}.txt").write_text(traceback.format_exc())
         raise
+
+
+def _run_strategies(args: argparse.Namespace, device: torch.device, world: int, rank: int) -> list[dict[str, Any]]:
+    """Every strategy this world size runs (HYBRID needs 2 replicas of >= 2 ranks), one after another."""
+    strategies = ["FULL_SHARD", "SHARD_GRAD", "NO_SHARD"]
+    if world >= 4 and world % 2 == 0:
+        strategies.append("HYBRID_SHARD")
+    progress = _Progress(args.steps * len(strategies), args.tty if rank == 0 else "")
+    try:
+        rows = []
+        for strategy in strategies:
+            rows.append(_run_strategy(strategy, args.steps, args.mp, progress, device))
+            # A wrapped model is a reference cycle; under NO_SHARD it holds DDP's reducer and so the
+            # group. Collected now, not in interpreter finalization (SIGABRT in gloo, docs/pitfalls.md).
+            gc.collect()
+    finally:
+        progress.close()
+    return rows
+
+
+def _write_result(out: Path, args: argparse.Namespace, device: torch.device, world: int, rows: list) -> None:
+    """Rank 0: ``result.json``, all or nothing: the launcher treats a present one as a finished run."""
+    reference = gpt.small()
+    numel = sum(p.numel() for p in reference.parameters())
+    tied = ", tied embedding/head" if reference.cfg.tie_weights else ""
+    model = f"GPT ({numel:,} parameters, {reference.cfg.n_layers} blocks{tied})"
+    result = dict(model=model, nproc=world, steps=args.steps, mp=args.mp, rows=rows)
+    result.update(device=device.type, backend=str(dist.get_backend()))
+    atomic_write(out / "result.json", lambda tmp: tmp.write_text(json.dumps(result)))
 
 
 if __name__ == "__main__":

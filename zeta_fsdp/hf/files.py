@@ -218,34 +218,46 @@ def read_checkpoint_index(path: Union[str, os.PathLike]) -> dict[str, TensorEntr
     if single.is_file():
         return read_safetensors_header(contained_file(path, SINGLE_NAME, str(path)))
     if index.is_file():
-        document = _parse_json(index.read_bytes(), index, "index")
-        weight_map = document.get("weight_map") if isinstance(document, dict) else None
-        if not isinstance(weight_map, dict):
-            raise CheckpointError(
-                f"{index} is not a safetensors index: need a JSON object with a 'weight_map' object "
-                f"of {{tensor name: file name}}, got {type(document).__name__}"
-                + ("" if not isinstance(document, dict) else f" whose weight_map is {type(weight_map).__name__}")
-                + "."
-            )
-        entries: dict[str, TensorEntry] = {}
-        headers: dict[str, dict[str, TensorEntry]] = {}
-        for key, name in weight_map.items():
-            if not isinstance(name, str):
-                raise CheckpointError(f"{index} maps {key!r} to {name!r}, not a file name.")
-            if name not in headers:
-                shard = contained_file(path, name, str(index))
-                if not shard.is_file():
-                    raise FileNotFoundError(f"{index} names {name} (for {key!r}) but {shard} does not exist.")
-                headers[name] = read_safetensors_header(shard)
-            if key not in headers[name]:
-                raise CheckpointError(f"{index} maps {key!r} to {name}, which does not hold it.")
-            entries[key] = headers[name][key]
-        return entries
+        return _read_indexed(path, index)
     found = sorted(p.name for p in path.glob("*.safetensors"))
     raise FileNotFoundError(
         f"{path} holds neither {SINGLE_NAME} nor {INDEX_NAME}"
         + (f" (it has {found}; pass one file's path to load it alone)." if found else ".")
     )
+
+
+def _weight_map(index: Path) -> dict:
+    """The index's ``weight_map`` (tensor name -> file name), a JSON object, else ``CheckpointError``."""
+    document = _parse_json(index.read_bytes(), index, "index")
+    weight_map = document.get("weight_map") if isinstance(document, dict) else None
+    if not isinstance(weight_map, dict):
+        raise CheckpointError(
+            f"{index} is not a safetensors index: need a JSON object with a 'weight_map' object "
+            f"of {{tensor name: file name}}, got {type(document).__name__}"
+            + ("" if not isinstance(document, dict) else f" whose weight_map is {type(weight_map).__name__}")
+            + "."
+        )
+    return weight_map
+
+
+def _read_indexed(path: Path, index: Path) -> dict[str, TensorEntry]:
+    """Every tensor the ``index`` of directory ``path`` names, from the headers of the files it names
+    (each read once, each ``contained_file``); a key its file lacks is refused."""
+    weight_map = _weight_map(index)
+    entries: dict[str, TensorEntry] = {}
+    headers: dict[str, dict[str, TensorEntry]] = {}
+    for key, name in weight_map.items():
+        if not isinstance(name, str):
+            raise CheckpointError(f"{index} maps {key!r} to {name!r}, not a file name.")
+        if name not in headers:
+            shard = contained_file(path, name, str(index))
+            if not shard.is_file():
+                raise FileNotFoundError(f"{index} names {name} (for {key!r}) but {shard} does not exist.")
+            headers[name] = read_safetensors_header(shard)
+        if key not in headers[name]:
+            raise CheckpointError(f"{index} maps {key!r} to {name}, which does not hold it.")
+        entries[key] = headers[name][key]
+    return entries
 
 
 def read_rows(
