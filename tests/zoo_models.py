@@ -1,9 +1,11 @@
-"""The parity zoo's models: tiny configs of models nobody here wrote (no downloads), and their batches.
+"""The tests' tiny models: configs of models nobody here wrote (no downloads), and their batches.
 
-Each entry builds a model with dropout off (deterministic reference) and a ``batch(step, n)``
-function giving the same ``n`` examples on every rank for a given step; ``loss(model, batch)``
-is the scalar the model is trained on. Shared by ``test_zoo.py`` (plans, no process group) and
-``zoo_cases.py`` (parity on 2 gloo ranks).
+``HF`` is the one home of the tiny Hugging Face configs: ``hf_cases.py`` saves and loads them
+(weights in and out), the parity zoo (``ZOO``) trains them. Each zoo entry builds a model with
+dropout off (deterministic reference) and a ``batch(step, n)`` function giving the same ``n``
+examples on every rank for a given step; ``loss(model, batch)`` is the scalar the model is trained
+on. The zoo is shared by ``test_zoo.py`` (plans, no process group) and ``zoo_cases.py`` (parity on
+2 gloo ranks); ``timm_models.py`` builds its entries with ``ZooEntry``.
 """
 
 from __future__ import annotations
