@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from worker import ARGS, Cases, expect_error, full, rank, run_cases, world
+from zoo_models import HF, IMAGE, SEQ, VOCAB
 
 from zeta_fsdp import consolidate_to_hf, fsdp, load_pretrained, save_checkpoint, save_pretrained
 from zeta_fsdp.hf.files import INDEX_NAME
@@ -41,99 +42,8 @@ STRATS = {
     "NO_SHARD": {"shard_strat": "NO_SHARD"},
     "HYBRID_SHARD": {"shard_strat": "HYBRID_SHARD", "replicate_size": 2},
 }
-LM = dict(vocab_size=96, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=40)
-
-
-def _llama(tied: bool):
-    cfg = T.LlamaConfig(**LM, num_key_value_heads=2, tie_word_embeddings=tied)
-    return T.LlamaForCausalLM, T.AutoModelForCausalLM, cfg
-
-
-ARCHS = {
-    "llama_tied": lambda: _llama(True),
-    "llama_untied": lambda: _llama(False),
-    "gpt2": lambda: (
-        T.GPT2LMHeadModel,
-        T.AutoModelForCausalLM,
-        T.GPT2Config(vocab_size=96, n_embd=32, n_layer=2, n_head=4, n_positions=32),
-    ),
-    "bert_mlm": lambda: (T.BertForMaskedLM, T.AutoModelForMaskedLM, T.BertConfig(**LM)),
-    "mixtral": lambda: (
-        T.MixtralForCausalLM,
-        T.AutoModelForCausalLM,
-        T.MixtralConfig(**LM, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2),
-    ),
-    "t5": lambda: (
-        T.T5ForConditionalGeneration,
-        T.AutoModelForSeq2SeqLM,
-        T.T5Config(vocab_size=96, d_model=32, d_kv=8, d_ff=40, num_layers=2, num_decoder_layers=2, num_heads=4),
-    ),
-    "bart": lambda: (
-        T.BartForConditionalGeneration,
-        T.AutoModelForSeq2SeqLM,
-        T.BartConfig(
-            vocab_size=96,
-            d_model=32,
-            encoder_layers=2,
-            decoder_layers=2,
-            encoder_attention_heads=4,
-            decoder_attention_heads=4,
-            encoder_ffn_dim=40,
-            decoder_ffn_dim=40,
-            max_position_embeddings=32,
-        ),
-    ),  # fmt: skip
-    "vit": lambda: (
-        T.ViTForImageClassification,
-        T.AutoModelForImageClassification,
-        T.ViTConfig(
-            image_size=16,
-            patch_size=8,
-            hidden_size=32,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            intermediate_size=40,
-            num_labels=3,
-        ),
-    ),  # fmt: skip
-    "clip": lambda: (
-        T.CLIPModel,
-        T.AutoModel,
-        T.CLIPConfig(
-            text_config=dict(
-                vocab_size=96,
-                hidden_size=32,
-                num_hidden_layers=2,
-                num_attention_heads=4,
-                intermediate_size=40,
-                max_position_embeddings=16,
-            ),
-            vision_config=dict(
-                image_size=16,
-                patch_size=8,
-                hidden_size=32,
-                num_hidden_layers=2,
-                num_attention_heads=4,
-                intermediate_size=40,
-            ),
-            projection_dim=16,
-        ),
-    ),  # fmt: skip
-}
-# Dims that do not split evenly over 2 ranks (FSDP2 pads the last shard).
-ARCHS["llama_uneven"] = lambda: (
-    T.LlamaForCausalLM,
-    T.AutoModelForCausalLM,
-    T.LlamaConfig(
-        vocab_size=97,
-        hidden_size=40,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        intermediate_size=41,
-        num_key_value_heads=2,
-        tie_word_embeddings=False,
-    ),
-)
+# The tests' tiny configs (one home, shared with the parity zoo): name -> (model class, Auto class, config).
+ARCHS = {name: arch.classes for name, arch in HF.items() if name != "wav2vec2"}
 ZOO = [a for a in ARCHS if a not in ("clip", "llama_uneven")]
 
 
@@ -148,11 +58,11 @@ def build(arch: str, seed: int = 0, meta: bool = False) -> torch.nn.Module:
 
 def inputs(arch: str) -> dict:
     g = torch.Generator().manual_seed(7)
-    ids = torch.randint(1, 90, (2, 9), generator=g)
+    ids = torch.randint(1, VOCAB, (2, SEQ), generator=g)
     if arch == "vit":
-        return {"pixel_values": torch.randn(2, 3, 16, 16, generator=g)}
+        return {"pixel_values": torch.randn(2, 3, IMAGE, IMAGE, generator=g)}
     if arch == "clip":
-        return {"input_ids": ids, "pixel_values": torch.randn(2, 3, 16, 16, generator=g)}
+        return {"input_ids": ids, "pixel_values": torch.randn(2, 3, IMAGE, IMAGE, generator=g)}
     if arch in ("t5", "bart"):
         return {"input_ids": ids, "decoder_input_ids": ids[:, :5]}
     return {"input_ids": ids}

@@ -13,7 +13,7 @@ import torch.nn as nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, ShardingStrategy
 
 from zeta_fsdp import fsdp
-from zeta_fsdp.engines import SEAM, Engine, engine_named
+from zeta_fsdp.engines import DEFAULT_ENGINE, SEAM, Engine, engine_named
 from zeta_fsdp.engines import fully_shard as fully_shard_engine
 from zeta_fsdp.engines import replicate as replicate_engine
 from zeta_fsdp.models.gpt import Block, small
@@ -145,6 +145,35 @@ def test_engines_implement_the_protocol_signatures():
     del drifted.plan_accumulation
     problems = seam_mismatches(drifted)
     assert len(problems) == 2 and problems[0].startswith("wrap(") and problems[1] == "plan_accumulation: missing"
+
+
+def test_only_choose_engine_names_an_engine_outside_engines(tmp_path):
+    # The engine seam: outside engines/, one place chooses an engine by name (options.choose_engine,
+    # documented there); everything else asks engines/ (engine_of, engine_named, DEFAULT_ENGINE).
+    import ast
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("code_stats", root / "scripts" / "code_stats.py")
+    code_stats = importlib.util.module_from_spec(spec)
+    sys.modules["code_stats"] = code_stats  # its dataclasses look their module up
+    try:
+        spec.loader.exec_module(code_stats)
+    finally:
+        del sys.modules["code_stats"]
+    hits = dict(h.split(":") for h in code_stats.engine_mentions(root / "zeta_fsdp", root))
+    assert list(hits) == ["zeta_fsdp/options.py"], hits
+    tree = ast.parse((root / "zeta_fsdp" / "options.py").read_text())
+    chooser = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "choose_engine")
+    lines = [int(n) for n in hits["zeta_fsdp/options.py"].split(",")]
+    assert all(chooser.lineno <= n <= chooser.end_lineno for n in lines), lines
+    # the check can fail: a module branching on an engine's name is found
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "mod.py").write_text('def f(name):\n    return name == "replicate"\n')
+    assert code_stats.engine_mentions(tmp_path / "pkg", tmp_path) == ["pkg/mod.py:2"]
+    assert engine_named(DEFAULT_ENGINE) is fully_shard_engine
 
 
 def test_reshard_after_forward_values():

@@ -1,9 +1,11 @@
-"""The parity zoo's models: tiny configs of models nobody here wrote (no downloads), and their batches.
+"""The tests' tiny models: configs of models nobody here wrote (no downloads), and their batches.
 
-Each entry builds a model with dropout off (deterministic reference) and a ``batch(step, n)``
-function giving the same ``n`` examples on every rank for a given step; ``loss(model, batch)``
-is the scalar the model is trained on. Shared by ``test_zoo.py`` (plans, no process group) and
-``zoo_cases.py`` (parity on 2 gloo ranks).
+``HF`` is the one home of the tiny Hugging Face configs: ``hf_cases.py`` saves and loads them
+(weights in and out), the parity zoo (``ZOO``) trains them. Each zoo entry builds a model with
+dropout off (deterministic reference) and a ``batch(step, n)`` function giving the same ``n``
+examples on every rank for a given step; ``loss(model, batch)`` is the scalar the model is trained
+on. The zoo is shared by ``test_zoo.py`` (plans, no process group) and ``zoo_cases.py`` (parity on
+2 gloo ranks); ``timm_models.py`` builds its entries with ``ZooEntry``.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F  # noqa: N812
 
-VOCAB, SEQ, HIDDEN = 64, 8, 32
+VOCAB, SEQ, HIDDEN, IMAGE = 64, 8, 32, 8
 
 
 def _gen(step: int) -> torch.Generator:
@@ -286,14 +288,25 @@ class ZooEntry:
     exact: bool = True
 
 
-def _hf(cls_name: str, config_name: str, **config: Any) -> Callable[[], nn.Module]:
-    def build() -> nn.Module:
+@dataclass(frozen=True)
+class HFArch:
+    """A tiny transformers model: its class, the ``AutoModel*`` class that loads it, and its config."""
+
+    model: str
+    auto: str
+    config: str
+    kwargs: dict
+
+    def classes(self) -> tuple[type, type, Any]:
+        """``(model class, Auto class, config)``: what ``hf_cases.py`` saves and loads with."""
         import transformers
 
-        cfg = getattr(transformers, config_name)(**config)
-        return getattr(transformers, cls_name)(cfg)
+        cls, auto = getattr(transformers, self.model), getattr(transformers, self.auto)
+        return cls, auto, getattr(transformers, self.config)(**self.kwargs)
 
-    return build
+    def build(self) -> nn.Module:
+        cls, _, cfg = self.classes()
+        return cls(cfg)
 
 
 _DEC = dict(
@@ -315,6 +328,128 @@ _ENC = dict(
     hidden_dropout_prob=0.0,
     attention_probs_dropout_prob=0.0,
 )
+_TOWER = dict(hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4)
+_CAUSAL = "AutoModelForCausalLM"
+
+# The one home of the tests' tiny Hugging Face configs: the parity zoo (``ZOO`` below) trains them,
+# ``hf_cases.py`` saves and loads them (``classes()``); dropout off, so every build is deterministic.
+HF: dict[str, HFArch] = {
+    "llama_tied": HFArch("LlamaForCausalLM", _CAUSAL, "LlamaConfig", dict(_DEC, tie_word_embeddings=True)),
+    "llama_untied": HFArch("LlamaForCausalLM", _CAUSAL, "LlamaConfig", dict(_DEC, tie_word_embeddings=False)),
+    "gpt2": HFArch(
+        "GPT2LMHeadModel",
+        _CAUSAL,
+        "GPT2Config",
+        dict(
+            vocab_size=VOCAB,
+            n_embd=HIDDEN,
+            n_layer=2,
+            n_head=4,
+            n_positions=64,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+        ),
+    ),
+    "mixtral": HFArch(
+        "MixtralForCausalLM", _CAUSAL, "MixtralConfig", dict(_DEC, num_local_experts=4, num_experts_per_tok=2)
+    ),
+    "t5": HFArch(
+        "T5ForConditionalGeneration",
+        "AutoModelForSeq2SeqLM",
+        "T5Config",
+        dict(
+            vocab_size=VOCAB,
+            d_model=HIDDEN,
+            d_kv=8,
+            d_ff=64,
+            num_layers=2,
+            num_decoder_layers=2,
+            num_heads=4,
+            dropout_rate=0.0,
+            decoder_start_token_id=0,
+        ),
+    ),
+    "bart": HFArch(
+        "BartForConditionalGeneration",
+        "AutoModelForSeq2SeqLM",
+        "BartConfig",
+        dict(
+            vocab_size=VOCAB,
+            d_model=HIDDEN,
+            encoder_layers=2,
+            decoder_layers=2,
+            encoder_attention_heads=4,
+            decoder_attention_heads=4,
+            encoder_ffn_dim=64,
+            decoder_ffn_dim=64,
+            max_position_embeddings=64,
+            dropout=0.0,
+            attention_dropout=0.0,
+            activation_dropout=0.0,
+        ),
+    ),
+    "bert_mlm": HFArch("BertForMaskedLM", "AutoModelForMaskedLM", "BertConfig", _ENC),
+    "vit": HFArch(
+        "ViTForImageClassification",
+        "AutoModelForImageClassification",
+        "ViTConfig",
+        dict(
+            image_size=IMAGE,
+            patch_size=4,
+            num_labels=10,
+            **{k: v for k, v in _ENC.items() if k not in ("vocab_size", "max_position_embeddings")},
+        ),
+    ),
+    "wav2vec2": HFArch(
+        "Wav2Vec2ForCTC",
+        "AutoModelForCTC",
+        "Wav2Vec2Config",
+        dict(
+            vocab_size=16,
+            **_TOWER,
+            conv_dim=(16, 16),
+            conv_stride=(5, 4),
+            conv_kernel=(10, 4),
+            num_conv_pos_embeddings=8,
+            num_conv_pos_embedding_groups=4,
+            hidden_dropout=0.0,
+            attention_dropout=0.0,
+            activation_dropout=0.0,
+            feat_proj_dropout=0.0,
+            final_dropout=0.0,
+            layerdrop=0.0,
+            mask_time_prob=0.0,
+            ctc_zero_infinity=True,
+            ctc_loss_reduction="mean",
+        ),
+    ),
+    "clip": HFArch(
+        "CLIPModel",
+        "AutoModel",
+        "CLIPConfig",
+        dict(
+            text_config=dict(vocab_size=VOCAB, **_TOWER, max_position_embeddings=SEQ),
+            vision_config=dict(**_TOWER, image_size=IMAGE, patch_size=4),
+            projection_dim=16,
+        ),
+    ),
+    # dims that do not split evenly over 2 ranks (FSDP2 pads the last shard)
+    "llama_uneven": HFArch(
+        "LlamaForCausalLM",
+        _CAUSAL,
+        "LlamaConfig",
+        dict(
+            vocab_size=97,
+            hidden_size=40,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            intermediate_size=41,
+            num_key_value_heads=2,
+            tie_word_embeddings=False,
+        ),
+    ),
+}
 
 
 def _timm_loss(model: nn.Module, batch: dict) -> torch.Tensor:
@@ -351,30 +486,19 @@ def _clip_batch(step: int, n: int) -> dict:
 
 ZOO: dict[str, ZooEntry] = {
     "llama_tied": ZooEntry(
-        _hf("LlamaForCausalLM", "LlamaConfig", tie_word_embeddings=True, **_DEC),
+        HF["llama_tied"].build,
         _lm_batch,
         _hf_loss,
         ["model.layers.0", "model.layers.1", "[model.embed_tokens, model.norm, lm_head]", "<root>"],
     ),
     "llama_untied": ZooEntry(
-        _hf("LlamaForCausalLM", "LlamaConfig", tie_word_embeddings=False, **_DEC),
+        HF["llama_untied"].build,
         _lm_batch,
         _hf_loss,
         ["model.layers.0", "model.layers.1", "model.embed_tokens", "[model.norm, lm_head]", "<root>"],
     ),
     "gpt2": ZooEntry(
-        _hf(
-            "GPT2LMHeadModel",
-            "GPT2Config",
-            vocab_size=VOCAB,
-            n_embd=HIDDEN,
-            n_layer=2,
-            n_head=4,
-            n_positions=64,
-            resid_pdrop=0.0,
-            embd_pdrop=0.0,
-            attn_pdrop=0.0,
-        ),
+        HF["gpt2"].build,
         _lm_batch,
         _hf_loss,
         [
@@ -385,25 +509,13 @@ ZOO: dict[str, ZooEntry] = {
         ],
     ),
     "mixtral": ZooEntry(
-        _hf("MixtralForCausalLM", "MixtralConfig", num_local_experts=4, num_experts_per_tok=2, **_DEC),
+        HF["mixtral"].build,
         _lm_batch,
         _hf_loss,
         ["model.layers.0", "model.layers.1", "model.embed_tokens", "[model.norm, lm_head]", "<root>"],
     ),
     "t5": ZooEntry(
-        _hf(
-            "T5ForConditionalGeneration",
-            "T5Config",
-            vocab_size=VOCAB,
-            d_model=HIDDEN,
-            d_kv=8,
-            d_ff=64,
-            num_layers=2,
-            num_decoder_layers=2,
-            num_heads=4,
-            dropout_rate=0.0,
-            decoder_start_token_id=0,
-        ),
+        HF["t5"].build,
         _t5_batch,
         _hf_loss,
         [
@@ -417,74 +529,25 @@ ZOO: dict[str, ZooEntry] = {
         exact=False,
     ),
     "bert_mlm": ZooEntry(
-        _hf("BertForMaskedLM", "BertConfig", **_ENC),
+        HF["bert_mlm"].build,
         _lm_batch,
         _hf_loss,
         ["bert.encoder.layer.0", "bert.encoder.layer.1", "[bert.embeddings, cls.predictions, +3 more]", "<root>"],
     ),
     "vit": ZooEntry(
-        _hf(
-            "ViTForImageClassification",
-            "ViTConfig",
-            image_size=8,
-            patch_size=4,
-            num_labels=10,
-            **{k: v for k, v in _ENC.items() if k not in ("vocab_size", "max_position_embeddings")},
-        ),
+        HF["vit"].build,
         _vit_batch,
         _hf_loss,
         ["vit.embeddings", "vit.layers.0", "vit.layers.1", "[vit.layernorm, classifier]", "<root>"],
     ),
     "wav2vec2": ZooEntry(
-        _hf(
-            "Wav2Vec2ForCTC",
-            "Wav2Vec2Config",
-            vocab_size=16,
-            hidden_size=HIDDEN,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            conv_dim=(16, 16),
-            conv_stride=(5, 4),
-            conv_kernel=(10, 4),
-            num_conv_pos_embeddings=8,
-            num_conv_pos_embedding_groups=4,
-            hidden_dropout=0.0,
-            attention_dropout=0.0,
-            activation_dropout=0.0,
-            feat_proj_dropout=0.0,
-            final_dropout=0.0,
-            layerdrop=0.0,
-            mask_time_prob=0.0,
-            ctc_zero_infinity=True,
-            ctc_loss_reduction="mean",
-        ),
+        HF["wav2vec2"].build,
         _audio_batch,
         _hf_loss,
         ["wav2vec2.encoder.layers.0", "wav2vec2.encoder.layers.1", "lm_head", "<root>"],
     ),
     "clip": ZooEntry(
-        _hf(
-            "CLIPModel",
-            "CLIPConfig",
-            text_config=dict(
-                vocab_size=VOCAB,
-                hidden_size=HIDDEN,
-                intermediate_size=64,
-                num_hidden_layers=2,
-                num_attention_heads=4,
-                max_position_embeddings=SEQ,
-            ),
-            vision_config=dict(
-                hidden_size=HIDDEN,
-                intermediate_size=64,
-                num_hidden_layers=2,
-                num_attention_heads=4,
-                image_size=8,
-                patch_size=4,
-            ),
-            projection_dim=16,
-        ),
+        HF["clip"].build,
         _clip_batch,
         _hf_loss,
         [

@@ -104,6 +104,26 @@ def shard_dataloader(
         loader, sampler = shard_dataloader(DataLoader(ds, batch_size=4, shuffle=True), rank=0, world_size=2)
         sampler.set_epoch(1)
     """
+    kept = _kept_loader(dataloader, data_sampler, caller)
+    if kept is not None:
+        return kept
+    if dataloader.batch_size is None:
+        raise ValueError(
+            f"{caller}: the loader uses a custom batch_sampler; pass data_sampler= "
+            "with a transform_dataloader(dataloader) method that splits it by data-parallel rank."
+        )
+    if data_sampler is not None and not isinstance(data_sampler, Sampler):
+        raise ValueError(
+            "FSDP2Strategy: data_sampler must be a torch Sampler or have transform_dataloader(dataloader)."
+        )
+    sampler = data_sampler if data_sampler is not None else _rank_sampler(dataloader, rank, world_size, epoch)
+    return _with_sampler(dataloader, sampler), sampler
+
+
+def _kept_loader(dataloader: Any, data_sampler: Any, caller: str) -> Optional[tuple[Any, Optional[Sampler]]]:
+    """``shard_dataloader``'s answer where no new sampler is made (``None`` elsewhere): ``data_sampler``'s
+    ``transform_dataloader``, an ``IterableDataset`` (it must shard itself), a ``DistributedSampler``'s loader.
+    Anything but a ``DataLoader`` is refused."""
     if data_sampler is not None and callable(getattr(data_sampler, "transform_dataloader", None)):
         return data_sampler.transform_dataloader(dataloader), None
     if not isinstance(dataloader, DataLoader):
@@ -115,37 +135,72 @@ def shard_dataloader(
         warnings.warn(
             f"{caller}: an IterableDataset cannot be split by a sampler; "
             "it is returned unchanged, so it must shard itself by data-parallel rank.",
-            stacklevel=3,
+            stacklevel=4,
         )
         return dataloader, None
     if isinstance(dataloader.sampler, DistributedSampler) and data_sampler is None:
         return dataloader, dataloader.sampler
-    if dataloader.batch_size is None:
-        raise ValueError(
-            f"{caller}: the loader uses a custom batch_sampler; pass data_sampler= "
-            "with a transform_dataloader(dataloader) method that splits it by data-parallel rank."
+    return None
+
+
+def _rank_sampler(dataloader: DataLoader, rank: int, world_size: int, epoch: int) -> Sampler:
+    """This rank's sampler, at ``epoch``: a ``DistributedSampler`` for a plain order (shuffled or not),
+    else the loader's own sampler sliced by rank (``RankSlicedSampler``)."""
+    shuffle = _plain_order(dataloader.sampler, dataloader.dataset)
+    if shuffle is None:
+        sampler = RankSlicedSampler(
+            dataloader.sampler, rank=rank, world_size=world_size, drop_last=dataloader.drop_last
         )
-    if data_sampler is not None and not isinstance(data_sampler, Sampler):
-        raise ValueError(
-            "FSDP2Strategy: data_sampler must be a torch Sampler or have transform_dataloader(dataloader)."
+    else:
+        sampler = DistributedSampler(
+            dataloader.dataset, num_replicas=world_size, rank=rank, shuffle=shuffle, drop_last=dataloader.drop_last
         )
-    sampler = data_sampler
-    if sampler is None:
-        shuffle = _plain_order(dataloader.sampler, dataloader.dataset)
-        if shuffle is None:
-            sampler = RankSlicedSampler(
-                dataloader.sampler, rank=rank, world_size=world_size, drop_last=dataloader.drop_last
-            )
-        else:
-            sampler = DistributedSampler(
-                dataloader.dataset, num_replicas=world_size, rank=rank, shuffle=shuffle, drop_last=dataloader.drop_last
-            )
-        sampler.set_epoch(epoch)
+    sampler.set_epoch(epoch)
+    return sampler
+
+
+def _with_sampler(dataloader: DataLoader, sampler: Sampler) -> DataLoader:
+    """``dataloader`` rebuilt around ``sampler``, its other options kept."""
     kept = ("batch_size", "num_workers", "collate_fn", "pin_memory", "drop_last", "timeout", "worker_init_fn")
     options = {name: getattr(dataloader, name) for name in (*kept, "persistent_workers")}
     if dataloader.num_workers > 0:
         options["prefetch_factor"] = dataloader.prefetch_factor
-    return DataLoader(dataloader.dataset, sampler=sampler, **options), sampler
+    return DataLoader(dataloader.dataset, sampler=sampler, **options)
+
+
+def _rank_and_world(rank: Optional[int], world_size: Optional[int]) -> tuple[int, int]:
+    """``(rank, world_size)``, each the given one else the process group's, else the launcher's. A loader
+    is built before the process group exists (under torchrun, before fsdp() starts it): the launcher's
+    RANK / WORLD_SIZE say which rank this is, as fsdp() will read them."""
+    default_world = expected_world_size()
+    default_rank = get_rank() if is_distributed() else (int(os.environ["RANK"]) if default_world > 1 else 0)
+    world_size = int(world_size if world_size is not None else default_world)
+    return int(rank if rank is not None else default_rank), world_size
+
+
+def _check_loader_args(dataset: Any, global_batch_size: Any, rank: int, world_size: int, loader_kwargs: dict) -> None:
+    """``ResumableLoader``'s arguments: a positive global batch that splits over the ranks and fits the
+    dataset, a rank of the world, no ``DataLoader`` option the loader decides."""
+    if isinstance(global_batch_size, bool) or not isinstance(global_batch_size, int) or global_batch_size < 1:
+        raise ValueError(f"ResumableLoader(): global_batch_size must be a positive int, got {global_batch_size!r}.")
+    if global_batch_size % world_size:
+        raise ValueError(
+            f"ResumableLoader(): global_batch_size={global_batch_size} does not split over world_size="
+            f"{world_size} ranks; use a multiple of {world_size}."
+        )
+    if not 0 <= rank < world_size:
+        raise ValueError(f"ResumableLoader(): rank={rank} is outside 0..{world_size - 1}.")
+    for key in ("batch_size", "sampler", "batch_sampler", "shuffle", "drop_last"):
+        if key in loader_kwargs:
+            raise ValueError(f"ResumableLoader(): {key}= is decided by the loader (global_batch_size, seed, shuffle).")
+    samples = len(dataset)
+    if samples < global_batch_size:
+        # Not one global batch fits (a last partial one is dropped): every epoch would be empty
+        # and a `while step < total: for batch in loader:` loop would never end.
+        raise ValueError(
+            f"ResumableLoader(): the dataset has {samples} samples, fewer than one global batch "
+            f"(global_batch_size={global_batch_size}); use a global batch of at most {samples} samples."
+        )
 
 
 class ResumableLoader:
@@ -181,33 +236,8 @@ class ResumableLoader:
         world_size: Optional[int] = None,
         **loader_kwargs: Any,
     ) -> None:
-        # Built before the process group exists (under torchrun, before fsdp() starts it): the
-        # launcher's RANK / WORLD_SIZE say which rank this is, as fsdp() will read them.
-        default_world = expected_world_size()
-        default_rank = get_rank() if is_distributed() else (int(os.environ["RANK"]) if default_world > 1 else 0)
-        self.world_size = int(world_size if world_size is not None else default_world)
-        self.rank = int(rank if rank is not None else default_rank)
-        if isinstance(global_batch_size, bool) or not isinstance(global_batch_size, int) or global_batch_size < 1:
-            raise ValueError(f"ResumableLoader(): global_batch_size must be a positive int, got {global_batch_size!r}.")
-        if global_batch_size % self.world_size:
-            raise ValueError(
-                f"ResumableLoader(): global_batch_size={global_batch_size} does not split over world_size="
-                f"{self.world_size} ranks; use a multiple of {self.world_size}."
-            )
-        if not 0 <= self.rank < self.world_size:
-            raise ValueError(f"ResumableLoader(): rank={self.rank} is outside 0..{self.world_size - 1}.")
-        for key in ("batch_size", "sampler", "batch_sampler", "shuffle", "drop_last"):
-            if key in loader_kwargs:
-                raise ValueError(
-                    f"ResumableLoader(): {key}= is decided by the loader (global_batch_size, seed, shuffle)."
-                )
-        if len(dataset) < global_batch_size:
-            # Not one global batch fits (a last partial one is dropped): every epoch would be empty
-            # and a `while step < total: for batch in loader:` loop would never end.
-            raise ValueError(
-                f"ResumableLoader(): the dataset has {len(dataset)} samples, fewer than one global batch "
-                f"(global_batch_size={global_batch_size}); use a global batch of at most {len(dataset)} samples."
-            )
+        self.rank, self.world_size = _rank_and_world(rank, world_size)
+        _check_loader_args(dataset, global_batch_size, self.rank, self.world_size, loader_kwargs)
         self.dataset = dataset
         self.global_batch_size = global_batch_size
         self.seed, self.shuffle = int(seed), bool(shuffle)

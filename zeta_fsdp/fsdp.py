@@ -166,31 +166,13 @@ def fsdp(
     mp_policy = resolve_mixed_precision(mp)
     master = resolve_master_dtype(master_dtype)
     spec = resolve_sharding(shard_strat)
-    shape = resolve_mesh_shape(spec, mesh, replicate_size, expected_world_size(), local_world_size())
-    reshard = validate_reshard_after_forward(reshard_after_forward, shape[-1])
-    keep_tail = validate_keep_tail_unsharded(keep_tail_unsharded)
-    prefetch = validate_prefetch(prefetch)
+    layout = _layout(spec, mesh, replicate_size, reshard_after_forward, keep_tail_unsharded, prefetch)
     ignored = _ignored_parameters(model, ignored_params, ignored_modules)
     plan = build_wrap_plan(model, auto_wrap=auto_wrap, transformer_block=TransformerBlock, ignored_params=ignored)
     fp32 = select_fp32(model, keep_fp32, mp_policy)
-    name = _engine_name(
-        model, spec, mp_policy, mesh_given=mesh is not None, cpu_offload=cpu_offload, ignored=ignored, fp32=fp32
-    )
-    engine = engine_named(name)
-    engine.add_fp32_units(plan, model, fp32.param_names)
-    engine.check(plan, model, master)
-    options = WrapOptions(
-        _check_device(model, device),
-        mp_policy,
-        shape=shape,
-        mesh=mesh,
-        reshard=spec.reshard_after_forward if reshard is None else reshard,
-        cpu_offload=cpu_offload,
-        ignored=frozenset(ignored),
-        keep_tail=keep_tail,
-        prefetch=prefetch,
-        fp32_params=tuple(fp32.param_names),
-    )
+    owned = dict(ignored=frozenset(ignored), fp32_params=tuple(fp32.param_names), cpu_offload=cpu_offload)
+    options = WrapOptions(_check_device(model, device), mp_policy, **layout, **owned)
+    name, engine = _checked_engine(model, plan, spec, options, master, fp32)
 
     # 2. Environment: a process group (ours only if none exists) and the mesh.
     ensure_process_group(options.device, cpu_offload=cpu_offload)
@@ -199,9 +181,8 @@ def fsdp(
     # 3. Per-block transforms, then sharding bottom-up (or replication), then meta materialization.
     transforms = dict(activation_checkpointing=activation_checkpointing, compile=compile, materialize=materialize)
     _shard(model, plan, engine, options, master=master, fp32=fp32, **transforms)
-    record_wrap(
-        model, name, plan, options.device, cpu_offload
-    )  # what fsdp_engine(), get_wrap_plan(), compute_device() read
+    # what fsdp_engine(), get_wrap_plan(), compute_device() read
+    record_wrap(model, name, plan, options.device, cpu_offload)
     return model
 
 
@@ -257,24 +238,47 @@ def _check_call(model: Any, flags: dict[str, Any], compile: Any) -> None:  # noq
     _check_compile_options(compile)
 
 
-def _engine_name(
-    model: nn.Module,
+def _layout(
     spec: ShardingSpec,
-    mp_policy: MixedPrecisionPolicy,
-    *,
-    mesh_given: bool,
-    cpu_offload: bool,
-    ignored: set[nn.Parameter],
+    mesh: Optional[DeviceMesh],
+    replicate_size: Optional[int],
+    reshard_after_forward: Union[bool, int, None],
+    keep_tail_unsharded: Union[bool, int],
+    prefetch: Optional[int],
+) -> dict[str, Any]:
+    """``WrapOptions``' mesh and per-block fields, each validated (``options``): the mesh shape,
+    computed once per call, and the blocks' reshard (the strategy's unless overridden), tail, prefetch."""
+    shape = resolve_mesh_shape(spec, mesh, replicate_size, expected_world_size(), local_world_size())
+    reshard = validate_reshard_after_forward(reshard_after_forward, shape[-1])
+    return dict(
+        shape=shape,
+        mesh=mesh,
+        reshard=spec.reshard_after_forward if reshard is None else reshard,
+        keep_tail=validate_keep_tail_unsharded(keep_tail_unsharded),
+        prefetch=validate_prefetch(prefetch),
+    )
+
+
+def _checked_engine(
+    model: nn.Module,
+    plan: WrapPlan,
+    spec: ShardingSpec,
+    options: WrapOptions,
+    master: Optional[torch.dtype],
     fp32: Fp32Selection,
-) -> str:
-    """``options.choose_engine`` for this model and these options."""
+) -> tuple[str, Engine]:
+    """``options.choose_engine`` for this model and these options, and that engine's checks: its fp32
+    units added to ``plan``, then what it refuses raised (the model is not changed)."""
     name, _ = choose_engine(
         spec,
-        mp_policy,
-        mesh_given=mesh_given,
-        cpu_offload=cpu_offload,
-        has_ignored=bool(ignored),
+        options.mp_policy,
+        mesh_given=options.mesh is not None,
+        cpu_offload=options.cpu_offload,
+        has_ignored=bool(options.ignored),
         has_trainable=any(p.requires_grad for p in model.parameters()),
         has_fp32=bool(fp32),
     )
-    return name
+    engine = engine_named(name)
+    engine.add_fp32_units(plan, model, fp32.param_names)
+    engine.check(plan, model, master)
+    return name, engine

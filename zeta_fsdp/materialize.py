@@ -115,45 +115,72 @@ def materialize_meta_model(
     meta_names = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     if not meta_names:
         return False
-    # FSDP2's CPU offload keeps the sharded parameters on CPU (it pins them as they move); buffers stay
-    # on the compute device, where the forward uses them.
-    model.to_empty(device="cpu" if offload_to_cpu else device)
-    if offload_to_cpu and device.type != "cpu":
-        move_buffers(model, device)
-    on_cpu = device.type == "cpu" or offload_to_cpu
+    on_cpu = _allocate(model, device, offload_to_cpu)
     mesh = next((t.device_mesh for t in model.parameters() if isinstance(t, DTensor)), None)
     local_rng = dtensor_random_from_local_generator(mesh) if on_cpu and mesh is not None else contextlib.nullcontext()
     with torch.no_grad(), torch.random.fork_rng(devices=[]), local_rng:
         fresh = {**dict(model.named_parameters()), **dict(model.named_buffers())}
-        for local in (_local(fresh[n]) for n in meta_names):
-            if local.is_floating_point() or local.is_complex():
-                local.fill_(_SENTINEL)
-            elif local.dtype != torch.bool:
-                local.fill_(torch.iinfo(local.dtype).min)
+        _fill_sentinel([_local(fresh[n]) for n in meta_names])
         if on_cpu:
-            # Ranks' generators differ unless the user seeded them alike (torchrun seeds each rank at
-            # random), and replicas must be initialised identically: rank 0's draw is everyone's.
-            seed = torch.randint(0, 2**31 - 1, (1,), dtype=torch.int64)
-            if dist.is_initialized() and dist.get_world_size() > 1:
-                dist.broadcast(seed, src=0)
-            torch.manual_seed(int(seed.item()) + 7919 * shard_index)
-        # reset_parameters(), else torch.nn's private _reset_parameters(): nn.MultiheadAttention's
-        # in_proj_weight, nn.Transformer's xavier re-draw over its children's init.
-        for module in _children_first(model):
-            init = getattr(module, "reset_parameters", None) or getattr(module, "_reset_parameters", None)
-            if callable(init):
-                init()
-        if callable(getattr(model, "init_weights", None)):
-            # Hugging Face skips what is flagged ``_is_hf_initialized`` (set when weights were loaded);
-            # after to_empty nothing is, so the flags would only leave memory unset.
-            for obj in [*model.modules(), *model.parameters(), *model.buffers()]:
-                if getattr(obj, "_is_hf_initialized", False):
-                    obj._is_hf_initialized = False
-            model.init_weights()  # a Hugging Face model's own scheme too (its init_weights)
+            _seed_for_shard(shard_index)
+        _run_initialisers(model)
         unset = [n for n in meta_names if _still_sentinel(fresh[n])]
         if unset:
             _fill_constructor_constants(model, unset, fresh)
     retie(model, tied_params)
+    _check_initialised(model, meta_names)
+    return True
+
+
+def _allocate(model: nn.Module, device: torch.device, offload_to_cpu: bool) -> bool:
+    """``to_empty`` where the tensors will live; ``True`` if the shards are on CPU (their init draws
+    from each rank's CPU generator). FSDP2's CPU offload keeps the sharded parameters on CPU (it pins
+    them as they move); buffers stay on the compute device, where the forward uses them."""
+    model.to_empty(device="cpu" if offload_to_cpu else device)
+    if offload_to_cpu and device.type != "cpu":
+        move_buffers(model, device)
+    return device.type == "cpu" or offload_to_cpu
+
+
+def _fill_sentinel(tensors: list[torch.Tensor]) -> None:
+    """Mark fresh memory: ``_SENTINEL`` (floating/complex), the dtype's minimum (ints); bools are left."""
+    for local in tensors:
+        if local.is_floating_point() or local.is_complex():
+            local.fill_(_SENTINEL)
+        elif local.dtype != torch.bool:
+            local.fill_(torch.iinfo(local.dtype).min)
+
+
+def _seed_for_shard(shard_index: int) -> None:
+    """Seed this rank's generator with rank 0's draw plus ``shard_index``: ranks' generators differ unless
+    the user seeded them alike (torchrun seeds each rank at random), and replicas must be initialised
+    identically, shards differently."""
+    seed = torch.randint(0, 2**31 - 1, (1,), dtype=torch.int64)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast(seed, src=0)
+    torch.manual_seed(int(seed.item()) + 7919 * shard_index)
+
+
+def _run_initialisers(model: nn.Module) -> None:
+    """Every module's initialiser, children first, then the root's ``init_weights()``.
+
+    ``reset_parameters()``, else torch.nn's private ``_reset_parameters()``: nn.MultiheadAttention's
+    in_proj_weight, nn.Transformer's xavier re-draw over its children's init."""
+    for module in _children_first(model):
+        init = getattr(module, "reset_parameters", None) or getattr(module, "_reset_parameters", None)
+        if callable(init):
+            init()
+    if callable(getattr(model, "init_weights", None)):
+        # Hugging Face skips what is flagged ``_is_hf_initialized`` (set when weights were loaded);
+        # after to_empty nothing is, so the flags would only leave memory unset.
+        for obj in [*model.modules(), *model.parameters(), *model.buffers()]:
+            if getattr(obj, "_is_hf_initialized", False):
+                obj._is_hf_initialized = False
+        model.init_weights()  # a Hugging Face model's own scheme too (its init_weights)
+
+
+def _check_initialised(model: nn.Module, meta_names: list[str]) -> None:
+    """``RuntimeError`` for a tensor still on ``meta``, or one no initialiser filled (still the sentinel)."""
     now = {**dict(model.named_parameters()), **dict(model.named_buffers())}
     left = [n for n, t in now.items() if t.is_meta]
     if left:
@@ -168,4 +195,3 @@ def materialize_meta_model(
             "(or torch.nn's _reset_parameters()), then the model's init_weights(); make one of them fill these "
             "(or load weights into the model built on meta with materialize=False)."
         )
-    return True

@@ -127,17 +127,12 @@ def run_demo(
     mp = MIXED_PRECISION_ALIASES[mp.lower()]
     device, backend = demo_device(nproc)
     workdir = Path(tempfile.mkdtemp(prefix="zeta_fsdp_demo_"))
-    try:  # the terminal our stderr is on, for rank 0's progress bar
-        tty = os.ttyname(sys.stderr.fileno()) if sys.stderr.isatty() else ""
-    except (OSError, ValueError, AttributeError):
-        tty = ""
     if log is not None:
         log.write(f"launching {nproc} rank(s) on {device.upper()} ({backend}): {steps} steps per strategy ...\n")
         log.flush()
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
     worker = ["--module", RANK_MODULE, "--out", str(workdir), "--steps", str(steps), "--mp", mp, "--device", device]
     try:
-        returncode = _launch_and_wait(launcher + worker + (["--tty", tty] if tty else []), workdir, timeout_s)
+        returncode = _launch_and_wait(_launcher(nproc) + worker + _tty_args(), workdir, timeout_s)
     except BaseException:
         shutil.rmtree(workdir, ignore_errors=True)
         raise
@@ -149,6 +144,20 @@ def run_demo(
     if plot is not None:
         write_plot(result, plot)
     return result
+
+
+def _launcher(nproc: int) -> list[str]:
+    """``torch.distributed.run`` for ``nproc`` local ranks."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+
+
+def _tty_args() -> list[str]:
+    """``--tty`` and the terminal our stderr is on, for rank 0's progress bar (none off a terminal)."""
+    try:
+        tty = os.ttyname(sys.stderr.fileno()) if sys.stderr.isatty() else ""
+    except (OSError, ValueError, AttributeError):
+        tty = ""
+    return ["--tty", tty] if tty else []
 
 
 # Stopping the ranks: Ctrl-C or SIGTERM is forwarded to torch.distributed.run, then no rank process may be

@@ -68,62 +68,85 @@ class _Progress:
 
 
 def _run_strategy(strategy: str, steps: int, mp: str, progress: _Progress, device: torch.device) -> dict[str, Any]:
-    rank, world = dist.get_rank(), dist.get_world_size()
-    torch.manual_seed(0)
-    model = gpt.small()
-    extra = {"replicate_size": 2} if strategy.startswith("HYBRID") else {}
-    fsdp(model, auto_wrap=True, mp=mp, shard_strat=strategy, TransformerBlock=gpt.Block, device=device, **extra)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE)
+    """Train ``strategy`` for ``steps`` steps, then measure it: losses, memory, step time, collectives."""
+    run = _DemoRun(strategy, mp, device)
+    first = _train(run, strategy, steps, progress)
+    final = run.held_out_loss()
+    return {"strategy": strategy, "loss_first": first, "loss_final": final, **_measure(run)}
 
-    def batch(seed: int) -> torch.Tensor:
+
+class _DemoRun:
+    """One strategy's model (``gpt.small()``, seeded alike for every strategy) and optimizer on this rank."""
+
+    def __init__(self, strategy: str, mp: str, device: torch.device) -> None:
+        self.rank, self.world, self.device = dist.get_rank(), dist.get_world_size(), device
+        torch.manual_seed(0)
+        self.model = gpt.small()
+        extra = {"replicate_size": 2} if strategy.startswith("HYBRID") else {}
+        fsdp(
+            self.model, auto_wrap=True, mp=mp, shard_strat=strategy, TransformerBlock=gpt.Block, device=device, **extra
+        )
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=LEARNING_RATE)
+
+    def batch(self, seed: int) -> torch.Tensor:
         """This rank's slice of global batch ``seed``, the same for every strategy: sequences that count
         up from a random start (mod vocab), so the loss visibly drops in a few steps."""
         generator = torch.Generator().manual_seed(seed)
-        start = torch.randint(0, model.cfg.vocab_size, (PER_RANK_BATCH * world, 1), generator=generator)
-        tokens = (start + torch.arange(SEQ_LEN + 1)) % model.cfg.vocab_size
-        return tokens[rank * PER_RANK_BATCH : (rank + 1) * PER_RANK_BATCH].to(device)
+        vocab = self.model.cfg.vocab_size
+        start = torch.randint(0, vocab, (PER_RANK_BATCH * self.world, 1), generator=generator)
+        tokens = (start + torch.arange(SEQ_LEN + 1)) % vocab
+        return tokens[self.rank * PER_RANK_BATCH : (self.rank + 1) * PER_RANK_BATCH].to(self.device)
 
-    def mean_loss(loss: torch.Tensor) -> float:
+    def mean_loss(self, loss: torch.Tensor) -> float:
         value = loss.detach().float().clone()
         dist.all_reduce(value)
-        return value.item() / world
+        return value.item() / self.world
 
-    def train_step(tokens: torch.Tensor) -> torch.Tensor:
-        loss = gpt.lm_loss(model(tokens[:, :-1]).float(), tokens[:, 1:])
+    def train_step(self, tokens: torch.Tensor) -> torch.Tensor:
+        loss = gpt.lm_loss(self.model(tokens[:, :-1]).float(), tokens[:, 1:])
         loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)  # step times are wall times of finished steps
+        self.optimizer.step()
+        self.optimizer.zero_grad()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # step times are wall times of finished steps
         return loss
 
-    first, meter = None, StepMeter(every=2, device=device, log=None)  # tokens/s for the progress line
-    for step in range(steps):
-        tokens = batch(step)
-        meter.step(tokens=tokens[:, :-1].numel())
-        loss = train_step(tokens)
-        if first is None:
-            first = mean_loss(loss)
-        progress.update(strategy if meter.last is None else f"{strategy} {meter.last.tokens_per_s:.0f} tok/s")
-    with torch.no_grad():
-        held_out = batch(10_000)
-        final = mean_loss(gpt.lm_loss(model(held_out[:, :-1]).float(), held_out[:, 1:]))
-    for module in model.modules():  # a no-grad forward leaves ZeRO-2 units unsharded
-        if isinstance(module, FSDPModule):
-            module.reshard()
+    def held_out_loss(self) -> float:
+        """The mean loss on a batch no step trained on; the units resharded after (ready to measure)."""
+        with torch.no_grad():
+            held_out = self.batch(10_000)
+            final = self.mean_loss(gpt.lm_loss(self.model(held_out[:, :-1]).float(), held_out[:, 1:]))
+        for module in self.model.modules():  # a no-grad forward leaves ZeRO-2 units unsharded
+            if isinstance(module, FSDPModule):
+                module.reshard()
+        return final
 
-    tokens = batch(0)
-    memory = peak_memory_by_category(model, optimizer, lambda: train_step(tokens), inputs=(tokens,), warmup=0)
-    collectives = collectives_per_step(lambda: train_step(tokens))
-    seconds = median_step_seconds(lambda: train_step(tokens), steps=3, warmup=0)
-    per_rank: list[Any] = [None] * world
+
+def _train(run: _DemoRun, strategy: str, steps: int, progress: _Progress) -> float:
+    """``steps`` training steps, tokens/s on the progress line; returns the first step's mean loss."""
+    first, meter = None, StepMeter(every=2, device=run.device, log=None)  # tokens/s for the progress line
+    for step in range(steps):
+        tokens = run.batch(step)
+        meter.step(tokens=tokens[:, :-1].numel())
+        loss = run.train_step(tokens)
+        if first is None:
+            first = run.mean_loss(loss)
+        progress.update(strategy if meter.last is None else f"{strategy} {meter.last.tokens_per_s:.0f} tok/s")
+    return first
+
+
+def _measure(run: _DemoRun) -> dict[str, Any]:
+    """Peak memory by category (the worst rank's, and each rank's), the slowest rank's median step time,
+    and the collectives of one step."""
+    tokens = run.batch(0)
+    step = lambda: run.train_step(tokens)  # noqa: E731 - one step, measured three ways
+    memory = peak_memory_by_category(run.model, run.optimizer, step, inputs=(tokens,), warmup=0)
+    collectives = collectives_per_step(step)
+    seconds = median_step_seconds(step, steps=3, warmup=0)
+    per_rank: list[Any] = [None] * run.world
     dist.all_gather_object(per_rank, {"memory": memory, "seconds": seconds})
-    worst = {k: max(r["memory"].get(k, 0) for r in per_rank) for k in memory}
     return {
-        "strategy": strategy,
-        "loss_first": first,
-        "loss_final": final,
-        "memory": worst,
+        "memory": {k: max(r["memory"].get(k, 0) for r in per_rank) for k in memory},
         "memory_per_rank": [r["memory"] for r in per_rank],
         "step_seconds": max(r["seconds"] for r in per_rank),
         "collectives": collectives,
@@ -146,32 +169,42 @@ def main(argv: list[str]) -> None:
         device = choose_device(device=args.device)  # "cuda" -> cuda:LOCAL_RANK
         ensure_process_group(device, timeout_s=120)  # nccl on CUDA, gloo on CPU
         world = int(os.environ.get("WORLD_SIZE", "1"))
-        strategies = ["FULL_SHARD", "SHARD_GRAD", "NO_SHARD"]
-        if world >= 4 and world % 2 == 0:  # HYBRID needs 2 replicas of >= 2 ranks
-            strategies.append("HYBRID_SHARD")
-        progress = _Progress(args.steps * len(strategies), args.tty if rank == 0 else "")
-        try:
-            rows = []
-            for strategy in strategies:
-                rows.append(_run_strategy(strategy, args.steps, args.mp, progress, device))
-                # A wrapped model is a reference cycle; under NO_SHARD it holds DDP's reducer and so the
-                # group. Collected now, not in interpreter finalization (SIGABRT in gloo, docs/pitfalls.md).
-                gc.collect()
-        finally:
-            progress.close()
+        rows = _run_strategies(args, device, world, rank)
         if rank == 0:
-            reference = gpt.small()
-            numel = sum(p.numel() for p in reference.parameters())
-            tied = ", tied embedding/head" if reference.cfg.tie_weights else ""
-            model = f"GPT ({numel:,} parameters, {reference.cfg.n_layers} blocks{tied})"
-            result = dict(model=model, nproc=world, steps=args.steps, mp=args.mp, rows=rows)
-            result.update(device=device.type, backend=str(dist.get_backend()))
-            # all or nothing: the launcher treats a present result.json as a finished run
-            atomic_write(out / "result.json", lambda tmp: tmp.write_text(json.dumps(result)))
+            _write_result(out, args, device, world, rows)
         shutdown()  # collects what is left in cycles, then waits for every rank before destroying
     except BaseException:
         (out / f"error_rank{rank}.txt").write_text(traceback.format_exc())
         raise
+
+
+def _run_strategies(args: argparse.Namespace, device: torch.device, world: int, rank: int) -> list[dict[str, Any]]:
+    """Every strategy this world size runs (HYBRID needs 2 replicas of >= 2 ranks), one after another."""
+    strategies = ["FULL_SHARD", "SHARD_GRAD", "NO_SHARD"]
+    if world >= 4 and world % 2 == 0:
+        strategies.append("HYBRID_SHARD")
+    progress = _Progress(args.steps * len(strategies), args.tty if rank == 0 else "")
+    try:
+        rows = []
+        for strategy in strategies:
+            rows.append(_run_strategy(strategy, args.steps, args.mp, progress, device))
+            # A wrapped model is a reference cycle; under NO_SHARD it holds DDP's reducer and so the
+            # group. Collected now, not in interpreter finalization (SIGABRT in gloo, docs/pitfalls.md).
+            gc.collect()
+    finally:
+        progress.close()
+    return rows
+
+
+def _write_result(out: Path, args: argparse.Namespace, device: torch.device, world: int, rows: list) -> None:
+    """Rank 0: ``result.json``, all or nothing: the launcher treats a present one as a finished run."""
+    reference = gpt.small()
+    numel = sum(p.numel() for p in reference.parameters())
+    tied = ", tied embedding/head" if reference.cfg.tie_weights else ""
+    model = f"GPT ({numel:,} parameters, {reference.cfg.n_layers} blocks{tied})"
+    result = dict(model=model, nproc=world, steps=args.steps, mp=args.mp, rows=rows)
+    result.update(device=device.type, backend=str(dist.get_backend()))
+    atomic_write(out / "result.json", lambda tmp: tmp.write_text(json.dumps(result)))
 
 
 if __name__ == "__main__":

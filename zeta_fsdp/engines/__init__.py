@@ -37,7 +37,7 @@ from .record import (
 )
 from .replicate import gradient_bucket_bytes, memtracker_categories
 
-__all__ = ["SEAM", "Engine", "PlanTerms", "WrapOptions", "engine_named", "engine_of", "hooks_on"]
+__all__ = ["DEFAULT_ENGINE", "SEAM", "Engine", "PlanTerms", "WrapOptions", "engine_named", "engine_of", "hooks_on"]
 __all__ += ["compute_device", "fsdp_engine", "get_wrap_plan", "is_fsdp_wrapped", "record_wrap", "shard_device"]
 __all__ += ["unwrapped_class", "clear_pending_grads", "fsdp_param_groups", "fsdp_state", "partial_reduce_output"]
 __all__ += ["pending_unsharded_grad", "refresh_reduce_dtypes", "output_tensors", "restore_fsdp_hooks"]
@@ -45,6 +45,9 @@ __all__ += ["gradient_bucket_bytes", "memtracker_categories"]
 
 # What each engine module defines: the names of the Engine protocol (functions and constants).
 SEAM = tuple(n for n in (*Engine.__annotations__, *vars(Engine)) if not n.startswith("_"))
+# The engines by name, and the one a model gets unless ``options.choose_engine`` picks another.
+_BY_NAME = {engine.NAME: engine for engine in (fully_shard, replicate)}
+DEFAULT_ENGINE = fully_shard.NAME
 
 
 def engine_of(model: nn.Module) -> Engine:
@@ -55,7 +58,7 @@ def engine_of(model: nn.Module) -> Engine:
 
 def engine_named(name: str) -> Engine:
     """The engine module for an ``options.choose_engine`` name."""
-    return {"fully_shard": fully_shard, "replicate": replicate}[name]
+    return _BY_NAME[name]
 
 
 def hooks_on(module: nn.Module) -> bool:

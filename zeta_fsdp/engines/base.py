@@ -65,6 +65,8 @@ class Engine(Protocol):
     """What differs between the engines; every consumer asks ``engines.engine_of`` /
     ``engines.engine_named`` for the module and calls these (no one branches on the engine)."""
 
+    # The engine's name, as ``options.choose_engine`` returns it and ``engines.engine_named`` takes it.
+    NAME: str
     # Whether every rank's copy of a parameter is every rank's (DDP) or a shard of its own (FSDP2).
     REPLICAS_EQUAL: bool
     # Whether mp="bf16" runs as torch.autocast on this engine (DDP), not as a MixedPrecisionPolicy.

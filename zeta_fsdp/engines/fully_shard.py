@@ -25,6 +25,8 @@ from .base import PlanTerms, WrapOptions
 from .fsdp2_state import fsdp_param_groups, fsdp_state, refresh_reduce_dtypes
 from .record import compute_device
 
+# The name options.choose_engine gives this engine.
+NAME = "fully_shard"
 # Each rank holds its own shard: a parameter's rows come from the rank that owns them.
 REPLICAS_EQUAL = False
 # mp is a MixedPrecisionPolicy (parameters cast at all-gather), never torch.autocast.

@@ -25,6 +25,8 @@ from ..wrapping import WrapPlan
 from .base import PlanTerms, WrapOptions
 from .record import compute_device
 
+# The name options.choose_engine gives this engine.
+NAME = "replicate"
 # DDP broadcasts rank 0's parameters when it is built, then every rank applies the same averaged
 # gradient: any rank's copy of a parameter is every rank's.
 REPLICAS_EQUAL = True

@@ -167,6 +167,36 @@ def check_adapter_config(config_file: Path, own: Any, caller: str) -> None:
         )
 
 
+def _check_adapter_file(
+    model: nn.Module, path: Path, adapter_name: str, caller: str
+) -> tuple[dict[str, tuple[str, torch.Tensor]], dict[str, TensorEntry]]:
+    """``load_adapters``' checks: a PEFT model with that adapter, the file's tensors (names and shapes)
+    and config matching it. Returns the adapter's tensors and the file's header."""
+    _check_peft_model(model, adapter_name, caller)
+    weights = path / ADAPTER_WEIGHTS
+    if not weights.is_file():
+        raise FileNotFoundError(f"{caller}: {weights} does not exist (expected PEFT's {ADAPTER_WEIGHTS}).")
+    tensors = adapter_tensors(model, adapter_name)
+    header = read_safetensors_header(weights)
+    missing, unexpected = sorted(set(tensors) - set(header)), sorted(set(header) - set(tensors))
+    if missing or unexpected:
+        raise ValueError(
+            f"{caller}: {weights} does not match adapter {adapter_name!r}: missing {short_list(missing)}, "
+            f"unexpected {short_list(unexpected)}."
+        )
+    bad = [k for k, (_, t) in tensors.items() if tuple(header[k].shape) != tuple(t.shape)]
+    if bad:
+        k = bad[0]
+        raise ValueError(
+            f"{caller}: {len(bad)} tensor(s) have the wrong shape, e.g. {k}: file {tuple(header[k].shape)}, "
+            f"model {tuple(tensors[k][1].shape)}."
+        )
+    config_file = path / ADAPTER_CONFIG
+    if config_file.is_file():
+        check_adapter_config(config_file, model.peft_config[adapter_name], caller)
+    return tensors, header
+
+
 def load_adapters(model: nn.Module, path: Union[str, os.PathLike], *, adapter_name: str = "default") -> None:
     """Load PEFT adapter weights from ``path`` into the adapter ``adapter_name`` of a (sharded) model.
 
@@ -185,33 +215,7 @@ def load_adapters(model: nn.Module, path: Union[str, os.PathLike], *, adapter_na
     """
     caller = "load_adapters()"
     path = Path(path)
-
-    def check() -> tuple[dict[str, tuple[str, torch.Tensor]], dict[str, TensorEntry]]:
-        _check_peft_model(model, adapter_name, caller)
-        weights = path / ADAPTER_WEIGHTS
-        if not weights.is_file():
-            raise FileNotFoundError(f"{caller}: {weights} does not exist (expected PEFT's {ADAPTER_WEIGHTS}).")
-        tensors = adapter_tensors(model, adapter_name)
-        header = read_safetensors_header(weights)
-        missing, unexpected = sorted(set(tensors) - set(header)), sorted(set(header) - set(tensors))
-        if missing or unexpected:
-            raise ValueError(
-                f"{caller}: {weights} does not match adapter {adapter_name!r}: missing {short_list(missing)}, "
-                f"unexpected {short_list(unexpected)}."
-            )
-        bad = [k for k, (_, t) in tensors.items() if tuple(header[k].shape) != tuple(t.shape)]
-        if bad:
-            k = bad[0]
-            raise ValueError(
-                f"{caller}: {len(bad)} tensor(s) have the wrong shape, e.g. {k}: file {tuple(header[k].shape)}, "
-                f"model {tuple(tensors[k][1].shape)}."
-            )
-        config_file = path / ADAPTER_CONFIG
-        if config_file.is_file():
-            check_adapter_config(config_file, model.peft_config[adapter_name], caller)
-        return tensors, header
-
-    tensors, header = on_all_ranks(check)
+    tensors, header = on_all_ranks(lambda: _check_adapter_file(model, path, adapter_name, caller))
     with torch.no_grad():
         for key, (_, t) in tensors.items():
             whole = read_rows(header[key])

@@ -109,24 +109,32 @@ def consolidate_to_hf(
     where, plans = plan_hf_files(layout, limit)
     tmp = staging_dir(out_dir, overwrite=overwrite, caller=_CALLER)
     try:
-        for name, plan in plans.items():
-            plan.create(tmp / name)  # headers and sizes first: tensors then go straight to their offsets
-        fds = {name: os.open(tmp / name, os.O_WRONLY) for name in plans}
-        try:
-            for key, out in _converted(src, metadata, stored, source, saved, model, dtype):
-                for k in saved[key]:
-                    write_at(fds[where[k]], plans[where[k]].offset[k], out[k], file=tmp / where[k])
-                del out  # before the next tensor is read: one converted tensor alive at a time
-            for fd in fds.values():
-                os.fdatasync(fd)  # the size is final since create(): data only
-        finally:
-            for fd in fds.values():
-                os.close(fd)
+        converted = _converted(src, metadata, stored, source, saved, model, dtype)
+        _write_files(tmp, plans, where, saved, converted)
         write_metadata(model, tmp, layout, where, dtype)
         publish_staged(tmp, out_dir)
     finally:
         end_staging(tmp)  # removes what a failed run left; releases the path's lock
     return Path(out_dir)
+
+
+def _write_files(
+    tmp: Path, plans: dict[str, Any], where: dict[str, str], saved: dict[str, dict], converted: Iterator
+) -> None:
+    """Create the planned files in ``tmp`` and write each ``converted`` tensor at its offsets, one at a time."""
+    for name, plan in plans.items():
+        plan.create(tmp / name)  # headers and sizes first: tensors then go straight to their offsets
+    fds = {name: os.open(tmp / name, os.O_WRONLY) for name in plans}
+    try:
+        for key, out in converted:
+            for k in saved[key]:
+                write_at(fds[where[k]], plans[where[k]].offset[k], out[k], file=tmp / where[k])
+            del out  # before the next tensor is read: one converted tensor alive at a time
+        for fd in fds.values():
+            os.fdatasync(fd)  # the size is final since create(): data only
+    finally:
+        for fd in fds.values():
+            os.close(fd)
 
 
 def _stored_weights(src: Path) -> tuple[Any, dict[str, Any]]:

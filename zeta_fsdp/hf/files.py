@@ -16,7 +16,7 @@ import re
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Optional, Union
+from typing import Any, Iterable, Iterator, Optional, Union
 
 import torch
 
@@ -103,6 +103,20 @@ def read_safetensors_header(file: Union[str, os.PathLike]) -> dict[str, TensorEn
     """The tensors of one ``.safetensors`` file, from its header alone. ``CheckpointError`` naming the file for a
     malformed entry, or a byte range that does not match its shape, leaves the data section or overlaps another."""
     file = Path(file)
+    header, base, size = _read_header_json(file)
+    entries: dict[str, TensorEntry] = {}
+    for key, info in header.items():
+        if key == "__metadata__":
+            if not isinstance(info, dict):
+                raise _bad(file, f"its __metadata__ is a {type(info).__name__}, not an object")
+            continue
+        entries[key] = _header_entry(file, key, info, base, size - base)
+    _check_no_overlap(file, entries.values(), base)
+    return entries
+
+
+def _read_header_json(file: Path) -> tuple[dict, int, int]:
+    """``(header, where the data section starts, the file's size)``: the length-prefixed JSON header."""
     size = file.stat().st_size
     with open(file, "rb") as f:
         raw = f.read(8)
@@ -114,54 +128,55 @@ def read_safetensors_header(file: Union[str, os.PathLike]) -> dict[str, TensorEn
         header = _parse_json(f.read(length), file, "header")
     if not isinstance(header, dict):
         raise _bad(file, f"its header is a JSON {type(header).__name__}, not an object")
-    base = 8 + length
-    data = size - base
-    entries: dict[str, TensorEntry] = {}
-    ranges: list[tuple[int, int, str]] = []
-    for key, info in header.items():
-        if key == "__metadata__":
-            if not isinstance(info, dict):
-                raise _bad(file, f"its __metadata__ is a {type(info).__name__}, not an object")
-            continue
-        if not isinstance(info, dict):
-            raise _bad(file, f"the header entry of {key!r} is a {type(info).__name__}, not an object")
-        dtype = DTYPES.get(info.get("dtype")) if isinstance(info.get("dtype"), str) else None
-        if dtype is None and isinstance(info.get("dtype"), str) and info["dtype"].isupper():
-            # a safetensors dtype torch has no type for (F4, F6_*, C64...): a valid file we cannot read
-            raise CheckpointError(
-                f"{file}: tensor {key!r} has dtype {info['dtype']!r}, which zeta_fsdp cannot read. "
-                f"Supported dtypes: {', '.join(DTYPES)}."
-            )
-        shape = info.get("shape")
-        shape = tuple(shape) if isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape) else None
-        offsets = info.get("data_offsets")
-        if dtype is None or shape is None or not isinstance(offsets, list) or len(offsets) != 2:
-            raise _bad(
-                file, f"the header entry of {key!r} is malformed (need dtype, shape, data_offsets): {info!r:.200}"
-            )
-        begin, end = offsets
-        if type(begin) is not int or type(end) is not int:
-            raise _bad(file, f"the data_offsets of {key!r} are not ints: {offsets!r:.100}")
-        nbytes = math.prod(shape) * dtype.itemsize
-        if begin < 0 or end < begin or end - begin != nbytes:
-            raise _bad(
-                file,
-                f"tensor {key!r} ({info['dtype']} {list(shape)}, {nbytes} bytes) has data_offsets [{begin}, {end}]",
-            )
-        if end > data:
-            raise _bad(
-                file,
-                f"tensor {key!r} needs bytes {begin}..{end} of the data section but it ends at {data} "
-                "(truncated or corrupt)",
-            )
-        ranges.append((begin, end, key))
-        entries[key] = TensorEntry(file, key, dtype, shape, base + begin, nbytes)
+    return header, 8 + length, size
+
+
+def _header_entry(file: Path, key: str, info: Any, base: int, data: int) -> TensorEntry:
+    """One tensor's header entry, checked: a dtype torch has, a shape, and ``data_offsets`` spanning
+    exactly its bytes inside the ``data``-byte data section (which starts at byte ``base``)."""
+    if not isinstance(info, dict):
+        raise _bad(file, f"the header entry of {key!r} is a {type(info).__name__}, not an object")
+    dtype = DTYPES.get(info.get("dtype")) if isinstance(info.get("dtype"), str) else None
+    if dtype is None and isinstance(info.get("dtype"), str) and info["dtype"].isupper():
+        # a safetensors dtype torch has no type for (F4, F6_*, C64...): a valid file we cannot read
+        raise CheckpointError(
+            f"{file}: tensor {key!r} has dtype {info['dtype']!r}, which zeta_fsdp cannot read. "
+            f"Supported dtypes: {', '.join(DTYPES)}."
+        )
+    shape = info.get("shape")
+    shape = tuple(shape) if isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape) else None
+    offsets = info.get("data_offsets")
+    if dtype is None or shape is None or not isinstance(offsets, list) or len(offsets) != 2:
+        raise _bad(file, f"the header entry of {key!r} is malformed (need dtype, shape, data_offsets): {info!r:.200}")
+    nbytes = math.prod(shape) * dtype.itemsize
+    _check_offsets(file, key, offsets, data, nbytes, f"{info['dtype']} {list(shape)}, {nbytes} bytes")
+    return TensorEntry(file, key, dtype, shape, base + offsets[0], nbytes)
+
+
+def _check_offsets(file: Path, key: str, offsets: list, data: int, nbytes: int, layout: str) -> None:
+    """``data_offsets`` are ints spanning exactly the tensor's ``nbytes`` (``layout``: its dtype, shape
+    and size, for the message) inside the ``data``-byte data section."""
+    begin, end = offsets
+    if type(begin) is not int or type(end) is not int:
+        raise _bad(file, f"the data_offsets of {key!r} are not ints: {offsets!r:.100}")
+    if begin < 0 or end < begin or end - begin != nbytes:
+        raise _bad(file, f"tensor {key!r} ({layout}) has data_offsets [{begin}, {end}]")
+    if end > data:
+        raise _bad(
+            file,
+            f"tensor {key!r} needs bytes {begin}..{end} of the data section but it ends at {data} "
+            "(truncated or corrupt)",
+        )
+
+
+def _check_no_overlap(file: Path, entries: Iterable[TensorEntry], base: int) -> None:
+    """No two tensors share a byte of the data section (empty tensors occupy none)."""
     reached, last = 0, None  # the end of the data seen so far, sorted by offset, and whose it is
-    for begin, end, key in sorted(r for r in ranges if r[1] > r[0]):  # empty tensors occupy no bytes
+    ranges = sorted((e.offset - base, e.offset - base + e.nbytes, e.key) for e in entries if e.nbytes)
+    for begin, end, key in ranges:
         if begin < reached:
             raise _bad(file, f"tensors {last!r} and {key!r} overlap (bytes {begin}..{min(end, reached)})")
         reached, last = end, key
-    return entries
 
 
 def contained_file(folder: Union[str, os.PathLike], name: object, what: str) -> Path:
@@ -203,34 +218,46 @@ def read_checkpoint_index(path: Union[str, os.PathLike]) -> dict[str, TensorEntr
     if single.is_file():
         return read_safetensors_header(contained_file(path, SINGLE_NAME, str(path)))
     if index.is_file():
-        document = _parse_json(index.read_bytes(), index, "index")
-        weight_map = document.get("weight_map") if isinstance(document, dict) else None
-        if not isinstance(weight_map, dict):
-            raise CheckpointError(
-                f"{index} is not a safetensors index: need a JSON object with a 'weight_map' object "
-                f"of {{tensor name: file name}}, got {type(document).__name__}"
-                + ("" if not isinstance(document, dict) else f" whose weight_map is {type(weight_map).__name__}")
-                + "."
-            )
-        entries: dict[str, TensorEntry] = {}
-        headers: dict[str, dict[str, TensorEntry]] = {}
-        for key, name in weight_map.items():
-            if not isinstance(name, str):
-                raise CheckpointError(f"{index} maps {key!r} to {name!r}, not a file name.")
-            if name not in headers:
-                shard = contained_file(path, name, str(index))
-                if not shard.is_file():
-                    raise FileNotFoundError(f"{index} names {name} (for {key!r}) but {shard} does not exist.")
-                headers[name] = read_safetensors_header(shard)
-            if key not in headers[name]:
-                raise CheckpointError(f"{index} maps {key!r} to {name}, which does not hold it.")
-            entries[key] = headers[name][key]
-        return entries
+        return _read_indexed(path, index)
     found = sorted(p.name for p in path.glob("*.safetensors"))
     raise FileNotFoundError(
         f"{path} holds neither {SINGLE_NAME} nor {INDEX_NAME}"
         + (f" (it has {found}; pass one file's path to load it alone)." if found else ".")
     )
+
+
+def _weight_map(index: Path) -> dict:
+    """The index's ``weight_map`` (tensor name -> file name), a JSON object, else ``CheckpointError``."""
+    document = _parse_json(index.read_bytes(), index, "index")
+    weight_map = document.get("weight_map") if isinstance(document, dict) else None
+    if not isinstance(weight_map, dict):
+        raise CheckpointError(
+            f"{index} is not a safetensors index: need a JSON object with a 'weight_map' object "
+            f"of {{tensor name: file name}}, got {type(document).__name__}"
+            + ("" if not isinstance(document, dict) else f" whose weight_map is {type(weight_map).__name__}")
+            + "."
+        )
+    return weight_map
+
+
+def _read_indexed(path: Path, index: Path) -> dict[str, TensorEntry]:
+    """Every tensor the ``index`` of directory ``path`` names, from the headers of the files it names
+    (each read once, each ``contained_file``); a key its file lacks is refused."""
+    weight_map = _weight_map(index)
+    entries: dict[str, TensorEntry] = {}
+    headers: dict[str, dict[str, TensorEntry]] = {}
+    for key, name in weight_map.items():
+        if not isinstance(name, str):
+            raise CheckpointError(f"{index} maps {key!r} to {name!r}, not a file name.")
+        if name not in headers:
+            shard = contained_file(path, name, str(index))
+            if not shard.is_file():
+                raise FileNotFoundError(f"{index} names {name} (for {key!r}) but {shard} does not exist.")
+            headers[name] = read_safetensors_header(shard)
+        if key not in headers[name]:
+            raise CheckpointError(f"{index} maps {key!r} to {name}, which does not hold it.")
+        entries[key] = headers[name][key]
+    return entries
 
 
 def read_rows(

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 import torch
 import torch.nn as nn
@@ -94,6 +94,8 @@ def _same_stored(a: TensorEntry, b: TensorEntry, chunk_bytes: int = 64 * 2**20) 
 
 
 def _check(model: nn.Module, path: Path, strict: bool) -> tuple[dict[str, TensorEntry], KeyPlan, dict, dict]:
+    """Everything ``load_pretrained`` checks before it changes anything: the files, the keys and shapes,
+    tied tensors, what a model on ``meta`` needs. Returns ``(entries, plan, tensors, aliases)``."""
     try:
         entries = read_checkpoint_index(path)
     except ValueError as e:
@@ -108,21 +110,37 @@ def _check(model: nn.Module, path: Path, strict: bool) -> tuple[dict[str, Tensor
     got = {**plan.shapes, **dict.fromkeys(plan.unexpected)}  # the keys plan.missing lacks, as the model names them
     mismatch = describe_mismatch(got, {k: wanted[k] for k in (*plan.missing, *plan.shapes)}, "checkpoint", strict)
     problems = [mismatch] if mismatch else []
-    if strict:
-        problems += [
-            f"{alias!r} and {kept!r} are one tied tensor in the model but differ in the checkpoint (an untied "
-            "checkpoint: one of them would be dropped); untie the model, or load with strict=False to keep "
-            f"{plan.direct.get(kept, kept)!r}"
-            for alias, kept in aliases.items()
-            if alias in entries and kept in entries and not _same_stored(entries[alias], entries[kept])
-        ]
-    on_meta = any(t.is_meta for t in tensors.values())
-    if on_meta and not strict and plan.missing:
+    problems += _tie_problems(plan, entries, aliases) if strict else []
+    if any(t.is_meta for t in tensors.values()):
+        problems += _meta_problems(model, plan, strict)
+    if problems:
+        raise CheckpointError(
+            f"{_CALLER}: {path} does not match {type(model).__name__}; nothing was changed. " + "; ".join(problems)
+        )
+    return entries, plan, tensors, aliases
+
+
+def _tie_problems(plan: KeyPlan, entries: dict[str, TensorEntry], aliases: dict[str, str]) -> list[str]:
+    """Tied tensors of the model stored as two different tensors (an untied checkpoint)."""
+    return [
+        f"{alias!r} and {kept!r} are one tied tensor in the model but differ in the checkpoint (an untied "
+        "checkpoint: one of them would be dropped); untie the model, or load with strict=False to keep "
+        f"{plan.direct.get(kept, kept)!r}"
+        for alias, kept in aliases.items()
+        if alias in entries and kept in entries and not _same_stored(entries[alias], entries[kept])
+    ]
+
+
+def _meta_problems(model: nn.Module, plan: KeyPlan, strict: bool) -> list[str]:
+    """What a model on ``meta`` would be left without: tensors the checkpoint lacks (``strict=False``),
+    non-persistent buffers nothing recomputes (a model that is not Hugging Face's)."""
+    problems = []
+    if not strict and plan.missing:
         problems.append(
             f"the model is on meta and these tensors are not in the checkpoint, so nothing would fill "
             f"them: {short_list(plan.missing)}"
         )
-    if on_meta and not is_hf_model(model):
+    if not is_hf_model(model):
         lacking = [
             f"{name or '<root>'} ({sorted(m._non_persistent_buffers_set)})"
             for name, m in _buffer_owners(model)
@@ -134,11 +152,7 @@ def _check(model: nn.Module, path: Path, strict: bool) -> tuple[dict[str, Tensor
                 f"but no reset_parameters() to recompute them: {short_list(lacking)}. Define reset_parameters() "
                 "on them, or let fsdp() materialize the model (materialize=True) before loading."
             )
-    if problems:
-        raise CheckpointError(
-            f"{_CALLER}: {path} does not match {type(model).__name__}; nothing was changed. " + "; ".join(problems)
-        )
-    return entries, plan, tensors, aliases
+    return problems
 
 
 def _allocation_device(model: nn.Module, tensors: dict[str, torch.Tensor]) -> torch.device:
@@ -205,47 +219,65 @@ def load_pretrained(model: nn.Module, path: Union[str, os.PathLike], *, strict: 
         if isinstance(m, FSDPModule):
             m.reshard()
     entries, plan, tensors, aliases = checkpoint_on_all_ranks(lambda: _check(model, path, strict))
-
-    def fill() -> None:
-        nonlocal tensors
-        if any(t.is_meta for t in tensors.values()):  # checked on every rank: now allocate, then read
-            _allocate(model, tensors, aliases)
-            tensors = model.state_dict(keep_vars=True)
-        fds: dict[Path, int] = {}  # each file opened once, not once per tensor
-
-        def read(entry: TensorEntry, rows: tuple = (), out: Optional[torch.Tensor] = None) -> torch.Tensor:
-            if entry.file not in fds:
-                fds[entry.file] = os.open(entry.file, os.O_RDONLY)
-            return read_rows(entry, *rows, out=out, fd=fds[entry.file])
-
-        try:
-            with torch.no_grad():
-                for key, source in plan.direct.items():
-                    t = tensors[key]
-                    local = t.to_local() if isinstance(t, DTensor) else t
-                    box = local_box(t, local)
-                    entry = entries[source]
-                    rows = (box[0][0], box[0][1] - box[0][0]) if box else ()  # only this rank's rows are read
-                    if (
-                        local.dtype == entry.dtype
-                        and local.device.type == "cpu"
-                        and local.is_contiguous()
-                        and all(b == (0, n) for b, n in zip(box[1:], entry.shape[1:]))
-                    ):  # the shard's bytes are one contiguous range of the file: read them in place
-                        read(entry, rows, out=local.view(local.shape))
-                    else:
-                        local.copy_(_cut(read(entry, rows), box, rows_read=True).reshape(local.shape))
-                for key, build in plan.converted.items():
-                    t = tensors[key]
-                    full = build(lambda k: read(entries[k]))  # one fused tensor at a time
-                    local = t.to_local() if isinstance(t, DTensor) else t
-                    local.copy_(_cut(full, local_box(t, local), rows_read=False))
-                    del full
-        finally:
-            for fd in fds.values():
-                os.close(fd)
-
-    checkpoint_on_all_ranks(fill)  # an allocation or I/O error on one rank raises on all (no peer left waiting)
+    # an allocation or I/O error on one rank raises on all (no peer left waiting)
+    tensors = checkpoint_on_all_ranks(lambda: _fill(model, entries, plan, tensors, aliases))
     left = [k for k, t in tensors.items() if t.is_meta]
     if left:
         raise CheckpointError(f"{_CALLER}: these tensors are still on the meta device: {short_list(left)}")
+
+
+def _fill(
+    model: nn.Module, entries: dict[str, TensorEntry], plan: KeyPlan, tensors: dict[str, Any], aliases: dict[str, str]
+) -> dict[str, Any]:
+    """Read every planned tensor into this rank's shard (allocating a ``meta`` model first); returns the
+    model's tensors (new ones where they were allocated)."""
+    if any(t.is_meta for t in tensors.values()):  # checked on every rank: now allocate, then read
+        _allocate(model, tensors, aliases)
+        tensors = model.state_dict(keep_vars=True)
+    reader = _Files()
+    try:
+        with torch.no_grad():
+            for key, source in plan.direct.items():
+                _read_shard(tensors[key], entries[source], reader)
+            for key, build in plan.converted.items():
+                t = tensors[key]
+                full = build(lambda k: reader.read(entries[k]))  # one fused tensor at a time
+                local = t.to_local() if isinstance(t, DTensor) else t
+                local.copy_(_cut(full, local_box(t, local), rows_read=False))
+                del full
+    finally:
+        reader.close()
+    return tensors
+
+
+class _Files:
+    """The checkpoint files one load reads, each opened once (not once per tensor)."""
+
+    def __init__(self) -> None:
+        self.fds: dict[Path, int] = {}
+
+    def read(self, entry: TensorEntry, rows: tuple = (), out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if entry.file not in self.fds:
+            self.fds[entry.file] = os.open(entry.file, os.O_RDONLY)
+        return read_rows(entry, *rows, out=out, fd=self.fds[entry.file])
+
+    def close(self) -> None:
+        for fd in self.fds.values():
+            os.close(fd)
+
+
+def _read_shard(t: torch.Tensor, entry: TensorEntry, reader: _Files) -> None:
+    """Read the rows of ``entry`` that ``t``'s shard on this rank holds (only those), in place where the
+    shard's bytes are one contiguous range of the file."""
+    local = t.to_local() if isinstance(t, DTensor) else t
+    box = local_box(t, local)
+    rows = (box[0][0], box[0][1] - box[0][0]) if box else ()  # only this rank's rows are read
+    if (
+        local.dtype == entry.dtype
+        and local.device.type == "cpu"
+        and local.is_contiguous()
+        and all(b == (0, n) for b, n in zip(box[1:], entry.shape[1:]))
+    ):
+        reader.read(entry, rows, out=local.view(local.shape))
+    else:
+        local.copy_(_cut(reader.read(entry, rows), box, rows_read=True).reshape(local.shape))

@@ -73,53 +73,96 @@ def map_checkpoint_keys(
     """
     plan = KeyPlan()
     known = {k: True for k in list(wanted) + list(aliases)}
-    # A checkpoint whose every key names a model tensor needs no conversion: transformers' mapping
-    # is built only for checkpoints that need it (its first build compiles ~900 regexes, most of a
-    # small model's load time).
-    renamings, converters = [], []
-    if is_hf_model(model) and not all(k in known for k in checkpoint):
-        from transformers.conversion_mapping import get_model_conversion_mapping
-        from transformers.core_model_loading import WeightConverter, WeightRenaming, dot_natural_key, rename_source_key
+    conversion = _conversion(model, checkpoint, known)
+    groups = _match_keys(plan, checkpoint, wanted, aliases, conversion)
+    for target, (conv, sources) in groups.items():
+        build = plan.converted[target] = _converted_tensor(model, target, conv, sources)
+        meta = build(lambda k: torch.empty(checkpoint[k][1], dtype=checkpoint[k][0], device="meta"))
+        plan.shapes[target] = tuple(meta.shape)
+    _drop_ignored(plan, model, wanted)
+    return plan
 
-        transforms = get_model_conversion_mapping(model)
-        renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
-        converters = [t for t in transforms if isinstance(t, WeightConverter)]
+
+@dataclass
+class _Conversion:
+    """transformers' key conversion for one model: ``rename(key) -> (target, pattern)`` (``pattern``:
+    a ``WeightConverter``'s source pattern, else ``None``), the key order, each pattern's converter."""
+
+    rename: Callable[[str], tuple[str, Optional[str]]]
+    order: Callable[[str], Any]
+    converters: dict[str, Any]
+
+
+def _conversion(model: nn.Module, checkpoint: dict, known: dict[str, bool]) -> Optional[_Conversion]:
+    """transformers' renamings and converters for ``model``; ``None`` where there are none, or where
+    every checkpoint key names a model tensor (its mapping's first build compiles ~900 regexes, most
+    of a small model's load time: built only for checkpoints that need it)."""
+    if not is_hf_model(model) or all(k in known for k in checkpoint):
+        return None
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightConverter, WeightRenaming, dot_natural_key, rename_source_key
+
+    transforms = get_model_conversion_mapping(model)
+    renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
+    converters = [t for t in transforms if isinstance(t, WeightConverter)]
+    if not (renamings or converters):
+        return None
+    prefix = getattr(model, "base_model_prefix", None) or None
+
+    def rename(key: str) -> tuple[str, Optional[str]]:
+        target, pattern = rename_source_key(key, renamings, converters, prefix, known)
+        return (key, None) if target not in known and key in known else (target, pattern)
+
+    return _Conversion(rename, dot_natural_key, {p: c for c in converters for p in c.source_patterns})
+
+
+def _match_keys(
+    plan: KeyPlan,
+    checkpoint: dict[str, tuple[torch.dtype, tuple[int, ...]]],
+    wanted: dict[str, tuple[int, ...]],
+    aliases: dict[str, str],
+    conversion: Optional[_Conversion],
+) -> dict[str, tuple[Any, list[tuple[str, str]]]]:
+    """Fill ``plan``'s direct matches and unexpected keys; returns the converted targets: target ->
+    (converter, its ``(checkpoint key, pattern)`` sources)."""
     groups: dict[str, tuple[Any, list[tuple[str, str]]]] = {}
     keys = list(checkpoint)
-    if renamings or converters:
-        keys.sort(key=dot_natural_key)  # experts 0, 1, ..., 10 in numeric order: the fused tensor's order
-        pattern_to_converter = {p: c for c in converters for p in c.source_patterns}
-        prefix = getattr(model, "base_model_prefix", None) or None
+    if conversion is not None:
+        keys.sort(key=conversion.order)  # experts 0, 1, ..., 10 in numeric order: the fused tensor's order
     for key in keys:
-        target, pattern = key, None
-        if renamings or converters:
-            target, pattern = rename_source_key(key, renamings, converters, prefix, known)
-            if target not in known and key in known:
-                target, pattern = key, None
+        target, pattern = conversion.rename(key) if conversion is not None else (key, None)
         target = aliases.get(target, target)
         if target not in wanted:
             plan.unexpected.append(key)
         elif pattern is not None:
-            conv, sources = groups.setdefault(target, (deepcopy(pattern_to_converter[pattern]), []))
+            _, sources = groups.setdefault(target, (deepcopy(conversion.converters[pattern]), []))
             sources.append((key, pattern))
         elif target not in plan.direct:
             plan.direct[target] = key
             plan.shapes[target] = tuple(checkpoint[key][1])
-    for target, (conv, sources) in groups.items():
+    return groups
 
-        def build(read: Callable[[str], torch.Tensor], conv: Any = conv, sources: list = sources, target: str = target):
-            fresh = deepcopy(conv)  # convert() consumes what was collected
-            for key, pattern in sources:
-                fresh.add_tensor(target, key, pattern, (lambda k=key: read(k)))
-            out = fresh.convert(target, model=model, config=getattr(model, "config", None))
-            if target not in out:
-                raise ValueError(f"converting {[k for k, _ in sources]} gave {list(out)}, not {target!r}")
-            value = out[target]
-            return value[0] if isinstance(value, list) else value
 
-        plan.converted[target] = build
-        meta = build(lambda k: torch.empty(checkpoint[k][1], dtype=checkpoint[k][0], device="meta"))
-        plan.shapes[target] = tuple(meta.shape)
+def _converted_tensor(
+    model: nn.Module, target: str, conv: Any, sources: list[tuple[str, str]]
+) -> Callable[[Callable[[str], torch.Tensor]], torch.Tensor]:
+    """``build(read)``: the model tensor ``target``, converted from its checkpoint ``sources`` (each read by ``read``)."""
+
+    def build(read: Callable[[str], torch.Tensor]) -> torch.Tensor:
+        fresh = deepcopy(conv)  # convert() consumes what was collected
+        for key, pattern in sources:
+            fresh.add_tensor(target, key, pattern, (lambda k=key: read(k)))
+        out = fresh.convert(target, model=model, config=getattr(model, "config", None))
+        if target not in out:
+            raise ValueError(f"converting {[k for k, _ in sources]} gave {list(out)}, not {target!r}")
+        value = out[target]
+        return value[0] if isinstance(value, list) else value
+
+    return build
+
+
+def _drop_ignored(plan: KeyPlan, model: nn.Module, wanted: dict[str, tuple[int, ...]]) -> None:
+    """Fill ``plan.missing`` and drop from ``plan.unexpected`` the keys Hugging Face ignores on load."""
     ignore_unexpected = list(getattr(model, "_keys_to_ignore_on_load_unexpected", None) or [])
     ignore_missing = list(getattr(model, "_keys_to_ignore_on_load_missing", None) or [])
     if is_hf_model(model):
@@ -130,7 +173,6 @@ def map_checkpoint_keys(
         for k in wanted
         if k not in plan.direct and k not in plan.converted and not any(re.search(p, k) for p in ignore_missing)
     ]
-    return plan
 
 
 def saved_tensors(model: nn.Module, key: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -162,15 +162,7 @@ def _write_data(
     """Every rank writes its rows of every tensor at their offsets, then flushes them. The rest (fused MoE
     tensors split on save, shards on another dim) are gathered one at a time, in the same order on every
     rank, and written by the rank owning their file."""
-    fds: dict[str, int] = {}
-    failed: Optional[BaseException] = None
-    files = {name: folder / name for name in plans}
-
-    def fd_of(name: str) -> int:
-        if name not in fds:
-            fds[name] = os.open(files[name], os.O_WRONLY)
-        return fds[name]
-
+    out = _PlannedFiles(folder, plans)
     owner = {name: i % world() for i, name in enumerate(plans)}
     params_equal = engine_of(model).REPLICAS_EQUAL  # then any rank's rows are everyone's: split the writing
     try:
@@ -179,44 +171,93 @@ def _write_data(
             plain = list(entries) == [key] and tuple(entries[key][1]) == tuple(t.shape)
             rows = rows_to_write(t, split=params_equal and isinstance(t, nn.Parameter)) if plain else None
             if rows is None:
-                # A failed write must not leave peers waiting in the next gather: keep gathering.
-                full = t.full_tensor() if isinstance(t, DTensor) else t
-                mine = [k for k in entries if owner[where[k]] == rank()]
-                if mine and failed is None:
-                    try:
-                        pieces = saved_tensors(model, key, cast(full.detach(), dtype))
-                        for k in mine:
-                            name = where[k]
-                            write_at(fd_of(name), plans[name].offset[k], pieces[k], file=files[name])
-                        del pieces
-                    except Exception as e:
-                        failed = e
-                del full
-                continue
-            start, count = rows
-            if not count or failed is not None:
-                continue
-            local = t.to_local() if isinstance(t, DTensor) else t
-            if not isinstance(t, DTensor):
-                local = local.narrow(0, start, count) if local.dim() else local
-            name = where[key]
-            saved_dtype = entries[key][0]
-            row_bytes = saved_dtype.itemsize * (int(torch.Size(t.shape[1:]).numel()) if t.dim() else 1)
-            offset = plans[name].offset[key] + start * row_bytes
-            try:
-                _write_rows(fd_of(name), offset, local.detach(), saved_dtype, files[name])
-            except Exception as e:
-                failed = e
-        if failed is None:
-            # On disk before anyone publishes. fdatasync: the size is final since create(); fsync (timestamps
-            # too) from two ranks took about 2x as long at 423 MB on ext4.
-            for fd in fds.values():
-                os.fdatasync(fd)
+                mine = {k: where[k] for k in entries if owner[where[k]] == rank()}
+                out.write_gathered(model, key, t, mine, dtype)
+            elif rows[1] and out.failed is None:
+                out.write_rows(t, key, where[key], entries[key][0], rows)
+        out.flush()
     finally:
-        for fd in fds.values():
+        out.close()
+    if out.failed is not None:
+        raise out.failed
+
+
+class _PlannedFiles:
+    """The pre-sized files of one save (``plans``: file name -> layout), opened on first write; the
+    first write error is kept in ``failed`` (raised after the loop: peers still wait in gathers)."""
+
+    def __init__(self, folder: Path, plans: dict[str, SafetensorsLayout]) -> None:
+        self.plans, self.files = plans, {name: folder / name for name in plans}
+        self.fds: dict[str, int] = {}
+        self.failed: Optional[BaseException] = None
+
+    def fd_of(self, name: str) -> int:
+        if name not in self.fds:
+            self.fds[name] = os.open(self.files[name], os.O_WRONLY)
+        return self.fds[name]
+
+    def write_gathered(
+        self, model: nn.Module, key: str, t: torch.Tensor, mine: dict[str, str], dtype: Optional[torch.dtype]
+    ) -> None:
+        """Gather ``t`` whole (every rank: a collective) and write the saved tensors in ``mine`` (saved key ->
+        file) it becomes. A failed write must not leave peers waiting in the next gather: keep gathering."""
+        full = t.full_tensor() if isinstance(t, DTensor) else t
+        if not mine or self.failed is not None:
+            return
+        try:
+            pieces = saved_tensors(model, key, cast(full.detach(), dtype))
+            for k, name in mine.items():
+                write_at(self.fd_of(name), self.plans[name].offset[k], pieces[k], file=self.files[name])
+        except Exception as e:
+            self.failed = e
+
+    def write_rows(self, t: torch.Tensor, key: str, name: str, saved_dtype: torch.dtype, rows: tuple[int, int]) -> None:
+        """Write this rank's ``rows`` (``(start, count)`` along dim 0) of ``t`` at their offset in file ``name``."""
+        start, count = rows
+        local = t.to_local() if isinstance(t, DTensor) else t
+        if not isinstance(t, DTensor):
+            local = local.narrow(0, start, count) if local.dim() else local
+        row_bytes = saved_dtype.itemsize * (int(torch.Size(t.shape[1:]).numel()) if t.dim() else 1)
+        offset = self.plans[name].offset[key] + start * row_bytes
+        try:
+            _write_rows(self.fd_of(name), offset, local.detach(), saved_dtype, self.files[name])
+        except Exception as e:
+            self.failed = e
+
+    def flush(self) -> None:
+        """On disk before anyone publishes. fdatasync: the size is final since create(); fsync (timestamps
+        too) from two ranks took about 2x as long at 423 MB on ext4."""
+        if self.failed is None:
+            for fd in self.fds.values():
+                os.fdatasync(fd)
+
+    def close(self) -> None:
+        for fd in self.fds.values():
             os.close(fd)
-    if failed is not None:
-        raise failed
+
+
+def _plan_save(
+    model: nn.Module, dtype: Optional[torch.dtype], max_shard_size: Union[int, str]
+) -> tuple[dict, dict, dict, dict, dict]:
+    """``save_pretrained``'s arguments checked and its files planned, nothing written: ``(tensors, saved,
+    layout, where, plans)``, the model's tensors (tied aliases too), each one's saved entries, saved key ->
+    (dtype, shape), saved key -> file name and each file's layout."""
+    check_dtype(dtype, _CALLER)
+    limit = parse_size(max_shard_size)
+    tensors = model.state_dict(keep_vars=True)  # every name, tied aliases included
+    on_meta = [k for k, t in tensors.items() if t.is_meta]
+    if on_meta:
+        raise ValueError(
+            f"{_CALLER}: these tensors are on the meta device, with no values to save: {on_meta[:8]}. "
+            "Load or initialise the model first (load_pretrained, or fsdp(..., materialize=True))."
+        )
+    aliases = saved_aliases(model, tensors)
+    metas = {k: torch.empty(t.shape, dtype=t.dtype, device="meta") for k, t in tensors.items() if k not in aliases}
+    saved = saved_layout(model, {k: cast(t, dtype) for k, t in metas.items()})
+    layout = {k: v for entries in saved.values() for k, v in entries.items()}
+    check_savable(layout, _CALLER)
+    where, plans = plan_hf_files(layout, limit)
+    return tensors, saved, layout, where, plans
 
 
 def save_pretrained(
@@ -252,26 +293,12 @@ def save_pretrained(
     staged: list[Path] = []
 
     def prepare() -> tuple[dict, dict, dict, dict, dict]:
-        check_dtype(dtype, _CALLER)
-        limit = parse_size(max_shard_size)
-        tensors = model.state_dict(keep_vars=True)  # every name, tied aliases included
-        on_meta = [k for k, t in tensors.items() if t.is_meta]
-        if on_meta:
-            raise ValueError(
-                f"{_CALLER}: these tensors are on the meta device, with no values to save: {on_meta[:8]}. "
-                "Load or initialise the model first (load_pretrained, or fsdp(..., materialize=True))."
-            )
-        aliases = saved_aliases(model, tensors)
-        metas = {k: torch.empty(t.shape, dtype=t.dtype, device="meta") for k, t in tensors.items() if k not in aliases}
-        saved = saved_layout(model, {k: cast(t, dtype) for k, t in metas.items()})
-        layout = {k: v for entries in saved.values() for k, v in entries.items()}
-        check_savable(layout, _CALLER)
-        where, plans = plan_hf_files(layout, limit)
+        planned = _plan_save(model, dtype, max_shard_size)
         if rank() == 0:
             staged.append(staging_dir(path, overwrite=overwrite, caller=_CALLER))
-            for name, plan in plans.items():  # headers and final sizes first: every rank then fills its rows
+            for name, plan in planned[-1].items():  # headers and final sizes first: every rank then fills its rows
                 plan.create(tmp / name)
-        return tensors, saved, layout, where, plans
+        return planned
 
     for m in model.modules():  # gather from shards, not from unsharded parameters left by a forward
         if isinstance(m, FSDPModule):

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -73,6 +73,43 @@ def _refuse(setting: str, why: str) -> None:
     raise ValueError(f"zeta_fsdp FSDPTrainer: {setting} {why}")
 
 
+# The TrainingArguments settings FSDPTrainer refuses, in the order checked: (is it set, the setting, why
+# and what to use instead).
+_REFUSED_ARGS: list[tuple[Callable[[Any], Any], str, str]] = [
+    (
+        lambda args: args.fsdp or (args.fsdp_config or {}).get("fsdp_version") or args.deepspeed,
+        "TrainingArguments(fsdp=/fsdp_config=/deepspeed=)",
+        "would shard the model again: fsdp() sharded it already. Remove those arguments.",
+    ),
+    (
+        lambda args: args.torch_compile,
+        "TrainingArguments(torch_compile=True)",
+        "compiles around FSDP's hooks: use fsdp(model, compile=True).",
+    ),
+    (
+        lambda args: args.gradient_checkpointing,
+        "TrainingArguments(gradient_checkpointing=True)",
+        "is applied after sharding here: use fsdp(model, activation_checkpointing=True) instead.",
+    ),
+    (
+        lambda args: args.load_best_model_at_end,
+        "TrainingArguments(load_best_model_at_end=True)",
+        "is not supported: load the best checkpoint-N/zeta_fsdp yourself with zeta_fsdp.load_checkpoint.",
+    ),
+    # transformers casts the model with model.to(dtype) for evaluation: on sharded parameters that
+    # makes the fp32 master weights bf16/fp16 for good (or breaks FSDP's all-gather buffers).
+    *(
+        (
+            lambda args, flag=flag: getattr(args, flag, False),
+            f"TrainingArguments({flag}=True)",
+            "would cast the sharded master weights for good: evaluation already computes in fsdp(mp=...)'s "
+            "dtype. Remove it (use fsdp(model, mp='bf16') for low-precision compute).",
+        )
+        for flag in ("bf16_full_eval", "fp16_full_eval")
+    ),
+]
+
+
 def check_trainer_args(model: Any, args: Any) -> None:
     """Raise a ``ValueError`` naming the setting to change if ``model``/``args`` cannot train as is.
 
@@ -91,32 +128,9 @@ def check_trainer_args(model: Any, args: Any) -> None:
         )
     if args is None:
         return
-    if args.fsdp or (args.fsdp_config or {}).get("fsdp_version") or args.deepspeed:
-        _refuse(
-            "TrainingArguments(fsdp=/fsdp_config=/deepspeed=)",
-            "would shard the model again: fsdp() sharded it already. Remove those arguments.",
-        )
-    if args.torch_compile:
-        _refuse("TrainingArguments(torch_compile=True)", "compiles around FSDP's hooks: use fsdp(model, compile=True).")
-    if args.gradient_checkpointing:
-        _refuse(
-            "TrainingArguments(gradient_checkpointing=True)",
-            "is applied after sharding here: use fsdp(model, activation_checkpointing=True) instead.",
-        )
-    if args.load_best_model_at_end:
-        _refuse(
-            "TrainingArguments(load_best_model_at_end=True)",
-            "is not supported: load the best checkpoint-N/zeta_fsdp yourself with zeta_fsdp.load_checkpoint.",
-        )
-    for flag in ("bf16_full_eval", "fp16_full_eval"):
-        if getattr(args, flag, False):
-            # transformers casts the model with model.to(dtype) for evaluation: on sharded parameters that
-            # makes the fp32 master weights bf16/fp16 for good (or breaks FSDP's all-gather buffers).
-            _refuse(
-                f"TrainingArguments({flag}=True)",
-                "would cast the sharded master weights for good: evaluation already computes in fsdp(mp=...)'s "
-                "dtype. Remove it (use fsdp(model, mp='bf16') for low-precision compute).",
-            )
+    for is_set, setting, why in _REFUSED_ARGS:
+        if is_set(args):
+            _refuse(setting, why)
     for flag in ("bf16", "fp16"):
         if getattr(args, flag):
             check_precision(model, flag, f"TrainingArguments({flag}=True)")

@@ -99,24 +99,43 @@ def plan(
     wrap = build_wrap_plan(
         model, auto_wrap=auto_wrap, transformer_block=TransformerBlock, ignored_params=ignored, caller="plan"
     )
-    params, n_state = dict(model.named_parameters()), OPTIMIZERS[optimizer]
     fp32 = select_fp32(model, keep_fp32, policy, caller="plan")
-    engine, why = _choose_engine(model, wrap, spec, policy, ignored, fp32)
+    engine = _choose_engine(model, wrap, spec, policy, ignored, fp32)  # (name, why)
+    job = dict(world_size=world_size, rank=rank, mesh_shape=tuple(shape), optimizer=optimizer)
+    result = _memory_plan(model, wrap, spec, policy, master, fp32, engine, dict(job, micro_batches=micro_batches))
+    _add_notes(result, dict(model.named_parameters()), wrap.notes)
+    if dry_run:  # (the flag shadows the function dry_run(): call what it calls)
+        result.dry_run = _dry_run(model, result, policy, auto_wrap, TransformerBlock, wrap, master)
+    return result
+
+
+def _memory_plan(
+    model: nn.Module,
+    wrap: Any,
+    spec: Any,
+    policy: MixedPrecisionPolicy,
+    master: Optional[torch.dtype],
+    fp32: Any,
+    engine: tuple[str, str],
+    job: dict[str, Any],
+) -> MemoryPlan:
+    """The plan's figures for ``job``'s rank (``MemoryPlan``'s world, rank, mesh, optimizer fields) on
+    ``engine`` (``(name, why)``): each unit's bytes, the engine's terms, the ignored parameters' bytes,
+    the stored dtypes."""
+    engine, why = engine
+    params, n_state = dict(model.named_parameters()), OPTIMIZERS[job["optimizer"]]
     stored = _stored_dtypes(params, master, fp32.param_names)
-    shard = (shape[-1], rank % shape[-1])  # meshes are row-major: (replicate, shard)
+    shape = job["mesh_shape"]
+    shard = (shape[-1], job["rank"] % shape[-1])  # meshes are row-major: (replicate, shard)
     units = [_estimate_unit(u, params, stored, policy, *shard, n_state, set(fp32.param_names)) for u in wrap.units]
     peak, all_reduces, notes = _engine_terms(engine, why, model, units, policy, spec, shape[-1], stored)
     ignored_bytes, ignored_state = _ignored_bytes(wrap, params, stored, n_state)
     stored_label = _stored_label(params, stored)
-    result = MemoryPlan(
+    return MemoryPlan(
         model_name=type(model).__name__,
         model_bytes=wrap.nbytes + ignored_bytes,
-        world_size=world_size,
-        rank=rank,
         strategy=spec.name,
-        mesh_shape=tuple(shape),
         mp=_mp_label(policy),
-        optimizer=optimizer,
         reshard_after_forward=spec.reshard_after_forward,
         units=units,
         ignored_param_names=list(wrap.ignored_param_names),
@@ -126,14 +145,10 @@ def plan(
         master_dtype=stored_label,
         optimizer_state_dtype=stored_label,  # torch optimizers keep state in the parameter's dtype
         engine=engine,
-        micro_batches=micro_batches,
         ddp_all_reduce_count=all_reduces,
         notes=notes,
+        **job,
     )
-    _add_notes(result, params, wrap.notes)
-    if dry_run:  # (the flag shadows the function dry_run(): call what it calls)
-        result.dry_run = _dry_run(model, result, policy, auto_wrap, TransformerBlock, wrap, master)
-    return result
 
 
 def _dry_run(

@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
 from ..costs import AccumulationCost, accumulation_table
-from ..engines import engine_named
+from ..engines import DEFAULT_ENGINE, engine_named
 from ..report import format_bytes, render_table
 from .dry_run import DryRunResult
 
@@ -109,8 +109,8 @@ class MemoryPlan:
     # what AdamW's state is kept in; "mixed: ..." when the model keeps several dtypes.
     master_dtype: str = "float32"
     optimizer_state_dtype: str = "float32"
-    # ``options.choose_engine``: "fully_shard" (FSDP2), or "replicate" (NO_SHARD on DDP's engine).
-    engine: str = "fully_shard"
+    # ``options.choose_engine``'s name for the engine (``engines.engine_named`` turns it into the module).
+    engine: str = DEFAULT_ENGINE
     # plan(micro_batches=K): the report compares the ways of accumulating K micro-batches.
     micro_batches: Optional[int] = None
     # DDP's engine: all-reduces per synced backward (``engines.replicate.all_reduces``).
@@ -215,8 +215,18 @@ class MemoryPlan:
             FULL_SHARD on 2 ranks: mesh 2 (parameters sharded over 2), mp=fp32 (no casting), optimizer=adamw
             ...
         """
+        lines = [*self._job_lines(), "", *self._unit_table().splitlines(), "", *self._total_lines()]
+        if self.micro_batches:
+            lines += ["", *accumulation_table(self.accumulation(), self.micro_batches).splitlines()]
+        lines += [f"note: {n}" for n in self.notes]
+        if self.dry_run is not None:
+            lines += ["", *self._dry_run_lines()]
+        return "\n".join(lines)
+
+    def _job_lines(self) -> list[str]:
+        """The report's head: the model, the job, the dtypes, whose figures these are."""
         mesh = "x".join(str(s) for s in self.mesh_shape)
-        lines = [
+        return [
             f"{self.model_name}: {self.numel:,} parameters ({format_bytes(self.model_bytes)} unsharded)",
             f"{self.strategy} on {self.world_size} ranks: mesh {mesh} (parameters sharded over {self.shard_size}), "
             f"mp={self.mp}, optimizer={self.optimizer}",
@@ -224,20 +234,22 @@ class MemoryPlan:
             + (self.optimizer_state_dtype if self.optimizer != "none" else "none"),
             f"per-rank figures for rank {self.rank}"
             + (" (the largest shard: FSDP2 pads dim 0 to ceil(dim0 / shard size) rows)" if self.rank == 0 else ""),
-            "",
         ]
-        header = ("unit", "kind", "params", "numel", "all-gathered", "shard/rank")
-        rows = [header]
-        # runs of identical consecutive units (the blocks of a transformer): one row each
+
+    def _unit_table(self) -> str:
+        """One row per unit; runs of identical consecutive units (the blocks of a transformer): one row each."""
+        rows = [("unit", "kind", "params", "numel", "all-gathered", "shard/rank")]
         keys = ("kind", "num_params", "numel", "unsharded_bytes", "param_bytes", "grad_bytes", "optimizer_bytes")
         for _, run in itertools.groupby(self.units, key=lambda u: tuple(getattr(u, k) for k in keys)):
             first, *rest = run
             name = f"{first.name} .. {rest[-1].name} (x{len(rest) + 1})" if rest else first.name
             sizes = (f"{first.numel:,}", format_bytes(first.unsharded_bytes), format_bytes(first.param_bytes))
             rows.append((name, first.kind, str(first.num_params), *sizes))
-        lines += render_table(rows, align="llrrrr").splitlines()
-        lines += [
-            "",
+        return render_table(rows, align="llrrrr")
+
+    def _total_lines(self) -> list[str]:
+        """This rank's totals by category."""
+        lines = [
             f"  parameters (sharded)        {format_bytes(self.param_bytes):>12}",
             f"  gradients (sharded)         {format_bytes(self.grad_bytes):>12}",
             f"  optimizer state ({self.optimizer:<5})     {format_bytes(self.optimizer_bytes):>12}",
@@ -246,18 +258,16 @@ class MemoryPlan:
         ]
         if self.ignored_param_names:
             lines.append(f"  ({len(self.ignored_param_names)} ignored parameter(s) kept whole on every rank)")
-        if self.micro_batches:
-            lines += ["", *accumulation_table(self.accumulation(), self.micro_batches).splitlines()]
-        lines += [f"note: {n}" for n in self.notes]
-        if self.dry_run is not None:
-            d = self.dry_run
-            verdict = "matches the plan" if self.dry_run_matches else "DOES NOT match the plan"
-            lines += [
-                "",
-                f"dry run: real fsdp() on a meta copy, fake process group of {d.world_size} ranks (rank {d.rank}, "
-                f"engine={self.engine}, mesh {'x'.join(str(s) for s in d.mesh_shape)}): wrap {d.wrap_seconds:.2f} s, "
-                f"{d.num_units} FSDP units",
-                f"  sharded parameter bytes on rank {d.rank}: {d.param_bytes:,} (logical {d.local_param_bytes:,}) "
-                f"-> {verdict} ({self.param_bytes:,} / {self.local_param_bytes:,})",
-            ]
-        return "\n".join(lines)
+        return lines
+
+    def _dry_run_lines(self) -> list[str]:
+        """What the dry run (the real ``fsdp()`` on a meta copy) found, against the plan."""
+        d = self.dry_run
+        verdict = "matches the plan" if self.dry_run_matches else "DOES NOT match the plan"
+        return [
+            f"dry run: real fsdp() on a meta copy, fake process group of {d.world_size} ranks (rank {d.rank}, "
+            f"engine={self.engine}, mesh {'x'.join(str(s) for s in d.mesh_shape)}): wrap {d.wrap_seconds:.2f} s, "
+            f"{d.num_units} FSDP units",
+            f"  sharded parameter bytes on rank {d.rank}: {d.param_bytes:,} (logical {d.local_param_bytes:,}) "
+            f"-> {verdict} ({self.param_bytes:,} / {self.local_param_bytes:,})",
+        ]

@@ -121,39 +121,14 @@ class AsyncCheckpointer:
             raise RuntimeError("AsyncCheckpointer.save(): the checkpointer was closed.")
         self.wait()
         path = Path(path)
-        if self._group is None and is_distributed() and get_world_size() > 1:
-            # A gloo group of its own: the background thread's collectives never interleave with
-            # training's (and CPU tensors need a CPU backend even when training runs on nccl).
-            self._group = dist.new_group(backend="gloo")
-            self._made_group = True
+        self._ensure_group()
         lock = start_save(path, optimizer, extra, overwrite=overwrite)
         try:
             # every rank staged, or every rank raises; the live tensors are not referenced afterwards
             staged = checkpoint_on_all_ranks(
                 lambda: stage_state(checkpoint_state(model, optimizer, extra), self._buffers)
             )
-            gate: Future = Future()
-
-            def start() -> Any:
-                with warnings.catch_warnings():
-                    warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-                    return dcp.async_save(
-                        staged,
-                        checkpoint_id=incomplete_path(path),  # DCP then calls the writer's reset() first, in the thread
-                        storage_writer=_GatedWriter(incomplete_path(path), gate),
-                        planner=DefaultSavePlanner(flatten_state_dict=False),
-                        process_group=self._group,
-                        no_dist=not is_distributed(),
-                    )
-
-            # Started on every rank, or on none: a write thread must not wait in its first collective for a
-            # peer whose write failed to start (until gloo's timeout). It waits at the gate until the ranks agree.
-            try:
-                upload = checkpoint_on_all_ranks(start)
-            except FAILURES:
-                gate.set_result(False)  # a thread that started here stops before its first collective
-                raise
-            gate.set_result(True)
+            upload = self._start_upload(path, staged)
         except FAILURES as e:
             end_save(path, lock)
             raise save_failure(path, f"staging {path}", e) from e
@@ -162,6 +137,39 @@ class AsyncCheckpointer:
         threading.Thread(target=_finish, args=(upload, path, publisher, done), daemon=True).start()
         self._pending = (path, lock, done)
         return path
+
+    def _ensure_group(self) -> None:
+        """A gloo group of its own: the background thread's collectives never interleave with
+        training's (and CPU tensors need a CPU backend even when training runs on nccl)."""
+        if self._group is None and is_distributed() and get_world_size() > 1:
+            self._group = dist.new_group(backend="gloo")
+            self._made_group = True
+
+    def _start_upload(self, path: Path, staged: dict[str, Any]) -> Any:
+        """Start DCP's background write of ``staged`` on every rank, or on none: a write thread must not wait
+        in its first collective for a peer whose write failed to start (until gloo's timeout). It waits at
+        the gate until the ranks agree."""
+        gate: Future = Future()
+
+        def start() -> Any:
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+                return dcp.async_save(
+                    staged,
+                    checkpoint_id=incomplete_path(path),  # DCP then calls the writer's reset() first, in the thread
+                    storage_writer=_GatedWriter(incomplete_path(path), gate),
+                    planner=DefaultSavePlanner(flatten_state_dict=False),
+                    process_group=self._group,
+                    no_dist=not is_distributed(),
+                )
+
+        try:
+            upload = checkpoint_on_all_ranks(start)
+        except FAILURES:
+            gate.set_result(False)  # a thread that started here stops before its first collective
+            raise
+        gate.set_result(True)
+        return upload
 
     def wait(self) -> Optional[Path]:
         """Block until the save in flight is written and published; return its path (``None`` if none).

@@ -184,47 +184,57 @@ def check_save_target(
         raise ValueError(f"{caller}: filepath={str(path)!r} is empty; pass the checkpoint's path.")
     path = Path(path)
     if full:
-        if path.is_dir():
-            kind = "a sharded checkpoint directory" if is_checkpoint(path) else "a directory"
-            raise IsADirectoryError(
-                f"{caller}: {path} is {kind}; a full-format save writes one file. "
-                "Remove it, save elsewhere, or use checkpoint_format='sharded'."
-            )
-        if path.is_file() and not is_full_checkpoint(path):
-            raise CheckpointError(
-                f"{caller}: {path} is a file that is not a checkpoint (not written by torch.save); "
-                "refusing to replace it. Save elsewhere, or remove it yourself."
-            )
-        return path
+        _check_full_target(path, caller)
+    elif _holds_our_checkpoint(path, caller) and not overwrite and os.path.exists(path):
+        raise FileExistsError(f"{caller}: a checkpoint already exists at {path}; pass overwrite=True to replace it.")
+    return path
+
+
+def _check_full_target(path: Path, caller: str) -> None:
+    """A full-format save may write ``path``: nothing there, or a ``torch.save`` file."""
+    if path.is_dir():
+        kind = "a sharded checkpoint directory" if is_checkpoint(path) else "a directory"
+        raise IsADirectoryError(
+            f"{caller}: {path} is {kind}; a full-format save writes one file. "
+            "Remove it, save elsewhere, or use checkpoint_format='sharded'."
+        )
+    if path.is_file() and not is_full_checkpoint(path):
+        raise CheckpointError(
+            f"{caller}: {path} is a file that is not a checkpoint (not written by torch.save); "
+            "refusing to replace it. Save elsewhere, or remove it yourself."
+        )
+
+
+def _holds_our_checkpoint(path: Path, caller: str) -> bool:
+    """For a sharded save: ``False`` where nothing would be replaced (no ``path``, an empty folder),
+    ``True`` for our checkpoint (or a link to one, or a dangling link); anything else is refused."""
     if not os.path.lexists(path):
-        return path
+        return False
     if path.is_symlink():
         if not is_checkpoint(path) and os.path.exists(path):
             raise CheckpointError(
                 f"{caller}: {path} is a symbolic link to {os.path.realpath(path)}, which is not a checkpoint; "
                 "refusing to replace it. Save elsewhere, or remove the link yourself."
             )
-    elif path.is_dir() and not any(path.iterdir()):
-        return path
-    elif is_full_checkpoint(path):
+        return True
+    if path.is_dir() and not any(path.iterdir()):
+        return False
+    if is_full_checkpoint(path):
         raise FileExistsError(
             f"{caller}: {path} is a full-format checkpoint; a sharded (checkpoint_format='sharded') save "
             "writes a directory. Remove it or save elsewhere."
         )
-    elif not path.is_dir():
+    if not path.is_dir():
         raise CheckpointError(
             f"{caller}: {path} exists and is a file, not a checkpoint; refusing to replace it. Save elsewhere."
         )
-    else:
-        problem = checkpoint_problem(path)
-        if problem is not None:
-            raise CheckpointError(
-                f"{caller}: {path} exists and is not a checkpoint written by this library ({problem}); "
-                "refusing to replace it. Save elsewhere, or remove it yourself if it is yours to delete."
-            )
-    if not overwrite and os.path.exists(path):
-        raise FileExistsError(f"{caller}: a checkpoint already exists at {path}; pass overwrite=True to replace it.")
-    return path
+    problem = checkpoint_problem(path)
+    if problem is not None:
+        raise CheckpointError(
+            f"{caller}: {path} exists and is not a checkpoint written by this library ({problem}); "
+            "refusing to replace it. Save elsewhere, or remove it yourself if it is yours to delete."
+        )
+    return True
 
 
 def prepare_save_dir(path: Path, *, overwrite: bool) -> Optional[PathLock]:

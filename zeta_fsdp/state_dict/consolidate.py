@@ -37,6 +37,19 @@ def consolidate_checkpoint(dcp_dir: PathLike, out_file: PathLike, *, overwrite: 
             ) from e
     if out.exists() and not overwrite:
         raise FileExistsError(f"{caller}: {out} already exists; pass overwrite=True to replace it.")
+    weights = _read_weights(src, metadata, caller, copy_ties=use_safetensors)
+    odd = [k for k, v in weights.items() if not isinstance(v, torch.Tensor)] if use_safetensors else []
+    if odd:
+        raise CheckpointError(f"{caller}: safetensors holds tensors only; these entries are not: {short_list(odd)}")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if use_safetensors:
+        return atomic_write(out, lambda tmp: save_file({k: v.contiguous() for k, v in weights.items()}, str(tmp)))
+    return atomic_write(out, lambda tmp: torch.save(weights, tmp))
+
+
+def _read_weights(src: Path, metadata: Any, caller: str, copy_ties: bool) -> dict[str, Any]:
+    """The checkpoint's model entries, keyed as the unwrapped model's (its order first), every tied name
+    filled (``copy_ties``: with a copy, as safetensors refuses shared tensors; else the same tensor)."""
     state: dict[str, Any] = {
         key: torch.zeros(md.size, dtype=md.properties.dtype) if isinstance(md, TensorStorageMetadata) else None
         for key, md in metadata.state_dict_metadata.items()
@@ -55,13 +68,6 @@ def consolidate_checkpoint(dcp_dir: PathLike, out_file: PathLike, *, overwrite: 
     for alias, source in layout.get("tied", {}).items():
         if source in weights and alias not in weights:
             # torch.save keeps one copy of a shared tensor; safetensors refuses sharing: a copy.
-            weights[alias] = weights[source].clone() if use_safetensors else weights[source]
+            weights[alias] = weights[source].clone() if copy_ties else weights[source]
     # the unwrapped model's order first (a dict keeps the first place of a key), then any others
-    weights = {**{k: weights[k] for k in layout.get("keys", []) if k in weights}, **weights}
-    odd = [k for k, v in weights.items() if not isinstance(v, torch.Tensor)] if use_safetensors else []
-    if odd:
-        raise CheckpointError(f"{caller}: safetensors holds tensors only; these entries are not: {short_list(odd)}")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    if use_safetensors:
-        return atomic_write(out, lambda tmp: save_file({k: v.contiguous() for k, v in weights.items()}, str(tmp)))
-    return atomic_write(out, lambda tmp: torch.save(weights, tmp))
+    return {**{k: weights[k] for k in layout.get("keys", []) if k in weights}, **weights}

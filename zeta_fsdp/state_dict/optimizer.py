@@ -144,6 +144,20 @@ def validate_optimizer(
     if not group_keys:
         raise CheckpointError(f"{source} holds no optimizer state (it was saved without an optimizer).")
     saved_fqns = {k.rsplit(".", 1)[0] for k in group_keys}
+    _check_param_names(params, saved_fqns, source)
+    _check_options(group_keys, optimizer, source)
+    chosen = {id(p): next(n for n in names if n in saved_fqns) for p, names, _ in params}
+    state_keys = [k for k in saved_keys if k.startswith(STATE_PREFIX)]
+    if not state_keys:
+        return chosen  # saved before the first step: options only
+    if not optimizer.state:
+        _materialize_optimizer_state(optimizer)
+    _check_state_names(state_keys, params, optimizer, chosen, source)
+    return chosen
+
+
+def _check_param_names(params: list, saved_fqns: set[str], source: str) -> None:
+    """Every optimized parameter has saved state (under one of its names), every saved one is optimized."""
     known = {name for _, names, _ in params for name in names}
     unexpected = sorted(f for f in saved_fqns if f not in known)
     missing = [names[0] for _, names, _ in params if not any(n in saved_fqns for n in names)]
@@ -152,8 +166,11 @@ def validate_optimizer(
             f"the optimizer state in {source} does not match the optimizer: parameters without saved "
             f"state: {short_list(missing)}; saved parameters the optimizer does not have: {short_list(unexpected)}"
         )
-    # Options the checkpoint's optimizer had and this one lacks mean another optimizer class (options
-    # only this one has are tolerated: a newer torch adds some).
+
+
+def _check_options(group_keys: list[str], optimizer: torch.optim.Optimizer, source: str) -> None:
+    """Options the checkpoint's optimizer had and this one lacks mean another optimizer class (options
+    only this one has are tolerated: a newer torch adds some)."""
     saved_options = {k.rsplit(".", 1)[1] for k in group_keys}
     live_options = {option for group in optimizer.param_groups for option in group if option != "params"}
     foreign = sorted(saved_options - live_options - _SCHEDULER_OPTIONS)
@@ -163,12 +180,12 @@ def validate_optimizer(
             f"not have (its options: {sorted(live_options)}): a different optimizer class. Create the optimizer "
             "the checkpoint was saved with (nothing was changed)."
         )
-    chosen = {id(p): next(n for n in names if n in saved_fqns) for p, names, _ in params}
-    state_keys = [k for k in saved_keys if k.startswith(STATE_PREFIX)]
-    if not state_keys:
-        return chosen  # saved before the first step: options only
-    if not optimizer.state:
-        _materialize_optimizer_state(optimizer)
+
+
+def _check_state_names(
+    state_keys: list[str], params: list, optimizer: torch.optim.Optimizer, chosen: dict[int, str], source: str
+) -> None:
+    """Every state name the live optimizer keeps for a parameter (``exp_avg``, ``step``...) was saved."""
     saved_set = set(state_keys)
     lacking = []
     for param, _, _ in params:
@@ -180,7 +197,6 @@ def validate_optimizer(
         raise CheckpointError(
             f"{source} lacks optimizer state the optimizer needs: {short_list(lacking)} (saved by a different optimizer class?)"
         )
-    return chosen
 
 
 def optimizer_scratch(

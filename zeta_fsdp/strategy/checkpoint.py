@@ -57,19 +57,7 @@ def save_strategy_checkpoint(
     (gathered collectively, unless ``checkpoint`` holds ``Gathered`` ones: Lightning asks for them first)."""
     fmt = strategy.checkpoint_format
     module, optimizers = strategy.model, strategy.optimizers
-    extras = {k: v for k, v in checkpoint.items() if k not in TENSOR_KEYS}
-    step = strategy.current_epoch_step
-    extras.setdefault("epoch", step.epoch)
-    extras.setdefault("global_step", int(step))
-    if strategy.lr_schedulers and "lr_schedulers" not in extras:
-        extras["lr_schedulers"] = [s.state_dict() for s in strategy.lr_schedulers]
-    extras[META_KEY] = {
-        "format": fmt,
-        "optimizers": len(optimizers),
-        "optimizer_classes": [type(o).__name__ for o in optimizers],
-        "data_parallel_size": strategy.data_parallel_size,
-        "tensor_parallel_size": strategy.tensor_parallel_size,
-    }
+    extras = _extras(strategy, checkpoint)
     if strategy.entries_weights_only:
         caller = "FSDP2Strategy.save_checkpoint()"
         checkpoint_on_all_ranks(lambda: check_loadable(extras, "the checkpoint's entries", caller))
@@ -80,14 +68,40 @@ def save_strategy_checkpoint(
         save(Path(filepath), module, optimizers[0] if optimizers else None, extra=extras, overwrite=True)
         strategy.after_sharded_save(Path(filepath))
         return
+    given, given_optim = _full_states(module, optimizers, checkpoint)
+    payload = {**extras, "state_dict": dict(given), "optimizer_states": [dict(o) for o in given_optim]}
+    write_full_checkpoint(filepath, payload, checkpoint_io=strategy.checkpoint_io, storage_options=storage_options)
+
+
+def _extras(strategy: Any, checkpoint: Mapping[str, Any]) -> dict[str, Any]:
+    """``checkpoint``'s entries other than the model and optimizers, with the loop position, the LR
+    schedulers (unless given) and what the loader checks (format, optimizers, parallel sizes)."""
+    extras = {k: v for k, v in checkpoint.items() if k not in TENSOR_KEYS}
+    step = strategy.current_epoch_step
+    extras.setdefault("epoch", step.epoch)
+    extras.setdefault("global_step", int(step))
+    if strategy.lr_schedulers and "lr_schedulers" not in extras:
+        extras["lr_schedulers"] = [s.state_dict() for s in strategy.lr_schedulers]
+    extras[META_KEY] = {
+        "format": strategy.checkpoint_format,
+        "optimizers": len(strategy.optimizers),
+        "optimizer_classes": [type(o).__name__ for o in strategy.optimizers],
+        "data_parallel_size": strategy.data_parallel_size,
+        "tensor_parallel_size": strategy.tensor_parallel_size,
+    }
+    return extras
+
+
+def _full_states(module: Any, optimizers: list, checkpoint: Mapping[str, Any]) -> tuple[Any, list]:
+    """The full model and optimizer state dicts: ``checkpoint``'s when Lightning gathered them already
+    (``Gathered``, one per optimizer), else gathered now (a collective)."""
     given, given_optim = checkpoint.get("state_dict"), checkpoint.get("optimizer_states")
     reuse = isinstance(given, Gathered) and isinstance(given_optim, (list, tuple))
     reuse = reuse and len(given_optim) == len(optimizers) and all(isinstance(o, Gathered) for o in given_optim)
     if not reuse:
         given = sd.get_full_state_dict(module)
         given_optim = [sd.get_optimizer_state_dict(module, o, full=True) for o in optimizers]
-    payload = {**extras, "state_dict": dict(given), "optimizer_states": [dict(o) for o in given_optim]}
-    write_full_checkpoint(filepath, payload, checkpoint_io=strategy.checkpoint_io, storage_options=storage_options)
+    return given, given_optim
 
 
 def load_strategy_checkpoint(strategy: Any, filepath: PathLike, weights_only: Optional[bool] = None) -> dict[str, Any]:

@@ -96,10 +96,33 @@ def validate_strategy_options(
 ) -> StrategyOptions:
     """Check every ``FSDP2Strategy`` argument (``ValueError`` naming it and what is accepted; ``data_sampler``
     when used); sizes are checked for their form here, against the world size in ``resolve_sizes``."""
+    _check_sizes(data_parallel_size, tensor_parallel_size)
+    _nemo_arguments(kwargs)
+    checkpoint_format = _checked_checkpoint_format(kwargs, checkpoint_io)
+    backend, timeout = _process_group_options(kwargs)
+    if mp_policy is not None and "mp" in kwargs:
+        raise ValueError("FSDP2Strategy: pass mixed precision once, as mp_policy or as mp, not both.")
+    policy = resolve_mixed_precision(mp_policy if mp_policy is not None else kwargs.pop("mp", None))
+    if parallelize_fn is not None and not callable(parallelize_fn):
+        raise ValueError(f"FSDP2Strategy: parallelize_fn={parallelize_fn!r} is not callable.")
+    tp_plan = kwargs.pop("tp_plan", None)
+    device = kwargs.pop("device", None)
+    long_jobs = _long_job_options(kwargs, checkpoint_format)
+    _check_fsdp_options(kwargs, parallelize_fn)
+    sizes = (data_parallel_size, tensor_parallel_size)
+    return StrategyOptions(*sizes, policy, checkpoint_format, tp_plan, device, backend, timeout, kwargs, **long_jobs)
+
+
+def _check_sizes(data_parallel_size: Any, tensor_parallel_size: Any) -> None:
+    """Each size is ``"auto"`` or an int >= 1 (checked against the world size in ``resolve_sizes``)."""
     for name, size in (("data_parallel_size", data_parallel_size), ("tensor_parallel_size", tensor_parallel_size)):
         if size != "auto" and not (isinstance(size, int) and not isinstance(size, bool) and size >= 1):
             raise ValueError(f"FSDP2Strategy: {name}={size!r} is not accepted. Accepted: 'auto' or an int >= 1.")
-    _nemo_arguments(kwargs)
+
+
+def _checked_checkpoint_format(kwargs: dict[str, Any], checkpoint_io: Any) -> str:
+    """The checkpoint format (popped from ``kwargs``), one of ``CHECKPOINT_FORMATS``, and a ``checkpoint_io``
+    that fits it: only for the full format, with the three methods Lightning calls."""
     checkpoint_format = _checkpoint_format(kwargs)
     if checkpoint_format not in CHECKPOINT_FORMATS:
         raise ValueError(
@@ -115,20 +138,23 @@ def validate_strategy_options(
         missing = [m for m in needed if not callable(getattr(checkpoint_io, m, None))]
         if missing:
             raise ValueError(f"FSDP2Strategy: checkpoint_io lacks {missing}; it needs {list(needed)}.")
+    return checkpoint_format
+
+
+def _process_group_options(kwargs: dict[str, Any]) -> tuple[Optional[str], Optional[timedelta]]:
+    """``(process_group_backend, timeout)`` popped from ``kwargs`` and checked (``None``: the default)."""
     backend = kwargs.pop("process_group_backend", None)
     if backend is not None and backend not in _BACKENDS:
         raise ValueError(f"FSDP2Strategy: process_group_backend={backend!r} is not accepted. Accepted: {_BACKENDS}.")
     timeout = kwargs.pop("timeout", None)
     if timeout is not None and not isinstance(timeout, timedelta):
         raise ValueError(f"FSDP2Strategy: timeout={timeout!r} is not accepted. Accepted: a datetime.timedelta.")
-    if mp_policy is not None and "mp" in kwargs:
-        raise ValueError("FSDP2Strategy: pass mixed precision once, as mp_policy or as mp, not both.")
-    policy = resolve_mixed_precision(mp_policy if mp_policy is not None else kwargs.pop("mp", None))
-    if parallelize_fn is not None and not callable(parallelize_fn):
-        raise ValueError(f"FSDP2Strategy: parallelize_fn={parallelize_fn!r} is not callable.")
-    tp_plan = kwargs.pop("tp_plan", None)
-    device = kwargs.pop("device", None)
-    long_jobs = _long_job_options(kwargs, checkpoint_format)
+    return backend, timeout
+
+
+def _check_fsdp_options(kwargs: dict[str, Any], parallelize_fn: Optional[Callable[..., Any]]) -> None:
+    """What is left in ``kwargs`` are ``fsdp()``'s options (or ``parallelize_fn``'s), a ``shard_strat``
+    one ``fsdp()`` accepts: ``ValueError`` now, not at ``parallelize()``."""
     accepted = fsdp_option_names(parallelize_fn)
     unknown = [k for k in kwargs if k not in accepted]
     if unknown:
@@ -137,9 +163,7 @@ def validate_strategy_options(
             f"{list(STRATEGY_KWARGS)} and mp, and fsdp()'s options {accepted}."
         )
     if "shard_strat" in kwargs:
-        resolve_sharding(kwargs["shard_strat"])  # ValueError now, not at parallelize()
-    sizes = (data_parallel_size, tensor_parallel_size)
-    return StrategyOptions(*sizes, policy, checkpoint_format, tp_plan, device, backend, timeout, kwargs, **long_jobs)
+        resolve_sharding(kwargs["shard_strat"])
 
 
 def _nemo_arguments(kwargs: dict[str, Any]) -> None:

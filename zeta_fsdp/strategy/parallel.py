@@ -108,35 +108,48 @@ def default_parallelize(
     if is_fsdp_wrapped(module) or (already and device_mesh[dp_name].size() == 1):
         return module
     if tp_mesh.size() > 1 and not already:
-        from torch.distributed.tensor.parallel import parallelize_module
+        _tensor_parallel(module, tp_mesh, tp_plan)
+    options = _fsdp_options(device_mesh[dp_name], tp_mesh, kwargs)
+    if device is None:  # the mesh's device: Lightning's accelerator (or the strategy) chose it
+        device = choose_device(device=device_mesh.device_type)  # "cuda" -> cuda:LOCAL_RANK, checked visible
+    return fsdp(module, mp=mp_policy, device=device, **options)
 
-        plan = tp_plan if tp_plan is not None else getattr(module, "tp_plan", None)
-        if callable(plan):
-            plan = plan(tp_mesh)
-        if not plan:
-            raise ValueError(
-                f"FSDP2Strategy: tensor_parallel_size={tp_mesh.size()} needs a tensor-parallel plan: pass "
-                "tp_plan={'layers.*.up': ColwiseParallel(), ...}, give the module a tp_plan attribute, "
-                "or parallelize it yourself (Lightning: in configure_model, with self.device_mesh)."
-            )
-        ties = tied_parameter_groups(module)
-        check_plan_keeps_ties(module, plan, ties)
-        parallelize_module(module, tp_mesh, {k: tp_style(v) for k, v in plan.items()})
-        retie_parallelized(module, ties)
+
+def _tensor_parallel(module: nn.Module, tp_mesh: DeviceMesh, tp_plan: Any) -> None:
+    """``parallelize_module`` with ``tp_plan`` (or the module's ``tp_plan`` attribute; a callable gets the
+    mesh), tied parameters kept tied."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    plan = tp_plan if tp_plan is not None else getattr(module, "tp_plan", None)
+    if callable(plan):
+        plan = plan(tp_mesh)
+    if not plan:
+        raise ValueError(
+            f"FSDP2Strategy: tensor_parallel_size={tp_mesh.size()} needs a tensor-parallel plan: pass "
+            "tp_plan={'layers.*.up': ColwiseParallel(), ...}, give the module a tp_plan attribute, "
+            "or parallelize it yourself (Lightning: in configure_model, with self.device_mesh)."
+        )
+    ties = tied_parameter_groups(module)
+    check_plan_keeps_ties(module, plan, ties)
+    parallelize_module(module, tp_mesh, {k: tp_style(v) for k, v in plan.items()})
+    retie_parallelized(module, ties)
+
+
+def _fsdp_options(dp_mesh: DeviceMesh, tp_mesh: DeviceMesh, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``fsdp()``'s options: ``auto_wrap=True``, ``shard_strat="FULL_SHARD"`` unless given, and a 1-D
+    strategy's mesh (the data-parallel dimension) unless one was given."""
     options = {"auto_wrap": True, "shard_strat": "FULL_SHARD", **kwargs}
     spec = resolve_sharding(options["shard_strat"])
     if "mesh" not in options:
         if spec.mesh_ndim == 1:
-            options["mesh"] = device_mesh[dp_name]
+            options["mesh"] = dp_mesh
         elif tp_mesh.size() > 1:
             raise ValueError(
                 f"FSDP2Strategy: shard_strat={spec.name!r} needs a 2-D data-parallel mesh, which is not "
                 "combined with tensor parallel here. Use FULL_SHARD or SHARD_GRAD with tensor_parallel_size > 1."
             )
         # tp == 1: fsdp() builds its 2-D (replicate, shard) mesh over the same ranks as the dp dimension.
-    if device is None:  # the mesh's device: Lightning's accelerator (or the strategy) chose it
-        device = choose_device(device=device_mesh.device_type)  # "cuda" -> cuda:LOCAL_RANK, checked visible
-    return fsdp(module, mp=mp_policy, device=device, **options)
+    return options
 
 
 def shard_module(

@@ -235,6 +235,27 @@ def add_fp32_units(plan: WrapPlan, model: nn.Module, fp32_param_names: Sequence[
     wanted = set(fp32_param_names)
     if not wanted:
         return
+    chosen = _fp32_modules(model, wanted, caller)
+    for group in _tied_module_groups(model, chosen):  # tied modules (embedding and head) share one unit
+        _insert_fp32_unit(plan, model, group)
+    for unit in plan.units:
+        unit.param_names, unit.numel = [], 0
+    fill_params(plan.units, model, {id(model.get_parameter(n)) for n in plan.ignored_param_names})
+    plan.units = [u for u in plan.units if u.numel > 0 or u.kind == "root"]
+    for names_tied in plan.tied_params:
+        if len({claiming_unit(n.rpartition(".")[0], plan.units) for n in names_tied}) > 1:
+            raise ValueError(
+                f"{caller}(): the fp32 module holding {names_tied[0]} shares it with {names_tied[1:]} (tied) in "
+                "another unit; keep every module holding it fp32 (keep_fp32=[...] naming each), or upgrade to "
+                "torch >= 2.15."
+            )
+    plan.recount(model)
+    plan.notes.append(f"fp32 units (own fp32 MixedPrecisionPolicy): {', '.join(chosen)}")
+
+
+def _fp32_modules(model: nn.Module, wanted: set[str], caller: str) -> list[str]:
+    """The outermost modules all of whose parameters are in ``wanted`` (containers excepted: their children
+    are the units); ``ValueError`` for a wanted parameter whose module also holds parameters that follow mp."""
     names = {id(p): n for n, p in model.named_parameters()}
     marked = {n for n, p in model.named_parameters() if n in wanted}
     full = {}  # module name -> every parameter under it is fp32
@@ -250,29 +271,21 @@ def add_fp32_units(plan: WrapPlan, model: nn.Module, fp32_param_names: Sequence[
             "This torch has no MixedPrecisionPolicy.param_dtype_override_fn (torch >= 2.15 keeps one parameter "
             f"fp32 inside a unit): upgrade torch, or keep the whole module fp32 (keep_fp32=[{owner!r}])."
         )
-    for group in _tied_module_groups(model, chosen):  # tied modules (embedding and head) share one unit
-        for unit in plan.units:  # a module named in a group (the final norm of [norm, head]) leaves it
-            if unit.kind != "root" and any(m in unit.module_names for m in group):
-                keep = [i for i, n in enumerate(unit.module_names) if n not in group]
-                unit.module_names = [unit.module_names[i] for i in keep]
-                unit.modules = [unit.modules[i] for i in keep]
-        units = [u for u in plan.units if u.module_names]
-        at = min(claiming_unit(m, units) for m in group)
-        units.insert(at, WrapUnit("fp32", list(group), [model.get_submodule(m) for m in group]))
-        plan.units = units
-    for unit in plan.units:
-        unit.param_names, unit.numel = [], 0
-    fill_params(plan.units, model, {id(model.get_parameter(n)) for n in plan.ignored_param_names})
-    plan.units = [u for u in plan.units if u.numel > 0 or u.kind == "root"]
-    for names_tied in plan.tied_params:
-        if len({claiming_unit(n.rpartition(".")[0], plan.units) for n in names_tied}) > 1:
-            raise ValueError(
-                f"{caller}(): the fp32 module holding {names_tied[0]} shares it with {names_tied[1:]} (tied) in "
-                "another unit; keep every module holding it fp32 (keep_fp32=[...] naming each), or upgrade to "
-                "torch >= 2.15."
-            )
-    plan.recount(model)
-    plan.notes.append(f"fp32 units (own fp32 MixedPrecisionPolicy): {', '.join(chosen)}")
+    return chosen
+
+
+def _insert_fp32_unit(plan: WrapPlan, model: nn.Module, group: list[str]) -> None:
+    """One fp32 unit for the modules in ``group``, just before the first unit that held one of them (the
+    modules leave the units that named them; a unit left empty is dropped)."""
+    for unit in plan.units:  # a module named in a group (the final norm of [norm, head]) leaves it
+        if unit.kind != "root" and any(m in unit.module_names for m in group):
+            keep = [i for i, n in enumerate(unit.module_names) if n not in group]
+            unit.module_names = [unit.module_names[i] for i in keep]
+            unit.modules = [unit.modules[i] for i in keep]
+    units = [u for u in plan.units if u.module_names]
+    at = min(claiming_unit(m, units) for m in group)
+    units.insert(at, WrapUnit("fp32", list(group), [model.get_submodule(m) for m in group]))
+    plan.units = units
 
 
 def _tied_module_groups(model: nn.Module, module_names: Sequence[str]) -> list[list[str]]:
