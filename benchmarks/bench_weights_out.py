@@ -88,11 +88,15 @@ def drain(stream: Any) -> None:
         del bucket
 
 
-def peak(fn: Callable[[], Any]) -> int:
+def peak(fn: Callable[[], Any], model: nn.Module) -> int:
+    """Bytes allocated beyond what is live at the start; the model's own storage is tracked up front, so a
+    view of a shard (what gets sent as it is) is not counted as new memory."""
     tracker = MemTracker()
+    tracker.track_external(model)
     with tracker:
+        before = tracker.get_tracker_snapshot("current").get(torch.device("cpu"), {}).get("Total", 0)
         fn()
-    return int(tracker.get_tracker_snapshot("peak").get(torch.device("cpu"), {}).get("Total", 0))
+    return int(tracker.get_tracker_snapshot("peak").get(torch.device("cpu"), {}).get("Total", 0) - before)
 
 
 def rank_main(args: Any) -> None:
@@ -108,10 +112,10 @@ def rank_main(args: Any) -> None:
         for fn in runs.values():
             fn()  # warm-up: first-touch allocations, gloo connections
         times = {name: timed(fn, reps) for name, fn in runs.items()}
-        peaks = {name: peak(fn) for name, fn in runs.items() if "floor" not in name and "iter" not in name}
+        peaks = {name: peak(fn, model) for name, fn in runs.items() if "floor" not in name and "iter" not in name}
         for mb in reversed(bucket_mbs):  # streams made outside the tracker: it sees their iteration only
             stream = iter_full_weights(model, bucket_mb=mb)
-            peaks = {f"iter_full_weights (bucket {mb:g} MiB)": peak(lambda s=stream: drain(s)), **peaks}
+            peaks = {f"iter_full_weights (bucket {mb:g} MiB)": peak(lambda s=stream: drain(s), model), **peaks}
         key = f"{nbytes / 1e6:.1f} MB"
         data[key] = {"bytes": nbytes, "seconds": times, "peak_bytes_rank0": peaks}
         floors = {mb: times[f"all-gather floor (bucket {mb:g} MiB)"] for mb in bucket_mbs}

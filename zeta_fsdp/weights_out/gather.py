@@ -1,10 +1,15 @@
-"""Moving the planned buckets: pack this rank's shards, one flat all-gather per bucket, copy the full tensors out.
+"""Moving the planned buckets: one all-gather per bucket that writes every rank's piece where it belongs.
 
+A bucket's all-gather is gloo's (or NCCL's) coalesced one: each rank sends its header and its dim-0 shard
+of every source (the shard itself, no packing copy, unless it must be cast or padded), and each rank's
+piece lands straight in the yielded tensor's place in the bucket's output buffer (the full tensor of a
+dim-0 split is its ranks' pieces one after the other), so there is no copy-out either; only sources that
+are built into something else (LoRA merge, fused experts) or padded go through a scratch. Output buffers
+are reused once nothing views them any more: on CPU a fresh large buffer is fresh pages each time.
 The next bucket's all-gather is started (``async_op=True``) before the current bucket is handed to the
-consumer, so communication overlaps the consumer's work; the all-gather writes into the buffer it reads
-from (each rank's segment is a slice of the output, as FSDP2 does), so a bucket in flight costs one
-buffer. Every segment starts with a status header: a rank that fails, or stops early, says so in its
-next bucket, and a last small all-gather over every rank ends the stream, so all ranks raise together.
+consumer, so communication overlaps the consumer's work. Every rank's piece starts with a status header:
+a rank that fails, or stops early, says so in its next bucket, and a last small all-gather over every rank
+ends the stream, so all ranks raise together.
 """
 
 from __future__ import annotations
@@ -212,12 +217,7 @@ class WeightStream:
     def _launch(self, index: int, status: int, message: str) -> tuple:
         """Start bucket ``index``'s all-gather (or, with a status other than OK, only this rank's status)."""
         plan = self.buckets[index]
-        fallback = {}
-        for item in plan.items:  # other layouts (tensor parallel): gathered whole, in the same order everywhere
-            for s in item.sources:
-                t = self.read[s.key]
-                if s.shards == 1 and isinstance(t, DTensor) and shard_layout(t) is None:
-                    fallback[s.key] = t.full_tensor()
+        fallback = self._fallbacks(plan)
         if not plan.gathers:
             self._launched = index + 1
             return index, None, None, fallback, {}
@@ -238,6 +238,16 @@ class WeightStream:
             warnings.simplefilter("ignore", FutureWarning)
             work = dist.all_gather_coalesced(outputs, inputs, group=group, async_op=True)
         return index, (heads, flat), work, fallback, scratch
+
+    def _fallbacks(self, plan: BucketPlan) -> dict[str, torch.Tensor]:
+        """Sources of another layout (tensor parallel): gathered whole, in the same order on every rank."""
+        fallback = {}
+        for item in plan.items:
+            for s in item.sources:
+                t = self.read[s.key]
+                if s.shards == 1 and isinstance(t, DTensor) and shard_layout(t) is None:
+                    fallback[s.key] = t.full_tensor()
+        return fallback
 
     def _pieces(self, plan: BucketPlan, me: int, fallback: dict) -> tuple:
         """The coalesced all-gather's lists: what this rank sends (its header, then its shard of each source, as
