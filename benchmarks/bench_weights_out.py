@@ -143,11 +143,12 @@ def rank_main(args: Any) -> None:
         mem_rows,
     )
     report.notes.append(
-        "The iterator's peak is its one all-gather buffer plus one bucket of full tensors: flat in the model's size "
-        "(at most 2 buckets + the largest tensor), with the caller dropping each bucket before asking for the next "
-        "(`del bucket` at the end of the loop body; a plain loop variable keeps the previous bucket alive while the "
-        "next one is unpacked: one bucket more). get_full_state_dict keeps the whole model on rank 0; its figure "
-        "also counts this rank's shards (MemTracker counts the views its state dict makes of them as new tensors)."
+        "The iterator's peak is the bucket in flight plus the bucket the caller holds, flat in the model's size (at "
+        "most 2 buckets + the largest tensor), with the caller dropping each bucket before asking for the next "
+        "(`del bucket` at the end of the loop body; a plain loop variable keeps one bucket more alive). Gloo's own "
+        "staging for a collective (allocated in C++, one bucket) is not seen by MemTracker, for any variant. "
+        "get_full_state_dict keeps the whole model on rank 0. The model's own shards are tracked up front "
+        "(`track_external`), so a view of a shard is not counted as new memory."
     )
     report.publish(args.out_dir)
 

@@ -92,7 +92,7 @@ def iter_full_weights(
     **Every rank must call it and consume the whole stream** (each bucket is one all-gather), or leave it
     with ``close()`` / a ``with`` block on every rank: a rank that fails inside a ``with`` block, or closes
     early, makes every other rank raise ``StreamError`` with its message at their next bucket, instead of
-    waiting for the process group's timeout. An ``optimizer.step()`` on the model while a stream is open
+    waiting for the process group's timeout (``break`` out of a bare ``for`` over it closes it too). An ``optimizer.step()`` on the model while a stream is open
     raises: the weights streamed are exactly those of one step.
 
     Each bucket holds at most ``bucket_mb`` MiB of weights (a larger tensor gets a bucket of its own) and
