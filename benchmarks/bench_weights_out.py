@@ -72,15 +72,18 @@ def floor(model: nn.Module, bucket_mb: float) -> Callable[[], None]:
     return run
 
 
-def timed(fn: Callable[[], Any], reps: int) -> float:
-    times = []
+def timed(runs: dict[str, Callable[[], Any]], reps: int) -> dict[str, float]:
+    """Median seconds of each variant; the reps are interleaved (one round runs every variant once), so a burst
+    of load from other jobs on a shared machine hits every variant alike rather than one of them."""
+    times: dict[str, list[float]] = {name: [] for name in runs}
     for _ in range(reps):
-        dist.barrier()
-        start = time.perf_counter()
-        fn()
-        dist.barrier()
-        times.append(time.perf_counter() - start)
-    return finite(statistics.median(times))
+        for name, fn in runs.items():
+            dist.barrier()
+            start = time.perf_counter()
+            fn()
+            dist.barrier()
+            times[name].append(time.perf_counter() - start)
+    return {name: finite(statistics.median(t)) for name, t in times.items()}
 
 
 def drain(stream: Any) -> None:
@@ -111,7 +114,7 @@ def rank_main(args: Any) -> None:
         runs = variants(model, bucket_mbs)
         for fn in runs.values():
             fn()  # warm-up: first-touch allocations, gloo connections
-        times = {name: timed(fn, reps) for name, fn in runs.items()}
+        times = timed(runs, reps)
         peaks = {name: peak(fn, model) for name, fn in runs.items() if "floor" not in name and "iter" not in name}
         for mb in reversed(bucket_mbs):  # streams made outside the tracker: it sees their iteration only
             stream = iter_full_weights(model, bucket_mb=mb)
@@ -130,7 +133,7 @@ def rank_main(args: Any) -> None:
         title="Weights out benchmark",
         command=args.command,
         what=f"The full weights of a FULL_SHARD model at {dist.get_world_size()} ranks (gloo, CPU), every rank; "
-        f"median of {reps} runs after a warm-up. `iter_full_weights` vs `get_full_state_dict` (one tensor at a "
+        f"median of {reps} runs after a warm-up (rounds interleaved: each round runs every variant once). `iter_full_weights` vs `get_full_state_dict` (one tensor at a "
         "time, kept on rank 0) vs per-tensor `full_tensor()`, and the all-gather floor: the iterator's bucket "
         "bytes in one flat all-gather each, nothing packed or copied out.",
         data=data,
