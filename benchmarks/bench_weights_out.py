@@ -72,15 +72,18 @@ def floor(model: nn.Module, bucket_mb: float) -> Callable[[], None]:
     return run
 
 
-def timed(fn: Callable[[], Any], reps: int) -> float:
-    times = []
+def timed(runs: dict[str, Callable[[], Any]], reps: int) -> dict[str, float]:
+    """Median seconds of each variant; the reps are interleaved (one round runs every variant once), so a burst
+    of load from other jobs on a shared machine hits every variant alike rather than one of them."""
+    times: dict[str, list[float]] = {name: [] for name in runs}
     for _ in range(reps):
-        dist.barrier()
-        start = time.perf_counter()
-        fn()
-        dist.barrier()
-        times.append(time.perf_counter() - start)
-    return finite(statistics.median(times))
+        for name, fn in runs.items():
+            dist.barrier()
+            start = time.perf_counter()
+            fn()
+            dist.barrier()
+            times[name].append(time.perf_counter() - start)
+    return {name: finite(statistics.median(t)) for name, t in times.items()}
 
 
 def drain(stream: Any) -> None:
@@ -88,11 +91,15 @@ def drain(stream: Any) -> None:
         del bucket
 
 
-def peak(fn: Callable[[], Any]) -> int:
+def peak(fn: Callable[[], Any], model: nn.Module) -> int:
+    """Bytes allocated beyond what is live at the start; the model's own storage is tracked up front, so a
+    view of a shard (what gets sent as it is) is not counted as new memory."""
     tracker = MemTracker()
+    tracker.track_external(model)
     with tracker:
+        before = tracker.get_tracker_snapshot("current").get(torch.device("cpu"), {}).get("Total", 0)
         fn()
-    return int(tracker.get_tracker_snapshot("peak").get(torch.device("cpu"), {}).get("Total", 0))
+    return int(tracker.get_tracker_snapshot("peak").get(torch.device("cpu"), {}).get("Total", 0) - before)
 
 
 def rank_main(args: Any) -> None:
@@ -107,11 +114,11 @@ def rank_main(args: Any) -> None:
         runs = variants(model, bucket_mbs)
         for fn in runs.values():
             fn()  # warm-up: first-touch allocations, gloo connections
-        times = {name: timed(fn, reps) for name, fn in runs.items()}
-        peaks = {name: peak(fn) for name, fn in runs.items() if "floor" not in name and "iter" not in name}
+        times = timed(runs, reps)
+        peaks = {name: peak(fn, model) for name, fn in runs.items() if "floor" not in name and "iter" not in name}
         for mb in reversed(bucket_mbs):  # streams made outside the tracker: it sees their iteration only
             stream = iter_full_weights(model, bucket_mb=mb)
-            peaks = {f"iter_full_weights (bucket {mb:g} MiB)": peak(lambda s=stream: drain(s)), **peaks}
+            peaks = {f"iter_full_weights (bucket {mb:g} MiB)": peak(lambda s=stream: drain(s), model), **peaks}
         key = f"{nbytes / 1e6:.1f} MB"
         data[key] = {"bytes": nbytes, "seconds": times, "peak_bytes_rank0": peaks}
         floors = {mb: times[f"all-gather floor (bucket {mb:g} MiB)"] for mb in bucket_mbs}
@@ -126,7 +133,7 @@ def rank_main(args: Any) -> None:
         title="Weights out benchmark",
         command=args.command,
         what=f"The full weights of a FULL_SHARD model at {dist.get_world_size()} ranks (gloo, CPU), every rank; "
-        f"median of {reps} runs after a warm-up. `iter_full_weights` vs `get_full_state_dict` (one tensor at a "
+        f"median of {reps} runs after a warm-up (rounds interleaved: each round runs every variant once). `iter_full_weights` vs `get_full_state_dict` (one tensor at a "
         "time, kept on rank 0) vs per-tensor `full_tensor()`, and the all-gather floor: the iterator's bucket "
         "bytes in one flat all-gather each, nothing packed or copied out.",
         data=data,
@@ -139,11 +146,12 @@ def rank_main(args: Any) -> None:
         mem_rows,
     )
     report.notes.append(
-        "The iterator's peak is its one all-gather buffer plus one bucket of full tensors: flat in the model's size "
-        "(at most 2 buckets + the largest tensor), with the caller dropping each bucket before asking for the next "
-        "(`del bucket` at the end of the loop body; a plain loop variable keeps the previous bucket alive while the "
-        "next one is unpacked: one bucket more). get_full_state_dict keeps the whole model on rank 0; its figure "
-        "also counts this rank's shards (MemTracker counts the views its state dict makes of them as new tensors)."
+        "The iterator's peak is the bucket in flight plus the bucket the caller holds, flat in the model's size (at "
+        "most 2 buckets + the largest tensor), with the caller dropping each bucket before asking for the next "
+        "(`del bucket` at the end of the loop body; a plain loop variable keeps one bucket more alive). Gloo's own "
+        "staging for a collective (allocated in C++, one bucket) is not seen by MemTracker, for any variant. "
+        "get_full_state_dict keeps the whole model on rank 0. The model's own shards are tracked up front "
+        "(`track_external`), so a view of a shard is not counted as new memory."
     )
     report.publish(args.out_dir)
 

@@ -202,6 +202,33 @@ def failure_on_one_rank_reaches_every_rank_fast():
     # rank 1 is told at its next bucket; rank 0 learns at the closing exchange that rank 1 could not finish
     stop = stream.close if rank() == 0 else (lambda: collect(stream))
     expect_error(StreamError, stop, "rank 0 stopped iterating before the end")
+    bare_loop_left_with_break_ends_on_every_rank(model)
+
+
+def bare_loop_left_with_break_ends_on_every_rank(model: nn.Module) -> None:
+    """``break`` out of a bare ``for bucket in iter_full_weights(...)`` (no ``with``, no ``close()``): the dropped
+    stream tells its peers at once; they raise StreamError in seconds (rank 0 gets their error as a warning)."""
+
+    def bare(stop_on: set) -> None:
+        for i, _ in enumerate(iter_full_weights(model, bucket_mb=0.0005)):
+            if i == 1 and rank() in stop_on:
+                break
+
+    start = time.monotonic()
+    if rank() == 0:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            bare({0})
+        said = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+        assert any("rank 0 stopped iterating before the end" in m for m in said), said
+    else:
+        expect_error(StreamError, lambda: bare({0}), "rank 0 stopped iterating before the end")
+    assert time.monotonic() - start < 20, "the peers learned of the break within seconds"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        bare({0, 1})  # every rank leaving at the same bucket: on purpose, quietly
+    assert not [w for w in caught if issubclass(w.category, RuntimeWarning)], [str(w.message) for w in caught]
+    assert_same(collect(iter_full_weights(model)), get_full_state_dict(model, rank0_only=False), "after the breaks")
 
 
 @case
@@ -229,19 +256,21 @@ def peak_memory_is_two_buckets_and_one_tensor():
     for cap in (largest // 2, 2 * largest, 5 * largest):
         stream = iter_full_weights(model, bucket_mb=cap / 2**20)
         bucket_bytes = max(b.output_bytes for b in stream.buckets)
-        # the one all-gather buffer: a bucket's bytes plus each rank's 1 KiB header and its padding
+        # gloo's all-gather buffer (C++, unseen by MemTracker): a bucket's bytes plus each rank's 1 KiB header and padding
         gathered = max(b.shards * b.segment_bytes for b in stream.buckets)
         assert gathered <= bucket_bytes + world() * (1024 + 64 * len(stream.buckets[0].items)), gathered
         tracker = MemTracker()
+        tracker.track_external(model)  # the shards the stream sends as they are: views of the model, not new memory
         seen = set()
         with tracker:  # the consumer checks each tensor and keeps nothing: the peak is the stream's own
+            before = tracker.get_tracker_snapshot("current")[torch.device("cpu")]["Total"]
             for bucket in stream:
                 for name, t in bucket:
                     assert torch.equal(t, want[name]), name
                     seen.add(name)
                 del bucket, t
         assert seen == set(want)
-        extra = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
+        extra = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"] - before
         assert bucket_bytes <= extra <= gathered + bucket_bytes + largest, (cap, extra, gathered, bucket_bytes, largest)
         results[cap] = extra
     print(f"weights_out peak extra bytes by bucket cap: {results} (largest tensor {largest})")

@@ -1,14 +1,20 @@
-"""Moving the planned buckets: pack this rank's shards, one flat all-gather per bucket, copy the full tensors out.
+"""Moving the planned buckets: one all-gather per bucket that writes every rank's piece where it belongs.
 
+A bucket's all-gather is gloo's (or NCCL's) coalesced one: each rank sends its header and its dim-0 shard
+of every source (the shard itself, no packing copy, unless it must be cast or padded), and each rank's
+piece lands straight in the yielded tensor's place in the bucket's output buffer (the full tensor of a
+dim-0 split is its ranks' pieces one after the other), so there is no copy-out either; only sources that
+are built into something else (LoRA merge, fused experts) or padded go through a scratch. Output buffers
+are reused once nothing views them any more: on CPU a fresh large buffer is fresh pages each time.
 The next bucket's all-gather is started (``async_op=True``) before the current bucket is handed to the
-consumer, so communication overlaps the consumer's work; the all-gather writes into the buffer it reads
-from (each rank's segment is a slice of the output, as FSDP2 does), so a bucket in flight costs one
-buffer. Every segment starts with a status header: a rank that fails, or stops early, says so in its
-next bucket, and a last small all-gather over every rank ends the stream, so all ranks raise together.
+consumer, so communication overlaps the consumer's work. Every rank's piece starts with a status header:
+a rank that fails, or stops early, says so in its next bucket, and a last small all-gather over every rank
+ends the stream, so all ranks raise together.
 """
 
 from __future__ import annotations
 
+import warnings
 import weakref
 from typing import Any, Iterator, Optional
 
@@ -27,6 +33,7 @@ _MAGIC = 0x5A57  # "ZW": a header this code wrote
 OK, FAILED, CLOSED = 0, 1, 2
 _ACTIVE: weakref.WeakSet[WeightStream] = weakref.WeakSet()
 _HOOK: list[Any] = []
+_POOL = 3  # output buffers kept for reuse: the consumer's bucket, the one in flight, one a loop variable holds
 
 
 class StreamError(RuntimeError):
@@ -61,13 +68,12 @@ def _header(buf: torch.Tensor, status: int, index: int, message: str) -> None:
     head[64 : 64 + len(text)].copy_(torch.frombuffer(bytearray(text), dtype=torch.uint8) if text else head[64:64])
 
 
-def _read_headers(buf: torch.Tensor, ranks: int, ranks_of: list[int]) -> Optional[tuple[int, int, str]]:
-    """The first failure among the gathered segments as ``(status, global rank, message)`` (a rank that failed
-    before one that only stopped early), or ``None`` when every rank is fine."""
-    rows = buf.view(ranks, -1)
+def _read_headers(rows: torch.Tensor, ranks_of: list[int]) -> Optional[tuple[int, int, str]]:
+    """The first failure among the gathered headers (one row per rank) as ``(status, global rank, message)`` (a
+    rank that failed before one that only stopped early), or ``None`` when every rank is fine."""
     found = []
-    for i in range(ranks):
-        magic, status, _, length = rows[i, :32].view(torch.int64).tolist()
+    for i in range(len(ranks_of)):
+        magic, status, _, length = rows[i, :32].clone().view(torch.int64).tolist()
         if magic != _MAGIC:
             return FAILED, ranks_of[i], "its segment holds no stream header (the ranks do not run the same stream)"
         if status != OK:
@@ -76,6 +82,44 @@ def _read_headers(buf: torch.Tensor, ranks: int, ranks_of: list[int]) -> Optiona
         return None
     _, status, rank, text = min(found)
     return status, rank, text.decode(errors="replace")
+
+
+def _use_count(t: torch.Tensor) -> Optional[int]:
+    """How many tensors (and storages) hold ``t``'s memory; ``None`` where this torch cannot tell."""
+    count = getattr(torch._C, "_storage_Use_Count", None)
+    return None if count is None else count(t.untyped_storage()._cdata)
+
+
+def _free(buf: torch.Tensor, baseline: Optional[int]) -> bool:
+    """Nothing but the pool holds ``buf`` (no yielded tensor, no view of one): it may be written again."""
+    return baseline is not None and _use_count(buf) <= baseline
+
+
+def _gathered(plan: BucketPlan) -> list[Source]:
+    """The sources a bucket's all-gather moves, in the plan's order (the same on every rank)."""
+    sources = {s.key: s for item in plan.items for s in item.sources}
+    return [sources[key] for key in plan.segment]
+
+
+def _direct_slots(plan: BucketPlan, fallback: dict) -> dict[str, str]:
+    """``{source key: output name}`` where the output is the gathered bytes as they are: a plain dim-0 split that
+    every rank holds an equal part of, kept in its dtype. The all-gather writes those in place."""
+    out = {}
+    for item in plan.items:
+        for s, o in zip(item.sources, item.outputs) if item.build is None else ():
+            even = bool(s.shape) and s.shape[0] % s.shards == 0
+            if s.key in plan.segment and s.key not in fallback and (s.dtype, s.shape) == (o.dtype, o.shape) and even:
+                out[s.key] = o.name
+    return out
+
+
+def _status_pieces(plan: BucketPlan, device: torch.device) -> tuple:
+    """A bucket's all-gather lists for a rank that only tells its status (it failed, or stops early): the same
+    bytes as its peers send, all in one piece."""
+    total = HEADER_BYTES + sum(s.rows_per_rank * s.row_bytes for s in _gathered(plan))
+    every = torch.empty(plan.shards, total, dtype=torch.uint8, device=device)
+    mine = torch.zeros(total, dtype=torch.uint8, device=device)
+    return [mine], [[every[q]] for q in range(plan.shards)], every[:, :HEADER_BYTES], None, {}
 
 
 class WeightStream:
@@ -93,9 +137,10 @@ class WeightStream:
         self.reading = watch  # ids of the parameters an optimizer step must not change mid-stream
         self._next = 0  # the bucket the consumer gets next
         self._launched = 0  # buckets whose all-gather this rank has started
-        self._pending: Optional[tuple[int, torch.Tensor, Any, dict[str, torch.Tensor]]] = None
+        self._pending: Optional[tuple] = None  # (index, (headers, output buffer), work, fallback, scratch)
         self._done = False
-        self._recv: Optional[torch.Tensor] = None
+        self._pool: list[tuple[torch.Tensor, Optional[int]]] = []  # output buffers, reused once nothing views them
+        self._typical = max((b.output_bytes for b in buckets if len(b.items) > 1), default=0)
         _ACTIVE.add(self)
         if not _HOOK:
             _HOOK.append(register_optimizer_step_pre_hook(_on_optimizer_step))
@@ -115,10 +160,10 @@ class WeightStream:
             if self._pending is None:
                 self._pending = self._launch(self._next, OK, "")
             plan = self.buckets[self._next]
-            recv, fallback = self._wait()
-            out = self._unpack(plan, recv, fallback) if self.keep else WeightBucket()
+            flat, fallback, scratch = self._wait()
+            out = self._unpack(plan, flat, fallback, scratch) if self.keep else WeightBucket()
             out.index = plan.index
-            del recv, fallback
+            del flat, fallback, scratch
             self._next += 1
             if self._next < len(self.buckets):
                 self._pending = self._launch(self._next, OK, "")
@@ -135,6 +180,19 @@ class WeightStream:
     def __exit__(self, kind: Any, error: Any, tb: Any) -> None:
         self.close(error)
 
+    def __del__(self) -> None:
+        """A stream dropped before its end (``break`` out of a bare ``for bucket in iter_full_weights(...)``): its
+        peers are told at once, as by ``close()``, and raise ``StreamError``; here the error a peer reports can
+        only be a warning (Python ignores what ``__del__`` raises)."""
+        if getattr(self, "_done", True) or not dist.is_available() or not dist.is_initialized():
+            return
+        try:
+            self.close()
+        except StreamError as e:
+            warnings.warn(f"{e} (a stream left without close() or a with block)", RuntimeWarning, stacklevel=2)
+        except Exception as e:  # noqa: BLE001 - e.g. the process group is already gone at exit
+            warnings.warn(f"iter_full_weights(): closing a dropped stream failed: {e}", RuntimeWarning, stacklevel=2)
+
     @torch.no_grad()
     def close(self, error: Optional[BaseException] = None) -> None:
         """Stop streaming on this rank; ``error``: why (its peers raise it). Every rank's stream ends together: a
@@ -149,7 +207,7 @@ class WeightStream:
                 if work is not None:
                     work.wait()
             if self._launched < len(self.buckets):  # the bucket the peers wait in next: tell them there
-                _, _, work, _ = self._launch(self._launched, status, message)
+                work = self._launch(self._launched, status, message)[2]
                 if work is not None:
                     work.wait()
         finally:
@@ -157,40 +215,87 @@ class WeightStream:
 
     # -- one bucket ---------------------------------------------------------------------------------------
     def _launch(self, index: int, status: int, message: str) -> tuple:
-        """Pack this rank's shards of bucket ``index`` (or only a status) and start its all-gather."""
+        """Start bucket ``index``'s all-gather (or, with a status other than OK, only this rank's status)."""
         plan = self.buckets[index]
+        fallback = self._fallbacks(plan)
+        if not plan.gathers:
+            self._launched = index + 1
+            return index, None, None, fallback, {}
+        group = self._group(plan)
+        me = dist.get_rank(group)
+        pieces = None
+        if status == OK:
+            try:
+                pieces = self._pieces(plan, me, fallback)
+            except Exception as e:  # noqa: BLE001 - told to every peer through the header, then raised below
+                status, message = FAILED, f"{type(e).__name__}: {e}"
+        if pieces is None:
+            pieces = _status_pieces(plan, self._gather_device(plan))
+        inputs, outputs, heads, flat, scratch = pieces
+        _header(inputs[0], status, index, message)
+        self._launched = index + 1  # from here on, the peers can count on this rank's segment of bucket ``index``
+        with warnings.catch_warnings():  # gloo's coalesced all-gather: the one that writes each piece where it goes
+            warnings.simplefilter("ignore", FutureWarning)
+            work = dist.all_gather_coalesced(outputs, inputs, group=group, async_op=True)
+        return index, (heads, flat), work, fallback, scratch
+
+    def _fallbacks(self, plan: BucketPlan) -> dict[str, torch.Tensor]:
+        """Sources of another layout (tensor parallel): gathered whole, in the same order on every rank."""
         fallback = {}
-        for item in plan.items:  # other layouts (tensor parallel): gathered whole, in the same order everywhere
+        for item in plan.items:
             for s in item.sources:
                 t = self.read[s.key]
                 if s.shards == 1 and isinstance(t, DTensor) and shard_layout(t) is None:
                     fallback[s.key] = t.full_tensor()
-        if not plan.gathers:
-            self._launched = index + 1
-            return index, None, None, fallback
-        group = self._group(plan)
-        me = dist.get_rank(group)
-        recv = self._buffer(plan)
-        segment = recv.narrow(0, me * plan.segment_bytes, plan.segment_bytes)
-        if status == OK:
-            try:
-                self._pack(plan, segment, me)
-            except Exception as e:  # noqa: BLE001 - told to every peer through the header, then raised below
-                status, message = FAILED, f"{type(e).__name__}: {e}"
-        _header(segment, status, index, message)
-        self._launched = index + 1  # from here on, the peers can count on this rank's segment of bucket ``index``
-        work = dist.all_gather_into_tensor(recv, segment, group=group, async_op=True)
-        return index, recv, work, fallback
+        return fallback
 
-    def _buffer(self, plan: BucketPlan) -> torch.Tensor:
-        """The all-gather buffer for ``plan``: one buffer, sized for the largest bucket, reused by every bucket (the
-        previous bucket is unpacked before the next starts; a freed buffer could outlive its gather in the process
-        group's own references, and the next allocation would then briefly hold a third bucket)."""
-        device = self._gather_device(plan)
-        if self._recv is None or self._recv.device != device:
-            most = max(b.shards * b.segment_bytes for b in self.buckets if b.gathers)
-            self._recv = torch.empty(most, dtype=torch.uint8, device=device)
-        return self._recv[: plan.shards * plan.segment_bytes]
+    def _pieces(self, plan: BucketPlan, me: int, fallback: dict) -> tuple:
+        """The coalesced all-gather's lists: what this rank sends (its header, then its shard of each source, as
+        bytes: the shard itself where it is already what travels) and where each rank's piece lands (straight
+        in the output tensor where the full tensor is the gathered bytes as they are, else in a scratch)."""
+        flat = self._out_buffer(plan)
+        heads = torch.empty(plan.shards, HEADER_BYTES, dtype=torch.uint8, device=flat.device)
+        inputs, outputs, scratch = [heads[me]], [[heads[q]] for q in range(plan.shards)], {}
+        direct = _direct_slots(plan, fallback)
+        for s in _gathered(plan):
+            inputs.append(self._shard_bytes(s, me))
+            step = s.rows_per_rank * s.row_bytes
+            if s.key in direct:
+                start = plan.outputs[direct[s.key]]
+                rows = flat[start : start + plan.shards * step]
+            else:
+                rows = scratch[s.key] = torch.empty(plan.shards * step, dtype=torch.uint8, device=flat.device)
+            for q in range(plan.shards):
+                outputs[q].append(rows[q * step : (q + 1) * step])
+        return inputs, outputs, heads, flat, scratch
+
+    def _shard_bytes(self, s: Source, me: int) -> torch.Tensor:
+        """This rank's shard of ``s`` as the bytes it sends: ``rows_per_rank`` rows in ``s.dtype`` (a copy only
+        where the shard must be cast or padded)."""
+        local = self.read[s.key].to_local()
+        rows = s.rows_of(me)
+        if tuple(local.shape) != (rows, *s.shape[1:]):
+            raise RuntimeError(
+                f"{s.key}: this rank holds a shard of shape {tuple(local.shape)}, expected {rows} rows of "
+                f"{s.shape} split over {s.shards} ranks (torch.chunk along dim 0)."
+            )
+        if local.dtype == s.dtype and rows == s.rows_per_rank and local.is_contiguous():
+            return local.reshape(-1).view(torch.uint8)
+        out = torch.zeros(s.rows_per_rank * s.row_bytes, dtype=torch.uint8, device=local.device)
+        out[: rows * s.row_bytes].view(s.dtype).view(rows, *s.shape[1:]).copy_(local)
+        return out
+
+    def _out_buffer(self, plan: BucketPlan) -> torch.Tensor:
+        """The flat output of ``plan``: a buffer of an earlier bucket that nothing views any more, else a new one.
+        Reusing it matters on CPU: a fresh buffer of 32 MiB or more is new memory from the kernel each time
+        (glibc maps it), and faulting its pages in cost more than the gather itself on our 2-core machine."""
+        device = self._gather_device(plan) if plan.gathers else self._plain_device(plan)
+        for buf, baseline in self._pool:
+            if buf.device == device and buf.numel() >= plan.output_bytes and _free(buf, baseline):
+                return buf[: plan.output_bytes]
+        buf = torch.empty(max(plan.output_bytes, self._typical), dtype=torch.uint8, device=device)
+        self._pool = [*self._pool[-(_POOL - 1) :], (buf, _use_count(buf))]
+        return buf[: plan.output_bytes]
 
     def _group(self, plan: BucketPlan) -> Any:
         """The process group of a bucket's shards (``plan.group`` is its name)."""
@@ -200,32 +305,18 @@ class WeightStream:
         key = next(iter(plan.segment))
         return self.read[key].device
 
-    def _pack(self, plan: BucketPlan, segment: torch.Tensor, me: int) -> None:
-        for item in plan.items:
-            for s in item.sources:
-                if s.key not in plan.segment:
-                    continue
-                local = self.read[s.key].to_local()
-                rows = s.rows_of(me)
-                if tuple(local.shape) != (rows, *s.shape[1:]):
-                    raise RuntimeError(
-                        f"{s.key}: this rank holds a shard of shape {tuple(local.shape)}, expected {rows} rows of "
-                        f"{s.shape} split over {s.shards} ranks (torch.chunk along dim 0)."
-                    )
-                start = plan.segment[s.key]
-                dst = segment[start : start + rows * s.row_bytes].view(s.dtype).view(rows, *s.shape[1:])
-                dst.copy_(local)
-
-    def _wait(self) -> tuple[Optional[torch.Tensor], dict[str, torch.Tensor]]:
-        index, recv, work, fallback = self._pending
+    def _wait(self) -> tuple[Optional[torch.Tensor], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        index, where, work, fallback, scratch = self._pending
         self._pending = None
-        if work is not None:
-            work.wait()
-            plan = self.buckets[index]
-            found = _read_headers(recv, plan.shards, dist.get_process_group_ranks(self._group(plan)))
-            if found is not None:
-                self._fail_from_peer(*found)
-        return recv, fallback
+        if work is None:
+            return None, fallback, scratch
+        work.wait()
+        del work  # the finished work's references to the output pieces: the buffer is reusable once dropped
+        plan = self.buckets[index]
+        found = _read_headers(where[0], dist.get_process_group_ranks(self._group(plan)))
+        if found is not None:
+            self._fail_from_peer(*found)
+        return where[1], fallback, scratch
 
     def _fail_from_peer(self, status: int, rank: int, message: str) -> None:
         reason = (
@@ -236,28 +327,25 @@ class WeightStream:
         self._finish(FAILED, reason)
         raise StreamError(f"iter_full_weights(): {reason}")
 
-    def _full(self, s: Source, plan: BucketPlan, recv: Optional[torch.Tensor], into: torch.Tensor) -> None:
-        """Write source ``s``'s full bytes into ``into`` (a uint8 slice of exactly its size)."""
-        if s.key not in plan.segment:
-            t = self.read[s.key]
-            whole = t.to_local() if isinstance(t, DTensor) else t
-            into.view(s.dtype).view(s.shape).copy_(whole)
-            return
-        if s.shape[0] == 0:
-            return
-        step = s.rows_per_rank * s.row_bytes
-        pieces = recv.view(plan.shards, plan.segment_bytes)[:, plan.segment[s.key] : plan.segment[s.key] + step]
-        whole = s.shape[0] // s.rows_per_rank  # ranks holding a full chunk; the next one may hold a part
-        into[: whole * step].view(whole, step).copy_(pieces[:whole])
-        rest = into.numel() - whole * step
-        if rest:
-            into[whole * step :].copy_(pieces[whole, :rest])
+    def _whole(self, s: Source) -> torch.Tensor:
+        """A source every rank holds whole (NO_SHARD, replicated), as a new tensor in ``s.dtype``."""
+        t = self.read[s.key]
+        return (t.to_local() if isinstance(t, DTensor) else t).to(s.dtype, copy=True)
 
-    def _unpack(self, plan: BucketPlan, recv: Optional[torch.Tensor], fallback: dict) -> WeightBucket:
-        device = recv.device if recv is not None else self._plain_device(plan)
-        flat = torch.empty(plan.output_bytes, dtype=torch.uint8, device=device)
+    def _full(self, s: Source, fallback: dict, scratch: dict) -> torch.Tensor:
+        """Source ``s``'s full tensor, from wherever it is (not for a source gathered straight into its output)."""
+        if s.key in fallback:
+            return fallback[s.key].to(s.dtype)
+        if s.key in scratch:
+            return scratch[s.key][: s.nbytes].view(s.dtype).view(s.shape)
+        return self._whole(s)
+
+    def _unpack(self, plan: BucketPlan, flat: Optional[torch.Tensor], fallback: dict, scratch: dict) -> WeightBucket:
+        if flat is None:  # nothing gathered: the tensors are copied into a buffer here
+            flat = self._out_buffer(plan)
+        direct = _direct_slots(plan, fallback) if plan.gathers else {}
         for item in plan.items:
-            self._unpack_item(item, plan, recv, fallback, flat)
+            self._unpack_item(item, plan, fallback, scratch, direct, flat)
         if flat.device != self.device:
             flat = flat.to(self.device)
         bucket = WeightBucket()
@@ -275,31 +363,20 @@ class WeightStream:
         first = self.read[plan.items[0].sources[0].key] if plan.items and plan.items[0].sources else None
         return first.device if first is not None else self.device
 
-    def _unpack_item(self, item: Item, plan: BucketPlan, recv: Any, fallback: dict, flat: torch.Tensor) -> None:
+    def _unpack_item(
+        self, item: Item, plan: BucketPlan, fallback: dict, scratch: dict, direct: dict, flat: torch.Tensor
+    ) -> None:
         def slot(o: Any) -> torch.Tensor:
-            return flat[plan.outputs[o.name] : plan.outputs[o.name] + o.nbytes]
+            return flat[plan.outputs[o.name] : plan.outputs[o.name] + o.nbytes].view(o.dtype).view(o.shape)
 
         if item.build is None:
             for s, o in zip(item.sources, item.outputs):
-                if s.key in fallback:
-                    slot(o).view(o.dtype).view(o.shape).copy_(fallback[s.key])
-                elif s.dtype == o.dtype:
-                    self._full(s, plan, recv, slot(o))
-                else:
-                    t = self.read[s.key]
-                    whole = t.to_local() if isinstance(t, DTensor) else t
-                    slot(o).view(o.dtype).view(o.shape).copy_(whole)
+                if s.key not in direct:  # else: the all-gather wrote it in place
+                    slot(o).copy_(self._full(s, fallback, scratch))
             return
-        fulls = []
-        for s in item.sources:
-            if s.key in fallback:
-                fulls.append(fallback[s.key].to(s.dtype))
-                continue
-            into = torch.empty(s.nbytes, dtype=torch.uint8, device=flat.device)
-            self._full(s, plan, recv, into)
-            fulls.append(into.view(s.dtype).view(s.shape))
+        fulls = [self._full(s, fallback, scratch) for s in item.sources]
         for o, value in zip(item.outputs, item.build(fulls)):
-            slot(o).view(o.dtype).view(o.shape).copy_(value)
+            slot(o).copy_(value)
 
     # -- the end ------------------------------------------------------------------------------------------
     def _finish(self, status: int, message: str, raise_peer_errors: bool = True) -> None:
@@ -307,7 +384,7 @@ class WeightStream:
         if self._done:
             return
         self._done = True
-        self._recv = None
+        self._pool = []
         _ACTIVE.discard(self)
         if not is_distributed() or get_world_size() == 1:
             return
@@ -316,7 +393,7 @@ class WeightStream:
         mine = buf.narrow(0, get_rank() * HEADER_BYTES, HEADER_BYTES)
         _header(mine, status, len(self.buckets), message)
         dist.all_gather_into_tensor(buf, mine)
-        found = _read_headers(buf, world, list(range(world)))
+        found = _read_headers(buf.view(world, -1), list(range(world)))
         if found is None or not raise_peer_errors and status != OK:
             return
         kind, rank, text = found

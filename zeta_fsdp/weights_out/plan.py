@@ -1,9 +1,9 @@
 """Where each byte of a weight stream goes: items grouped into size-capped buckets, offsets in the buffers. Pure.
 
-A bucket is moved by one flat all-gather: every rank fills its segment of one ``uint8`` buffer
-(``world x segment_bytes``) with a status header and its dim-0 shard of each gathered source
-(padded to ``ceil(rows / world)`` rows, FSDP2's ``torch.chunk`` split), and the full tensors are
-copied out into one flat output buffer, tensor after tensor, which the yielded tensors view.
+A bucket is moved by one all-gather: every rank sends a status header and its dim-0 shard of each
+gathered source (padded to ``ceil(rows / world)`` rows, FSDP2's ``torch.chunk`` split): its
+``segment`` (``segment_bytes`` per rank), and the full tensors land in one flat output buffer, tensor
+after tensor, which the yielded tensors view.
 Offsets are aligned so that any dtype can view any slice. No process group, no model here.
 """
 

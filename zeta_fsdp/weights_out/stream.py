@@ -17,20 +17,21 @@ from .gather import StreamError, WeightStream
 from .items import LORA, NAMES, model_items
 from .plan import plan_buckets
 
-__all__ = ["iter_full_weights"]
+__all__ = ["default_bucket_mb", "iter_full_weights"]
 
 _CALLER = "iter_full_weights()"
 
 
-def _check_args(bucket_mb: float, names: str, lora: str, device: object, ranks: object) -> None:
-    if (
+def _check_args(bucket_mb: Optional[float], names: str, lora: str, device: object, ranks: object) -> None:
+    if bucket_mb is not None and (
         not isinstance(bucket_mb, (int, float))
         or isinstance(bucket_mb, bool)
         or not math.isfinite(bucket_mb)
         or not bucket_mb * 2**20 >= 1
     ):
         raise ValueError(
-            f"{_CALLER}: bucket_mb={bucket_mb!r} is not accepted. Accepted: a finite number of MiB, at least one byte."
+            f"{_CALLER}: bucket_mb={bucket_mb!r} is not accepted. Accepted: None (the default for the device) "
+            "or a finite number of MiB, at least one byte."
         )
     if names not in NAMES:
         raise ValueError(f"{_CALLER}: names={names!r} is not accepted. Accepted: {', '.join(map(repr, NAMES))}.")
@@ -59,6 +60,16 @@ def _check_args(bucket_mb: float, names: str, lora: str, device: object, ranks: 
         )
 
 
+def default_bucket_mb(model: nn.Module) -> float:
+    """The bucket cap ``bucket_mb=None`` means for ``model``: 256 MiB on an accelerator, 24 MiB on CPU.
+
+    Example:
+        >>> default_bucket_mb(torch.nn.Linear(2, 2))
+        24
+    """
+    return 24 if compute_device(model).type == "cpu" else 256
+
+
 def _digest(buckets: list) -> str:
     """What every rank must agree on before the first all-gather: the buckets' layout."""
     text = repr([(b.segment, b.segment_bytes, b.shards, b.output_bytes, list(b.outputs)) for b in buckets])
@@ -68,7 +79,7 @@ def _digest(buckets: list) -> str:
 def iter_full_weights(
     model: nn.Module,
     *,
-    bucket_mb: float = 256,
+    bucket_mb: Optional[float] = None,
     dtype: Optional[torch.dtype] = None,
     device: Union[str, torch.device] = "cpu",
     names: str = "model",
@@ -81,7 +92,7 @@ def iter_full_weights(
     **Every rank must call it and consume the whole stream** (each bucket is one all-gather), or leave it
     with ``close()`` / a ``with`` block on every rank: a rank that fails inside a ``with`` block, or closes
     early, makes every other rank raise ``StreamError`` with its message at their next bucket, instead of
-    waiting for the process group's timeout. An ``optimizer.step()`` on the model while a stream is open
+    waiting for the process group's timeout (``break`` out of a bare ``for`` over it closes it too). An ``optimizer.step()`` on the model while a stream is open
     raises: the weights streamed are exactly those of one step.
 
     Each bucket holds at most ``bucket_mb`` MiB of weights (a larger tensor gets a bucket of its own) and
@@ -93,7 +104,9 @@ def iter_full_weights(
     first: the stream reads the shards.
 
     Args:
-        bucket_mb: the bucket size cap, in MiB.
+        bucket_mb: the bucket size cap, in MiB. ``None``: 256 where the shards live on an accelerator (few,
+            large collectives), 24 on CPU (gloo: an all-gather of 32 MiB or more gets fresh pages from the
+            kernel every time, 2-4x slower per byte here; see docs/weights_out.md).
         dtype: cast floating-point tensors to this dtype (on the shards, before they travel).
         device: ``"cpu"`` (default), ``"compute"`` (where the model computes: a colocated inference
             engine on the same GPU) or a ``torch.device``.
@@ -121,7 +134,8 @@ def iter_full_weights(
         check_dtype(dtype, _CALLER)
         _check_args(bucket_mb, names, lora, device, ranks)
         items, read = model_items(model, names=names, lora=lora, dtype=dtype, adapter_name=adapter_name)
-        return plan_buckets(items, int(bucket_mb * 2**20)), read
+        cap = bucket_mb if bucket_mb is not None else default_bucket_mb(model)
+        return plan_buckets(items, int(cap * 2**20)), read
 
     buckets, read = on_all_ranks(prepare, errors=(StreamError,))
     if is_distributed() and get_world_size() > 1:

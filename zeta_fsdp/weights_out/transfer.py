@@ -94,7 +94,7 @@ def send_weights(
     model: nn.Module,
     group: Optional[Any],
     *,
-    bucket_mb: float = 256,
+    bucket_mb: Optional[float] = None,
     dtype: Optional[torch.dtype] = None,
     names: str = "model",
     lora: str = "merged",
