@@ -241,6 +241,34 @@ def add_param_group_and_grad_scaler():
 
 
 @case
+def cached_view_follows_the_state_between_steps():
+    """The local step caches its view of the state across steps: it must see what changed between them (a
+    state value replaced rather than updated in place, an entry dropped, the state loaded anew), and the state
+    it creates wraps the very tensor torch made (no view) on the parameter's layout."""
+    m_ref, m_loc = fsdp(mlp(), shard_strat="FULL_SHARD"), fsdp(mlp(), shard_strat="FULL_SHARD")
+    opts = []
+    for m, on in ((m_ref, False), (m_loc, True)):
+        opt = use_local_step(AdamW(m.parameters(), lr=0.01), on)
+
+        def edit(s: int, m: nn.Module = m, opt: torch.optim.Optimizer = opt) -> None:
+            entry = opt.state[m[0].weight]
+            if s == 0:
+                entry["exp_avg"] = entry["exp_avg"] * 0.5  # a new DTensor in place of the stepped one
+            elif s == 1:
+                del opt.state[m[2].bias]  # re-created from zero at the next step
+            elif s == 2:
+                opt.load_state_dict(opt.state_dict())  # a new state dict and new param group lists
+
+        train(m, opt, steps=5, after=edit)
+        opts.append(opt)
+    assert_same("state edited between steps", m_loc, opts[1], m_ref, opts[0])
+    for p in m_loc.parameters():
+        for key, value in opts[1].state[p].items():
+            if value.ndim > 0:
+                assert value._spec == p._spec and not value._local_tensor._is_view(), f"{key}: a view or another layout"
+
+
+@case
 def checkpoint_round_trip():
     """State saved from local steps = state of torch's path; a checkpoint saved after local steps and
     loaded (get_optimizer_state_dict / save_checkpoint / load_checkpoint) continues bit-identically."""
