@@ -243,17 +243,23 @@ def add_param_group_and_grad_scaler():
 @case
 def cached_view_follows_the_state_between_steps():
     """The local step caches its view of the state across steps: it must see what changed between them (a
-    state value replaced rather than updated in place, an entry dropped, the state loaded anew), and the state
+    state value replaced rather than updated in place, an entry dropped, the state loaded anew, parameters
+    swapped between groups inside their lists), and the state
     it creates wraps the very tensor torch made (no view) on the parameter's layout."""
     m_ref, m_loc = fsdp(mlp(), shard_strat="FULL_SHARD"), fsdp(mlp(), shard_strat="FULL_SHARD")
     opts = []
     for m, on in ((m_ref, False), (m_loc, True)):
-        opt = use_local_step(AdamW(m.parameters(), lr=0.01), on)
+        groups = [{"params": list(m[0].parameters())}, {"params": list(m[2].parameters()), "lr": 0.5}]
+        opt = use_local_step(AdamW(groups, lr=0.01), on)
 
         def edit(s: int, m: nn.Module = m, opt: torch.optim.Optimizer = opt) -> None:
             entry = opt.state[m[0].weight]
-            if s == 0:
-                entry["exp_avg"] = entry["exp_avg"] * 0.5  # a new DTensor in place of the stepped one
+            if s == 0:  # a new DTensor in place of the stepped one, twice: the first one's freed id is reused
+                entry["exp_avg"] = entry["exp_avg"] * 0.5
+                entry["exp_avg"] = entry["exp_avg"] * 0.5
+            elif s == 3:  # two parameters change groups (and lr) inside the groups' own lists
+                first, second = opt.param_groups[0]["params"], opt.param_groups[1]["params"]
+                first[0], second[0] = second[0], first[0]
             elif s == 1:
                 del opt.state[m[2].bias]  # re-created from zero at the next step
             elif s == 2:

@@ -32,7 +32,7 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.optim import SGD, Adagrad, Adam, Adamax, AdamW, NAdam, Optimizer, RAdam, RMSprop
 
-from .registry import fsdp_owner, register_fsdp_model, snapshot_params
+from .registry import fsdp_owner, param_layout, register_fsdp_model, same_layout, snapshot_params
 
 __all__ = ["ELEMENTWISE_OPTIMIZERS", "ENV_VAR", "install", "is_elementwise", "snapshot_params", "steps_locally"]
 __all__ += ["track_fsdp_model", "use_local_step"]
@@ -70,10 +70,6 @@ def is_elementwise(optimizer: Optimizer) -> bool:
     return not any(group.get("differentiable", False) for group in optimizer.param_groups)
 
 
-def _signature(optimizer: Optimizer) -> tuple:
-    return tuple((id(g["params"]), len(g["params"])) for g in optimizer.param_groups)
-
-
 def steps_locally(optimizer: Optimizer) -> bool:
     """Whether ``optimizer.step()`` runs on the local shards: an elementwise optimizer over ``fsdp()``
     DTensor parameters only, not turned off. (A step also falls back to torch's path when a gradient's
@@ -88,12 +84,12 @@ def steps_locally(optimizer: Optimizer) -> bool:
 
 def _local_signature(optimizer: Optimizer) -> Optional[tuple]:
     """The optimizer's param-group signature if it steps on the local shards (see ``steps_locally``), else
-    ``None``; eligibility is cached per signature (``add_param_group`` changes it)."""
+    ``None``; eligibility is cached per layout (``add_param_group``, or a group's list edited in place, changes it)."""
     if _OFF.get(optimizer, False) or os.environ.get(ENV_VAR, "1").strip() == "0":
         return None
-    signature = _signature(optimizer)
+    signature = param_layout(optimizer)
     cached = _ELIGIBLE.get(optimizer)
-    if cached is None or cached[0] != signature:
+    if cached is None or not same_layout(cached[0], signature):
         params = [p for g in optimizer.param_groups for p in g["params"]]
         ok = bool(params) and is_elementwise(optimizer)
         ok = ok and all(isinstance(p, DTensor) and fsdp_owner(p) is not None for p in params)
@@ -176,7 +172,7 @@ class _LocalView:
         return (
             state is self.state
             and len(state) == len(self.entries)
-            and signature == self.signature
+            and same_layout(signature, self.signature)
             and _same(map(_LOCAL_TENSOR, self.params), self.locals)
             and _same(state.values(), self.entries)
             and sum(map(len, self.entries)) == len(self.values)

@@ -9,6 +9,7 @@ mistakes, and one optimizer over models on different meshes, into a clear error 
 
 from __future__ import annotations
 
+import operator
 import weakref
 from typing import Any, Optional
 
@@ -17,7 +18,8 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-__all__ = ["check_optimizer", "forget_snapshot", "fsdp_owner", "register_fsdp_model", "snapshot_params"]
+__all__ = ["check_optimizer", "forget_snapshot", "fsdp_owner", "param_layout", "register_fsdp_model", "same_layout"]
+__all__ += ["snapshot_params"]
 
 # No weak reference to a parameter anywhere: torch.utils.swap_tensors (to_empty, load_pretrained into a
 # meta model) refuses a tensor that has one. DTensor parameters fsdp() made are known by id (the module
@@ -72,9 +74,31 @@ def fsdp_owner(param: torch.Tensor) -> Optional[nn.Module]:
     return model if isinstance(param, DTensor) and model is not None else None
 
 
-def _signature(optimizer: torch.optim.Optimizer) -> tuple:
-    """Changes when a param group is added or its list replaced or resized (``add_param_group``)."""
-    return tuple((id(g["params"]), len(g["params"])) for g in optimizer.param_groups)
+def param_layout(optimizer: torch.optim.Optimizer) -> tuple:
+    """The optimizer's parameters, group by group, for :func:`same_layout`. It holds the parameters
+    themselves, not ids: an id of a freed parameter can be reused by a new one, and a list edited in
+    place (a swap between groups, ``group["params"][0] = p``) keeps its own id.
+
+    Example:
+        >>> w = torch.nn.Parameter(torch.zeros(2))
+        >>> param_layout(torch.optim.SGD([w]))[0][0] is w
+        True
+    """
+    return tuple(tuple(group["params"]) for group in optimizer.param_groups)
+
+
+def same_layout(first: Optional[tuple], second: Optional[tuple]) -> bool:
+    """Whether two :func:`param_layout` results hold the very same parameters in the same groups and order
+    (identity, at C speed: a tensor's ``==`` is elementwise).
+
+    Example:
+        >>> opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))])
+        >>> same_layout(param_layout(opt), param_layout(opt)), same_layout(None, param_layout(opt))
+        (True, False)
+    """
+    if first is None or second is None or len(first) != len(second):
+        return False
+    return all(len(a) == len(b) and all(map(operator.is_, a, b)) for a, b in zip(first, second))
 
 
 def check_optimizer(optimizer: torch.optim.Optimizer) -> None:
@@ -106,7 +130,7 @@ def check_optimizer(optimizer: torch.optim.Optimizer) -> None:
 
 def _pre_step_check(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     """Global step pre-hook: :func:`check_optimizer` once per optimizer and param-group layout."""
-    signature = _signature(optimizer)
-    if _CHECKED.get(optimizer) != signature:
+    signature = param_layout(optimizer)
+    if not same_layout(_CHECKED.get(optimizer), signature):
         check_optimizer(optimizer)
         _CHECKED[optimizer] = signature

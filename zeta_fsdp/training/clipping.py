@@ -108,7 +108,8 @@ def clip_grad_norm_(
     Works on sharded models: DTensor gradients on one or several meshes (FSDP, FSDP+TP, HSDP),
     plain gradients, and parameters without a gradient (skipped). The returned norm is a plain
     ``float``, identical on every rank and equal to ``torch.nn.utils.clip_grad_norm_`` on the
-    unsharded model. ``norm_type`` is a positive float, or ``float("inf")`` / ``"inf"`` (largest
+    unsharded model up to rounding: the ranks' shares are summed in another order than torch's
+    DTensor norm sums them (both are within an ulp or two of a float64 norm). ``norm_type`` is a positive float, or ``float("inf")`` / ``"inf"`` (largest
     magnitude); anything else is a ``ValueError`` naming it.
 
     Example:
@@ -136,7 +137,8 @@ def clip_grad_norm_(
             f"clip_grad_norm_: the total norm of order {norm_type} of the gradients is non-finite ({total.item()})."
         )
     # Same coefficient as torch.nn.utils.clip_grads_with_norm_ (1e-6 guard, clamped at 1, and
-    # applied even when it is 1 so the result matches torch bit for bit), one foreach per layout.
+    # applied even when it is 1, as torch does: a given norm scales each gradient bit for bit as torch
+    # would), one foreach per layout.
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     with torch.no_grad():
         for group in filter(None, by_layout.values()):
