@@ -24,16 +24,50 @@ from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from ..distributed import comm_device, get_rank, get_world_size, is_distributed
+from ..torch_compat import all_gather_single
 from .items import shard_layout
 from .plan import HEADER_BYTES, BucketPlan, Item, Source
 
-__all__ = ["StreamError", "WeightBucket", "WeightStream"]
+__all__ = ["COALESCED_DEVICES", "StreamError", "WeightBucket", "WeightStream", "all_gather_pieces"]
 
 _MAGIC = 0x5A57  # "ZW": a header this code wrote
 OK, FAILED, CLOSED = 0, 1, 2
 _ACTIVE: weakref.WeakSet[WeightStream] = weakref.WeakSet()
 _HOOK: list[Any] = []
 _POOL = 3  # output buffers kept for reuse: the consumer's bucket, the one in flight, one a loop variable holds
+
+
+# Devices whose backend has a coalesced all-gather of lists (gloo's writes each piece where it goes); NCCL and
+# the other accelerator backends refuse ``all_gather_coalesced`` ("does not support allgather_coalesced").
+COALESCED_DEVICES = {"cpu"}
+
+
+class _FlatGather:
+    """The pieces in one flat byte all-gather, copied to where they go when waited for (NCCL and other
+    backends without a coalesced all-gather of lists: one collective per bucket all the same)."""
+
+    def __init__(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], group: Any) -> None:
+        send = torch.cat(inputs)
+        self._recv = torch.empty(len(outputs) * send.numel(), dtype=torch.uint8, device=send.device)
+        self._outputs, self._sizes = outputs, [t.numel() for t in inputs]
+        self._work = all_gather_single(self._recv, send, group=group, async_op=True)
+
+    def wait(self) -> bool:
+        self._work.wait()
+        for pieces, chunk in zip(self._outputs, self._recv.chunk(len(self._outputs))):
+            torch._foreach_copy_(pieces, list(chunk.split(self._sizes)))
+        self._outputs = self._recv = None  # the output pieces are the caller's again
+        return True
+
+
+def all_gather_pieces(outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], group: Any) -> Any:
+    """Start gathering every rank's byte ``inputs`` into ``outputs[rank]``; returns the work to ``wait()`` on.
+    On CPU (gloo) the coalesced all-gather, elsewhere one flat all-gather (see ``COALESCED_DEVICES``)."""
+    if inputs[0].device.type not in COALESCED_DEVICES:
+        return _FlatGather(outputs, inputs, group)
+    with warnings.catch_warnings():  # deprecated in name since torch 2.2, with no replacement for lists
+        warnings.simplefilter("ignore", FutureWarning)
+        return dist.all_gather_coalesced(outputs, inputs, group=group, async_op=True)
 
 
 class StreamError(RuntimeError):
@@ -234,9 +268,7 @@ class WeightStream:
         inputs, outputs, heads, flat, scratch = pieces
         _header(inputs[0], status, index, message)
         self._launched = index + 1  # from here on, the peers can count on this rank's segment of bucket ``index``
-        with warnings.catch_warnings():  # gloo's coalesced all-gather: the one that writes each piece where it goes
-            warnings.simplefilter("ignore", FutureWarning)
-            work = dist.all_gather_coalesced(outputs, inputs, group=group, async_op=True)
+        work = all_gather_pieces(outputs, inputs, group)
         return index, (heads, flat), work, fallback, scratch
 
     def _fallbacks(self, plan: BucketPlan) -> dict[str, torch.Tensor]:
@@ -392,7 +424,7 @@ class WeightStream:
         buf = torch.empty(world * HEADER_BYTES, dtype=torch.uint8, device=comm_device())
         mine = buf.narrow(0, get_rank() * HEADER_BYTES, HEADER_BYTES)
         _header(mine, status, len(self.buckets), message)
-        dist.all_gather_into_tensor(buf, mine)
+        all_gather_single(buf, mine)
         found = _read_headers(buf.view(world, -1), list(range(world)))
         if found is None or not raise_peer_errors and status != OK:
             return
