@@ -1,6 +1,7 @@
 """Moving the planned buckets: one all-gather per bucket that writes every rank's piece where it belongs.
 
-A bucket's all-gather is gloo's (or NCCL's) coalesced one: each rank sends its header and its dim-0 shard
+On CPU a bucket's all-gather is gloo's coalesced one (NCCL has none for lists: there it is one flat
+all-gather, copied out when waited for; see ``all_gather_pieces``): each rank sends its header and its dim-0 shard
 of every source (the shard itself, no packing copy, unless it must be cast or padded), and each rank's
 piece lands straight in the yielded tensor's place in the bucket's output buffer (the full tensor of a
 dim-0 split is its ranks' pieces one after the other), so there is no copy-out either; only sources that
