@@ -275,6 +275,33 @@ def cached_view_follows_the_state_between_steps():
 
 
 @case
+def user_lists_and_reset_momentum_survive_local_steps():
+    """A param group given a new list of the same parameters keeps that very list (a parameter appended to it
+    later is stepped), and SGD momentum reset to ``None`` is re-created as DTensor state, as on torch's path."""
+    runs = []
+    for on in (False, True):
+        m = fsdp(mlp(), shard_strat="FULL_SHARD")
+        params = [p for name, p in m.named_parameters() if name != "2.bias"]
+        opt = use_local_step(SGD([{"params": params}], lr=0.1, momentum=0.9), on)
+        mine = []
+
+        def edit(s: int, m: nn.Module = m, opt: torch.optim.Optimizer = opt, mine: list = mine) -> None:
+            if s == 0:
+                mine.extend(opt.param_groups[0]["params"])
+                opt.param_groups[0]["params"] = mine  # same parameters, the user's own list
+            elif s == 1:
+                mine.append(m[2].bias)
+                for entry in opt.state.values():
+                    entry["momentum_buffer"] = None
+
+        train(m, opt, steps=4, after=edit, schedule=False)
+        assert opt.param_groups[0]["params"] is mine, "the group's list is the one the user gave it"
+        runs.append((m, opt))
+    assert_same("user lists, momentum reset", *runs[1], *runs[0])
+    assert all(isinstance(e["momentum_buffer"], DTensor) for e in runs[1][1].state.values()), "momentum state"
+
+
+@case
 def checkpoint_round_trip():
     """State saved from local steps = state of torch's path; a checkpoint saved after local steps and
     loaded (get_optimizer_state_dict / save_checkpoint / load_checkpoint) continues bit-identically."""

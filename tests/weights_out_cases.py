@@ -215,9 +215,9 @@ def bare_loop_left_with_break_ends_on_every_rank(model: nn.Module) -> None:
     """``break`` out of a bare ``for bucket in iter_full_weights(...)`` (no ``with``, no ``close()``): the dropped
     stream tells its peers at once; they raise StreamError in seconds (rank 0 gets their error as a warning)."""
 
-    def bare(stop_on: set) -> None:
+    def bare(stop_on: set, at: int = 1, model: nn.Module = model) -> None:
         for i, _ in enumerate(iter_full_weights(model, bucket_mb=0.0005)):
-            if i == 1 and rank() in stop_on:
+            if i == at and rank() in stop_on:
                 break
 
     start = time.monotonic()
@@ -233,6 +233,16 @@ def bare_loop_left_with_break_ends_on_every_rank(model: nn.Module) -> None:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         bare({0, 1})  # every rank leaving at the same bucket: on purpose, quietly
+        # At different buckets the later rank learns in the bucket in flight and starts no bucket more (a bucket
+        # the earlier rank never joins would meet its closing exchange: gloo aborts on the size mismatch).
+        chain = fsdp(nn.Sequential(*[nn.Linear(12, 10) for _ in range(5)]), shard_strat="FULL_SHARD")
+        bare({0, 1}, at=1 + rank(), model=chain)
+        stream = iter_full_weights(chain, bucket_mb=0.0005)
+        for i, _ in enumerate(stream):
+            if i == 1 + rank():
+                stream.close()
+                break
+        assert_same(collect(iter_full_weights(chain)), get_full_state_dict(chain, rank0_only=False), "chain")
     assert not [w for w in caught if issubclass(w.category, RuntimeWarning)], [str(w.message) for w in caught]
     assert_same(collect(iter_full_weights(model)), get_full_state_dict(model, rank0_only=False), "after the breaks")
 

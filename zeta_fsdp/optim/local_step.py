@@ -149,7 +149,6 @@ class _LocalView:
     def __init__(self, optimizer: Optimizer, signature: tuple) -> None:
         self.state = optimizer.state
         self.signature = signature
-        self.param_lists = [g["params"] for g in optimizer.param_groups]  # the user's lists, put back after a step
         self.params = [p for g in optimizer.param_groups for p in g["params"]]
         self.groups = [[_local_of(p) for p in g["params"]] for g in optimizer.param_groups]
         self.locals = [t for group in self.groups for t in group]
@@ -162,10 +161,11 @@ class _LocalView:
         self._snapshot()
 
     def _snapshot(self) -> None:
+        self.keys = list(self.state)
         self.entries = list(self.state.values())
         self.values = list(_values(self.entries))
         self.local_entries = list(self.local_state.values())
-        self.local_keys = sum(map(len, self.local_entries))
+        self.local_values = list(_values(self.local_entries))
 
     def valid(self, optimizer: Optimizer, signature: tuple) -> bool:
         state = optimizer.state
@@ -175,6 +175,7 @@ class _LocalView:
             and same_layout(signature, self.signature)
             and _same(map(_LOCAL_TENSOR, self.params), self.locals)
             and _same(state.values(), self.entries)
+            and _same(state, self.keys)  # an entry moved to another parameter (``state[b] = state.pop(a)``)
             and sum(map(len, self.entries)) == len(self.values)
             and _same(_values(self.entries), self.values)
         )
@@ -197,12 +198,22 @@ class _LocalView:
     def detach_grads(self) -> None:
         _set_grads(self.locals, repeat(None))  # the DTensor keeps the gradient; no second reference outlives the step
 
+    def _local_state_unchanged(self) -> bool:
+        """No entry, key or value of the local state was added or replaced (torch may replace a value without a
+        new key: SGD's ``momentum_buffer`` reset to ``None`` by the user is re-created at the next step)."""
+        entries = self.local_entries
+        return (
+            len(self.local_state) == len(entries)
+            and sum(map(len, entries)) == len(self.local_values)
+            and _same(_values(entries), self.local_values)
+        )
+
     def sync_state(self) -> None:
         """Fold state torch created or replaced during the step back into the DTensor state: a new entry
-        (first step, ``add_param_group``) gets the parameter's DTensor layout; entries updated in place
-        (every later step) need nothing: torch's elementwise optimizers add a key or an entry when they create
-        state, and otherwise update it in place (SGD re-stores the same momentum buffer)."""
-        if len(self.local_state) == len(self.local_entries) and sum(map(len, self.local_entries)) == self.local_keys:
+        (first step, ``add_param_group``) and a replaced value (a momentum buffer the user reset to ``None``)
+        get the parameter's DTensor layout; values updated in place (every later step) need nothing, and are
+        told apart by identity in a C loop."""
+        if self._local_state_unchanged():
             return
         with torch.no_grad():
             for p, t in zip(self.params, self.locals):
@@ -255,13 +266,14 @@ def _step_on_local_shards(optimizer: Optimizer, signature: tuple, step: Callable
     view = _view(optimizer, signature)
     if not view.attach_grads():
         return step(optimizer, *args, **kwargs)
+    users = [group["params"] for group in optimizer.param_groups]  # the very lists (a user may hold one)
     for group, local in zip(optimizer.param_groups, view.groups):
         group["params"] = local
     optimizer.state = view.local_state
     try:
         return step(optimizer, *args, **kwargs)
     finally:
-        for group, params in zip(optimizer.param_groups, view.param_lists):
+        for group, params in zip(optimizer.param_groups, users):
             group["params"] = params
         optimizer.state = view.state
         view.detach_grads()

@@ -5,8 +5,8 @@ all-gather, copied out when waited for; see ``all_gather_pieces``): each rank se
 of every source (the shard itself, no packing copy, unless it must be cast or padded), and each rank's
 piece lands straight in the yielded tensor's place in the bucket's output buffer (the full tensor of a
 dim-0 split is its ranks' pieces one after the other), so there is no copy-out either; only sources that
-are built into something else (LoRA merge, fused experts) or padded go through a scratch. Output buffers
-are reused once nothing views them any more: on CPU a fresh large buffer is fresh pages each time.
+are built into something else (LoRA merge, fused experts) or padded go through a scratch. Each bucket gets
+a new output buffer (a yielded tensor is never overwritten, however the caller keeps it).
 The next bucket's all-gather is started (``async_op=True``) before the current bucket is handed to the
 consumer, so communication overlaps the consumer's work. Every rank's piece starts with a status header:
 a rank that fails, or stops early, says so in its next bucket, and a last small all-gather over every rank
@@ -35,7 +35,6 @@ _MAGIC = 0x5A57  # "ZW": a header this code wrote
 OK, FAILED, CLOSED = 0, 1, 2
 _ACTIVE: weakref.WeakSet[WeightStream] = weakref.WeakSet()
 _HOOK: list[Any] = []
-_POOL = 3  # output buffers kept for reuse: the consumer's bucket, the one in flight, one a loop variable holds
 
 
 # Devices whose backend has a coalesced all-gather of lists (gloo's writes each piece where it goes); NCCL and
@@ -119,17 +118,6 @@ def _read_headers(rows: torch.Tensor, ranks_of: list[int]) -> Optional[tuple[int
     return status, rank, text.decode(errors="replace")
 
 
-def _use_count(t: torch.Tensor) -> Optional[int]:
-    """How many tensors (and storages) hold ``t``'s memory; ``None`` where this torch cannot tell."""
-    count = getattr(torch._C, "_storage_Use_Count", None)
-    return None if count is None else count(t.untyped_storage()._cdata)
-
-
-def _free(buf: torch.Tensor, baseline: Optional[int]) -> bool:
-    """Nothing but the pool holds ``buf`` (no yielded tensor, no view of one): it may be written again."""
-    return baseline is not None and _use_count(buf) <= baseline
-
-
 def _gathered(plan: BucketPlan) -> list[Source]:
     """The sources a bucket's all-gather moves, in the plan's order (the same on every rank)."""
     sources = {s.key: s for item in plan.items for s in item.sources}
@@ -174,8 +162,6 @@ class WeightStream:
         self._launched = 0  # buckets whose all-gather this rank has started
         self._pending: Optional[tuple] = None  # (index, (headers, output buffer), work, fallback, scratch)
         self._done = False
-        self._pool: list[tuple[torch.Tensor, Optional[int]]] = []  # output buffers, reused once nothing views them
-        self._typical = max((b.output_bytes for b in buckets if len(b.items) > 1), default=0)
         _ACTIVE.add(self)
         if not _HOOK:
             _HOOK.append(register_optimizer_step_pre_hook(_on_optimizer_step))
@@ -236,17 +222,23 @@ class WeightStream:
             return
         status, message = (CLOSED, "") if error is None else (FAILED, f"{type(error).__name__}: {error}")
         try:
-            if self._pending is not None:
-                work = self._pending[2]
-                self._pending = None
-                if work is not None:
-                    work.wait()
-            if self._launched < len(self.buckets):  # the bucket the peers wait in next: tell them there
+            peer_stopped = self._pending is not None and self._drain_pending()
+            if not peer_stopped and self._launched < len(self.buckets):  # the bucket the peers wait in next
                 work = self._launch(self._launched, status, message)[2]
                 if work is not None:
                     work.wait()
         finally:
             self._finish(status, message, raise_peer_errors=error is None)
+
+    def _drain_pending(self) -> bool:
+        """Wait for the bucket in flight; whether a peer said in it that it stopped or failed. That peer is in the
+        closing exchange already, so this rank must start no bucket more (a mismatched collective aborts gloo)."""
+        index, where, work, _, _ = self._pending
+        self._pending = None
+        if work is None:
+            return False
+        work.wait()
+        return _read_headers(where[0], dist.get_process_group_ranks(self._group(self.buckets[index]))) is not None
 
     # -- one bucket ---------------------------------------------------------------------------------------
     def _launch(self, index: int, status: int, message: str) -> tuple:
@@ -319,16 +311,12 @@ class WeightStream:
         return out
 
     def _out_buffer(self, plan: BucketPlan) -> torch.Tensor:
-        """The flat output of ``plan``: a buffer of an earlier bucket that nothing views any more, else a new one.
-        Reusing it matters on CPU: a fresh buffer of 32 MiB or more is new memory from the kernel each time
-        (glibc maps it), and faulting its pages in cost more than the gather itself on our 2-core machine."""
+        """The flat output of ``plan``, new for every bucket: the yielded tensors are its views, and a caller may
+        keep one in ways no count of references sees (its ``untyped_storage()`` alone, a raw pointer handed to
+        another process), so it is never written again. On CPU the default bucket stays under glibc's 32 MiB
+        mmap threshold, so freed buffers come back from the heap without page faults."""
         device = self._gather_device(plan) if plan.gathers else self._plain_device(plan)
-        for buf, baseline in self._pool:
-            if buf.device == device and buf.numel() >= plan.output_bytes and _free(buf, baseline):
-                return buf[: plan.output_bytes]
-        buf = torch.empty(max(plan.output_bytes, self._typical), dtype=torch.uint8, device=device)
-        self._pool = [*self._pool[-(_POOL - 1) :], (buf, _use_count(buf))]
-        return buf[: plan.output_bytes]
+        return torch.empty(plan.output_bytes, dtype=torch.uint8, device=device)
 
     def _group(self, plan: BucketPlan) -> Any:
         """The process group of a bucket's shards (``plan.group`` is its name)."""
@@ -344,7 +332,6 @@ class WeightStream:
         if work is None:
             return None, fallback, scratch
         work.wait()
-        del work  # the finished work's references to the output pieces: the buffer is reusable once dropped
         plan = self.buckets[index]
         found = _read_headers(where[0], dist.get_process_group_ranks(self._group(plan)))
         if found is not None:
@@ -417,7 +404,6 @@ class WeightStream:
         if self._done:
             return
         self._done = True
-        self._pool = []
         _ACTIVE.discard(self)
         if not is_distributed() or get_world_size() == 1:
             return
