@@ -18,7 +18,7 @@ if TYPE_CHECKING:  # imported where used: an old torch must reach check_torch_ve
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
 __all__ = ["MIN_TORCH", "REDUCE_DTYPE_NONE_KEEPS_PARAM_DTYPE", "UnsupportedTorchError", "check_torch_version"]
-__all__ += ["HAS_PARAM_DTYPE_OVERRIDE", "all_gather_single", "param_mp_policy", "torch_release"]
+__all__ += ["HAS_PARAM_DTYPE_OVERRIDE", "all_gather_single", "local_tensor", "param_mp_policy", "torch_release"]
 
 # The oldest release the whole suite passes on (docs/install.md has the table and how it was made).
 # setup.py's install_requires says the same (tests/test_torch_compat.py and the built wheel's
@@ -136,3 +136,17 @@ def all_gather_single(output: torch.Tensor, local: torch.Tensor, **kwargs: Any) 
 
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     return gather(output, local, **kwargs)
+
+
+def local_tensor(tensor: Any) -> Any:
+    """A DTensor's own local tensor (sharing its storage: what ``to_local()`` returns under no_grad), or
+    ``tensor`` itself when it is not a DTensor. It reads DTensor's ``_local_tensor`` (present on every release
+    from ``MIN_TORCH``) without ``to_local()``'s Python call: the per-step paths (the optimizer's local step,
+    clipping) pay it for every parameter.
+
+    Example:
+        >>> t = torch.zeros(2)
+        >>> local_tensor(t) is t
+        True
+    """
+    return getattr(tensor, "_local_tensor", tensor)

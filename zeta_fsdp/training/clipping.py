@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 import numbers
+import operator
+import weakref
 from typing import Iterable, Union
 
 import torch
@@ -12,6 +14,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from ..distributed import comm_device, get_world_size
+from ..torch_compat import local_tensor
 
 __all__ = ["clip_grad_norm_"]
 
@@ -26,17 +29,45 @@ def _layout(param: torch.Tensor) -> tuple:
     return ("plain", param.device)
 
 
-def _locals(grads: list[torch.Tensor]) -> list[torch.Tensor]:
-    """The local tensors of (DTensor) gradients, sharing their storage: the norm and the scaling are
-    elementwise on each rank's own elements, so they run there, without DTensor dispatch per op."""
-    with torch.no_grad():  # to_local() is then the DTensor's own tensor, not an autograd view
-        return [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+# A model's parameters grouped by layout, reused while it holds the very same parameters (identity): hashing
+# a mesh and its placements costs ~2 us a parameter in Python, a tenth of a small model's whole clip.
+_GROUPS: weakref.WeakKeyDictionary[nn.Module, tuple[list, list]] = weakref.WeakKeyDictionary()
+_GRAD = operator.attrgetter("grad")
 
 
-def _local_power(grads: list[torch.Tensor], norm_type: float, device: torch.device) -> torch.Tensor:
+def _layout_groups(params: list[torch.Tensor]) -> list[tuple[tuple, list[torch.Tensor]]]:
+    """``params`` grouped by ``_layout``, groups in the order their first parameter comes."""
+    groups: dict[tuple, list[torch.Tensor]] = {}
+    for param in params:
+        groups.setdefault(_layout(param), []).append(param)
+    return list(groups.items())
+
+
+def _param_groups(model_or_params: Union[nn.Module, Iterable[torch.Tensor]]) -> list[tuple[tuple, list]]:
+    """The parameters to clip, grouped by layout (cached per model, see ``_GROUPS``)."""
+    if not isinstance(model_or_params, nn.Module):
+        params = [model_or_params] if isinstance(model_or_params, torch.Tensor) else list(model_or_params)
+        return _layout_groups(params)
+    params = list(model_or_params.parameters())
+    cached = _GROUPS.get(model_or_params)
+    if cached is not None and len(cached[0]) == len(params) and all(map(operator.is_, cached[0], params)):
+        return cached[1]
+    groups = _layout_groups(params)
+    if all(key[0] != "plain" for key, _ in groups):  # a DTensor keeps its layout; a plain tensor may move device
+        _GROUPS[model_or_params] = (params, groups)
+    return groups
+
+
+def _local_grads(groups: list[tuple[tuple, list]]) -> list[tuple[tuple, list[torch.Tensor]]]:
+    """Each group's gradients as local tensors, sharing their storage (``None`` skipped): the norm and the
+    scaling are elementwise on each rank's own elements, so they run there, without DTensor dispatch per op."""
+    return [(key, [local_tensor(g) for g in map(_GRAD, params) if g is not None]) for key, params in groups]
+
+
+def _local_power(local: list[torch.Tensor], norm_type: float, device: torch.device) -> torch.Tensor:
     """This rank's share of the norm: the max (inf) or the sum of ``|g|^p`` over its local elements,
     fp32, on ``device``. Empty shards (a ``Linear(d, 1)`` split over more ranks than rows) add nothing."""
-    local = [t for t in _locals(grads) if t.numel() > 0]
+    local = [t for t in local if t.numel() > 0]
     if not local:
         return torch.zeros((), dtype=torch.float32, device=device)
     norm = torch.nn.utils.get_total_norm(local, norm_type).to(device=device, dtype=torch.float32)
@@ -70,15 +101,15 @@ def _reduce_group(value: torch.Tensor, key: tuple, norm_type: float) -> torch.Te
     return value
 
 
-def _total_norm(groups: dict[tuple, list[torch.Tensor]], norm_type: float, device: torch.device) -> torch.Tensor:
+def _total_norm(groups: list[tuple[tuple, list[torch.Tensor]]], norm_type: float, device: torch.device) -> torch.Tensor:
     """Norm of all gradients together, as a plain fp32 tensor identical on every rank.
 
     One all-reduce per (mesh, placements) group over the ranks that shard it, plus one over the
     world for plain gradients; the groups' shares combine locally (``torch.nn.utils.get_total_norm``
     on each rank's elements, like torch's DTensor norm: partial ``|g|^p`` sums, then the root).
     """
-    shares = [_reduce_group(_local_power(grads, norm_type, device), key, norm_type) for key, grads in groups.items()]
-    stacked = torch.stack(shares)
+    shares = [_reduce_group(_local_power(grads, norm_type, device), key, norm_type) for key, grads in groups]
+    stacked = torch.stack(shares) if len(shares) > 1 else shares[0]  # one layout (the common case): no stack
     if math.isinf(norm_type):
         return stacked.max()
     return stacked.sum() ** (1.0 / norm_type)
@@ -118,19 +149,13 @@ def clip_grad_norm_(
         optimizer.step()
     """
     norm_type = _norm_order(norm_type)
-    if isinstance(model_or_params, nn.Module):
-        model_or_params = model_or_params.parameters()
-    params = [model_or_params] if isinstance(model_or_params, torch.Tensor) else list(model_or_params)
-    if not params:
+    groups = _param_groups(model_or_params)  # one collective per mesh and layout
+    if not groups:
         return 0.0
-    by_layout: dict[tuple, list[torch.Tensor]] = {}  # one collective per mesh and layout
-    for param in params:
-        grads = by_layout.setdefault(_layout(param), [])
-        if param.grad is not None:
-            grads.append(param.grad)
-    if not any(by_layout.values()) and get_world_size() == 1:
+    by_layout = _local_grads(groups)
+    if not any(grads for _, grads in by_layout) and get_world_size() == 1:
         return 0.0
-    device = params[0].device if not isinstance(params[0], DTensor) else params[0].to_local().device
+    device = local_tensor(groups[0][1][0]).device
     total = _total_norm(by_layout, norm_type, device)
     if error_if_nonfinite and not torch.isfinite(total):
         raise RuntimeError(
@@ -141,7 +166,6 @@ def clip_grad_norm_(
     # would), one foreach per layout.
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     with torch.no_grad():
-        for group in filter(None, by_layout.values()):
-            local = _locals(group)
+        for local in filter(None, (grads for _, grads in by_layout)):
             torch._foreach_mul_(local, coef.to(local[0].device))
     return float(total.item())
