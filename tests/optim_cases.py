@@ -141,7 +141,11 @@ def side_by_side(what: str, cls: type, options: dict, wrap: dict, **train_kwargs
     assert steps_locally(o_loc) == sharded and not steps_locally(o_ref), what
     try:
         train(m_ref, o_ref, **train_kwargs)
-    except NotImplementedError:
+    except NotImplementedError:  # torch >= 2.11: no sharding strategy for the fused kernel
+        return False
+    except RuntimeError as error:  # torch 2.10 says it another way
+        if "found no DeviceMesh" not in str(error):
+            raise
         return False
     train(m_loc, o_loc, **train_kwargs)
     assert_same(what, m_loc, o_loc, m_ref, o_ref)
@@ -220,15 +224,21 @@ def add_param_group_and_grad_scaler():
     for cls, options in SHORT:
         for impl in IMPLS[:2] + (({"fused": True},) if cls is AdamW else ()):  # no DTensor fused SGD/Adagrad
             m_ref, m_loc = fsdp(mlp(), shard_strat="FULL_SHARD"), fsdp(mlp(), shard_strat="FULL_SHARD")
-            opts = []
+            opts, errors = [], []
             for m, on in ((m_ref, False), (m_loc, True)):
                 opt = use_local_step(cls(m[0].parameters(), **options, **impl), on)
 
                 def add(s, m=m, opt=opt):
                     return s == 1 and opt.add_param_group({"params": list(m[2].parameters())})
 
-                train(m, opt, steps=4, after=add, schedule=False)
+                try:
+                    train(m, opt, steps=4, after=add, schedule=False)
+                except KeyError as error:  # torch 2.10's Adagrad: a group added later gets no state ("sum")
+                    errors.append(repr(error))
                 opts.append(opt)
+            if errors:  # then the local step fails exactly as torch's path does
+                assert cls is Adagrad and errors == [errors[0]] * 2, errors
+                continue
             assert_same(f"add_param_group {cls.__name__} {impl}", m_loc, opts[1], m_ref, opts[0])
             assert all(isinstance(v, DTensor) for v in opts[1].state[m_loc[2].weight].values() if v.ndim > 0)
     for impl in IMPLS:  # GradScaler: unscaling outside the step; fused AdamW reads grad_scale/found_inf inside
