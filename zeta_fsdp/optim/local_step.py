@@ -32,6 +32,7 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.optim import SGD, Adagrad, Adam, Adamax, AdamW, NAdam, Optimizer, RAdam, RMSprop
 
+from ..torch_compat import local_tensor
 from .registry import fsdp_owner, param_layout, register_fsdp_model, same_layout, snapshot_params
 
 __all__ = ["ELEMENTWISE_OPTIMIZERS", "ENV_VAR", "install", "is_elementwise", "snapshot_params", "steps_locally"]
@@ -95,13 +96,7 @@ def _local_signature(optimizer: Optimizer) -> Optional[tuple]:
         ok = ok and all(isinstance(p, DTensor) and fsdp_owner(p) is not None for p in params)
         cached = (signature, ok and not any(pl.is_partial() for p in params for pl in p.placements))
         _ELIGIBLE[optimizer] = cached
-    return signature if cached[1] else None
-
-
-def _local_of(tensor: torch.Tensor) -> torch.Tensor:
-    """A DTensor's own local tensor (sharing its storage; what ``to_local()`` returns under no_grad),
-    without the Python call."""
-    return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
+    return cached[0] if cached[1] else None  # the cached object: the view then knows it by identity
 
 
 # The per-step bookkeeping runs for every parameter and state value of every step, so it is written as
@@ -150,14 +145,14 @@ class _LocalView:
         self.state = optimizer.state
         self.signature = signature
         self.params = [p for g in optimizer.param_groups for p in g["params"]]
-        self.groups = [[_local_of(p) for p in g["params"]] for g in optimizer.param_groups]
+        self.groups = [[local_tensor(p) for p in g["params"]] for g in optimizer.param_groups]
         self.locals = [t for group in self.groups for t in group]
         self.specs = [p._spec for p in self.params]
         self.local_state: defaultdict = defaultdict(dict)
         for p, t in zip(self.params, self.locals):
             entry = optimizer.state.get(p)
             if entry:
-                self.local_state[t] = {k: _local_of(v) for k, v in entry.items()}
+                self.local_state[t] = {k: local_tensor(v) for k, v in entry.items()}
         self._snapshot()
 
     def _snapshot(self) -> None:
@@ -172,7 +167,7 @@ class _LocalView:
         return (
             state is self.state
             and len(state) == len(self.entries)
-            and same_layout(signature, self.signature)
+            and (signature is self.signature or same_layout(signature, self.signature))
             and _same(map(_LOCAL_TENSOR, self.params), self.locals)
             and _same(state.values(), self.entries)
             and _same(state, self.keys)  # an entry moved to another parameter (``state[b] = state.pop(a)``)
