@@ -155,6 +155,8 @@ def rank_main(args: argparse.Namespace) -> None:
     rows, data = [], {}
     for name, cls, options in OPTIMIZERS:
         for impl, flag in IMPLEMENTATIONS.items():
+            if args.rows and not any(f"{name} / {impl}".startswith(row) for row in args.rows.split(",")):
+                continue
             opts = _optimizers(cls, {**options, **flag}, model, plain)
             if opts is None:
                 continue
@@ -194,6 +196,11 @@ def rank_main(args: argparse.Namespace) -> None:
 def main() -> None:
     parser = bench_parser(__doc__)
     add_timing_args(parser, blocks=6, steps_per_block=5)
+    parser.add_argument(
+        "--rows",
+        default="",
+        help="only these rows, comma-separated prefixes of 'name / implementation' (e.g. 'SGD / ')",
+    )
     run_benchmark(rank_main, parser)
 
 
