@@ -630,6 +630,24 @@ def clip_grad_norm_full_shard():
     model, ref = sharded_gpt()
     x, y = tokens(4, seed=2)
     _clip_parity(model, ref, (x, y), replicas=1)
+    _clip_follows_a_replaced_parameter(model)
+
+
+def _clip_follows_a_replaced_parameter(model: nn.Module) -> None:
+    """clip_grad_norm_ groups a model's parameters by layout once and reuses that while the model holds the
+    same parameters: a parameter replaced by one laid out otherwise (Replicate: counted once, not summed over
+    the ranks as a shard is) must be regrouped. A stale grouping counts its share once per rank."""
+    from torch.distributed.tensor import distribute_tensor
+
+    old = model.norm.weight
+    model.norm.weight = nn.Parameter(distribute_tensor(old.full_tensor().detach(), old.device_mesh, [Replicate()]))
+    for p in model.parameters():
+        p.grad = torch.distributed.tensor.zeros(p.shape, device_mesh=p.device_mesh, placements=p.placements)
+    model.norm.weight.grad = distribute_tensor(torch.full(old.shape, 2.0), old.device_mesh, [Replicate()])
+    model.head.weight.grad = distribute_tensor(torch.ones(model.head.weight.shape), old.device_mesh, old.placements)
+    want = math.sqrt(4.0 * old.numel() + model.head.weight.numel())
+    got = clip_grad_norm_(model, 1e9)
+    assert abs(got - want) <= 8 * UNIT_ROUNDOFF * want, f"after replacing norm.weight: norm {got}, want {want}"
 
 
 @case(ranks=4)
