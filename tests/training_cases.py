@@ -631,6 +631,23 @@ def clip_grad_norm_full_shard():
     x, y = tokens(4, seed=2)
     _clip_parity(model, ref, (x, y), replicas=1)
     _clip_follows_a_replaced_parameter(model)
+    _clip_sees_a_nan_on_any_rank(model)
+
+
+def _clip_sees_a_nan_on_any_rank(model: nn.Module) -> None:
+    """A NaN in one rank's shard makes every rank's norm NaN, for the inf-norm too (a max over the ranks; gloo's
+    MAX dropped a NaN that came second) and error_if_nonfinite raises on every rank."""
+    for nan_rank in range(world()):
+        for norm_type in (float("inf"), 2.0):
+            for p in model.parameters():
+                p.grad = torch.distributed.tensor.ones(p.shape, device_mesh=p.device_mesh, placements=p.placements)
+            if rank() == nan_rank:
+                model.head.weight.grad._local_tensor.view(-1)[0] = math.nan
+            got = clip_grad_norm_(model, 1.0, norm_type)
+            assert math.isnan(got), f"NaN on rank {nan_rank}, norm {norm_type}: got {got} on rank {rank()}"
+            with contextlib.suppress(RuntimeError):
+                clip_grad_norm_(model, 1.0, norm_type, error_if_nonfinite=True)
+                raise AssertionError(f"NaN on rank {nan_rank}, norm {norm_type}: error_if_nonfinite did not raise")
 
 
 def _clip_follows_a_replaced_parameter(model: nn.Module) -> None:

@@ -74,6 +74,16 @@ def _local_power(local: list[torch.Tensor], norm_type: float, device: torch.devi
     return norm if math.isinf(norm_type) else norm**norm_type
 
 
+def _all_reduce_max(value: torch.Tensor, group: object = None) -> torch.Tensor:
+    """The largest ``value`` over the ranks, NaN if any rank's is NaN (gloo's MAX keeps whichever operand its
+    comparison favours, so a NaN coming second was lost: a NaN gradient then passed an inf-norm check). One
+    all-reduce of the value (NaN as 0: norms are >= 0) and a NaN flag, both by MAX."""
+    nan = torch.isnan(value)
+    packed = torch.stack([torch.where(nan, torch.zeros_like(value), value), nan.to(value.dtype)])
+    dist.all_reduce(packed, op=dist.ReduceOp.MAX, group=group)
+    return torch.where(packed[1] > 0, torch.full_like(packed[0], math.nan), packed[0])
+
+
 def _reduce_group(value: torch.Tensor, key: tuple, norm_type: float) -> torch.Tensor:
     """Combine one group's local shares over the ranks its elements are spread across.
 
@@ -83,12 +93,9 @@ def _reduce_group(value: torch.Tensor, key: tuple, norm_type: float) -> torch.Te
     nobody's to synchronize: the world's largest share counts, so every rank gets one norm and
     clips by one factor.
     """
-    op = dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM
     if key[0] == "plain":
         if get_world_size() > 1:
-            buffer = value.to(comm_device())
-            dist.all_reduce(buffer, op=dist.ReduceOp.MAX)
-            value = buffer.to(value.device)
+            value = _all_reduce_max(value.to(comm_device())).to(value.device)
         return value
     mesh, placements = key
     for dim, placement in enumerate(placements):
@@ -96,8 +103,12 @@ def _reduce_group(value: torch.Tensor, key: tuple, norm_type: float) -> torch.Te
             raise ValueError(
                 f"clip_grad_norm_: gradients placed as {placement} are not supported (Shard or Replicate)."
             )
-        if not placement.is_replicate() and mesh.size(dim) > 1:  # Shard, and _StridedShard (FSDP over TP)
-            dist.all_reduce(value, op=op, group=mesh.get_group(dim))
+        if placement.is_replicate() or mesh.size(dim) == 1:
+            continue
+        if math.isinf(norm_type):  # Shard, and _StridedShard (FSDP over TP)
+            value = _all_reduce_max(value, mesh.get_group(dim))
+        else:
+            dist.all_reduce(value, op=dist.ReduceOp.SUM, group=mesh.get_group(dim))
     return value
 
 
