@@ -15,6 +15,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Callable, Optional
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -630,8 +631,9 @@ def clip_grad_norm_full_shard():
     model, ref = sharded_gpt()
     x, y = tokens(4, seed=2)
     _clip_parity(model, ref, (x, y), replicas=1)
-    _clip_follows_a_replaced_parameter(model)
     _clip_sees_a_nan_on_any_rank(model)
+    _clip_follows_a_replaced_parameter(model)
+    _clip_keeps_no_model_alive()
 
 
 def _clip_sees_a_nan_on_any_rank(model: nn.Module) -> None:
@@ -665,6 +667,41 @@ def _clip_follows_a_replaced_parameter(model: nn.Module) -> None:
     want = math.sqrt(4.0 * old.numel() + model.head.weight.numel())
     got = clip_grad_norm_(model, 1e9)
     assert abs(got - want) <= 8 * UNIT_ROUNDOFF * want, f"after replacing norm.weight: norm {got}, want {want}"
+    # Two layouts now: the ranks pass their parameters in different orders, and the groups' collectives still pair
+    params = list(model.parameters())
+    got = clip_grad_norm_(params if rank() == 0 else params[::-1], 1e9)
+    assert abs(got - want) <= 8 * UNIT_ROUNDOFF * want, f"parameters in another order on rank 1: {got}, {want}"
+    # A gradient laid out unlike its parameter (Replicate on a Shard parameter) is counted once, not per rank
+    head = model.head.weight
+    head.grad = head.grad.redistribute(head.device_mesh, [Replicate()])
+    got = clip_grad_norm_(model, 1e9)
+    assert abs(got - want) <= 8 * UNIT_ROUNDOFF * want, f"a Replicate gradient on a Shard parameter: {got}, {want}"
+    # A parameter swapped in place for one laid out otherwise (same object, another layout) is regrouped
+    replicated = nn.Parameter(distribute_tensor(head.full_tensor().detach(), head.device_mesh, [Replicate()]))
+    torch.utils.swap_tensors(head, replicated)
+    head.grad = distribute_tensor(torch.ones(head.shape), head.device_mesh, [Replicate()])
+    got = clip_grad_norm_(model, 1e9)
+    assert abs(got - want) <= 8 * UNIT_ROUNDOFF * want, f"head swapped in place to Replicate: {got}, {want}"
+    head.grad = torch.ones(head.shape)  # a plain gradient on a DTensor parameter: the whole or a shard? refused
+    with pytest.raises(ValueError, match="plain-tensor gradient"):
+        clip_grad_norm_(model, 1e9)
+
+
+def _clip_keeps_no_model_alive() -> None:
+    """clip_grad_norm_'s per-model cache holds no parameter: one referring back to its model (an attribute, a
+    hook's closure) must not keep the model alive."""
+    import gc
+    import weakref
+
+    model, _ = sharded_gpt()
+    for p in model.parameters():
+        p.grad = torch.distributed.tensor.ones(p.shape, device_mesh=p.device_mesh, placements=p.placements)
+        p.owner = model
+    clip_grad_norm_(model, 1.0)
+    alive = weakref.ref(model)
+    del model, p
+    gc.collect()
+    assert alive() is None, "clip_grad_norm_ kept a model alive after its last reference went"
 
 
 @case(ranks=4)

@@ -29,39 +29,73 @@ def _layout(param: torch.Tensor) -> tuple:
     return ("plain", param.device)
 
 
-# A model's parameters grouped by layout, reused while it holds the very same parameters (identity): hashing
-# a mesh and its placements costs ~2 us a parameter in Python, a tenth of a small model's whole clip.
-_GROUPS: weakref.WeakKeyDictionary[nn.Module, tuple[list, list]] = weakref.WeakKeyDictionary()
-_GRAD = operator.attrgetter("grad")
+# A model's grouping by layout (positions of its parameters), reused while its parameters carry the very same
+# DTensor specs, position by position: a spec fixes the layout, and a parameter swapped in place
+# (``torch.utils.swap_tensors``) brings its own. Specs and positions only, never a parameter: a cached parameter
+# referring back to its model (a hook's closure) would keep the model alive through this weak-keyed table.
+# Hashing a mesh and its placements costs ~2 us a parameter, a tenth of a small model's whole clip.
+_GROUPS: weakref.WeakKeyDictionary[nn.Module, tuple[tuple, list]] = weakref.WeakKeyDictionary()
+_SPEC = operator.attrgetter("_spec")
 
 
-def _layout_groups(params: list[torch.Tensor]) -> list[tuple[tuple, list[torch.Tensor]]]:
-    """``params`` grouped by ``_layout``, groups in the order their first parameter comes."""
-    groups: dict[tuple, list[torch.Tensor]] = {}
-    for param in params:
-        groups.setdefault(_layout(param), []).append(param)
-    return list(groups.items())
+def _layout_groups(params: list[torch.Tensor]) -> list[tuple[tuple, list[int]]]:
+    """Positions of ``params`` grouped by ``_layout``, the groups in an order every rank agrees on whatever the
+    order of its parameters (their collectives must pair up): DTensor layouts by their text, plain last."""
+    groups: dict[tuple, list[int]] = {}
+    for position, param in enumerate(params):
+        groups.setdefault(_layout(param), []).append(position)
+    return sorted(groups.items(), key=lambda group: (group[0][0] == "plain", repr(group[0])))
 
 
-def _param_groups(model_or_params: Union[nn.Module, Iterable[torch.Tensor]]) -> list[tuple[tuple, list]]:
-    """The parameters to clip, grouped by layout (cached per model, see ``_GROUPS``)."""
+def _same_specs(params: list[torch.Tensor], specs: tuple) -> bool:
+    if len(params) != len(specs):
+        return False
+    try:
+        return all(map(operator.is_, map(_SPEC, params), specs))
+    except AttributeError:  # a plain parameter now
+        return False
+
+
+def _param_groups(model_or_params: Union[nn.Module, Iterable[torch.Tensor]]) -> tuple[list, list]:
+    """The parameters to clip and their grouping by layout (cached per model, see ``_GROUPS``)."""
     if not isinstance(model_or_params, nn.Module):
         params = [model_or_params] if isinstance(model_or_params, torch.Tensor) else list(model_or_params)
-        return _layout_groups(params)
+        return params, _layout_groups(params)
     params = list(model_or_params.parameters())
     cached = _GROUPS.get(model_or_params)
-    if cached is not None and len(cached[0]) == len(params) and all(map(operator.is_, cached[0], params)):
-        return cached[1]
+    if cached is not None and _same_specs(params, cached[0]):
+        return params, cached[1]
     groups = _layout_groups(params)
-    if all(key[0] != "plain" for key, _ in groups):  # a DTensor keeps its layout; a plain tensor may move device
-        _GROUPS[model_or_params] = (params, groups)
-    return groups
+    if params and all(isinstance(p, DTensor) for p in params):  # a plain tensor may move device, same object
+        _GROUPS[model_or_params] = (tuple(map(_SPEC, params)), groups)
+    return params, groups
 
 
-def _local_grads(groups: list[tuple[tuple, list]]) -> list[tuple[tuple, list[torch.Tensor]]]:
-    """Each group's gradients as local tensors, sharing their storage (``None`` skipped): the norm and the
-    scaling are elementwise on each rank's own elements, so they run there, without DTensor dispatch per op."""
-    return [(key, [local_tensor(g) for g in map(_GRAD, params) if g is not None]) for key, params in groups]
+def _as_param_layout(grad: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """``grad``'s local elements laid out like ``param``'s. A DTensor gradient of another layout (Replicate on a
+    Shard parameter) is redistributed first: its copies would otherwise be summed as if they were shards."""
+    if not isinstance(param, DTensor):
+        return local_tensor(grad)
+    if not isinstance(grad, DTensor):  # torch's own clip fails on it too ("mixed torch.Tensor and DTensor")
+        raise ValueError(
+            f"clip_grad_norm_: a parameter of shape {tuple(param.shape)} (a DTensor) has a plain-tensor gradient of "
+            f"shape {tuple(grad.shape)}: whether it holds the whole gradient or this rank's shard is unknown. "
+            "Accepted: a DTensor gradient (as FSDP2 makes them), or a plain gradient on a plain parameter."
+        )
+    if grad._spec is param._spec or (grad.device_mesh == param.device_mesh and grad.placements == param.placements):
+        return grad._local_tensor
+    return grad.redistribute(param.device_mesh, param.placements)._local_tensor
+
+
+def _local_grads(params: list, groups: list[tuple[tuple, list[int]]]) -> list[tuple[tuple, list, list]]:
+    """Per group: the local tensors its norm is taken over (laid out like their parameters) and those clipping
+    scales (each gradient's own local tensor, sharing its storage: the norm and the scaling are elementwise on
+    each rank's own elements, so they run there, without DTensor dispatch per op). ``None`` gradients skipped."""
+    out = []
+    for key, positions in groups:
+        pairs = [(grad, params[i]) for i in positions if (grad := params[i].grad) is not None]
+        out.append((key, [_as_param_layout(g, p) for g, p in pairs], [local_tensor(g) for g, _ in pairs]))
+    return out
 
 
 def _local_power(local: list[torch.Tensor], norm_type: float, device: torch.device) -> torch.Tensor:
@@ -112,14 +146,14 @@ def _reduce_group(value: torch.Tensor, key: tuple, norm_type: float) -> torch.Te
     return value
 
 
-def _total_norm(groups: list[tuple[tuple, list[torch.Tensor]]], norm_type: float, device: torch.device) -> torch.Tensor:
+def _total_norm(groups: list[tuple[tuple, list, list]], norm_type: float, device: torch.device) -> torch.Tensor:
     """Norm of all gradients together, as a plain fp32 tensor identical on every rank.
 
     One all-reduce per (mesh, placements) group over the ranks that shard it, plus one over the
     world for plain gradients; the groups' shares combine locally (``torch.nn.utils.get_total_norm``
     on each rank's elements, like torch's DTensor norm: partial ``|g|^p`` sums, then the root).
     """
-    shares = [_reduce_group(_local_power(grads, norm_type, device), key, norm_type) for key, grads in groups]
+    shares = [_reduce_group(_local_power(norm, norm_type, device), key, norm_type) for key, norm, _ in groups]
     stacked = torch.stack(shares) if len(shares) > 1 else shares[0]  # one layout (the common case): no stack
     if math.isinf(norm_type):
         return stacked.max()
@@ -148,7 +182,9 @@ def clip_grad_norm_(
     """Clip gradients in place so their global norm is at most ``max_norm``; return that norm.
 
     Works on sharded models: DTensor gradients on one or several meshes (FSDP, FSDP+TP, HSDP),
-    plain gradients, and parameters without a gradient (skipped). The returned norm is a plain
+    plain gradients, and parameters without a gradient (skipped). A DTensor gradient laid out unlike
+    its parameter (say ``Replicate`` on a ``Shard`` parameter) is counted once, as torch counts it.
+    Every rank passes the same parameters, in any order. The returned norm is a plain
     ``float``, identical on every rank and equal to ``torch.nn.utils.clip_grad_norm_`` on the
     unsharded model up to rounding: the ranks' shares are summed in another order than torch's
     DTensor norm sums them (both are within an ulp or two of a float64 norm). ``norm_type`` is a positive float, or ``float("inf")`` / ``"inf"`` (largest
@@ -160,13 +196,13 @@ def clip_grad_norm_(
         optimizer.step()
     """
     norm_type = _norm_order(norm_type)
-    groups = _param_groups(model_or_params)  # one collective per mesh and layout
-    if not groups:
+    params, groups = _param_groups(model_or_params)  # one collective per mesh and layout
+    if not params:
         return 0.0
-    by_layout = _local_grads(groups)
-    if not any(grads for _, grads in by_layout) and get_world_size() == 1:
+    by_layout = _local_grads(params, groups)
+    if not any(scale for _, _, scale in by_layout) and get_world_size() == 1:
         return 0.0
-    device = local_tensor(groups[0][1][0]).device
+    device = local_tensor(params[0]).device
     total = _total_norm(by_layout, norm_type, device)
     if error_if_nonfinite and not torch.isfinite(total):
         raise RuntimeError(
@@ -177,6 +213,6 @@ def clip_grad_norm_(
     # would), one foreach per layout.
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     with torch.no_grad():
-        for local in filter(None, (grads for _, grads in by_layout)):
+        for local in filter(None, (scale for _, _, scale in by_layout)):
             torch._foreach_mul_(local, coef.to(local[0].device))
     return float(total.item())
