@@ -149,7 +149,9 @@ def broadcast_path_equals_get_full_state_dict_and_fails_alike():
         shard_grad_op_equals_get_full_state_dict()
         bf16_compute_with_a_dtype_cast()
         ranks_keep_only_where_asked_and_stream_moves_on_while_consumer_works()
+        step_mid_stream_raises_and_forward_mid_stream_is_harmless()
         failure_on_one_rank_reaches_every_rank_fast()
+        peak_memory_is_two_buckets_and_one_tensor()
 
 
 @case

@@ -43,7 +43,15 @@ class Works:
 def broadcast_slots(plan: BucketPlan, fallback: dict, device: torch.device) -> dict[str, str]:
     """``{source key: output name}`` of the sources a bucket moves by broadcasts: a sharded source yielded as it
     is (same dtype and shape, no build step), of at least ``BROADCAST_MIN_BYTES``, on a ``BROADCAST_DEVICES``
-    device. The same on every rank: it depends on the plan only."""
+    device. The same on every rank: it depends on the plan only.
+
+    Example:
+        >>> from zeta_fsdp.weights_out.plan import Item, Output, Source, plan_buckets
+        >>> f32 = torch.float32
+        >>> w, b = [Item((Source(k, (n, 1024), f32, 2, "g"),), (Output(k, f32, (n, 1024)),)) for k, n in (("w", 256), ("b", 1))]
+        >>> broadcast_slots(plan_buckets([w, b], cap_bytes=2**30)[0], {}, torch.device("cpu"))  # 1 MiB and 4 KiB
+        {'w': 'w'}
+    """
     if device.type not in BROADCAST_DEVICES:
         return {}
     out = {}

@@ -96,8 +96,10 @@ def iter_full_weights(
     raises: the weights streamed are exactly those of one step.
 
     Each bucket holds at most ``bucket_mb`` MiB of weights (a larger tensor gets a bucket of its own) and
-    costs one flat all-gather over the shard group (nothing to gather for NO_SHARD); the next bucket's
-    all-gather runs while the caller works on the current one. Memory per rank: at most two buckets and
+    costs one flat all-gather over the shard group (nothing to gather for NO_SHARD; on CPU, a tensor of
+    1 MiB or more is filled by one in-place broadcast per rank instead: gloo's all-gathers copy every byte
+    through a staging buffer, its broadcasts do not); the next bucket's collectives run while the caller
+    works on the current one. Memory per rank: at most two buckets and
     one tensor beyond what the caller keeps (``del bucket`` at the end of a loop body: the loop variable
     would otherwise keep the previous bucket alive while the next one is copied out). A bucket's tensors view one buffer (``bucket.flat``), kept
     alive while any of them is. Units a forward left unsharded (``reshard_after_forward=False``) are resharded
