@@ -294,6 +294,8 @@ def bad_arguments_and_meta_models_are_refused_on_every_rank():
     expect_error(ValueError, lambda: iter_full_weights(model, ranks=[5]), "ranks=[5]")
     expect_error(ValueError, lambda: iter_full_weights(model, lora="adapters"), "needs a PEFT model")
     expect_error(ValueError, lambda: iter_full_weights(model, names="hf"), "names='hf' needs a Hugging Face")
+    uneven = lambda: iter_full_weights(model, bucket_mb=0.001 if rank() == 0 else 1)  # noqa: E731
+    expect_error(StreamError, uneven, "the ranks planned different buckets", "layout digests per rank")
     with torch.device("meta"):
         meta = Odd()
     meta = fsdp(meta, auto_wrap=True, TransformerBlock=nn.Sequential, shard_strat="FULL_SHARD", materialize=False)
