@@ -28,7 +28,7 @@ from torch.distributed.tensor import DTensor
 
 from zeta_fsdp import fsdp, get_full_state_dict
 from zeta_fsdp.torch_compat import all_gather_single
-from zeta_fsdp.weights_out import iter_full_weights
+from zeta_fsdp.weights_out import broadcasts, iter_full_weights
 
 WIDTH = 2048  # one layer: 2048 x 2048 fp32 weight + bias, 16 MiB
 
@@ -111,6 +111,37 @@ def time_rows(key: str, nbytes: int, rounds: dict[str, list[float]], bucket_mbs:
     return rows
 
 
+def threshold_rows(kibs: list[int], reps: int) -> list[list[str]]:
+    """Where broadcasts start to pay (``broadcasts.BROADCAST_MIN_BYTES``): ~48 MiB of square weights of each
+    size, 24 MiB buckets, every tensor by broadcasts vs every tensor in the buckets' coalesced all-gathers."""
+    rows = []
+    for kib in kibs:
+        n = int((kib * 1024 / 4) ** 0.5)
+        torch.manual_seed(0)
+        layers = [nn.Linear(n, n, bias=False) for _ in range(max(1, (48 << 20) // (n * n * 4)))]
+        model = fsdp(nn.Sequential(*layers), shard_strat="FULL_SHARD")
+
+        def run(threshold: int, model: nn.Module = model) -> Callable[[], None]:
+            def go() -> None:
+                saved, broadcasts.BROADCAST_MIN_BYTES = broadcasts.BROADCAST_MIN_BYTES, threshold
+                try:
+                    drain(iter_full_weights(model, bucket_mb=24))
+                finally:
+                    broadcasts.BROADCAST_MIN_BYTES = saved
+
+            return go
+
+        runs = {"broadcasts": run(0), "coalesced": run(1 << 60)}
+        for fn in runs.values():
+            fn()
+        med = {k: statistics.median(t) for k, t in timed(runs, reps).items()}
+        ratio = med["broadcasts"] / med["coalesced"]
+        rows.append(
+            [f"{n * n * 4 / 1024:.0f} KiB x {len(layers)}", *(f"{t * 1e3:.0f}" for t in med.values()), f"{ratio:.2f}x"]
+        )
+    return rows
+
+
 def drain(stream: Any) -> None:
     for bucket in stream:
         del bucket
@@ -165,6 +196,12 @@ def rank_main(args: Any) -> None:
     floors_head = f"vs floor / vs floor with new outputs (same bucket; else {bucket_mbs[0]:g} MiB)"
     head = ["model (fp32)", "variant", "ms (median)", "min-max ms (± half-range)", "MiB/s", floors_head]
     report.table("Time", head, rows)
+    if args.tensor_kib and not args.quick:
+        report.table(
+            "Broadcast threshold: every tensor by broadcasts vs in the coalesced all-gather (ms, median)",
+            ["tensors (fp32)", "broadcasts", "coalesced all-gather", "ratio"],
+            threshold_rows([int(k) for k in args.tensor_kib.split(",")], reps),
+        )
     report.table(
         "Peak memory allocated on rank 0 while running (MemTracker, CPU, beyond the model)",
         ["model (fp32)"] + [f"`{n}`" for n in list(data.values())[0]["peak_bytes_rank0"]],
@@ -186,6 +223,7 @@ def main() -> None:
     parser.add_argument("--layers", default="6,24,96", help="model sizes, in 16 MiB layers (100 MB, 400 MB, 1.6 GB)")
     parser.add_argument("--bucket-mb", default="24,256", help="bucket sizes, comma-separated (the first: CPU default)")
     parser.add_argument("--reps", type=int, default=9, help="interleaved rounds")
+    parser.add_argument("--tensor-kib", default="64,256,512,1024,2048,4096", help="tensor sizes of the threshold table")
     run_benchmark(rank_main, parser)
 
 
