@@ -215,7 +215,22 @@ def rank_main(args: Any) -> None:
         "get_full_state_dict keeps the whole model on rank 0. The model's own shards are tracked up front "
         "(`track_external`), so a view of a shard is not counted as new memory."
     )
+    report.notes += NOTES
     report.publish(args.out_dir)
+
+
+NOTES = [
+    "The floor is what the goal names: the same bytes in one flat `all_gather_into_tensor` per bucket. On gloo "
+    "that collective receives into a staging buffer of its own (a new allocation per call) and copies every "
+    "gathered byte out of it into the output (`ProcessGroupGloo` allgather), so the floor pays one bucket of "
+    "copy-out per bucket. The iterator moves each tensor of 1 MiB or more by in-place broadcasts instead (each "
+    "rank's rows from that rank straight into the yielded tensor; it copies only its own rows), which is how it "
+    "can run under its floor. `new output per bucket` is the floor with the allocation the iterator must make "
+    "(its tensors are the caller's, never reused).",
+    "Buckets of 32 MiB or more: glibc serves an allocation that large as fresh pages from the kernel every time "
+    "(page faults, zeroing), gloo's staging and the iterator's own output buffer alike; hence the CPU default of "
+    "24 MiB.",
+]
 
 
 def main() -> None:
