@@ -223,7 +223,7 @@ NOTES = [
     "The floor is what the goal names: the same bytes in one flat `all_gather_into_tensor` per bucket. On gloo "
     "that collective receives into a staging buffer of its own (a new allocation per call) and copies every "
     "gathered byte out of it into the output (`ProcessGroupGloo` allgather), so the floor pays one bucket of "
-    "copy-out per bucket. The iterator moves each tensor of 1 MiB or more by in-place broadcasts instead (each "
+    "copy-out per bucket. The iterator moves each tensor of 2 MiB or more by in-place broadcasts instead (each "
     "rank's rows from that rank straight into the yielded tensor; it copies only its own rows), which is how it "
     "can run under its floor. `new output per bucket` is the floor with the allocation the iterator must make "
     "(its tensors are the caller's, never reused).",

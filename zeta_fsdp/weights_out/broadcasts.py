@@ -23,9 +23,10 @@ __all__ = ["BROADCAST_DEVICES", "BROADCAST_MIN_BYTES", "Works", "broadcast_slots
 
 # Devices whose backend broadcasts in place (gloo on CPU). NCCL's flat all-gather has no staging to save.
 BROADCAST_DEVICES = {"cpu"}
-# A full tensor at least this large travels by broadcasts (measured on 2 gloo ranks: below ~1 MiB, one
-# collective per rank costs more than the pack and copy-out it saves; see benchmarks/results/weights_out.md).
-BROADCAST_MIN_BYTES = 1 << 20
+# A full tensor at least this large travels by broadcasts (measured on 2 gloo ranks, the threshold table of
+# benchmarks/results/weights_out.md: at 512 KiB and below one collective per rank costs more than the pack and
+# copy-out it saves, at 1 MiB it is about even, from 2 MiB on broadcasts win by a third).
+BROADCAST_MIN_BYTES = 2 << 20
 
 
 class Works:
@@ -48,8 +49,8 @@ def broadcast_slots(plan: BucketPlan, fallback: dict, device: torch.device) -> d
     Example:
         >>> from zeta_fsdp.weights_out.plan import Item, Output, Source, plan_buckets
         >>> f32 = torch.float32
-        >>> w, b = [Item((Source(k, (n, 1024), f32, 2, "g"),), (Output(k, f32, (n, 1024)),)) for k, n in (("w", 256), ("b", 1))]
-        >>> broadcast_slots(plan_buckets([w, b], cap_bytes=2**30)[0], {}, torch.device("cpu"))  # 1 MiB and 4 KiB
+        >>> w, b = [Item((Source(k, (n, 1024), f32, 2, "g"),), (Output(k, f32, (n, 1024)),)) for k, n in (("w", 512), ("b", 1))]
+        >>> broadcast_slots(plan_buckets([w, b], cap_bytes=2**30)[0], {}, torch.device("cpu"))  # 2 MiB and 4 KiB
         {'w': 'w'}
     """
     if device.type not in BROADCAST_DEVICES:

@@ -1,6 +1,6 @@
 """Moving the planned buckets: one all-gather per bucket that writes every rank's piece where it belongs.
 
-On CPU a bucket's large plain tensors (1 MiB and more) are filled by one in-place broadcast per rank of the
+On CPU a bucket's large plain tensors (2 MiB and more) are filled by one in-place broadcast per rank of the
 shard group instead (``broadcasts.py``: gloo's all-gathers copy every byte through a staging buffer of their
 own, its broadcasts do not); the header and the other tensors travel in the bucket's all-gather.
 On CPU a bucket's all-gather is gloo's coalesced one (NCCL has none for lists: there it is one flat

@@ -113,7 +113,7 @@ def iter_full_weights(
 
     Each bucket holds at most ``bucket_mb`` MiB of weights (a larger tensor gets a bucket of its own) and
     costs one flat all-gather over the shard group (nothing to gather for NO_SHARD; on CPU, a tensor of
-    1 MiB or more is filled by one in-place broadcast per rank instead: gloo's all-gathers copy every byte
+    2 MiB or more is filled by one in-place broadcast per rank instead: gloo's all-gathers copy every byte
     through a staging buffer, its broadcasts do not); the next bucket's collectives run while the caller
     works on the current one. Memory per rank: at most two buckets and
     one tensor beyond what the caller keeps (``del bucket`` at the end of a loop body: the loop variable
