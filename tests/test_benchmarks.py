@@ -304,7 +304,7 @@ def test_bench_weights_out(bench) -> None:
     data = results(tmp_path, "weights_out")
     assert len(data) == 3 + 2, sorted(data)  # three model sizes, plus command and machine
     for size, d in ((k, v) for k, v in data.items() if k not in ("command", "machine")):
-        assert len(d["seconds"]) == 4 and all(positive(t) for t in d["seconds"].values()), (size, d)
+        assert len(d["seconds"]) == 5 and all(positive(t) for t in d["seconds"].values()), (size, d)
         peaks = d["peak_bytes_rank0"]
         stream = next(v for k, v in peaks.items() if k.startswith("iter_full_weights"))
         # the iterator holds at most its gather buffer and one bucket (0.5 MiB in --quick) plus headers

@@ -8,6 +8,7 @@ LoRA weight is compared with PEFT's own ``merge_and_unload()`` of an unsharded c
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import time
@@ -21,7 +22,7 @@ from torch.distributed.tensor.debug import CommDebugMode
 from worker import ARGS, Cases, expect_error, rank, run_cases, world
 
 from zeta_fsdp import fsdp, get_full_state_dict
-from zeta_fsdp.weights_out import StreamError, gather, iter_full_weights
+from zeta_fsdp.weights_out import StreamError, broadcasts, gather, iter_full_weights
 
 warnings.filterwarnings("ignore")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
@@ -85,6 +86,25 @@ def gathers(counts) -> int:
     return sum(n for op, n in counts.items() if "allgather" in str(op))
 
 
+def broadcasts_of(stream) -> int:
+    """The broadcasts a stream's plan asks for: one per rank holding rows of each source moved by broadcasts."""
+    n = 0
+    for b in stream.buckets:
+        moved = broadcasts.broadcast_slots(b, {}, torch.device("cpu")) if b.gathers else {}
+        n += sum(s.rows_of(r) > 0 for i in b.items for s in i.sources if s.key in moved for r in range(s.shards))
+    return n
+
+
+@contextlib.contextmanager
+def every_tensor_by_broadcasts():
+    """Every plain sharded tensor moved by broadcasts (on CPU only large ones are, by default)."""
+    saved, broadcasts.BROADCAST_MIN_BYTES = broadcasts.BROADCAST_MIN_BYTES, 0
+    try:
+        yield
+    finally:
+        broadcasts.BROADCAST_MIN_BYTES = saved
+
+
 def check_strategy(shard_strat: str, model: nn.Module = None, **kw) -> None:
     model = model or wrapped(shard_strat=shard_strat, **kw)
     want = get_full_state_dict(model, rank0_only=False)
@@ -95,10 +115,13 @@ def check_strategy(shard_strat: str, model: nn.Module = None, **kw) -> None:
             got = collect(stream)
         assert_same(got, want, f"{shard_strat} bucket_mb={mb:.5f}")
         assert got["head.weight"] is got["embed.weight"], "a tied alias is the same tensor"
-        expected = sum(b.gathers for b in stream.buckets)
-        # one flat all-gather per bucket with shards, plus the 1 KiB closing exchange (every rank's status)
+        expected, sent = sum(b.gathers for b in stream.buckets), broadcasts_of(stream)
+        # one flat all-gather per bucket with shards, plus the 1 KiB closing exchange (every rank's status), plus
+        # the broadcasts of the large tensors on CPU (none in these small models unless every_tensor_by_broadcasts)
         assert gathers(comm.get_comm_counts()) == expected + 1, (comm.get_comm_counts(), expected)
-        assert sum(comm.get_comm_counts().values()) == expected + 1, comm.get_comm_counts()
+        assert sum(comm.get_comm_counts().values()) == expected + 1 + sent, (comm.get_comm_counts(), sent)
+        if broadcasts.BROADCAST_MIN_BYTES == 0 and shard_strat != "NO_SHARD":
+            assert sent > len(stream.buckets), "the broadcast path was taken"
         if shard_strat == "NO_SHARD":
             assert expected == 0, "NO_SHARD has nothing to gather"
         elif shard_strat == "HYBRID_SHARD":  # 2x2 mesh: gathered over the 2 ranks of the shard dim, not all 4
@@ -119,6 +142,19 @@ def full_shard_equals_get_full_state_dict():
 
 
 @case
+def broadcast_path_equals_get_full_state_dict_and_fails_alike():
+    # CPU: each rank's rows of a large tensor broadcast into place (here every tensor, uneven and empty shards too)
+    with every_tensor_by_broadcasts():
+        check_strategy("FULL_SHARD")
+        shard_grad_op_equals_get_full_state_dict()
+        bf16_compute_with_a_dtype_cast()
+        ranks_keep_only_where_asked_and_stream_moves_on_while_consumer_works()
+        step_mid_stream_raises_and_forward_mid_stream_is_harmless()
+        failure_on_one_rank_reaches_every_rank_fast()
+        peak_memory_is_two_buckets_and_one_tensor()
+
+
+@case
 def shard_grad_op_equals_get_full_state_dict():
     model = wrapped(shard_strat="SHARD_GRAD_OP")
     model(torch.randint(0, 13, (2, 3))).sum().backward()  # parameters left unsharded by the forward
@@ -133,6 +169,8 @@ def no_shard_has_nothing_to_gather():
 @case(ranks=4)
 def hybrid_shard_gathers_along_the_shard_dim_only():
     check_strategy("HYBRID_SHARD", replicate_size=2)
+    with every_tensor_by_broadcasts():  # the broadcasts' source ranks are the shard group's, not 0..1
+        check_strategy("HYBRID_SHARD", replicate_size=2)
 
 
 @case
@@ -256,6 +294,8 @@ def bad_arguments_and_meta_models_are_refused_on_every_rank():
     expect_error(ValueError, lambda: iter_full_weights(model, ranks=[5]), "ranks=[5]")
     expect_error(ValueError, lambda: iter_full_weights(model, lora="adapters"), "needs a PEFT model")
     expect_error(ValueError, lambda: iter_full_weights(model, names="hf"), "names='hf' needs a Hugging Face")
+    uneven = lambda: iter_full_weights(model, bucket_mb=0.001 if rank() == 0 else 1)  # noqa: E731
+    expect_error(StreamError, uneven, "the ranks planned different buckets", "layout digests per rank")
     with torch.device("meta"):
         meta = Odd()
     meta = fsdp(meta, auto_wrap=True, TransformerBlock=nn.Sequential, shard_strat="FULL_SHARD", materialize=False)

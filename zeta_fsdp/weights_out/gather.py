@@ -1,5 +1,8 @@
 """Moving the planned buckets: one all-gather per bucket that writes every rank's piece where it belongs.
 
+On CPU a bucket's large plain tensors (2 MiB and more) are filled by one in-place broadcast per rank of the
+shard group instead (``broadcasts.py``: gloo's all-gathers copy every byte through a staging buffer of their
+own, its broadcasts do not); the header and the other tensors travel in the bucket's all-gather.
 On CPU a bucket's all-gather is gloo's coalesced one (NCCL has none for lists: there it is one flat
 all-gather, copied out when waited for; see ``all_gather_pieces``): each rank sends its header and its dim-0 shard
 of every source (the shard itself, no packing copy, unless it must be cast or padded), and each rank's
@@ -26,6 +29,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from ..distributed import comm_device, get_rank, get_world_size, is_distributed
 from ..torch_compat import all_gather_single
+from .broadcasts import Works, broadcast_slots, start_broadcasts
 from .items import shard_layout
 from .plan import HEADER_BYTES, BucketPlan, Item, Source
 
@@ -118,10 +122,11 @@ def _read_headers(rows: torch.Tensor, ranks_of: list[int]) -> Optional[tuple[int
     return status, rank, text.decode(errors="replace")
 
 
-def _gathered(plan: BucketPlan) -> list[Source]:
-    """The sources a bucket's all-gather moves, in the plan's order (the same on every rank)."""
+def _gathered(plan: BucketPlan, moved: dict) -> list[Source]:
+    """The sources a bucket's all-gather moves, in the plan's order (the same on every rank); ``moved``: those
+    that travel by broadcasts instead (``broadcast_slots``)."""
     sources = {s.key: s for item in plan.items for s in item.sources}
-    return [sources[key] for key in plan.segment]
+    return [sources[key] for key in plan.segment if key not in moved]
 
 
 def _direct_slots(plan: BucketPlan, fallback: dict) -> dict[str, str]:
@@ -136,13 +141,20 @@ def _direct_slots(plan: BucketPlan, fallback: dict) -> dict[str, str]:
     return out
 
 
-def _status_pieces(plan: BucketPlan, device: torch.device) -> tuple:
+def _status_pieces(plan: BucketPlan, device: torch.device, moved: dict) -> tuple:
     """A bucket's all-gather lists for a rank that only tells its status (it failed, or stops early): the same
-    bytes as its peers send, all in one piece."""
-    total = HEADER_BYTES + sum(s.rows_per_rank * s.row_bytes for s in _gathered(plan))
+    bytes as its peers send, all in one piece (and a buffer its broadcasts, if any, land in)."""
+    total = HEADER_BYTES + sum(s.rows_per_rank * s.row_bytes for s in _gathered(plan, moved))
     every = torch.empty(plan.shards, total, dtype=torch.uint8, device=device)
     mine = torch.zeros(total, dtype=torch.uint8, device=device)
-    return [mine], [[every[q]] for q in range(plan.shards)], every[:, :HEADER_BYTES], None, {}
+    flat = torch.empty(plan.output_bytes, dtype=torch.uint8, device=device) if moved else None
+    return [mine], [[every[q]] for q in range(plan.shards)], every[:, :HEADER_BYTES], flat, {}, None
+
+
+def _slot(plan: BucketPlan, flat: torch.Tensor, name: str, s: Source) -> torch.Tensor:
+    """Output ``name``'s place in the bucket's buffer, as a tensor of source ``s``'s dtype and shape."""
+    start = plan.outputs[name]
+    return flat[start : start + s.nbytes].view(s.dtype).view(s.shape)
 
 
 class WeightStream:
@@ -250,19 +262,21 @@ class WeightStream:
             return index, None, None, fallback, {}
         group = self._group(plan)
         me = dist.get_rank(group)
+        moved = broadcast_slots(plan, fallback, self._gather_device(plan))
         pieces = None
         if status == OK:
             try:
-                pieces = self._pieces(plan, me, fallback)
+                pieces = self._pieces(plan, me, fallback, moved)
             except Exception as e:  # noqa: BLE001 - told to every peer through the header, then raised below
                 status, message = FAILED, f"{type(e).__name__}: {e}"
         if pieces is None:
-            pieces = _status_pieces(plan, self._gather_device(plan))
-        inputs, outputs, heads, flat, scratch = pieces
+            pieces = _status_pieces(plan, self._gather_device(plan), moved)
+        inputs, outputs, heads, flat, scratch, local = pieces
         _header(inputs[0], status, index, message)
         self._launched = index + 1  # from here on, the peers can count on this rank's segment of bucket ``index``
         work = all_gather_pieces(outputs, inputs, group)
-        return index, (heads, flat), work, fallback, scratch
+        fulls = [(s, _slot(plan, flat, moved[s.key], s)) for s in self._moved_sources(plan, moved)]
+        return index, (heads, flat), Works([work, *start_broadcasts(fulls, local, me, group)]), fallback, scratch
 
     def _fallbacks(self, plan: BucketPlan) -> dict[str, torch.Tensor]:
         """Sources of another layout (tensor parallel): gathered whole, in the same order on every rank."""
@@ -274,15 +288,20 @@ class WeightStream:
                     fallback[s.key] = t.full_tensor()
         return fallback
 
-    def _pieces(self, plan: BucketPlan, me: int, fallback: dict) -> tuple:
+    def _moved_sources(self, plan: BucketPlan, moved: dict) -> list[Source]:
+        return [s for item in plan.items for s in item.sources if s.key in moved]
+
+    def _pieces(self, plan: BucketPlan, me: int, fallback: dict, moved: dict) -> tuple:
         """The coalesced all-gather's lists: what this rank sends (its header, then its shard of each source, as
         bytes: the shard itself where it is already what travels) and where each rank's piece lands (straight
-        in the output tensor where the full tensor is the gathered bytes as they are, else in a scratch)."""
+        in the output tensor where the full tensor is the gathered bytes as they are, else in a scratch); and
+        this rank's shards of the sources ``moved`` by broadcasts."""
         flat = self._out_buffer(plan)
         heads = torch.empty(plan.shards, HEADER_BYTES, dtype=torch.uint8, device=flat.device)
         inputs, outputs, scratch = [heads[me]], [[heads[q]] for q in range(plan.shards)], {}
         direct = _direct_slots(plan, fallback)
-        for s in _gathered(plan):
+        local = {s.key: self._local(s, me) for s in self._moved_sources(plan, moved)}
+        for s in _gathered(plan, moved):
             inputs.append(self._shard_bytes(s, me))
             step = s.rows_per_rank * s.row_bytes
             if s.key in direct:
@@ -292,11 +311,10 @@ class WeightStream:
                 rows = scratch[s.key] = torch.empty(plan.shards * step, dtype=torch.uint8, device=flat.device)
             for q in range(plan.shards):
                 outputs[q].append(rows[q * step : (q + 1) * step])
-        return inputs, outputs, heads, flat, scratch
+        return inputs, outputs, heads, flat, scratch, local
 
-    def _shard_bytes(self, s: Source, me: int) -> torch.Tensor:
-        """This rank's shard of ``s`` as the bytes it sends: ``rows_per_rank`` rows in ``s.dtype`` (a copy only
-        where the shard must be cast or padded)."""
+    def _local(self, s: Source, me: int) -> torch.Tensor:
+        """This rank's shard of ``s``, checked against the plan's split."""
         local = self.read[s.key].to_local()
         rows = s.rows_of(me)
         if tuple(local.shape) != (rows, *s.shape[1:]):
@@ -304,6 +322,12 @@ class WeightStream:
                 f"{s.key}: this rank holds a shard of shape {tuple(local.shape)}, expected {rows} rows of "
                 f"{s.shape} split over {s.shards} ranks (torch.chunk along dim 0)."
             )
+        return local
+
+    def _shard_bytes(self, s: Source, me: int) -> torch.Tensor:
+        """This rank's shard of ``s`` as the bytes it sends: ``rows_per_rank`` rows in ``s.dtype`` (a copy only
+        where the shard must be cast or padded)."""
+        local, rows = self._local(s, me), s.rows_of(me)
         if local.dtype == s.dtype and rows == s.rows_per_rank and local.is_contiguous():
             return local.reshape(-1).view(torch.uint8)
         out = torch.zeros(s.rows_per_rank * s.row_bytes, dtype=torch.uint8, device=local.device)
@@ -363,7 +387,9 @@ class WeightStream:
     def _unpack(self, plan: BucketPlan, flat: Optional[torch.Tensor], fallback: dict, scratch: dict) -> WeightBucket:
         if flat is None:  # nothing gathered: the tensors are copied into a buffer here
             flat = self._out_buffer(plan)
-        direct = _direct_slots(plan, fallback) if plan.gathers else {}
+        direct = {}
+        if plan.gathers:  # written in place by the all-gather or the broadcasts
+            direct = {**_direct_slots(plan, fallback), **broadcast_slots(plan, fallback, self._gather_device(plan))}
         for item in plan.items:
             self._unpack_item(item, plan, fallback, scratch, direct, flat)
         if flat.device != self.device:

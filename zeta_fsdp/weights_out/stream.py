@@ -7,11 +7,11 @@ import math
 from typing import Optional, Sequence, Union
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
-from ..distributed import get_rank, get_world_size, is_distributed, on_all_ranks
+from ..distributed import comm_device, get_rank, get_world_size, is_distributed, on_all_ranks
 from ..hf.save import check_dtype
+from ..torch_compat import all_gather_single
 from ..wrapped import compute_device
 from .gather import StreamError, WeightStream
 from .items import LORA, NAMES, model_items
@@ -70,10 +70,26 @@ def default_bucket_mb(model: nn.Module) -> float:
     return 24 if compute_device(model).type == "cpu" else 256
 
 
-def _digest(buckets: list) -> str:
+def _digest(buckets: list) -> bytes:
     """What every rank must agree on before the first all-gather: the buckets' layout."""
     text = repr([(b.segment, b.segment_bytes, b.shards, b.output_bytes, list(b.outputs)) for b in buckets])
-    return hashlib.sha256(text.encode()).hexdigest()
+    return hashlib.sha256(text.encode()).digest()
+
+
+def _check_same_plan(buckets: list) -> None:
+    """Refuse (on every rank) plans that differ by rank: their all-gathers would not match. One 32-byte
+    all-gather (``all_gather_object`` would pickle and take two collectives)."""
+    world = get_world_size()
+    digests = torch.empty(world, 32, dtype=torch.uint8, device=comm_device())
+    mine = torch.frombuffer(bytearray(_digest(buckets)), dtype=torch.uint8)
+    all_gather_single(digests.view(-1), mine.to(digests.device))
+    rows = [bytes(r) for r in digests.cpu().tolist()]
+    if len(set(rows)) > 1:
+        raise StreamError(
+            f"{_CALLER}: the ranks planned different buckets (their models differ in names, shapes or dtypes, or "
+            "the call's bucket_mb, dtype, names or lora differ by rank); "
+            f"layout digests per rank: {[r.hex()[:8] for r in rows]}."
+        )
 
 
 def iter_full_weights(
@@ -96,8 +112,10 @@ def iter_full_weights(
     raises: the weights streamed are exactly those of one step.
 
     Each bucket holds at most ``bucket_mb`` MiB of weights (a larger tensor gets a bucket of its own) and
-    costs one flat all-gather over the shard group (nothing to gather for NO_SHARD); the next bucket's
-    all-gather runs while the caller works on the current one. Memory per rank: at most two buckets and
+    costs one flat all-gather over the shard group (nothing to gather for NO_SHARD; on CPU, a tensor of
+    2 MiB or more is filled by one in-place broadcast per rank instead: gloo's all-gathers copy every byte
+    through a staging buffer, its broadcasts do not); the next bucket's collectives run while the caller
+    works on the current one. Memory per rank: at most two buckets and
     one tensor beyond what the caller keeps (``del bucket`` at the end of a loop body: the loop variable
     would otherwise keep the previous bucket alive while the next one is copied out). A bucket's tensors view one buffer (``bucket.flat``), kept
     alive while any of them is. Units a forward left unsharded (``reshard_after_forward=False``) are resharded
@@ -139,14 +157,7 @@ def iter_full_weights(
 
     buckets, read = on_all_ranks(prepare, errors=(StreamError,))
     if is_distributed() and get_world_size() > 1:
-        digests: list = [None] * get_world_size()
-        dist.all_gather_object(digests, _digest(buckets))
-        if len(set(digests)) > 1:
-            raise StreamError(
-                f"{_CALLER}: the ranks planned different buckets (their models differ in names, shapes or dtypes, or "
-                "the call's bucket_mb, dtype, names or lora differ by rank); "
-                f"layout digests per rank: {[d[:8] for d in digests]}."
-            )
+        _check_same_plan(buckets)
     where = compute_device(model) if device == "compute" else torch.device(device)
     keep = ranks is None or get_rank() in set(ranks)
     return WeightStream(buckets, read, keep, where, {id(p) for p in model.parameters()})
