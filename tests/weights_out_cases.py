@@ -281,6 +281,9 @@ def bare_loop_left_with_break_ends_on_every_rank(model: nn.Module) -> None:
                 stream.close()
                 break
         assert_same(collect(iter_full_weights(chain)), get_full_state_dict(chain, rank0_only=False), "chain")
+        # a rank leaving at the last bucket got every bucket: the stream is complete, nobody raises or warns
+        last = len(list(iter_full_weights(chain, bucket_mb=0.0005))) - 1
+        bare({1}, at=last, model=chain)
     assert not [w for w in caught if issubclass(w.category, RuntimeWarning)], [str(w.message) for w in caught]
     assert_same(collect(iter_full_weights(model)), get_full_state_dict(model, rank0_only=False), "after the breaks")
 

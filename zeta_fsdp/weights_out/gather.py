@@ -232,6 +232,9 @@ class WeightStream:
         rank that stops early tells its peers in the next bucket and in the closing exchange."""
         if self._done:
             return
+        if error is None and self._pending is None and self._next >= len(self.buckets):
+            self._finish(OK, "")  # every bucket reached this rank (a loop left at the last one): it finished
+            return
         status, message = (CLOSED, "") if error is None else (FAILED, f"{type(error).__name__}: {error}")
         try:
             peer_stopped = self._pending is not None and self._drain_pending()
