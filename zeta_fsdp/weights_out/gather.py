@@ -151,10 +151,16 @@ def _status_pieces(plan: BucketPlan, device: torch.device, moved: dict) -> tuple
     return [mine], [[every[q]] for q in range(plan.shards)], every[:, :HEADER_BYTES], flat, {}, None
 
 
-def _slot(plan: BucketPlan, flat: torch.Tensor, name: str, s: Source) -> torch.Tensor:
-    """Output ``name``'s place in the bucket's buffer, as a tensor of source ``s``'s dtype and shape."""
+def _slot(plan: BucketPlan, flat: torch.Tensor, name: str, like: Any) -> torch.Tensor:
+    """Output ``name``'s place in the bucket's buffer, as a tensor of ``like``'s dtype and shape (the output
+    itself, or a source moved into it as it is)."""
     start = plan.outputs[name]
-    return flat[start : start + s.nbytes].view(s.dtype).view(s.shape)
+    return flat[start : start + like.nbytes].view(like.dtype).view(like.shape)
+
+
+def _moved_sources(plan: BucketPlan, moved: dict) -> list[Source]:
+    """The sources of ``plan`` that travel by broadcasts (``broadcast_slots``), in the plan's order."""
+    return [s for item in plan.items for s in item.sources if s.key in moved]
 
 
 class WeightStream:
@@ -278,7 +284,7 @@ class WeightStream:
         _header(inputs[0], status, index, message)
         self._launched = index + 1  # from here on, the peers can count on this rank's segment of bucket ``index``
         work = all_gather_pieces(outputs, inputs, group)
-        fulls = [(s, _slot(plan, flat, moved[s.key], s)) for s in self._moved_sources(plan, moved)]
+        fulls = [(s, _slot(plan, flat, moved[s.key], s)) for s in _moved_sources(plan, moved)]
         return index, (heads, flat), Works([work, *start_broadcasts(fulls, local, me, group)]), fallback, scratch
 
     def _fallbacks(self, plan: BucketPlan) -> dict[str, torch.Tensor]:
@@ -291,9 +297,6 @@ class WeightStream:
                     fallback[s.key] = t.full_tensor()
         return fallback
 
-    def _moved_sources(self, plan: BucketPlan, moved: dict) -> list[Source]:
-        return [s for item in plan.items for s in item.sources if s.key in moved]
-
     def _pieces(self, plan: BucketPlan, me: int, fallback: dict, moved: dict) -> tuple:
         """The coalesced all-gather's lists: what this rank sends (its header, then its shard of each source, as
         bytes: the shard itself where it is already what travels) and where each rank's piece lands (straight
@@ -303,7 +306,7 @@ class WeightStream:
         heads = torch.empty(plan.shards, HEADER_BYTES, dtype=torch.uint8, device=flat.device)
         inputs, outputs, scratch = [heads[me]], [[heads[q]] for q in range(plan.shards)], {}
         direct = _direct_slots(plan, fallback)
-        local = {s.key: self._local(s, me) for s in self._moved_sources(plan, moved)}
+        local = {s.key: self._local(s, me) for s in _moved_sources(plan, moved)}
         for s in _gathered(plan, moved):
             inputs.append(self._shard_bytes(s, me))
             step = s.rows_per_rank * s.row_bytes
@@ -401,8 +404,7 @@ class WeightStream:
         for item in plan.items:
             views = {}
             for o in item.outputs:
-                start = plan.outputs[o.name]
-                views[o.name] = flat[start : start + o.nbytes].view(o.dtype).view(o.shape)
+                views[o.name] = _slot(plan, flat, o.name, o)
                 bucket.append((o.name, views[o.name]))
             bucket.extend((alias, views[kept]) for alias, kept in item.aliases)
         bucket.flat = flat
@@ -415,17 +417,14 @@ class WeightStream:
     def _unpack_item(
         self, item: Item, plan: BucketPlan, fallback: dict, scratch: dict, direct: dict, flat: torch.Tensor
     ) -> None:
-        def slot(o: Any) -> torch.Tensor:
-            return flat[plan.outputs[o.name] : plan.outputs[o.name] + o.nbytes].view(o.dtype).view(o.shape)
-
         if item.build is None:
             for s, o in zip(item.sources, item.outputs):
                 if s.key not in direct:  # else: the all-gather wrote it in place
-                    slot(o).copy_(self._full(s, fallback, scratch))
+                    _slot(plan, flat, o.name, o).copy_(self._full(s, fallback, scratch))
             return
         fulls = [self._full(s, fallback, scratch) for s in item.sources]
         for o, value in zip(item.outputs, item.build(fulls)):
-            slot(o).copy_(value)
+            _slot(plan, flat, o.name, o).copy_(value)
 
     # -- the end ------------------------------------------------------------------------------------------
     def _finish(self, status: int, message: str, raise_peer_errors: bool = True) -> None:
