@@ -363,6 +363,36 @@ def clip_grad_norm_one_all_reduce():
             assert_close(f"{wrap} clipped {name}", model.get_parameter(name).grad, p.grad, 8 * UNIT_ROUNDOFF * want)
 
 
+@case
+def default_implementation_is_the_plain_tensors_one():
+    """With ``foreach`` and ``fused`` left at None, torch picks the implementation from the parameters' type and
+    device (foreach on CUDA for plain tensors and DTensors, single-tensor on CPU). The local step hands torch
+    aliases of the shards: they must get the choice plain tensors get. CPU is made a foreach device here, so
+    torch's path on the DTensors and the local step must both run the multi-tensor functions, bit for bit."""
+    import torch.optim.adam as adam_module
+    import torch.optim.optimizer as optimizer_module
+    import torch.optim.sgd as sgd_module
+
+    saved = optimizer_module._get_foreach_kernels_supported_devices, adam_module._multi_tensor_adam
+    saved_sgd, ran = sgd_module._multi_tensor_sgd, []
+
+    def spy(name: str, fn: Callable) -> Callable:
+        return lambda params, *args, **kwargs: ran.append((name, type(params[0]))) or fn(params, *args, **kwargs)
+
+    optimizer_module._get_foreach_kernels_supported_devices = lambda: ["cpu", *saved[0]()]
+    adam_module._multi_tensor_adam = spy("adam", saved[1])
+    sgd_module._multi_tensor_sgd = spy("sgd", saved_sgd)
+    try:
+        for cls, options in ((Adam, {"lr": 0.01}), (SGD, {"lr": 0.1, "momentum": 0.9})):
+            ran.clear()
+            assert side_by_side(f"default {cls.__name__}", cls, options, {"shard_strat": "FULL_SHARD"})
+            kinds = {t.__name__ for _, t in ran}
+            assert len(ran) == 12 and kinds == {"DTensor", "_LocalParam"}, f"{cls.__name__}: multi-tensor ran {ran}"
+    finally:
+        optimizer_module._get_foreach_kernels_supported_devices, adam_module._multi_tensor_adam = saved
+        sgd_module._multi_tensor_sgd = saved_sgd
+
+
 class MyAdamW(AdamW):
     """A user's subclass: its step may look across elements, so it keeps torch's path."""
 

@@ -18,7 +18,8 @@ if TYPE_CHECKING:  # imported where used: an old torch must reach check_torch_ve
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
 __all__ = ["MIN_TORCH", "REDUCE_DTYPE_NONE_KEEPS_PARAM_DTYPE", "UnsupportedTorchError", "check_torch_version"]
-__all__ += ["HAS_PARAM_DTYPE_OVERRIDE", "all_gather_single", "local_tensor", "param_mp_policy", "torch_release"]
+__all__ += ["HAS_PARAM_DTYPE_OVERRIDE", "all_gather_single", "foreach_as_plain", "local_tensor", "param_mp_policy"]
+__all__ += ["torch_release"]
 
 # The oldest release the whole suite passes on (docs/install.md has the table and how it was made).
 # setup.py's install_requires says the same (tests/test_torch_compat.py and the built wheel's
@@ -150,3 +151,19 @@ def local_tensor(tensor: Any) -> Any:
         True
     """
     return getattr(tensor, "_local_tensor", tensor)
+
+
+def foreach_as_plain(tensor_type: type) -> None:
+    """Let torch's optimizers pick their default implementation for ``tensor_type`` (a ``torch.Tensor``
+    subclass that runs no override) as for a plain tensor: with ``foreach=None`` and ``fused=None`` they step
+    foreach only over types in ``torch.optim.optimizer._foreach_supported_types`` (on CUDA; CPU steps
+    single-tensor either way). DTensor registers itself there the same way on every release from ``MIN_TORCH``.
+
+    Example:
+        >>> foreach_as_plain(torch.Tensor)  # already there: nothing changes
+    """
+    import torch.optim.optimizer as optimizer_module  # a submodule: not an attribute of torch.optim until imported
+
+    supported = getattr(optimizer_module, "_foreach_supported_types", None)
+    if supported is not None and tensor_type not in supported:
+        supported.append(tensor_type)

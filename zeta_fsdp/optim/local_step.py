@@ -14,7 +14,8 @@ How: ``install()`` (called by ``fsdp()``) wraps the ``step`` of exactly those cl
 torch's hook wrapper (step hooks still see the DTensors). An optimizer of one of the classes
 (not a subclass: its ``step`` may look across elements) whose parameters are all ``fsdp()``
 DTensors, with no ``closure`` and ``differentiable=False``, steps with its param groups and state
-swapped to the local tensors for the call. Anything else takes torch's path untouched.
+swapped to the local tensors for the call (``_LocalParam`` aliases of them, which carry the
+gradient as a plain attribute). Anything else takes torch's path untouched.
 Off: ``ZETA_FSDP_LOCAL_STEP=0`` (the whole process) or ``use_local_step(optimizer, False)``.
 """
 
@@ -25,24 +26,44 @@ import operator
 import os
 import weakref
 from collections import defaultdict, deque
-from itertools import chain, repeat
+from itertools import chain, islice, repeat
 from typing import Any, Callable, Iterable, Optional
 
 import torch
 from torch.distributed.tensor import DTensor
 from torch.optim import SGD, Adagrad, Adam, Adamax, AdamW, NAdam, Optimizer, RAdam, RMSprop
 
-from ..torch_compat import local_tensor
-from .registry import fsdp_owner, param_layout, register_fsdp_model, same_layout, snapshot_params
+from ..torch_compat import foreach_as_plain, local_tensor
+from .registry import fsdp_owner, layout_matches, param_layout, register_fsdp_model, snapshot_params
 
 __all__ = ["ELEMENTWISE_OPTIMIZERS", "ENV_VAR", "install", "is_elementwise", "snapshot_params", "steps_locally"]
 __all__ += ["track_fsdp_model", "use_local_step"]
 
 ELEMENTWISE_OPTIMIZERS = (SGD, Adam, AdamW, Adagrad, RMSprop, Adamax, NAdam, RAdam)
 ENV_VAR = "ZETA_FSDP_LOCAL_STEP"
-_OFF: weakref.WeakKeyDictionary[Optimizer, bool] = weakref.WeakKeyDictionary()
-_ELIGIBLE: weakref.WeakKeyDictionary[Optimizer, tuple] = weakref.WeakKeyDictionary()
 _MARK = "_zeta_fsdp_local_step"
+
+
+class _Record:
+    """What the local step knows of one optimizer: turned off or not, its param-group layout when eligibility
+    was last decided (``registry.param_layout``), the decision, and the cached local view (``None`` until the
+    first local step, and whenever the layout changes)."""
+
+    def __init__(self) -> None:
+        self.off = False
+        self.layout: Optional[tuple] = None
+        self.eligible = False
+        self.view: Optional[_LocalView] = None
+
+
+_RECORDS: weakref.WeakKeyDictionary[Optimizer, _Record] = weakref.WeakKeyDictionary()
+
+
+def _record(optimizer: Optimizer) -> _Record:
+    record = _RECORDS.get(optimizer)
+    if record is None:
+        record = _RECORDS[optimizer] = _Record()
+    return record
 
 
 def use_local_step(optimizer: Optimizer, enabled: bool = True) -> Optimizer:
@@ -55,7 +76,7 @@ def use_local_step(optimizer: Optimizer, enabled: bool = True) -> Optimizer:
     """
     if not isinstance(enabled, bool):
         raise ValueError(f"use_local_step: enabled={enabled!r} is not accepted. Accepted: True or False.")
-    _OFF[optimizer] = not enabled
+    _record(optimizer).off = not enabled
     return optimizer
 
 
@@ -80,23 +101,25 @@ def steps_locally(optimizer: Optimizer) -> bool:
         >>> steps_locally(torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))]))  # plain tensors
         False
     """
-    return _local_signature(optimizer) is not None
+    return _eligible_record(optimizer) is not None
 
 
-def _local_signature(optimizer: Optimizer) -> Optional[tuple]:
-    """The optimizer's param-group signature if it steps on the local shards (see ``steps_locally``), else
-    ``None``; eligibility is cached per layout (``add_param_group``, or a group's list edited in place, changes it)."""
-    if _OFF.get(optimizer, False) or os.environ.get(ENV_VAR, "1").strip() == "0":
+def _eligible_record(optimizer: Optimizer) -> Optional[_Record]:
+    """The optimizer's record if it steps on the local shards (see ``steps_locally``), else ``None``. Eligibility
+    is decided again only when the param-group layout changed (``add_param_group``, a group's list edited in
+    place): one identity pass over the parameters a step."""
+    if os.environ.get(ENV_VAR, "1").strip() == "0":
         return None
-    signature = param_layout(optimizer)
-    cached = _ELIGIBLE.get(optimizer)
-    if cached is None or not same_layout(cached[0], signature):
+    record = _record(optimizer)
+    if record.off:
+        return None
+    if not layout_matches(optimizer, record.layout):
         params = [p for g in optimizer.param_groups for p in g["params"]]
         ok = bool(params) and is_elementwise(optimizer)
         ok = ok and all(isinstance(p, DTensor) and fsdp_owner(p) is not None for p in params)
-        cached = (signature, ok and not any(pl.is_partial() for p in params for pl in p.placements))
-        _ELIGIBLE[optimizer] = cached
-    return cached[0] if cached[1] else None  # the cached object: the view then knows it by identity
+        record.eligible = ok and not any(pl.is_partial() for p in params for pl in p.placements)
+        record.layout, record.view = param_layout(optimizer), None
+    return record if record.eligible else None
 
 
 # The per-step bookkeeping runs for every parameter and state value of every step, so it is written as
@@ -108,6 +131,33 @@ _SPEC = operator.attrgetter("_spec")
 # A DTensor's ``.grad`` getter first looks for a ``__torch_function__`` override (DTensor has none): with torch
 # functions off for the hand-over (no torch op runs in it) the read costs half, ~7 us a step per 50 parameters.
 _NO_TORCH_FUNCTION = torch._C.DisableTorchFunction
+
+
+# Inside the step torch functions stay on (a user's TorchFunctionMode, ``torch.device(...)``, still sees every op);
+# only the check for a subclass override, which ``_LocalParam`` would make every op pay per tensor, is skipped.
+_NO_SUBCLASS_TORCH_FUNCTION = torch._C.DisableTorchFunctionSubclass
+
+
+class _LocalParam(torch.Tensor):
+    """An alias of a parameter's local tensor (same storage, offset, sizes, strides and version counter: the
+    step's in-place updates land in the DTensor's shard) that the optimizer steps instead of it.
+
+    Why not the local tensor itself: its gradient would have to go through autograd's checked ``.grad`` setter,
+    twice a step per parameter (on, then off so no second reference outlives the step), ~0.3 us each: for the
+    cheapest steps (SGD, fused kernels) over small shards that alone is 10-20 % of the step. Here ``grad`` is an
+    ordinary instance attribute (the class attribute ``None`` shadows the tensor's descriptor), so handing it
+    over, taking it back and torch's own ``p.grad`` reads cost a dict store or lookup. Only torch's optimizer
+    code, which reads ``p.grad`` in Python and passes the gradients to its kernels explicitly, ever sees one.
+    Torch-function overrides are off (``_disabled_torch_function_impl``): results of ops on it are plain tensors.
+    """
+
+    grad = None
+    __torch_function__ = torch._C._disabled_torch_function_impl
+    __hash__ = object.__hash__  # torch's ``self.state[p]`` lookups: identity hashing in C, not Tensor's Python __hash__
+
+
+def _alias(tensor: torch.Tensor) -> _LocalParam:
+    return torch.Tensor._make_subclass(_LocalParam, tensor)
 
 
 def _same(first: Iterable, second: Iterable) -> bool:
@@ -144,18 +194,19 @@ class _LocalView:
     identity comparisons in C loops: a few microseconds per step for a hundred parameters.
     """
 
-    def __init__(self, optimizer: Optimizer, signature: tuple) -> None:
+    def __init__(self, optimizer: Optimizer) -> None:
         self.state = optimizer.state
-        self.signature = signature
         self.params = [p for g in optimizer.param_groups for p in g["params"]]
-        self.groups = [[local_tensor(p) for p in g["params"]] for g in optimizer.param_groups]
-        self.locals = [t for group in self.groups for t in group]
+        self.locals = [local_tensor(p) for p in self.params]
+        self.aliases = list(map(_alias, self.locals))
+        aliases = iter(self.aliases)
+        self.groups = [list(islice(aliases, len(g["params"]))) for g in optimizer.param_groups]
         self.specs = [p._spec for p in self.params]
         self.local_state: defaultdict = defaultdict(dict)
-        for p, t in zip(self.params, self.locals):
+        for p, alias in zip(self.params, self.aliases):
             entry = optimizer.state.get(p)
             if entry:
-                self.local_state[t] = {k: local_tensor(v) for k, v in entry.items()}
+                self.local_state[alias] = {k: local_tensor(v) for k, v in entry.items()}
         self._snapshot()
 
     def _snapshot(self) -> None:
@@ -165,12 +216,12 @@ class _LocalView:
         self.local_entries = list(self.local_state.values())
         self.local_values = list(_values(self.local_entries))
 
-    def valid(self, optimizer: Optimizer, signature: tuple) -> bool:
+    def valid(self, optimizer: Optimizer) -> bool:
+        """(The param-group layout is the record's: a change drops the view.)"""
         state = optimizer.state
         return (
             state is self.state
             and len(state) == len(self.entries)
-            and (signature is self.signature or same_layout(signature, self.signature))
             and _same(map(_LOCAL_TENSOR, self.params), self.locals)
             and _same(state.values(), self.entries)
             and _same(state, self.keys)  # an entry moved to another parameter (``state[b] = state.pop(a)``)
@@ -179,22 +230,22 @@ class _LocalView:
         )
 
     def attach_grads(self) -> bool:
-        """Each local tensor gets its parameter's local gradient; ``False`` (nothing attached) if a
+        """Each alias gets its parameter's local gradient; ``False`` (nothing attached) if a
         gradient's layout differs from its parameter's."""
         grads = list(map(_GRAD, self.params))
         try:  # the common case, at C speed: every gradient a DTensor on its parameter's spec (FSDP2 reuses it)
             if _same(map(_SPEC, grads), self.specs):
-                _set_grads(self.locals, map(_LOCAL_TENSOR, grads))
+                _set_grads(self.aliases, map(_LOCAL_TENSOR, grads))
                 return True
         except AttributeError:  # a missing (None) or plain-tensor gradient
             pass
         if _grad_layout_differs(grads, self.specs):
             return False
-        _set_grads(self.locals, [None if g is None else g._local_tensor for g in grads])
+        _set_grads(self.aliases, [None if g is None else g._local_tensor for g in grads])
         return True
 
     def detach_grads(self) -> None:
-        _set_grads(self.locals, repeat(None))  # the DTensor keeps the gradient; no second reference outlives the step
+        _set_grads(self.aliases, repeat(None))  # the DTensor keeps the gradient; no second reference outlives the step
 
     def _local_state_unchanged(self) -> bool:
         """No entry, key or value of the local state was added or replaced (torch may replace a value without a
@@ -214,8 +265,8 @@ class _LocalView:
         if self._local_state_unchanged():
             return
         with torch.no_grad():
-            for p, t in zip(self.params, self.locals):
-                local = self.local_state.get(t)
+            for p, alias in zip(self.params, self.aliases):
+                local = self.local_state.get(alias)
                 if local:
                     _fold_entry(local, self.state[p], p)  # state is a defaultdict: a new entry is created
         self._snapshot()
@@ -248,20 +299,17 @@ def _wrap_like(value: torch.Tensor, param: DTensor) -> DTensor:
     )
 
 
-_VIEWS: weakref.WeakKeyDictionary[Optimizer, _LocalView] = weakref.WeakKeyDictionary()
-
-
-def _view(optimizer: Optimizer, signature: tuple) -> _LocalView:
-    view = _VIEWS.get(optimizer)
-    if view is None or not view.valid(optimizer, signature):
-        view = _VIEWS[optimizer] = _LocalView(optimizer, signature)
+def _view(optimizer: Optimizer, record: _Record) -> _LocalView:
+    view = record.view
+    if view is None or not view.valid(optimizer):
+        view = record.view = _LocalView(optimizer)
     return view
 
 
-def _step_on_local_shards(optimizer: Optimizer, signature: tuple, step: Callable, args: tuple, kwargs: dict) -> Any:
+def _step_on_local_shards(optimizer: Optimizer, record: _Record, step: Callable, args: tuple, kwargs: dict) -> Any:
     """``step`` with the param groups and state swapped to the cached local view. No autograd op runs here
     (attribute reads and ``.grad`` assignments), so no ``no_grad`` context: each costs ~3 us a step."""
-    view = _view(optimizer, signature)
+    view = _view(optimizer, record)
     with _NO_TORCH_FUNCTION():
         attached = view.attach_grads()
     if not attached:
@@ -271,13 +319,13 @@ def _step_on_local_shards(optimizer: Optimizer, signature: tuple, step: Callable
         group["params"] = local
     optimizer.state = view.local_state
     try:
-        return step(optimizer, *args, **kwargs)
+        with _NO_SUBCLASS_TORCH_FUNCTION():
+            return step(optimizer, *args, **kwargs)
     finally:
         for group, params in zip(optimizer.param_groups, users):
             group["params"] = params
         optimizer.state = view.state
-        with _NO_TORCH_FUNCTION():
-            view.detach_grads()
+        view.detach_grads()
         view.sync_state()
 
 
@@ -287,10 +335,10 @@ def _local_step(step: Callable) -> Callable:
     @functools.wraps(step)
     def wrapper(self: Optimizer, *args: Any, **kwargs: Any) -> Any:
         closure = kwargs.get("closure", args[0] if args else None)
-        signature = None if closure is not None or torch.compiler.is_compiling() else _local_signature(self)
-        if signature is None:
+        record = None if closure is not None or torch.compiler.is_compiling() else _eligible_record(self)
+        if record is None:
             return step(self, *args, **kwargs)
-        return _step_on_local_shards(self, signature, step, args, kwargs)
+        return _step_on_local_shards(self, record, step, args, kwargs)
 
     setattr(wrapper, _MARK, True)
     return wrapper
@@ -305,6 +353,7 @@ def install() -> None:
         >>> getattr(torch.optim.AdamW.step, "hooked", False) or hasattr(torch.optim.AdamW.step, _MARK)
         True
     """
+    foreach_as_plain(_LocalParam)
     for cls in ELEMENTWISE_OPTIMIZERS:  # Adam before AdamW: AdamW inherits Adam's step until torch hooks it
         current = cls.__dict__.get("step")
         if (

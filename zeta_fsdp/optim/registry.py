@@ -18,7 +18,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-__all__ = ["check_optimizer", "forget_snapshot", "fsdp_owner", "param_layout", "register_fsdp_model", "same_layout"]
+__all__ = ["check_optimizer", "forget_snapshot", "fsdp_owner", "layout_matches", "param_layout", "register_fsdp_model"]
 __all__ += ["snapshot_params"]
 
 # No weak reference to a parameter anywhere: torch.utils.swap_tensors (to_empty, load_pretrained into a
@@ -75,7 +75,7 @@ def fsdp_owner(param: torch.Tensor) -> Optional[nn.Module]:
 
 
 def param_layout(optimizer: torch.optim.Optimizer) -> tuple:
-    """The optimizer's parameters, group by group, for :func:`same_layout`. It holds the parameters
+    """The optimizer's parameters, group by group, for :func:`layout_matches`. It holds the parameters
     themselves, not ids: an id of a freed parameter can be reused by a new one, and a list edited in
     place (a swap between groups, ``group["params"][0] = p``) keeps its own id.
 
@@ -87,18 +87,25 @@ def param_layout(optimizer: torch.optim.Optimizer) -> tuple:
     return tuple(tuple(group["params"]) for group in optimizer.param_groups)
 
 
-def same_layout(first: Optional[tuple], second: Optional[tuple]) -> bool:
-    """Whether two :func:`param_layout` results hold the very same parameters in the same groups and order
-    (identity, at C speed: a tensor's ``==`` is elementwise).
+def layout_matches(optimizer: torch.optim.Optimizer, layout: Optional[tuple]) -> bool:
+    """Whether ``optimizer`` holds the very parameters of ``layout`` (a :func:`param_layout`), in the same groups
+    and order: the per-step check, an identity pass at C speed without building a new layout (a tensor's ``==``
+    is elementwise).
 
     Example:
         >>> opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))])
-        >>> same_layout(param_layout(opt), param_layout(opt)), same_layout(None, param_layout(opt))
+        >>> layout = param_layout(opt)
+        >>> layout_matches(opt, layout), layout_matches(opt, None)
         (True, False)
     """
-    if first is None or second is None or len(first) != len(second):
+    groups = optimizer.param_groups
+    if layout is None or len(groups) != len(layout):
         return False
-    return all(len(a) == len(b) and all(map(operator.is_, a, b)) for a, b in zip(first, second))
+    for group, params in zip(groups, layout):
+        current = group["params"]
+        if len(current) != len(params) or not all(map(operator.is_, current, params)):
+            return False
+    return True
 
 
 def check_optimizer(optimizer: torch.optim.Optimizer) -> None:
@@ -130,7 +137,6 @@ def check_optimizer(optimizer: torch.optim.Optimizer) -> None:
 
 def _pre_step_check(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     """Global step pre-hook: :func:`check_optimizer` once per optimizer and param-group layout."""
-    signature = param_layout(optimizer)
-    if not same_layout(_CHECKED.get(optimizer), signature):
+    if not layout_matches(optimizer, _CHECKED.get(optimizer)):
         check_optimizer(optimizer)
-        _CHECKED[optimizer] = signature
+        _CHECKED[optimizer] = param_layout(optimizer)
