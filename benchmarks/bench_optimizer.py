@@ -26,6 +26,7 @@ Run:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from typing import Any, Callable
 
 import torch
@@ -134,6 +135,8 @@ def _gradients(model: torch.nn.Module, spec: Any) -> None:
 
 def rank_main(args: argparse.Namespace) -> None:
     spec = QUICK_MODEL if args.quick else BENCH_MODEL
+    if args.dim:  # wider shards: the local step's cost is per parameter, the step's per element
+        spec = dataclasses.replace(spec, config=dataclasses.replace(spec.config, dim=args.dim))
     model = fsdp(build_model(spec), auto_wrap=True, shard_strat="FULL_SHARD", TransformerBlock=Block)
     _gradients(model, spec)
     params = list(model.parameters())
@@ -201,6 +204,7 @@ def main() -> None:
         default="",
         help="only these rows, comma-separated prefixes of 'name / implementation' (e.g. 'SGD / ')",
     )
+    parser.add_argument("--dim", type=int, default=0, help="the GPT's width instead of the default model's")
     run_benchmark(rank_main, parser)
 
 
