@@ -421,21 +421,120 @@ def bad_input_and_excluded_optimizers():
     train(m_ref, o_ref)
     train(m_sub, o_sub)
     assert_same("user subclass", m_sub, o_sub, m_ref, o_ref)
-    # A closure: torch's path (the closure recomputes gradients inside step). Hooks still see DTensors.
-    m_cl = fsdp(mlp(), shard_strat="FULL_SHARD")
-    o_cl = AdamW(m_cl.parameters(), lr=0.01)
+    # A closure (how Lightning steps): called first, as torch's step calls it, then the local step; the same
+    # numbers and loss as torch's path. Hooks still see DTensors.
+    m_cl, m_cl_ref = fsdp(mlp(), shard_strat="FULL_SHARD"), fsdp(mlp(), shard_strat="FULL_SHARD")
+    o_cl, o_cl_ref = AdamW(m_cl.parameters(), lr=0.01), use_local_step(AdamW(m_cl_ref.parameters(), lr=0.01), False)
     o_cl.register_step_pre_hook(lambda opt, args, kwargs: seen.append(type(opt.param_groups[0]["params"][0])))
     x = torch.randn(4, 7)
-    o_cl.step(lambda: m_cl(x).square().mean().backward())
-    o_cl.step()
+    for _ in range(2):
+        with TypesSeen() as types:
+            loss = o_cl.step(lambda: m_cl(x).square().mean().backward() or torch.tensor(1.5))
+        assert loss.item() == 1.5 and "_LocalParam" in types, (loss, types)
+        assert o_cl_ref.step(closure=lambda: m_cl_ref(x).square().mean().backward()) is None
+    assert_same("closure", m_cl, o_cl, m_cl_ref, o_cl_ref)
     assert seen and all(t is DTensor for t in seen), seen
-    os.environ[ENV_VAR] = "0"
+    for off in ("0", "false", " OFF", "no"):
+        os.environ[ENV_VAR] = off
+        try:
+            assert not steps_locally(o_cl), off
+        finally:
+            del os.environ[ENV_VAR]
+    os.environ[ENV_VAR] = "maybe"
     try:
-        assert not steps_locally(o_cl)
+        expect_error(ValueError, o_cl.step, f"{ENV_VAR}='maybe'", "0 / false / off / no")
     finally:
         del os.environ[ENV_VAR]
     assert steps_locally(o_cl)
     expect_error(ValueError, lambda: use_local_step(o_cl, "yes"), "True or False")
+    expect_error(ValueError, lambda: use_local_step(m_cl, False), "not the model")
+
+    class Wrapper(AdamW):  # like accelerate's AcceleratedOptimizer: an Optimizer holding the one that steps
+        def __init__(self, inner: torch.optim.Optimizer) -> None:
+            self.optimizer = inner
+
+    use_local_step(Wrapper(o_cl), False)
+    assert not steps_locally(o_cl)
+
+
+class TypesSeen(torch.overrides.TorchFunctionMode):
+    """The tensor types torch functions saw while active (a user's mode around ``step()``)."""
+
+    def __enter__(self) -> set:
+        self.names: set = set()
+        super().__enter__()
+        return self.names
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        self.names.update(t.__name__ for t in types)
+        return func(*args, **(kwargs or {}))
+
+
+def _pair() -> tuple:
+    """An fsdp() model with AdamW stepping locally, and an identical one on torch's path."""
+    m, m_ref = fsdp(mlp(), shard_strat="FULL_SHARD"), fsdp(mlp(), shard_strat="FULL_SHARD")
+    return m, AdamW(m.parameters(), lr=0.01), m_ref, use_local_step(AdamW(m_ref.parameters(), lr=0.01), False)
+
+
+@case
+def changed_between_steps_or_by_hand():
+    """What a user changes between steps or puts in by hand: the local step follows torch's path, and the old
+    shards and state it cached are not held."""
+    import gc
+    import weakref
+
+    from torch.distributed.tensor import Replicate
+
+    # A state DTensor given a new local tensor in place (torch.utils.swap_tensors): the next steps update it.
+    m, o, m_ref, o_ref = _pair()
+    for model, opt in ((m, o), (m_ref, o_ref)):
+        train(model, opt, steps=1)
+        for entry in opt.state.values():
+            torch.utils.swap_tensors(entry["exp_avg"], entry["exp_avg"].clone())
+        train(model, opt, steps=2)
+    assert_same("swap_tensors on state", m, o, m_ref, o_ref)
+    # FSDP2 gives the parameters new local tensors (what model.to(...) does): the old shards are freed at once,
+    # not kept by the cached view until the next step. load_state_dict: the old state goes with the view.
+    m, o, _, _ = _pair()
+    train(m, o, steps=1)
+    shards = [weakref.ref(p.to_local()) for p in m.parameters()]
+    m._apply(lambda t: t.clone())
+    gc.collect()
+    assert all(r() is None for r in shards), "old shards are still held after the parameters were replaced"
+    old_state = [weakref.ref(v.to_local()) for st in o.state.values() for v in st.values() if isinstance(v, DTensor)]
+    o.load_state_dict(copy.deepcopy(o.state_dict()))
+    gc.collect()
+    assert old_state and all(r() is None for r in old_state), "the old optimizer state is held after loading"
+    train(m, o, steps=1)
+    # State laid out unlike its parameter (put in by hand): torch's path (it redistributes, or raises the same
+    # error on every rank), never the local tensor of another layout.
+    m, o, m_ref, o_ref = _pair()
+    outcomes = []
+    for model, opt in ((m, o), (m_ref, o_ref)):
+        train(model, opt, steps=1)
+        for entry in opt.state.values():
+            entry["exp_avg"] = entry["exp_avg"].redistribute(placements=[Replicate()])
+        try:
+            train(model, opt, steps=2)
+            outcomes.append("trained")
+        except RuntimeError as error:
+            outcomes.append(str(error).splitlines()[0])
+    assert outcomes[0] == outcomes[1], outcomes
+    assert_same("state laid out unlike its parameter", m, o, m_ref, o_ref)
+    # A plain-dict state (restored by hand) and parameters without state (a group added later): KeyError as on
+    # torch's path, with the same updates before it.
+    m, o, m_ref, o_ref = _pair()
+    extras = fsdp(mlp(), shard_strat="FULL_SHARD"), fsdp(mlp(), shard_strat="FULL_SHARD")
+    x = torch.randn(4, 7)
+    for model, opt, extra in ((m, o, extras[0]), (m_ref, o_ref, extras[1])):
+        train(model, opt, steps=1)
+        opt.state = dict(opt.state)
+        opt.add_param_group({"params": list(extra.parameters())})
+        (model(x).square().mean() + extra(x).square().mean()).backward()
+        expect_error(KeyError, opt.step)
+    assert steps_locally(o) and not steps_locally(o_ref)
+    assert_same("plain-dict state", m, o, m_ref, o_ref)
+    assert all(torch.equal(local(a), local(b)) for a, b in zip(extras[0].parameters(), extras[1].parameters()))
 
 
 if __name__ == "__main__":

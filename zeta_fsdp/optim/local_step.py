@@ -13,7 +13,7 @@ they saw before.
 How: ``install()`` (called by ``fsdp()``) wraps the ``step`` of exactly those classes, below
 torch's hook wrapper (step hooks still see the DTensors). An optimizer of one of the classes
 (not a subclass: its ``step`` may look across elements) whose parameters are all ``fsdp()``
-DTensors, with no ``closure`` and ``differentiable=False``, steps with its param groups and state
+DTensors, with ``differentiable=False``, steps with its param groups and state
 swapped to the local tensors for the call (``_LocalParam`` aliases of them, which carry the
 gradient as a plain attribute). Anything else takes torch's path untouched.
 Off: ``ZETA_FSDP_LOCAL_STEP=0`` (the whole process) or ``use_local_step(optimizer, False)``.
@@ -21,12 +21,13 @@ Off: ``ZETA_FSDP_LOCAL_STEP=0`` (the whole process) or ``use_local_step(optimize
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import operator
 import os
 import weakref
 from collections import defaultdict, deque
-from itertools import chain, islice, repeat
+from itertools import chain, compress, islice, repeat
 from typing import Any, Callable, Iterable, Optional
 
 import torch
@@ -47,10 +48,11 @@ _MARK = "_zeta_fsdp_local_step"
 class _Record:
     """What the local step knows of one optimizer: turned off or not, its param-group layout when eligibility
     was last decided (``registry.param_layout``), the decision, and the cached local view (``None`` until the
-    first local step, and whenever the layout changes)."""
+    first local step, and whenever the layout changes, a watched local tensor goes or a state is loaded)."""
 
     def __init__(self) -> None:
         self.off = False
+        self.load_hook = False  # registered with the first view
         self.layout: Optional[tuple] = None
         self.eligible = False
         self.view: Optional[_LocalView] = None
@@ -76,7 +78,15 @@ def use_local_step(optimizer: Optimizer, enabled: bool = True) -> Optimizer:
     """
     if not isinstance(enabled, bool):
         raise ValueError(f"use_local_step: enabled={enabled!r} is not accepted. Accepted: True or False.")
-    _record(optimizer).off = not enabled
+    if not isinstance(optimizer, Optimizer):
+        raise ValueError(
+            f"use_local_step: optimizer={type(optimizer).__name__} is not accepted. Accepted: a torch.optim.Optimizer "
+            "(the optimizer itself, not the model)."
+        )
+    target: Any = optimizer
+    while isinstance(target, Optimizer):  # a wrapper (accelerate's AcceleratedOptimizer) and what it wraps
+        _record(target).off = not enabled
+        target = getattr(target, "optimizer", None)
     return optimizer
 
 
@@ -94,8 +104,9 @@ def is_elementwise(optimizer: Optimizer) -> bool:
 
 def steps_locally(optimizer: Optimizer) -> bool:
     """Whether ``optimizer.step()`` runs on the local shards: an elementwise optimizer over ``fsdp()``
-    DTensor parameters only, not turned off. (A step also falls back to torch's path when a gradient's
-    layout differs from its parameter's, or a ``closure`` is given.)
+    DTensor parameters only, not turned off. (A step also falls back to torch's path when a gradient or a
+    state tensor is laid out unlike its parameter, e.g. put in by hand. A ``closure`` is called first, as torch's
+    step calls it, and the gradients it made are stepped locally.)
 
     Example:
         >>> steps_locally(torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))]))  # plain tensors
@@ -104,11 +115,26 @@ def steps_locally(optimizer: Optimizer) -> bool:
     return _eligible_record(optimizer) is not None
 
 
+_OFF_VALUES, _ON_VALUES = frozenset({"0", "false", "off", "no"}), frozenset({"", "1", "true", "on", "yes"})
+
+
+def _turned_off_by_environment() -> bool:
+    value = os.environ.get(ENV_VAR, "1").strip().lower()
+    if value in _ON_VALUES:
+        return False
+    if value in _OFF_VALUES:
+        return True
+    raise ValueError(
+        f"{ENV_VAR}={os.environ[ENV_VAR]!r} is not accepted. Accepted: 0 / false / off / no (torch's DTensor path) "
+        "or 1 / true / on / yes (the local step, the default)."
+    )
+
+
 def _eligible_record(optimizer: Optimizer) -> Optional[_Record]:
     """The optimizer's record if it steps on the local shards (see ``steps_locally``), else ``None``. Eligibility
     is decided again only when the param-group layout changed (``add_param_group``, a group's list edited in
     place): one identity pass over the parameters a step."""
-    if os.environ.get(ENV_VAR, "1").strip() == "0":
+    if _turned_off_by_environment():
         return None
     record = _record(optimizer)
     if record.off:
@@ -196,25 +222,37 @@ class _LocalView:
     identity comparisons in C loops: a few microseconds per step for a hundred parameters.
     """
 
-    def __init__(self, optimizer: Optimizer) -> None:
+    def __init__(self, optimizer: Optimizer, on_stale: Callable[[Any], None]) -> None:
         self.state = optimizer.state
         self.params = [p for g in optimizer.param_groups for p in g["params"]]
-        self.locals = [local_tensor(p) for p in self.params]
-        self.aliases = list(map(_alias, self.locals))
+        locals_ = [local_tensor(p) for p in self.params]
+        self.aliases = list(map(_alias, locals_))
+        # The parameters' local tensors are known by id and watched, not held: when FSDP2 replaces one
+        # (``model.to()``, ``to_empty``, an offload), ``on_stale`` drops this view and its aliases at once, so the
+        # old shards are freed then, not at the next step. (A watched tensor is never a parameter: weak references
+        # to parameters would break ``torch.utils.swap_tensors``.)
+        self.local_ids = list(map(id, locals_))
+        self._watchers = [weakref.ref(t, on_stale) for t in locals_]
         aliases = iter(self.aliases)
         self.groups = [list(islice(aliases, len(g["params"]))) for g in optimizer.param_groups]
         self.specs = [p._spec for p in self.params]
-        self.local_state: defaultdict = defaultdict(dict)
+        # torch's own state is a defaultdict; a plain dict (state restored by hand) raises KeyError for a parameter
+        # without state as it does on torch's path, before anything is updated
+        self.local_state: dict = defaultdict(dict) if isinstance(optimizer.state, defaultdict) else {}
+        self.state_laid_out_like_params = True
         for p, alias in zip(self.params, self.aliases):
             entry = optimizer.state.get(p)
             if entry:
                 self.local_state[alias] = {k: local_tensor(v) for k, v in entry.items()}
+                self.state_laid_out_like_params &= _laid_out_like(entry, p)
         self._snapshot()
 
     def _snapshot(self) -> None:
         self.keys = list(self.state)
         self.entries = list(self.state.values())
         self.values = list(_values(self.entries))
+        self.dtensor_mask = [type(v) is DTensor for v in self.values]
+        self.dtensor_locals = [v._local_tensor for v in compress(self.values, self.dtensor_mask)]
         self.local_entries = list(self.local_state.values())
         self.local_values = list(_values(self.local_entries))
 
@@ -224,11 +262,13 @@ class _LocalView:
         return (
             state is self.state
             and len(state) == len(self.entries)
-            and _same(map(_LOCAL_TENSOR, self.params), self.locals)
+            and all(map(operator.eq, map(id, map(_LOCAL_TENSOR, self.params)), self.local_ids))
             and _same(state.values(), self.entries)
             and _same(state, self.keys)  # an entry moved to another parameter (``state[b] = state.pop(a)``)
             and sum(map(len, self.entries)) == len(self.values)
             and _same(_values(self.entries), self.values)
+            # a state DTensor given another local tensor in place (``torch.utils.swap_tensors``)
+            and _same(map(_LOCAL_TENSOR, compress(self.values, self.dtensor_mask)), self.dtensor_locals)
         )
 
     def attach_grads(self) -> bool:
@@ -270,8 +310,27 @@ class _LocalView:
             for p, alias in zip(self.params, self.aliases):
                 local = self.local_state.get(alias)
                 if local:
-                    _fold_entry(local, self.state[p], p)  # state is a defaultdict: a new entry is created
+                    entry = self.state.get(p)
+                    if entry is None:  # a new entry (the user's state may be a plain dict, not torch's defaultdict)
+                        entry = self.state[p] = {}
+                    _fold_entry(local, entry, p)
         self._snapshot()
+
+
+def _laid_out_like(entry: dict, param: DTensor) -> bool:
+    """Whether every tensor state value of ``param`` (but a scalar like Adam's ``step``) is a DTensor laid out like
+    it. State put in by hand may not be (a plain tensor, another placement): its local tensor is not this shard,
+    so only torch's DTensor path is right (it raises the same error on every rank, or redistributes)."""
+    for value in entry.values():
+        if not isinstance(value, torch.Tensor) or value.ndim == 0:
+            continue
+        if type(value) is not DTensor:
+            return False
+        if value._spec is not param._spec and (
+            value.device_mesh != param.device_mesh or value.placements != param.placements or value.shape != param.shape
+        ):
+            return False
+    return True
 
 
 def _fold_entry(local: dict, entry: dict, param: DTensor) -> None:
@@ -304,14 +363,35 @@ def _wrap_like(value: torch.Tensor, param: DTensor) -> DTensor:
 def _view(optimizer: Optimizer, record: _Record) -> _LocalView:
     view = record.view
     if view is None or not view.valid(optimizer):
-        view = record.view = _LocalView(optimizer)
+        view = record.view = _LocalView(optimizer, functools.partial(_forget_view, weakref.ref(record)))
+        if not record.load_hook:
+            optimizer.register_load_state_dict_pre_hook(_forget_view_before_load)
+            record.load_hook = True
     return view
+
+
+def _forget_view(record_ref: weakref.ref, _gone: Any) -> None:
+    """A watched local tensor is gone: drop the record's view (whichever it is now: a rebuilt one is built anew
+    at the next step anyway)."""
+    record = record_ref()
+    if record is not None:
+        record.view = None
+
+
+def _forget_view_before_load(optimizer: Optimizer, state_dict: Any) -> None:
+    """``load_state_dict`` replaces the state: drop the view of the old one first, so the old state is freed
+    with it instead of living on beside the loaded one until the next step."""
+    record = _RECORDS.get(optimizer)
+    if record is not None:
+        record.view = None
 
 
 def _step_on_local_shards(optimizer: Optimizer, record: _Record, step: Callable, args: tuple, kwargs: dict) -> Any:
     """``step`` with the param groups and state swapped to the cached local view. No autograd op runs here
     (attribute reads and ``.grad`` assignments), so no ``no_grad`` context: each costs ~3 us a step."""
     view = _view(optimizer, record)
+    if not view.state_laid_out_like_params:
+        return step(optimizer, *args, **kwargs)
     with _NO_TORCH_FUNCTION():
         attached = view.attach_grads()
     if not attached:
@@ -322,13 +402,24 @@ def _step_on_local_shards(optimizer: Optimizer, record: _Record, step: Callable,
     optimizer.state = view.local_state
     try:
         with _NO_SUBCLASS_TORCH_FUNCTION():
-            return step(optimizer, *args, **kwargs)
-    finally:
-        for group, params in zip(optimizer.param_groups, users):
-            group["params"] = params
-        optimizer.state = view.state
-        view.detach_grads()
-        view.sync_state()
+            result = step(optimizer, *args, **kwargs)
+    except BaseException:
+        _hand_back(optimizer, view, users)
+        with contextlib.suppress(Exception):  # fold what torch created before it raised; never mask its error
+            view.sync_state()
+        record.view = None  # the state may be half folded: build the view afresh
+        raise
+    _hand_back(optimizer, view, users)
+    view.sync_state()
+    return result
+
+
+def _hand_back(optimizer: Optimizer, view: _LocalView, users: list) -> None:
+    """The user's param-group lists and state back in place; no reference to a gradient outlives the step."""
+    for group, params in zip(optimizer.param_groups, users):
+        group["params"] = params
+    optimizer.state = view.state
+    view.detach_grads()
 
 
 def _local_step(step: Callable) -> Callable:
@@ -336,11 +427,18 @@ def _local_step(step: Callable) -> Callable:
 
     @functools.wraps(step)
     def wrapper(self: Optimizer, *args: Any, **kwargs: Any) -> Any:
-        closure = kwargs.get("closure", args[0] if args else None)
-        record = None if closure is not None or torch.compiler.is_compiling() else _eligible_record(self)
+        record = None if torch.compiler.is_compiling() else _eligible_record(self)
         if record is None:
             return step(self, *args, **kwargs)
-        return _step_on_local_shards(self, record, step, args, kwargs)
+        closure = kwargs.pop("closure", args[0] if args else None)
+        if closure is None:
+            return _step_on_local_shards(self, record, step, args, kwargs)
+        # Each of these classes' step calls the closure first, under enable_grad, and returns its loss (how
+        # Lightning steps): do that here, then step the gradients it made on the local shards.
+        with torch.enable_grad():
+            loss = closure()
+        _step_on_local_shards(self, record, step, (), kwargs)
+        return loss
 
     setattr(wrapper, _MARK, True)
     return wrapper
