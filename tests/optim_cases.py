@@ -470,6 +470,38 @@ class TypesSeen(torch.overrides.TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
+class Wrapped(torch.Tensor):
+    """A shard with its own dispatch (the shape of torchao's float8 weights): unwraps, runs, rewraps views."""
+
+    @staticmethod
+    def __new__(cls, t: torch.Tensor) -> Wrapped:
+        return torch.Tensor._make_wrapper_subclass(cls, t.shape, strides=t.stride(), dtype=t.dtype, device=t.device)
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self._t = t
+
+    def __tensor_flatten__(self) -> tuple:
+        return ["_t"], None
+
+    @staticmethod
+    def __tensor_unflatten__(inner: dict, meta: Any, outer_size: Any, outer_stride: Any) -> Wrapped:
+        return Wrapped(inner["_t"])
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # noqa: ANN001
+        from torch.utils._pytree import tree_map
+
+        out = func(*tree_map(lambda x: x._t if isinstance(x, Wrapped) else x, (args, kwargs or {}))[0], **kwargs or {})
+        if func._schema.is_mutable and isinstance(args[0], Wrapped):
+            return args[0]
+        views = ("detach", "alias", "view", "slice", "split", "chunk", "narrow", "new_zeros", "zeros_like", "clone")
+        if func.__name__.split(".")[0] in views:
+            return tree_map(lambda x: Wrapped(x) if isinstance(x, torch.Tensor) else x, out)
+        return out
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+
 def _pair() -> tuple:
     """An fsdp() model with AdamW stepping locally, and an identical one on torch's path."""
     m, m_ref = fsdp(mlp(), shard_strat="FULL_SHARD"), fsdp(mlp(), shard_strat="FULL_SHARD")
@@ -521,11 +553,25 @@ def changed_between_steps_or_by_hand():
             outcomes.append(str(error).splitlines()[0])
     assert outcomes[0] == outcomes[1], outcomes
     assert_same("state laid out unlike its parameter", m, o, m_ref, o_ref)
+    x = torch.randn(4, 7)
+    # A shard that is itself a tensor subclass: torch's path (an alias would skip its dispatch), same numbers.
+    models = []
+    for on in (True, False):
+        net = mlp()
+        net[0].weight = nn.Parameter(Wrapped(net[0].weight.detach().clone()))
+        model = fsdp(net, shard_strat="FULL_SHARD")
+        opt = use_local_step(SGD(model.parameters(), lr=0.1, momentum=0.9), on)
+        model(x).square().mean().backward()
+        opt.step()
+        models.append(model)
+    assert type(models[0][0].weight.to_local()) is Wrapped
+    for a, b in zip(models[0].parameters(), models[1].parameters()):
+        la, lb = local(a), local(b)
+        assert torch.equal(getattr(la, "_t", la), getattr(lb, "_t", lb)), "a subclass shard stepped differently"
     # A plain-dict state (restored by hand) and parameters without state (a group added later): KeyError as on
     # torch's path, with the same updates before it.
     m, o, m_ref, o_ref = _pair()
     extras = fsdp(mlp(), shard_strat="FULL_SHARD"), fsdp(mlp(), shard_strat="FULL_SHARD")
-    x = torch.randn(4, 7)
     for model, opt, extra in ((m, o, extras[0]), (m_ref, o_ref, extras[1])):
         train(model, opt, steps=1)
         opt.state = dict(opt.state)

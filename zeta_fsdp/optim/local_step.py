@@ -226,7 +226,10 @@ class _LocalView:
         self.state = optimizer.state
         self.params = [p for g in optimizer.param_groups for p in g["params"]]
         locals_ = [local_tensor(p) for p in self.params]
-        self.aliases = list(map(_alias, locals_))
+        # A shard that is itself a tensor subclass (torchao's float8 weights) has its own dispatch, which an alias
+        # would skip: such a model keeps torch's path.
+        self.steppable = all(type(t) is torch.Tensor for t in locals_)
+        self.aliases = list(map(_alias, locals_)) if self.steppable else []
         # The parameters' local tensors are known by id and watched, not held: when FSDP2 replaces one
         # (``model.to()``, ``to_empty``, an offload), ``on_stale`` drops this view and its aliases at once, so the
         # old shards are freed then, not at the next step. (A watched tensor is never a parameter: weak references
@@ -239,12 +242,11 @@ class _LocalView:
         # torch's own state is a defaultdict; a plain dict (state restored by hand) raises KeyError for a parameter
         # without state as it does on torch's path, before anything is updated
         self.local_state: dict = defaultdict(dict) if isinstance(optimizer.state, defaultdict) else {}
-        self.state_laid_out_like_params = True
         for p, alias in zip(self.params, self.aliases):
             entry = optimizer.state.get(p)
             if entry:
                 self.local_state[alias] = {k: local_tensor(v) for k, v in entry.items()}
-                self.state_laid_out_like_params &= _laid_out_like(entry, p)
+                self.steppable = self.steppable and _laid_out_like(entry, p)
         self._snapshot()
 
     def _snapshot(self) -> None:
@@ -319,12 +321,12 @@ class _LocalView:
 
 def _laid_out_like(entry: dict, param: DTensor) -> bool:
     """Whether every tensor state value of ``param`` (but a scalar like Adam's ``step``) is a DTensor laid out like
-    it. State put in by hand may not be (a plain tensor, another placement): its local tensor is not this shard,
+    it, over a plain local tensor. State put in by hand may not be (a plain tensor, another placement): its local tensor is not this shard,
     so only torch's DTensor path is right (it raises the same error on every rank, or redistributes)."""
     for value in entry.values():
         if not isinstance(value, torch.Tensor) or value.ndim == 0:
             continue
-        if type(value) is not DTensor:
+        if type(value) is not DTensor or type(value._local_tensor) is not torch.Tensor:
             return False
         if value._spec is not param._spec and (
             value.device_mesh != param.device_mesh or value.placements != param.placements or value.shape != param.shape
@@ -390,7 +392,7 @@ def _step_on_local_shards(optimizer: Optimizer, record: _Record, step: Callable,
     """``step`` with the param groups and state swapped to the cached local view. No autograd op runs here
     (attribute reads and ``.grad`` assignments), so no ``no_grad`` context: each costs ~3 us a step."""
     view = _view(optimizer, record)
-    if not view.state_laid_out_like_params:
+    if not view.steppable:
         return step(optimizer, *args, **kwargs)
     with _NO_TORCH_FUNCTION():
         attached = view.attach_grads()
