@@ -455,6 +455,9 @@ def bad_input_and_excluded_optimizers():
 
     use_local_step(Wrapper(o_cl), False)
     assert not steps_locally(o_cl)
+    use_local_step(o_cl, True)
+    use_local_step(type("Holder", (), {"optimizer": o_cl})(), False)  # a wrapper that is no Optimizer itself
+    assert not steps_locally(o_cl)
 
 
 class TypesSeen(torch.overrides.TorchFunctionMode):
@@ -565,6 +568,7 @@ def changed_between_steps_or_by_hand():
         opt.step()
         models.append(model)
     assert type(models[0][0].weight.to_local()) is Wrapped
+    assert not steps_locally(SGD(models[0].parameters(), lr=0.1))
     for a, b in zip(models[0].parameters(), models[1].parameters()):
         la, lb = local(a), local(b)
         assert torch.equal(getattr(la, "_t", la), getattr(lb, "_t", lb)), "a subclass shard stepped differently"
@@ -577,7 +581,8 @@ def changed_between_steps_or_by_hand():
         opt.state = dict(opt.state)
         opt.add_param_group({"params": list(extra.parameters())})
         (model(x).square().mean() + extra(x).square().mean()).backward()
-        expect_error(KeyError, opt.step)
+        message = expect_error(KeyError, opt.step)
+        assert "DTensor" in message and "_LocalParam" not in message, message
     assert steps_locally(o) and not steps_locally(o_ref)
     assert_same("plain-dict state", m, o, m_ref, o_ref)
     assert all(torch.equal(local(a), local(b)) for a, b in zip(extras[0].parameters(), extras[1].parameters()))

@@ -78,15 +78,18 @@ def use_local_step(optimizer: Optimizer, enabled: bool = True) -> Optimizer:
     """
     if not isinstance(enabled, bool):
         raise ValueError(f"use_local_step: enabled={enabled!r} is not accepted. Accepted: True or False.")
-    if not isinstance(optimizer, Optimizer):
-        raise ValueError(
-            f"use_local_step: optimizer={type(optimizer).__name__} is not accepted. Accepted: a torch.optim.Optimizer "
-            "(the optimizer itself, not the model)."
-        )
-    target: Any = optimizer
-    while isinstance(target, Optimizer):  # a wrapper (accelerate's AcceleratedOptimizer) and what it wraps
-        _record(target).off = not enabled
+    chain, target = [], optimizer  # a wrapper (accelerate's AcceleratedOptimizer, your own) and what it holds
+    while target is not None and len(chain) < 8:
+        chain.append(target)
         target = getattr(target, "optimizer", None)
+    optimizers = [o for o in chain if isinstance(o, Optimizer)]
+    if not optimizers:
+        raise ValueError(
+            f"use_local_step: optimizer={type(optimizer).__name__} is not accepted. Accepted: a torch.optim.Optimizer, "
+            "or a wrapper holding one as .optimizer (not the model)."
+        )
+    for each in optimizers:
+        _record(each).off = not enabled
     return optimizer
 
 
@@ -143,6 +146,7 @@ def _eligible_record(optimizer: Optimizer) -> Optional[_Record]:
         params = [p for g in optimizer.param_groups for p in g["params"]]
         ok = bool(params) and is_elementwise(optimizer)
         ok = ok and all(isinstance(p, DTensor) and fsdp_owner(p) is not None for p in params)
+        ok = ok and all(type(p._local_tensor) is torch.Tensor for p in params)  # see _LocalView.steppable
         record.eligible = ok and not any(pl.is_partial() for p in params for pl in p.placements)
         record.layout, record.view = param_layout(optimizer), None
     return record if record.eligible else None
@@ -405,11 +409,15 @@ def _step_on_local_shards(optimizer: Optimizer, record: _Record, step: Callable,
     try:
         with _NO_SUBCLASS_TORCH_FUNCTION():
             result = step(optimizer, *args, **kwargs)
-    except BaseException:
+    except BaseException as error:
         _hand_back(optimizer, view, users)
         with contextlib.suppress(Exception):  # fold what torch created before it raised; never mask its error
             view.sync_state()
         record.view = None  # the state may be half folded: build the view afresh
+        if type(error) is KeyError and error.args and type(error.args[0]) is _LocalParam:  # name the user's parameter
+            index = next((i for i, alias in enumerate(view.aliases) if alias is error.args[0]), None)
+            if index is not None:
+                raise KeyError(view.params[index]) from None
         raise
     _hand_back(optimizer, view, users)
     view.sync_state()
