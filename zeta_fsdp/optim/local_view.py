@@ -80,15 +80,22 @@ def _set_grads(tensors: list, grads: Iterable) -> None:
     deque(map(setattr, tensors, repeat("grad"), grads), maxlen=0)
 
 
-def _grad_layout_differs(grads: list, specs: list) -> bool:
+def _laid_out_as(tensor: Any, param: DTensor) -> bool:
+    """Whether ``tensor`` is a DTensor over a plain local tensor with ``param``'s mesh, placements and shape:
+    then its local tensor holds the elements of ``param``'s shard."""
+    if type(tensor) is not DTensor or type(tensor._local_tensor) is not torch.Tensor:
+        return False
+    return tensor._spec is param._spec or (
+        tensor.device_mesh == param.device_mesh
+        and tensor.placements == param.placements
+        and tensor.shape == param.shape
+    )
+
+
+def _grad_layout_differs(grads: list, params: list) -> bool:
     """Whether a gradient is laid out unlike its parameter (then only torch's DTensor path is right);
     a missing gradient is fine."""
-    for grad, spec in zip(grads, specs):
-        if grad is None or (type(grad) is DTensor and grad._spec is spec):
-            continue
-        if type(grad) is not DTensor or grad.device_mesh != spec.mesh or grad.placements != spec.placements:
-            return True
-    return False
+    return not all(grad is None or _laid_out_as(grad, p) for grad, p in zip(grads, params))
 
 
 class LocalView:
@@ -162,7 +169,7 @@ class LocalView:
                 return True
         except AttributeError:  # a missing (None) or plain-tensor gradient
             pass
-        if _grad_layout_differs(grads, self.specs):
+        if _grad_layout_differs(grads, self.params):
             return False
         _set_grads(self.aliases, [None if g is None else g._local_tensor for g in grads])
         return True
@@ -199,19 +206,11 @@ class LocalView:
 
 
 def _laid_out_like(entry: dict, param: DTensor) -> bool:
-    """Whether every tensor state value of ``param`` (but a scalar like Adam's ``step``) is a DTensor laid out like
-    it, over a plain local tensor. State put in by hand may not be (a plain tensor, another placement): its local tensor is not this shard,
+    """Whether every tensor state value of ``param`` (but a scalar like Adam's ``step``) is laid out as it is.
+    State put in by hand may not be (a plain tensor, another placement): its local tensor is not this shard,
     so only torch's DTensor path is right (it raises the same error on every rank, or redistributes)."""
-    for value in entry.values():
-        if not isinstance(value, torch.Tensor) or value.ndim == 0:
-            continue
-        if type(value) is not DTensor or type(value._local_tensor) is not torch.Tensor:
-            return False
-        if value._spec is not param._spec and (
-            value.device_mesh != param.device_mesh or value.placements != param.placements or value.shape != param.shape
-        ):
-            return False
-    return True
+    tensors = (v for v in entry.values() if isinstance(v, torch.Tensor) and v.ndim > 0)
+    return all(_laid_out_as(value, param) for value in tensors)
 
 
 def _fold_entry(local: dict, entry: dict, param: DTensor) -> None:
