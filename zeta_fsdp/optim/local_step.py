@@ -32,7 +32,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim import SGD, Adagrad, Adam, Adamax, AdamW, NAdam, Optimizer, RAdam, RMSprop
 
 from ..torch_compat import foreach_as_plain
-from .local_view import NO_SUBCLASS_TORCH_FUNCTION, LocalParam, LocalView
+from .local_view import LocalParam, LocalView, no_override_context
 from .registry import fsdp_owner, layout_matches, param_layout, register_fsdp_model, snapshot_params
 
 __all__ = ["ELEMENTWISE_OPTIMIZERS", "ENV_VAR", "install", "is_elementwise", "snapshot_params", "steps_locally"]
@@ -189,7 +189,7 @@ def _step_on_local_shards(optimizer: Optimizer, record: _Record, step: Callable,
         group["params"] = local
     optimizer.state = view.local_state
     try:
-        with NO_SUBCLASS_TORCH_FUNCTION():
+        with no_override_context():
             result = step(optimizer, *args, **kwargs)
     except BaseException as error:
         _hand_back(optimizer, view, users)
