@@ -387,10 +387,75 @@ def default_implementation_is_the_plain_tensors_one():
             ran.clear()
             assert side_by_side(f"default {cls.__name__}", cls, options, {"shard_strat": "FULL_SHARD"})
             kinds = {t.__name__ for _, t in ran}
-            assert len(ran) == 12 and kinds == {"DTensor", "LocalParam"}, f"{cls.__name__}: multi-tensor ran {ran}"
+            # the first local step through torch's step on the aliases, the later ones its functional call
+            assert len(ran) == 12 and kinds == {"DTensor", "LocalParam", "Tensor"}, f"{cls.__name__}: ran {ran}"
     finally:
         optimizer_module._get_foreach_kernels_supported_devices, adam_module._multi_tensor_adam = saved
         sgd_module._multi_tensor_sgd = saved_sgd
+
+
+class WithFrozen(nn.Module):
+    """``mlp()`` and a frozen layer: its parameters get no gradient (an unused one would get zeros from FSDP2)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net, self.frozen = mlp(), nn.Linear(3, 3).requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+@case
+def functional_call_after_the_first_step():
+    """From its second step on, the local step calls torch's functional implementation itself (no ``_init_group``
+    loop); where that is not what torch's step would do it runs torch's own step on the aliases: a parameter without
+    a gradient, a tensor lr, a torch release not compared with the calls. Bit for bit as torch's path either way."""
+    from zeta_fsdp.optim import functional_step
+
+    def counting(cls: type) -> Callable:
+        own = cls.__dict__["_init_group"]
+        cls._init_group = lambda self, *a: calls.append(id(self)) or own(self, *a)
+        return lambda: setattr(cls, "_init_group", own)
+
+    def run(cls: type, options: dict, make: Callable = mlp, groups: bool = True) -> tuple[int, int]:
+        """Calls of ``_init_group`` in three steps: (local step, torch's path)."""
+        m_ref, m_loc = fsdp(make(), shard_strat="FULL_SHARD"), fsdp(make(), shard_strat="FULL_SHARD")
+
+        def build(m: nn.Module) -> torch.optim.Optimizer:  # a tensor lr of its own: the scheduler updates it in place
+            own = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in options.items()}
+            return two_groups(m, cls, own) if groups else cls(m.parameters(), **own)
+
+        o_ref, o_loc = use_local_step(build(m_ref), False), build(m_loc)
+        calls.clear()
+        train(m_ref, o_ref)
+        train(m_loc, o_loc)
+        assert_same(f"{cls.__name__} {options}", m_loc, o_loc, m_ref, o_ref)
+        return calls.count(id(o_loc)), calls.count(id(o_ref))
+
+    calls: list = []
+    restores = [
+        counting(cls) for cls in (SGD, Adam, AdamW, RMSprop) if "_init_group" in cls.__dict__
+    ]  # AdamW's may be Adam's
+    try:
+        # once (per group) at the first step, which creates the state; torch's path every step
+        assert run(Adam, {"lr": 0.01, "foreach": True}) == (2, 6)
+        assert run(SGD, {"lr": 0.1, "momentum": 0.9, "foreach": False}) == (2, 6)
+        assert run(AdamW, {"lr": 0.01, "fused": True}) == (2, 6)
+        assert run(RMSprop, {"lr": 0.01, "centered": True, "momentum": 0.5}) == (2, 6)
+        # what only torch's step does right: every step through it
+        counts = run(Adam, {"lr": 0.01}, make=WithFrozen, groups=False)  # no gradient, no state
+        assert counts == (3, 3), counts
+        counts = run(Adam, {"lr": torch.tensor(0.01), "foreach": False}, groups=False)
+        assert counts == (3, 3), counts
+        verified, functional_step._VERIFIED = functional_step._VERIFIED, False
+        try:
+            counts = run(SGD, {"lr": 0.1, "momentum": 0.9}, groups=False)
+            assert counts == (3, 3), counts
+        finally:
+            functional_step._VERIFIED = verified
+    finally:
+        for restore in restores:
+            restore()
 
 
 class MyAdamW(AdamW):
@@ -427,11 +492,20 @@ def bad_input_and_excluded_optimizers():
     o_cl, o_cl_ref = AdamW(m_cl.parameters(), lr=0.01), use_local_step(AdamW(m_cl_ref.parameters(), lr=0.01), False)
     o_cl.register_step_pre_hook(lambda opt, args, kwargs: seen.append(type(opt.param_groups[0]["params"][0])))
     x = torch.randn(4, 7)
-    for _ in range(2):
-        with TypesSeen() as types:
-            loss = o_cl.step(lambda: m_cl(x).square().mean().backward() or torch.tensor(1.5))
-        assert loss.item() == 1.5 and "LocalParam" in types, (loss, types)
-        assert o_cl_ref.step(closure=lambda: m_cl_ref(x).square().mean().backward()) is None
+    import torch.optim.adam as adam_module
+
+    functional, stepped = adam_module.adam, []
+    adam_module.adam = lambda params, *a, **k: stepped.append(type(params[0]).__name__) or functional(params, *a, **k)
+    try:
+        for _ in range(2):
+            with TypesSeen() as types:  # a user's mode around the step: both local paths run under it
+                loss = o_cl.step(lambda: m_cl(x).square().mean().backward() or torch.tensor(1.5))
+            assert loss.item() == 1.5 and types, (loss, types)
+            assert o_cl_ref.step(closure=lambda: m_cl_ref(x).square().mean().backward()) is None
+    finally:
+        adam_module.adam = functional
+    # the first step through torch's step on the aliases, the second its functional call on the shards
+    assert stepped == ["LocalParam", "DTensor", "Tensor", "DTensor"], stepped
     assert_same("closure", m_cl, o_cl, m_cl_ref, o_cl_ref)
     assert seen and all(t is DTensor for t in seen), seen
     for off in ("0", "false", " OFF", "no"):

@@ -16,7 +16,7 @@ import operator
 import weakref
 from collections import defaultdict, deque
 from itertools import chain, compress, islice, repeat
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Optional
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -138,8 +138,13 @@ class LocalView:
         # to parameters would break ``torch.utils.swap_tensors``.)
         self.local_ids = list(map(id, locals_))
         self._watchers = [weakref.ref(t, on_stale) for t in locals_]
-        aliases = iter(self.aliases)
+        aliases, plain = iter(self.aliases), iter(locals_)
         self.groups = [list(islice(aliases, len(g["params"]))) for g in optimizer.param_groups]
+        # The same, as the shards' own (plain) local tensors: what ``functional_step`` hands torch's functional
+        # implementations (no alias needed there: the gradients go in a list, not through ``.grad``).
+        self.group_locals = [list(islice(plain, len(g["params"]))) for g in optimizer.param_groups]
+        self.has_complex = self.steppable and any(map(torch.is_complex, locals_))
+        self.torch_stepped = False  # set by the caller after a step through torch's own ``step`` on this view
         self.specs = [p._spec for p in self.params]
         # torch's own state is a defaultdict; a plain dict (state restored by hand) raises KeyError for a parameter
         # without state as it does on torch's path, before anything is updated
@@ -152,6 +157,7 @@ class LocalView:
         self._snapshot()
 
     def _snapshot(self) -> None:
+        self._lists: dict = {}  # (group index, state keys) -> state_lists(): the state changed, build them anew
         self.keys = list(self.state)
         self.entries = list(self.state.values())
         self.values = list(_values(self.entries))
@@ -175,21 +181,37 @@ class LocalView:
             and _same(map(_LOCAL_TENSOR, compress(self.values, self.dtensor_mask)), self.dtensor_locals)
         )
 
-    def attach_grads(self) -> bool:
-        """Each alias gets its parameter's local gradient; ``False`` (nothing attached) if a
-        gradient's layout differs from its parameter's."""
+    def local_grads(self) -> Optional[list]:
+        """Each parameter's local gradient (``None`` where it has none), or ``None`` if a gradient is laid out
+        unlike its parameter (then only torch's DTensor path is right)."""
         with _NO_TORCH_FUNCTION():
             grads = list(map(_GRAD, self.params))
         try:  # the common case, at C speed: every gradient a DTensor on its parameter's spec (FSDP2 reuses it)
             if _same(map(_SPEC, grads), self.specs):
-                _set_grads(self.aliases, map(_LOCAL_TENSOR, grads))
-                return True
+                return list(map(_LOCAL_TENSOR, grads))
         except AttributeError:  # a missing (None) or plain-tensor gradient
             pass
         if _grad_layout_differs(grads, self.params):
-            return False
-        _set_grads(self.aliases, [None if g is None else g._local_tensor for g in grads])
-        return True
+            return None
+        return [None if g is None else g._local_tensor for g in grads]
+
+    def attach_grads(self, grads: list) -> None:
+        """Each alias gets its parameter's local gradient (``local_grads()``) for torch's own step."""
+        _set_grads(self.aliases, grads)
+
+    def state_lists(self, index: int, keys: tuple) -> Optional[dict]:
+        """For param group ``index``: each state key of ``keys`` -> the local state tensors of its parameters
+        in order, the lists torch's step would collect; ``None`` if a parameter lacks one (torch's step would
+        create it). Cached until the state changes."""
+        cached = self._lists.get((index, keys), False)
+        if cached is not False:
+            return cached
+        entries = [self.local_state.get(alias) for alias in self.groups[index]]
+        lists: Optional[dict] = {key: [e.get(key) if e else None for e in entries] for key in keys}
+        if any(not isinstance(v, torch.Tensor) for values in lists.values() for v in values):
+            lists = None
+        self._lists[(index, keys)] = lists
+        return lists
 
     def detach_grads(self) -> None:
         _set_grads(self.aliases, repeat(None))  # the DTensor keeps the gradient; no second reference outlives the step
