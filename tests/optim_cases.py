@@ -14,7 +14,7 @@ from __future__ import annotations
 import copy
 import os
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 import torch.nn as nn
@@ -405,6 +405,22 @@ class WithFrozen(nn.Module):
         return self.net(x)
 
 
+def _closure(model: nn.Module, opt: torch.optim.Optimizer, g: torch.Generator, edit: Optional[str]) -> Callable:
+    """A training closure that first adds the model's last layer as a group or drops a parameter (``edit``)."""
+
+    def closure() -> torch.Tensor:
+        if edit == "add":
+            opt.add_param_group({"params": list(model[2].parameters())})
+        elif edit == "remove":
+            opt.param_groups[0]["params"].pop()
+        opt.zero_grad()
+        loss = model(torch.randn(4, 7, generator=g)).square().mean()
+        loss.backward()
+        return loss
+
+    return closure
+
+
 @case
 def functional_call_after_the_first_step():
     """From its second step on, the local step calls torch's functional implementation itself (no ``_init_group``
@@ -431,6 +447,18 @@ def functional_call_after_the_first_step():
         train(m_loc, o_loc)
         assert_same(f"{cls.__name__} {options}", m_loc, o_loc, m_ref, o_ref)
         return calls.count(id(o_loc)), calls.count(id(o_ref))
+
+    # A closure that changes the param groups (add_param_group in a Lightning training_step): stepped as changed.
+    for edit in ("add", "remove"):
+        pair = []
+        for on in (False, True):
+            model = fsdp(mlp(), shard_strat="FULL_SHARD")
+            opt = use_local_step(Adam(model[0].parameters(), lr=0.01), on)
+            g = torch.Generator().manual_seed(3 + rank())
+            for s in range(4):
+                opt.step(_closure(model, opt, g, edit if s == 2 else None))
+            pair += [model, opt]
+        assert_same(f"closure that changes the groups ({edit})", pair[2], pair[3], pair[0], pair[1])
 
     calls: list = []
     restores = [
@@ -520,6 +548,10 @@ def bad_input_and_excluded_optimizers():
     finally:
         del os.environ[ENV_VAR]
     assert steps_locally(o_cl)
+    o_cl.param_groups[0]["differentiable"] = True  # set after steps: torch's path from then on
+    assert not steps_locally(o_cl)
+    o_cl.param_groups[0]["differentiable"] = False
+    assert steps_locally(o_cl)
     expect_error(ValueError, lambda: use_local_step(o_cl, "yes"), "True or False")
     expect_error(ValueError, lambda: use_local_step(m_cl, False), "not the model")
 
@@ -605,12 +637,12 @@ def changed_between_steps_or_by_hand():
     # FSDP2 gives the parameters new local tensors (what model.to(...) does): the old shards are freed at once,
     # not kept by the cached view until the next step. load_state_dict: the old state goes with the view.
     m, o, _, _ = _pair()
-    train(m, o, steps=1)
-    shards = [weakref.ref(p.to_local()) for p in m.parameters()]
+    train(m, o, steps=3)  # the later steps through the functional call
+    shards = [weakref.ref(p._local_tensor) for p in m.parameters()]  # to_local() returns a new view each call
     m._apply(lambda t: t.clone())
     gc.collect()
     assert all(r() is None for r in shards), "old shards are still held after the parameters were replaced"
-    old_state = [weakref.ref(v.to_local()) for st in o.state.values() for v in st.values() if isinstance(v, DTensor)]
+    old_state = [weakref.ref(v._local_tensor) for st in o.state.values() for v in st.values() if isinstance(v, DTensor)]
     o.load_state_dict(copy.deepcopy(o.state_dict()))
     gc.collect()
     assert old_state and all(r() is None for r in old_state), "the old optimizer state is held after loading"

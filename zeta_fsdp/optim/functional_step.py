@@ -185,13 +185,14 @@ def try_step(optimizer: Optimizer, view: LocalView, grads: list) -> bool:
     recipe = RECIPES.get(type(optimizer))
     if recipe is None or not _VERIFIED or not view.torch_stepped or view.has_complex or _any_missing(grads):
         return False
-    calls, start = [], 0
-    for index, (group, params) in enumerate(zip(optimizer.param_groups, view.group_locals)):
+    calls, start, shards = [], 0, view.shard_locals()
+    for index, (group, aliases) in enumerate(zip(optimizer.param_groups, view.groups)):
         lists = view.state_lists(index, recipe.keys(group))
         if lists is None or isinstance(group["lr"], torch.Tensor):  # torch's own checks of a tensor lr apply
             return False
-        calls.append((group, params, grads[start : start + len(params)], lists))
-        start += len(params)
+        end = start + len(aliases)
+        calls.append((group, shards[start:end], grads[start:end], lists))
+        start = end
     with torch.no_grad():  # what the step's ``_use_grad_for_differentiable`` sets (differentiable is off here)
         if recipe.capture_check:
             _capture_check(optimizer)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import operator
 import os
 import weakref
 from typing import Any, Callable, Optional
@@ -119,6 +120,7 @@ def steps_locally(optimizer: Optimizer) -> bool:
     return _eligible_record(optimizer) is not None
 
 
+_DIFFERENTIABLE = operator.methodcaller("get", "differentiable", False)
 _OFF_VALUES, _ON_VALUES = frozenset({"0", "false", "off", "no"}), frozenset({"", "1", "true", "on", "yes"})
 
 
@@ -150,7 +152,9 @@ def _eligible_record(optimizer: Optimizer) -> Optional[_Record]:
         ok = ok and all(type(p._local_tensor) is torch.Tensor for p in params)  # see LocalView.steppable
         record.eligible = ok and not any(pl.is_partial() for p in params for pl in p.placements)
         record.layout, record.view = param_layout(optimizer), None
-    return record if record.eligible else None
+    if not record.eligible or any(map(_DIFFERENTIABLE, optimizer.param_groups)):  # a flag set after a step
+        return None
+    return record
 
 
 def _view(optimizer: Optimizer, record: _Record) -> LocalView:
@@ -239,7 +243,11 @@ def _local_step(step: Callable) -> Callable:
         # Lightning steps): do that here, then step the gradients it made on the local shards.
         with torch.enable_grad():
             loss = closure()
-        _step_on_local_shards(self, record, step, (), kwargs)
+        record = _eligible_record(self)  # the closure may change the param groups (add_param_group in training_step)
+        if record is None:
+            step(self, **kwargs)
+        else:
+            _step_on_local_shards(self, record, step, (), kwargs)
         return loss
 
     setattr(wrapper, _MARK, True)

@@ -138,11 +138,8 @@ class LocalView:
         # to parameters would break ``torch.utils.swap_tensors``.)
         self.local_ids = list(map(id, locals_))
         self._watchers = [weakref.ref(t, on_stale) for t in locals_]
-        aliases, plain = iter(self.aliases), iter(locals_)
+        aliases = iter(self.aliases)
         self.groups = [list(islice(aliases, len(g["params"]))) for g in optimizer.param_groups]
-        # The same, as the shards' own (plain) local tensors: what ``functional_step`` hands torch's functional
-        # implementations (no alias needed there: the gradients go in a list, not through ``.grad``).
-        self.group_locals = [list(islice(plain, len(g["params"]))) for g in optimizer.param_groups]
         self.has_complex = self.steppable and any(map(torch.is_complex, locals_))
         self.torch_stepped = False  # set by the caller after a step through torch's own ``step`` on this view
         self.specs = [p._spec for p in self.params]
@@ -180,6 +177,12 @@ class LocalView:
             # a state DTensor given another local tensor in place (``torch.utils.swap_tensors``)
             and _same(map(_LOCAL_TENSOR, compress(self.values, self.dtensor_mask)), self.dtensor_locals)
         )
+
+    def shard_locals(self) -> list:
+        """The parameters' own local tensors, as ``valid()`` found them: what ``functional_step`` hands torch's
+        functional implementations (no alias there: the gradients go in a list). Read each step, never held, so
+        the watchers above still free a replaced shard at once."""
+        return list(map(_LOCAL_TENSOR, self.params))
 
     def local_grads(self) -> Optional[list]:
         """Each parameter's local gradient (``None`` where it has none), or ``None`` if a gradient is laid out
