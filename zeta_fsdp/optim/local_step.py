@@ -191,11 +191,10 @@ def _step_on_local_shards(optimizer: Optimizer, record: _Record, step: Callable,
     grads = view.local_grads() if view.steppable else None
     if grads is None:
         return step(optimizer, *args, **kwargs)
-    with no_override_context():
-        if (
-            not args and not kwargs and try_step(optimizer, view, grads)
-        ):  # torch's functional implementation, called as its step would
-            return None
+    with no_override_context():  # torch's functional implementation, called as the class's step calls it
+        done = not args and not kwargs and try_step(optimizer, view, grads)
+    if done:
+        return None
     view.attach_grads(grads)
     users = [group["params"] for group in optimizer.param_groups]  # the very lists (a user may hold one)
     for group, local in zip(optimizer.param_groups, view.groups):
