@@ -19,6 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from .distributed import choose_device, ensure_process_group, expected_world_size, local_world_size
+from .divergence import add_divergence_check, resolve_forwards
 from .engines import Engine, WrapOptions, engine_named, fsdp_engine, get_wrap_plan, is_fsdp_wrapped, record_wrap
 from .fp32_modules import Fp32Selection, KeepFp32Spec, add_cast_hooks, select_fp32
 from .materialize import materialize_meta_model
@@ -113,6 +114,7 @@ def fsdp(
     keep_tail_unsharded: Union[bool, int] = False,
     prefetch: Optional[int] = None,
     keep_fp32: KeepFp32Spec = None,
+    divergence_check: Union[bool, int, None] = None,
 ) -> nn.Module:
     """Shard ``model`` with FSDP2 (``fully_shard``) and return the same object, now an ``FSDPModule``
     (under NO_SHARD in fp32 or bf16: replicated with DDP's engine, see Engines below).
@@ -168,6 +170,7 @@ def fsdp(
     spec = resolve_sharding(shard_strat)
     layout = _layout(spec, mesh, replicate_size, reshard_after_forward, keep_tail_unsharded, prefetch)
     ignored = _ignored_parameters(model, ignored_params, ignored_modules)
+    check_forwards = resolve_forwards(divergence_check)
     plan = build_wrap_plan(model, auto_wrap=auto_wrap, transformer_block=TransformerBlock, ignored_params=ignored)
     fp32 = select_fp32(model, keep_fp32, mp_policy)
     owned = dict(ignored=frozenset(ignored), fp32_params=tuple(fp32.param_names), cpu_offload=cpu_offload)
@@ -181,6 +184,8 @@ def fsdp(
     # 3. Per-block transforms, then sharding bottom-up (or replication), then meta materialization.
     transforms = dict(activation_checkpointing=activation_checkpointing, compile=compile, materialize=materialize)
     _shard(model, plan, engine, options, master=master, fp32=fp32, **transforms)
+    modules = [(n or "<root>", m) for u in plan.units for n, m in zip(u.module_names, u.modules)]
+    add_divergence_check(model, modules, options.mesh, check_forwards)
     # what fsdp_engine(), get_wrap_plan(), compute_device() read
     record_wrap(model, name, plan, options.device, cpu_offload)
     return model

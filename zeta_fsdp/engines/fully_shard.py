@@ -81,11 +81,9 @@ def check(plan: WrapPlan, model: nn.Module, master: Optional[torch.dtype]) -> No
 def _check_unused_params(plan: WrapPlan) -> None:
     """On a torch without ``set_reduce_scatter_unused_params``, refuse a model whose forward may skip
     parameters on some ranks (``WrapPlan.skippable``): its gradients would come out wrong, silently."""
-    # a block no forward provably runs (a helper dispatching experts) may go unused just the same
-    maybe_unused = {**plan.skippable, **plan.unproven}
-    if REDUCES_UNUSED_PARAMS or not maybe_unused:
+    if REDUCES_UNUSED_PARAMS or not plan.skippable:
         return
-    name, why = next(iter(maybe_unused.items()))
+    name, why = next(iter(plan.skippable.items()))
     raise ValueError(
         f"fsdp(): {name} ({why}) may go unused on some ranks in a step, and torch {torch.__version__} "
         "cannot shard such a model correctly: its FSDP2 reduce-scatters only the gradients each rank has, "

@@ -12,8 +12,8 @@ import torch.nn as nn
 from ..ties import tied_parameter_groups
 from .detect import BlockSpec, block_specs, detect_blocks, resolve_block_classes, split_suggestion
 from .plan import WrapPlan, WrapUnit, claiming_unit, fill_params
-from .skips import proven_blocks, runnable_blocks, skippable_modules, skippable_note, unproven_ids, unproven_note
-from .tree import CONTAINERS, declared_blocks, find_blocks, is_under, members_of
+from .skips import check_layerdrop, runnable_blocks, skip_evidence, skippable_note
+from .tree import CONTAINERS, find_blocks, is_under, members_of
 
 __all__ = ["add_fp32_units", "build_wrap_plan"]
 
@@ -107,27 +107,24 @@ def build_wrap_plan(
     """
     notes: list[str] = []
     classes = _block_classes(model, auto_wrap, transformer_block, caller, notes)
-    skippable = skippable_modules(model)
+    skippable = skip_evidence(model, given=transformer_block is not None)
     blocks = find_blocks(model, classes)
-    unproven: dict[str, str] = {}
-    if auto_wrap:
-        blocks, unproven = _runnable(model, blocks, skippable, transformer_block is not None, caller, notes)
+    if auto_wrap and skippable:
+        blocks = runnable_blocks(model, blocks, skippable, given=transformer_block is not None, caller=caller)
+        notes.append(skippable_note(skippable))
+    if blocks:
+        check_layerdrop(model, caller)
     tied = tied_parameter_groups(model)
     block_counts = Counter(type(m) for _, m in blocks)
     singletons = {n for n, m in blocks if block_counts[type(m)] == 1}
-    units = _resolve_ties(_units_of(model, blocks), tied, singletons, caller)
+    units = _resolve_ties(_units_of(model, blocks, skippable), tied, singletons, caller)
     ignored_names, scalar_names = fill_params(units, model, {id(p) for p in (ignored_params or ())})
     # A unit with no parameters would only add hooks and an empty all-gather.
     units = [u for u in units if u.numel > 0 or u.kind == "root"]
     plan = WrapPlan(
         units, classes, tied, ignored_param_names=ignored_names, scalar_param_names=scalar_names, notes=notes
     )
-    plan.unproven = unproven
-    # Blocks a Hugging Face model declares are skipped only by LayerDrop (off unless configured).
-    declared = tuple(declared_blocks(model))
-    plan.skippable = {
-        n: why for n, why in skippable.items() if not any(isinstance(m, declared) for m in model.get_submodule(n))
-    }
+    plan.skippable = skippable
     plan.recount(model)
     _note_largest(plan, model, skippable)
     return plan
@@ -169,33 +166,11 @@ def _block_classes(
     return classes
 
 
-def _runnable(
-    model: nn.Module,
-    blocks: list[tuple[str, nn.Module]],
-    skippable: dict[str, str],
-    given: bool,
-    caller: str,
-    notes: list[str],
-) -> tuple[list[tuple[str, nn.Module]], dict[str, str]]:
-    """The blocks every rank runs in every step (``skips``): without members a forward may skip and
-    blocks no forward provably runs (refused when the user named them, ``given``); the others by name."""
-    if skippable:
-        declared = not given and bool(declared_blocks(model))
-        blocks = runnable_blocks(model, blocks, skippable, given=given, declared=declared, caller=caller)
-        notes.append(skippable_note(skippable, declared=declared))
-    if not blocks:
-        return blocks, {}
-    blocks, unproven = proven_blocks(model, blocks, given=given, caller=caller)
-    if unproven:
-        notes.append(unproven_note(unproven))
-    return blocks, unproven
-
-
-def _units_of(model: nn.Module, blocks: list[tuple[str, nn.Module]]) -> list[WrapUnit]:
+def _units_of(model: nn.Module, blocks: list[tuple[str, nn.Module]], skippable: dict[str, str]) -> list[WrapUnit]:
     """One unit per block, then the embeddings, then ``[final norm, head]`` (with blocks only; a module
-    no forward provably runs, an optional tower, stays in the root), then the root."""
+    a forward may skip, an optional tower, stays in the root), then the root."""
     units = [WrapUnit("block", [name], [module]) for name, module in blocks]
-    skipped_ids = unproven_ids(model) if blocks else set()
+    skipped_ids = members_of(model, skippable) if blocks else set()
     for kind, group in zip(("embedding", "head"), _embedding_and_head_modules(model, blocks) if blocks else ()):
         group = [(n, m) for n, m in group if id(m) not in skipped_ids]
         if group:
@@ -213,7 +188,7 @@ def _note_largest(plan: WrapPlan, model: nn.Module, skippable: dict[str, str]) -
     plan.notes.append(f"largest unit: {largest.name} ({largest.kind}), {100 * share:.1f}% of the parameters")
     if share <= _LARGE_SHARE:
         return
-    skipped = members_of(model, skippable) | unproven_ids(model)
+    skipped = members_of(model, skippable)
     names = [c.__name__ for c in split_suggestion(model, largest, skipped)[:2]]
     if names:
         plan.notes.append(

@@ -10,7 +10,7 @@ from typing import Sequence, Union
 import torch.nn as nn
 
 from .plan import WrapUnit
-from .skips import skippable_modules, unproven_ids
+from .skips import skippable_modules
 from .tree import CONTAINERS, declared_blocks, members_of
 
 __all__ = ["BlockSpec", "block_specs", "detect_block_classes", "detect_blocks", "is_layer_like"]
@@ -165,7 +165,7 @@ def detect_blocks(model: nn.Module) -> tuple[tuple[type, ...], list[type]]:
     if named:
         return tuple(named), []
     counts = _repeated_children(model)
-    skipped = members_of(model, skippable_modules(model)) | unproven_ids(model) if counts else set()
+    skipped = members_of(model, skippable_modules(model)) if counts else set()
     candidates = [
         cls for cls, _ in counts.most_common() if not all(id(m) in skipped for m in model.modules() if type(m) is cls)
     ]

@@ -67,10 +67,8 @@ class WrapPlan:
     ``scalar_param_names``: 0-dim parameters (CLIP's ``logit_scale``). ``fully_shard`` cannot
     shard a scalar, so ``fsdp()`` keeps them whole on every rank and averages their gradient
     across ranks itself; they are listed in ``ignored_param_names`` too and owned by no unit.
-    ``skippable``: containers whose members a forward may skip on some ranks (MoE experts), by
-    name with why (``skippable_modules``); their members are never units. ``unproven``: blocks
-    that are not units because no forward provably runs them on every call (``always_run``:
-    a helper function dispatching experts, an optional tower, a source that cannot be read).
+    ``skippable``: modules a forward may skip on some ranks (MoE experts, an optional tower), by
+    name with why (``skip_evidence``); neither they nor their members are units.
 
     Example:
         >>> from zeta_fsdp.models.gpt import small
@@ -93,10 +91,8 @@ class WrapPlan:
     tied_params: list[list[str]]
     ignored_param_names: list[str] = field(default_factory=list)
     scalar_param_names: list[str] = field(default_factory=list)
-    # Containers a forward may skip on some ranks (experts of an MoE layer): name -> why.
+    # Modules a forward may skip on some ranks (experts of an MoE layer, an optional tower): name -> why.
     skippable: dict[str, str] = field(default_factory=dict)
-    # Block instances left out of the units as no forward provably runs them every step: name -> why.
-    unproven: dict[str, str] = field(default_factory=dict)
     # What the planner decided and why, in words (``table()`` prints them).
     notes: list[str] = field(default_factory=list)
 

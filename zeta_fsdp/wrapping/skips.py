@@ -1,6 +1,17 @@
-"""Which modules a forward may not run on every rank in a step: members a forward runs under a
-condition (the experts of an MoE layer), blocks no forward provably runs (``always_run``). Such
-modules never become units: a unit one rank skips would miss its collectives there."""
+"""Evidence that a forward may skip a module on some ranks in a step: such a module never becomes a
+unit (a unit one rank skips misses collectives its peers join), and naming it is refused.
+
+Evidence only; code that cannot be read is trusted (the run-time check, ``divergence``, catches the rest):
+- experts: a container named ``expert...`` (the members a router picks per token);
+- a readable call under a condition on the data: in a ``forward`` (or a module-level helper it hands
+  ``self`` or a child to), a child that runs only in one branch of a test reading the call's arguments
+  (or something computed from them, or a random draw), inside a loop over data, or after a
+  data-dependent ``return`` / ``continue`` / ``break``: a router's ``if mask.any()``, an optional
+  tower's ``if image is not None``, stochastic depth's ``if torch.rand(()) < p: continue``;
+- a Hugging Face multimodal language model's towers (``modality_towers``); Hugging Face forwards are
+  otherwise trusted (their conditions read the call's options, alike on every rank; LayerDrop is refused
+  by ``fsdp()`` from the config).
+"""
 
 from __future__ import annotations
 
@@ -9,108 +20,311 @@ import functools
 import inspect
 import re
 import textwrap
-from typing import Optional
+from typing import Callable, Optional
 
 import torch.nn as nn
 
-from ..always_run import always_run, modality_towers
 from .tree import declared_blocks, is_hugging_face, is_under, members_of
 
-__all__ = ["proven_blocks", "runnable_blocks", "skippable_modules", "skippable_note", "unproven_ids", "unproven_note"]
+__all__ = [
+    "check_layerdrop",
+    "modality_towers",
+    "runnable_blocks",
+    "skip_evidence",
+    "skippable_modules",
+    "skippable_note",
+]
 
-# A container of this name holds the experts of a mixture-of-experts layer: a router picks a few per token.
 _EXPERTS = re.compile(r"expert", re.IGNORECASE)
+_TOWER = re.compile(r"(vision|visual|image|audio|video|speech|multi_modal|mm_)", re.IGNORECASE)
+_RANDOM = {"rand", "rand_like", "randn", "random", "bernoulli", "uniform", "randint", "multinomial"}
+_EXITS = (ast.Return, ast.Continue, ast.Break)
+_LOOPS = (ast.For, ast.AsyncFor, ast.While)
+_HELPER_DEPTH = 2  # helpers reached from a forward through helpers: enough for the dispatch code seen
 
 
 @functools.cache
-def _forward_tree(cls: type) -> Optional[ast.AST]:
-    """The parsed source of ``cls.forward`` (``None`` when there is none to read: a builtin, a REPL class)."""
+def _function_tree(fn: Callable) -> Optional[ast.FunctionDef]:
+    """The parsed definition of ``fn`` (``None`` when it cannot be read: builtin, REPL, ``exec``)."""
     try:
-        return ast.parse(textwrap.dedent(inspect.getsource(cls.forward)))
-    except (OSError, TypeError, SyntaxError, AttributeError):
+        tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
+    except (OSError, TypeError, SyntaxError, IndentationError):
+        return None
+    first = tree.body[0] if tree.body else None
+    return first if isinstance(first, (ast.FunctionDef, ast.AsyncFunctionDef)) else None
+
+
+def _params(node: ast.FunctionDef) -> list[str]:
+    a = node.args
+    return [p.arg for p in [*a.posonlyargs, *a.args, *a.kwonlyargs, *filter(None, [a.vararg, a.kwarg])]]
+
+
+class _Reader:
+    """One function read as a module's forward: where each child is used and the conditions around it.
+
+    ``selves``: names that stand for the module (``self``, or ``this``); ``aliases``: names that stand
+    for a child (a helper's parameter handed ``self.layers``); ``children``: the module's child names.
+    """
+
+    def __init__(self, fn: ast.FunctionDef, selves: set[str], aliases: dict[str, str], children: list[str]):
+        self.fn, self.selves, self.aliases, self.children = fn, selves, dict(aliases), children
+        self.members: set[str] = set()  # aliases that stand for one member of a child (loop variables)
+        self.parents = {id(c): p for p in ast.walk(fn) for c in ast.iter_child_nodes(p)}
+        self.data = self._data_names()
+
+    def refs(self, node: ast.AST) -> set[str]:
+        """The children ``node`` itself names: ``self.x``, an alias, ``getattr(self, "x")`` / ``f"x{i}"``."""
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in self.selves:
+            return {node.attr} & set(self.children)
+        if isinstance(node, ast.Name) and node.id in self.aliases:
+            return {self.aliases[node.id]}
+        if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "getattr" and len(node.args) >= 2:
+            owner, key = node.args[0], node.args[1]
+            if isinstance(owner, ast.Name) and owner.id in self.selves:
+                prefix = key.value if isinstance(key, ast.Constant) else None
+                if isinstance(key, ast.JoinedStr) and key.values and isinstance(key.values[0], ast.Constant):
+                    prefix = key.values[0].value
+                return {c for c in self.children if isinstance(prefix, str) and c.startswith(prefix)}
+        return set()
+
+    def reads(self, node: ast.AST, names: set[str]) -> bool:
+        return any(isinstance(n, ast.Name) and n.id in names or _attr_key(n) in names for n in ast.walk(node))
+
+    def is_data(self, node: ast.AST) -> bool:
+        """``node`` reads the call's arguments (or what was computed from them) or draws a random number."""
+        random = any(isinstance(n, ast.Call) and _callee_name(n) in _RANDOM for n in ast.walk(node))
+        return random or self.reads(node, self.data)
+
+    def _data_names(self) -> set[str]:
+        """The arguments (not ``self``, nor a flag with a constant default such as timm's ``pre_logits=False``),
+        and every local or ``self.x`` assigned from them (a fixed point)."""
+        data = set(_params(self.fn)) - self.selves - _options(self.fn)
+        bindings = []
+        for n in ast.walk(self.fn):
+            if isinstance(n, (ast.Assign, ast.AugAssign, ast.AnnAssign, ast.NamedExpr)) and n.value is not None:
+                targets = n.targets if isinstance(n, ast.Assign) else [n.target]
+                bindings.append((n.value, targets))
+            elif isinstance(n, (ast.For, ast.AsyncFor, ast.comprehension)):
+                bindings.append((n.iter, [n.target]))
+        for _ in range(len(bindings) + 1):
+            grown = {
+                key
+                for value, targets in bindings
+                if self.is_data_value(value, data)
+                for t in targets
+                for key in _bound_names(t)
+            }
+            if grown <= data:
+                return data
+            data |= grown
+        return data
+
+    def is_data_value(self, value: ast.AST, data: set[str]) -> bool:
+        random = any(isinstance(n, ast.Call) and _callee_name(n) in _RANDOM for n in ast.walk(value))
+        return random or self.reads(value, data)
+
+    def bind_members(self) -> None:
+        """Loop variables over a child (``for block in self.blocks``) stand for it in the loop's body."""
+        for n in ast.walk(self.fn):
+            if isinstance(n, (ast.For, ast.AsyncFor, ast.comprehension)):
+                owners = {c for sub in ast.walk(n.iter) for c in self.refs(sub)}
+                if len(owners) == 1:
+                    for name in _bound_names(n.target) - set(self.aliases):
+                        self.aliases[name] = next(iter(owners))
+                        self.members.add(name)
+
+    def why_conditional(self, use: ast.AST, child: str) -> Optional[str]:
+        """How ``use`` may not run (or run a different number of times) on some ranks, if it may."""
+        node = use
+        while id(node) in self.parents:
+            parent = self.parents[id(node)]
+            why = self._guard(parent, node, child)
+            if why:
+                return why
+            node = parent
+        return self._after_exit(use)
+
+    def _guard(self, parent: ast.AST, node: ast.AST, child: str) -> Optional[str]:
+        if isinstance(parent, (ast.If, ast.IfExp, ast.While)) and node is not parent.test and self.is_data(parent.test):
+            branches = (
+                (parent.body, parent.orelse)
+                if isinstance(parent, (ast.If, ast.While))
+                else ([parent.body], [parent.orelse])
+            )
+            other = next((b for b in branches if not any(node is s for s in b)), [])
+            if isinstance(parent, ast.While) or not any(child in self.refs(n) for s in other for n in ast.walk(s)):
+                return f"under `{_line(parent.test)}`"
+        if isinstance(parent, (ast.For, ast.AsyncFor)) and node is not parent.iter and node is not parent.target:
+            if self.is_data(parent.iter) and child not in {c for n in ast.walk(parent.iter) for c in self.refs(n)}:
+                return f"in a loop over `{_line(parent.iter)}`"
+        if isinstance(parent, (ast.ListComp, ast.SetComp, ast.GeneratorExp, ast.DictComp)):
+            for gen in parent.generators:
+                own = {c for n in ast.walk(gen.iter) for c in self.refs(n)}
+                if any(self.is_data(t) for t in gen.ifs) or (self.is_data(gen.iter) and child not in own):
+                    return f"in a comprehension over `{_line(gen.iter)}`"
+        if isinstance(parent, ast.BoolOp) and node in parent.values[1:]:
+            before = parent.values[: parent.values.index(node)]
+            if any(self.is_data(v) for v in before):
+                return f"after `{_line(before[0])}`"
+        return None
+
+    def _after_exit(self, use: ast.AST) -> Optional[str]:
+        """A data-dependent ``return`` before ``use``, or ``continue`` / ``break`` in a loop around it."""
+        loops = set()
+        node = use
+        while id(node) in self.parents:
+            node = self.parents[id(node)]
+            if isinstance(node, _LOOPS):
+                loops.add(id(node))
+        for test in (n for n in ast.walk(self.fn) if isinstance(n, ast.If) and self.is_data(n.test)):
+            for exit_ in (e for s in test.body for e in ast.walk(s) if isinstance(e, _EXITS)):
+                loop = self._loop_of(exit_)
+                before = test.lineno < getattr(use, "lineno", 0)
+                if isinstance(exit_, ast.Return) and before or loop is not None and id(loop) in loops:
+                    return f"after `if {_line(test.test)}: {type(exit_).__name__.lower()}`"
+        return None
+
+    def _loop_of(self, node: ast.AST) -> Optional[ast.AST]:
+        while id(node) in self.parents:
+            node = self.parents[id(node)]
+            if isinstance(node, _LOOPS):
+                return node
         return None
 
 
-def _reads_self(node: ast.AST, attr: str) -> bool:
-    """``node`` reads ``self.<attr>`` somewhere inside."""
-    return any(
-        isinstance(n, ast.Attribute) and n.attr == attr and isinstance(n.value, ast.Name) and n.value.id == "self"
-        for n in ast.walk(node)
-    )
+def _options(fn: ast.FunctionDef) -> set[str]:
+    """Parameters with a bool, number or string default: settings of the call, alike on every rank (a
+    ``None`` default may stand for an optional input: ``image=None``)."""
+    a = fn.args
+    pairs = [*zip(reversed(a.posonlyargs + a.args), reversed(a.defaults)), *zip(a.kwonlyargs, a.kw_defaults)]
+    return {
+        p.arg
+        for p, d in pairs
+        if isinstance(d, ast.Constant) and d.value is not None and isinstance(d.value, (bool, int, float, str))
+    }
 
 
-def _member_uses(loop: ast.For, attr: str) -> list[ast.AST]:
-    """Where ``loop``'s body runs a member of ``self.<attr>``: a call of (or passing) the loop's element
-    when the loop walks the container, and ``self.<attr>[i]`` (not a slice) in any loop."""
-    body = [n for stmt in loop.body for n in ast.walk(stmt)]
-    called = {n.func.id for n in body if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)}
-    names = {n.id for n in ast.walk(loop.target) if isinstance(n, ast.Name)} if _reads_self(loop.iter, attr) else set()
-    elements = names & called
-    uses: list[ast.AST] = []
-    for n in body:
-        if isinstance(n, ast.Subscript) and _reads_self(n.value, attr) and not isinstance(n.slice, ast.Slice):
-            uses.append(n)
-        elif isinstance(n, ast.Call) and any(
-            isinstance(a, ast.Name) and a.id in elements for arg in [n.func, *n.args] for a in ast.walk(arg)
-        ):
-            uses.append(n)
-    return uses
+def _attr_key(node: ast.AST) -> Optional[str]:
+    if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
+        return f"{node.value.id}.{node.attr}"
+    return None
 
 
-def _per_member_names(loop: ast.For) -> set[str]:
-    """The loop's target names and the names its body computes from them (``mask = route == i``)."""
-    names = {n.id for n in ast.walk(loop.target) if isinstance(n, ast.Name)}
-    assigns = [n for stmt in loop.body for n in ast.walk(stmt) if isinstance(n, (ast.Assign, ast.AugAssign))]
-    for _ in range(3):  # a short chain of assignments is enough for the dispatch loops seen
-        for a in assigns:
-            if any(isinstance(n, ast.Name) and n.id in names for n in ast.walk(a.value)):
-                targets = a.targets if isinstance(a, ast.Assign) else [a.target]
-                names |= {n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)}
-    return names
+def _bound_names(target: ast.AST) -> set[str]:
+    """Names (and ``self.x`` keys) an assignment target binds."""
+    keys = {n.id for n in ast.walk(target) if isinstance(n, ast.Name)}
+    return keys | {k for n in ast.walk(target) if (k := _attr_key(n))}
 
 
-def _guarded(loop: ast.For, use: ast.AST, uses: list[ast.AST]) -> bool:
-    """``use`` runs only under a per-member condition inside ``loop`` (one that reads the member's
-    index or what the body computes from it, as a router's mask; not LayerDrop's coin): in one branch
-    of an ``if`` whose other branch runs no member (of ``uses``), or after an ``if ...: continue``."""
-    per_member = _per_member_names(loop)
-    for node in ast.walk(loop):
-        if not isinstance(node, (ast.If, ast.IfExp)) or node is loop:
-            continue
-        if not any(isinstance(n, ast.Name) and n.id in per_member for n in ast.walk(node.test)):
-            continue
-        branches = (node.body, node.orelse) if isinstance(node, ast.If) else ([node.body], [node.orelse])
-        runs = [{id(n) for s in b for n in ast.walk(s)} for b in branches]
-        if any(id(use) in r for r in runs) and not all(any(id(u) in r for u in uses) for r in runs):
-            return True
-        skips = isinstance(node, ast.If) and any(isinstance(n, ast.Continue) for s in node.body for n in ast.walk(s))
-        if skips and node.lineno < use.lineno:
-            return True
-    return False
+def _callee_name(call: ast.Call) -> Optional[str]:
+    return getattr(call.func, "attr", None) or getattr(call.func, "id", None)
 
 
-def _runs_conditionally(cls: type, attr: str) -> bool:
-    """Whether ``cls.forward`` may skip members of ``self.<attr>``: every call of one sits under a
-    condition in its loop, or picks it by index in a loop over something other than ``range(...)``
-    or the container itself (the experts a router hit)."""
-    tree = _forward_tree(cls)
-    for loop in (n for n in ast.walk(tree) if isinstance(n, ast.For)) if tree is not None else ():
-        uses = _member_uses(loop, attr)
-        if not uses:
-            continue
-        by_range = isinstance(loop.iter, ast.Call) and getattr(loop.iter.func, "id", None) == "range"
-        picked = not by_range and not _reads_self(loop.iter, attr) and any(isinstance(u, ast.Subscript) for u in uses)
-        if picked or all(_guarded(loop, u, uses) for u in uses):
-            return True
-    return False
+def _line(node: ast.AST) -> str:
+    text = ast.unparse(node)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _forward_of(module: nn.Module) -> Optional[Callable]:
+    forward = module.__dict__.get("forward") or type(module).forward
+    forward = getattr(forward, "__func__", forward)
+    if forward is nn.Module.forward or forward is nn.Sequential.forward:
+        return None
+    return forward
+
+
+def _conditional_children(
+    fn: Callable, owner: type, selves: Optional[set[str]], aliases: dict[str, str], children: list[str], depth: int = 0
+) -> tuple[dict[str, str], set[str]]:
+    """(the children a call of ``fn`` may skip on some ranks: name -> why; every child it uses).
+
+    ``fn``: ``owner``'s forward, one of its methods or a module-level helper it hands ``self`` or a child;
+    a helper or method called under a condition on the data makes every child it uses conditional."""
+    tree = _function_tree(fn)
+    if tree is None:
+        return {}, set()
+    params = _params(tree)
+    reader = _Reader(tree, selves if selves is not None else set(params[:1]), aliases, children)
+    reader.bind_members()
+    found: dict[str, str] = {}
+    used: set[str] = set()
+    for node in ast.walk(tree):
+        for child in reader.refs(node):
+            used.add(child)
+            why = reader.why_conditional(node, child)
+            if why and child not in found:
+                member = (
+                    isinstance(reader.parents.get(id(node)), ast.Subscript) or getattr(node, "id", 0) in reader.members
+                )
+                what = "its members" if member else "it"
+                found[child] = f"{fn.__qualname__} runs {what} {why}"
+        callee = _callee(fn, owner, node, reader) if depth < _HELPER_DEPTH else None
+        if callee is not None:
+            inner, inner_used = _conditional_children(*callee, children, depth + 1)
+            used |= inner_used
+            why = reader.why_conditional(node, "")
+            for child in inner_used if why else ():
+                found.setdefault(child, f"{fn.__qualname__} calls {callee[0].__qualname__} {why}")
+            for child, inner_why in inner.items():
+                found.setdefault(child, inner_why)
+    return found, used
+
+
+def _callee(
+    fn: Callable, owner: type, call: ast.AST, reader: _Reader
+) -> Optional[tuple[Callable, type, set[str], dict[str, str]]]:
+    """A call ``_conditional_children`` reads on: a method of the module (``self.encode(x)``), or a
+    module-level function handed ``self`` or a child (``dispatch(self.experts, x)``)."""
+    if not isinstance(call, ast.Call):
+        return None
+    func = call.func
+    if isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name) and func.value.id in reader.selves:
+        method = inspect.getattr_static(owner, func.attr, None)
+        method = getattr(method, "__func__", method)  # staticmethod / classmethod
+        if not inspect.isfunction(method) or func.attr in reader.children:
+            return None
+        tree = _function_tree(method)
+        return (method, owner, set(_params(tree)[:1]), {}) if tree is not None else None
+    helper = getattr(fn, "__globals__", {}).get(func.id) if isinstance(func, ast.Name) else None
+    tree = _function_tree(helper) if inspect.isfunction(helper) and helper is not fn else None
+    if tree is None:
+        return None
+    selves, aliases = set(), {}
+    for param, arg in zip(_params(tree), call.args):
+        if isinstance(arg, ast.Name) and arg.id in reader.selves:
+            selves.add(param)
+        elif len(reader.refs(arg)) == 1:
+            aliases[param] = next(iter(reader.refs(arg)))
+    return (helper, owner, selves, aliases) if selves or aliases else None
+
+
+def modality_towers(model: nn.Module) -> dict[str, str]:
+    """The towers of a Hugging Face multimodal language model (``vision_tower``, ``visual``,
+    ``audio_tower``, ``multi_modal_projector``, ... beside a ``language_model`` or ``lm_head``) by name,
+    with why: its forward runs each only for batches that carry that input. Empty for other models
+    (CLIP's towers run on every batch).
+
+    Example:
+        >>> modality_towers(nn.Linear(2, 2))
+        {}
+    """
+    config = getattr(model, "config", None)
+    if config is None or not is_hugging_face(model) or getattr(config, "text_config", None) is None:
+        return {}
+    names = [n.rsplit(".", 1)[-1] for n, _ in model.named_modules()]
+    if "language_model" not in names and "lm_head" not in names:
+        return {}  # contrastive (CLIP): every batch carries both inputs
+    towers: dict[str, str] = {}
+    for name, _ in model.named_modules():
+        last = name.rsplit(".", 1)[-1]
+        if name and _TOWER.match(last) and not any(name.startswith(t + ".") for t in towers):
+            towers[name] = f"{type(model).__name__} runs its {last} only for batches that carry that input"
+    return towers
 
 
 def skippable_modules(model: nn.Module) -> dict[str, str]:
-    """The ``nn.ModuleList`` / ``nn.ModuleDict`` containers whose members a forward may skip on some
-    ranks (the experts of a mixture-of-experts layer), by name, with why in words.
-
-    A member skipped on one rank would not join its own unit's collectives there, so such members
-    never become units: the module holding them (the MoE layer) is the unit.
+    """The modules a forward may skip on some ranks in a step, on evidence (the module docstring), by
+    name with why. Neither they nor anything inside them becomes a unit.
 
     Example:
         >>> class MoE(nn.Module):
@@ -123,111 +337,60 @@ def skippable_modules(model: nn.Module) -> dict[str, str]:
         ...                 x = x + ffn(x)
         ...         return x
         >>> skippable_modules(MoE())
-        {'ffns': 'MoE.forward runs its members under a condition'}
+        {'ffns': 'MoE.forward runs it under `(route == i).any()`'}
     """
-    found: dict[str, str] = {}
+    hugging_face = is_hugging_face(model)
+    found = dict(modality_towers(model)) if hugging_face else {}
     for owner_name, owner in model.named_modules():
+        if any(is_under(owner_name, [f]) for f in found):
+            continue
+        children = [n for n, _ in owner.named_children()]
+        forward = None if hugging_face or not children else _forward_of(owner)
+        why = _conditional_children(forward, type(owner), None, {}, children)[0] if forward is not None else {}
         for name, child in owner.named_children():
-            if not isinstance(child, (nn.ModuleList, nn.ModuleDict)) or len(child) < 2:
-                continue
             path = f"{owner_name}.{name}" if owner_name else name
-            if _runs_conditionally(type(owner), name):
-                found[path] = f"{type(owner).__name__}.forward runs its members under a condition"
-            elif _EXPERTS.search(name):
+            if name in why:
+                found[path] = why[name]
+            elif isinstance(child, (nn.ModuleList, nn.ModuleDict)) and len(child) > 1 and _EXPERTS.search(name):
                 found[path] = f"named {name!r}: the experts a router picks per token"
     return found
 
 
-def unproven_ids(model: nn.Module) -> set[int]:
-    """Ids of the modules no forward provably runs on every call (``always_run``); none in a Hugging
-    Face model, whose repeated layers only LayerDrop skips."""
-    if is_hugging_face(model):  # ... but a multimodal language model's towers (modality_towers)
-        towers = [model.get_submodule(n) for n in modality_towers(model)]
-        return {id(m) for tower in towers for m in tower.modules()}
-    proven, _ = always_run(model)
-    return {id(m) for m in model.modules() if id(m) not in proven}
+def skip_evidence(model: nn.Module, *, given: bool) -> dict[str, str]:
+    """``skippable_modules`` as the plan uses it: a Hugging Face model's declared blocks
+    (``_no_split_modules``) are trusted unless the user named the blocks, but for its optional towers."""
+    skippable = skippable_modules(model)
+    declared = tuple(declared_blocks(model))
+    if given or not declared:
+        return skippable
+    towers = modality_towers(model)
+    return {
+        n: w
+        for n, w in skippable.items()
+        if n in towers or not any(isinstance(m, declared) for m in model.get_submodule(n).modules())
+    }
 
 
 def runnable_blocks(
-    model: nn.Module,
-    blocks: list[tuple[str, nn.Module]],
-    skippable: dict[str, str],
-    *,
-    given: bool,
-    declared: bool,
-    caller: str,
+    model: nn.Module, blocks: list[tuple[str, nn.Module]], skippable: dict[str, str], *, given: bool, caller: str
 ) -> list[tuple[str, nn.Module]]:
-    """``blocks`` without the members a forward may skip: a unit one rank skips would not join its
-    all-gather and reduce-scatter there (the ranks' collectives no longer line up: wrong gradients or
-    a hang). A ``TransformerBlock`` the user named is refused; blocks a Hugging Face model declares
-    (``_no_split_modules``) stay, as LayerDrop skips them only when ``config.layerdrop > 0``."""
+    """``blocks`` without those inside a module a forward may skip (``skip_evidence``): a unit one rank
+    skips would not join its collectives there. A ``TransformerBlock`` the user named there is refused."""
     skipped = members_of(model, skippable)
-    if declared:
-        return blocks
     bad = [name for name, module in blocks if id(module) in skipped]
     if bad and given:
         holder = next(c for c in skippable if is_under(bad[0], [c]))
         raise ValueError(
             f"{caller}(): TransformerBlock makes {bad[0]} an FSDP unit, but a forward may skip it on some ranks "
-            f"({holder}: {skippable[holder]}). A rank whose tokens skip it would not join its unit's collectives: "
-            "wrong gradients or a hang. Name the class of the layer that holds it (the MoE layer or block) instead."
+            f"({holder}: {skippable[holder]}). A rank that skips it would not join its unit's collectives: "
+            "wrong gradients or a hang. Name the class of the layer that holds it (the MoE layer or block) "
+            "instead, or run it on every rank in every step."
         )
     return [(name, module) for name, module in blocks if id(module) not in skipped]
 
 
-def proven_blocks(
-    model: nn.Module, blocks: list[tuple[str, nn.Module]], *, given: bool, caller: str
-) -> tuple[list[tuple[str, nn.Module]], dict[str, str]]:
-    """(the blocks whose forward provably runs on every forward of ``model``; the others by name, with
-    why). A unit one rank skips misses collectives the others join (a hang, or gradients paired with
-    the wrong tensors), and no check at run time can come before FSDP2's own all-gather: so a block
-    becomes a unit only when ``always_run`` proves it runs, or when the model declares its class in
-    ``_no_split_modules`` (Hugging Face models; the user's opt-in). A ``TransformerBlock`` the user
-    named that is not proven is refused."""
-    if is_hugging_face(model):  # its layers are skipped only by LayerDrop (docs/pitfalls.md) ...
-        towers = {} if given else modality_towers(model)  # ... and its towers, by batches without their input
-        unproven = {n: f"{t}: {towers[t]}" for n, _ in blocks for t in towers if is_under(n, [t])}
-        return [(n, m) for n, m in blocks if n not in unproven], unproven
-    trusted = tuple(declared_blocks(model))
-    proven, why = always_run(model)
-    kept, unproven = [], {}
-    for name, module in blocks:
-        if id(module) in proven or isinstance(module, trusted):
-            kept.append((name, module))
-        else:
-            top = next((p for p in why if is_under(name, [p])), name)
-            unproven[name] = f"{top}: {why.get(top, 'not called')}"
-    if unproven and given:
-        name, reason = next(iter(unproven.items()))
-        cls = type(model.get_submodule(name)).__name__
-        raise ValueError(
-            f"{caller}(): TransformerBlock makes {name} an FSDP unit, but its forward may not run on every rank "
-            f"in every step ({reason}). A unit one rank skips would not join its collectives there: a hang or "
-            "wrong gradients. Name the class of a module that always runs (the layer holding it), or, if every "
-            f"rank runs every {cls} in every step (its forward is generated, or a helper calls each one), declare "
-            f"it as Hugging Face models do: model._no_split_modules = [{cls!r}]."
-        )
-    return kept, unproven
-
-
-def unproven_note(unproven: dict[str, str]) -> str:
-    """The plan table's line on blocks left out as no forward provably runs them (grouped by why)."""
-    by_why: dict[str, list[str]] = {}
-    for name, why in unproven.items():
-        by_why.setdefault(why, []).append(name)
-    parts = [
-        f"{', '.join(names[:2])}{f' (+{len(names) - 2} more)' if len(names) > 2 else ''} ({why})"
-        for why, names in by_why.items()
-    ]
-    return (
-        "not units, as no forward provably runs them on every rank: " + "; ".join(parts) + ". They stay in the "
-        "unit of the module holding them; if every rank always runs them, declare their class in "
-        "model._no_split_modules"
-    )
-
-
-def skippable_note(skippable: dict[str, str], declared: bool) -> str:
-    """The plan table's line on containers a forward may skip (grouped by why)."""
+def skippable_note(skippable: dict[str, str]) -> str:
+    """The plan table's line on the modules a forward may skip (grouped by why)."""
     by_why: dict[str, list[str]] = {}
     for name, why in skippable.items():
         by_why.setdefault(why, []).append(name)
@@ -235,15 +398,44 @@ def skippable_note(skippable: dict[str, str], declared: bool) -> str:
         f"{', '.join(names[:2])}{f' (+{len(names) - 2} more)' if len(names) > 2 else ''} ({why})"
         for why, names in by_why.items()
     ]
-    if declared:
-        return (
-            "a forward may skip these members: " + "; ".join(parts) + ". Units as the model declares them "
-            "(_no_split_modules); a unit one rank skips (LayerDrop with config.layerdrop > 0) would miss its "
-            "collectives there: keep layerdrop at 0 under fsdp()"
-        )
     return (
         "not units, as ranks may skip them in a step: "
         + "; ".join(parts)
-        + ". They stay in the unit of the module holding them (an MoE layer is one unit, not its experts); "
-        "their unused parameters reduce zero gradients"
+        + ". They stay in the unit of the module holding them (an MoE layer is one unit, not its experts)"
     )
+
+
+def _layerdrop_settings(model: nn.Module) -> list[str]:
+    """Every LayerDrop probability above 0 the model holds, as ``where=value``: a config's ``layerdrop``,
+    ``encoder_layerdrop``, ... (sub-configs too) and the copies modules keep (``self.layerdrop``)."""
+    found, seen = [], set()
+    for name, module in model.named_modules():
+        value = module.__dict__.get("layerdrop")
+        if isinstance(value, (int, float)) and value > 0:
+            found.append(f"{name or 'model'}.layerdrop={value}")
+        configs = [("config", module.__dict__.get("config"))]
+        while configs:
+            where, config = configs.pop()
+            if config is None or id(config) in seen or not hasattr(config, "to_dict"):
+                continue
+            seen.add(id(config))
+            for key, value in vars(config).items():
+                if key.endswith("layerdrop") and isinstance(value, (int, float)) and value > 0:
+                    found.append(f"{where}.{key}={value}")
+                elif hasattr(value, "to_dict"):
+                    configs.append((f"{where}.{key}", value))
+    return found
+
+
+def check_layerdrop(model: nn.Module, caller: str) -> None:
+    """``ValueError`` when ``model`` drops layers at random in training (LayerDrop, ``layerdrop > 0``) and
+    its blocks are to be units: each rank draws its own drops, so a rank skips a unit its peers run."""
+    settings = _layerdrop_settings(model)
+    if settings:
+        raise ValueError(
+            f"{caller}(): {', '.join(settings)}: LayerDrop skips random layers in training, drawn on each rank, "
+            "but these layers are FSDP units: a rank that skips one does not join its collectives (wrong "
+            "weights, then a collective mismatch or a hang). Turn it off before fsdp(): build the model with "
+            "layerdrop=0.0 (from_pretrained(..., layerdrop=0.0), or config.layerdrop = 0.0 before building), or "
+            "set each value listed to 0.0; or pass auto_wrap=False (the whole model one unit)."
+        )

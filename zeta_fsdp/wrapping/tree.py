@@ -17,10 +17,8 @@ def is_under(name: str, prefixes: Iterable[str]) -> bool:
 
 
 def members_of(model: nn.Module, containers: Iterable[str]) -> set[int]:
-    """Ids of every module inside the named containers (the containers themselves excluded)."""
-    return {
-        id(m) for name in containers for m in model.get_submodule(name).modules() if m is not model.get_submodule(name)
-    }
+    """Ids of the named modules and of every module inside them."""
+    return {id(m) for name in containers for m in model.get_submodule(name).modules()}
 
 
 def find_blocks(model: nn.Module, classes: tuple[type, ...], prefix: str = "") -> list[tuple[str, nn.Module]]:

@@ -1,0 +1,137 @@
+"""The run-time divergence check: before each unit's forward, every rank confirms it runs the same unit.
+
+A rank that skips a unit its peers run (LayerDrop, a branch on the data, a forward nobody could read)
+does not join that unit's all-gather: its collectives pair with the wrong ones, then the job computes
+garbage or hangs. During the first forwards (``fsdp(divergence_check=...)``, default
+``DEFAULT_FORWARDS``; the environment variable ``ZETA_FSDP_DIVERGENCE_CHECK`` sets the default: a
+number of forwards, ``always`` or ``off``) each unit's forward pre-hook, registered ahead of FSDP2's
+own, all-gathers the unit's index (8 bytes a rank) over each of the mesh's groups, and one more gather
+ends each forward; on a mismatch every rank raises the same error naming the modules and the ranks.
+After the checked forwards the hooks are removed: no cost at all.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Optional, Union
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+
+__all__ = ["DEFAULT_FORWARDS", "ENV", "UnitDivergenceError", "add_divergence_check", "resolve_forwards"]
+
+DEFAULT_FORWARDS = 2  # the first training step and one more (a first step may take another path: warm-up)
+ENV = "ZETA_FSDP_DIVERGENCE_CHECK"
+
+
+class UnitDivergenceError(RuntimeError):
+    """Ranks were about to run different FSDP units: raised on every rank alike."""
+
+
+def resolve_forwards(value: Union[bool, int, None], caller: str = "fsdp") -> Optional[int]:
+    """How many forwards to check: ``None`` for every forward, ``0`` for none.
+
+    ``value`` is ``fsdp(divergence_check=...)``: ``True`` (every forward), ``False`` / ``0`` (off), an int
+    ``n`` (the first ``n`` forwards), or ``None`` (``ZETA_FSDP_DIVERGENCE_CHECK``, else ``DEFAULT_FORWARDS``).
+
+    Example:
+        >>> resolve_forwards(True), resolve_forwards(False), resolve_forwards(5)
+        (None, 0, 5)
+    """
+    if value is None:
+        text = os.environ.get(ENV, "").strip().lower()
+        if not text:
+            return DEFAULT_FORWARDS
+        if text in ("always", "on", "true"):
+            return None
+        if text in ("off", "false", "never"):
+            return 0
+        if text.isdigit():
+            return int(text)
+        raise ValueError(f"{caller}(): {ENV}={text!r} is not accepted. Accepted: a number of forwards, 'always', 'off'.")
+    if isinstance(value, bool):
+        return None if value else 0
+    if isinstance(value, int) and value >= 0:
+        return value
+    raise ValueError(
+        f"{caller}(): divergence_check={value!r} is not accepted. Accepted: True (every forward), False or 0 "
+        "(off), a number of forwards n >= 0, or None (the default: $ZETA_FSDP_DIVERGENCE_CHECK, else "
+        f"{DEFAULT_FORWARDS})."
+    )
+
+
+class _Check:
+    """The hooks' shared state: unit names by index, the groups to agree over, the forwards left."""
+
+    def __init__(self, names: list[str], groups: list[dist.ProcessGroup], device: torch.device, left: Optional[int]):
+        self.names, self.groups, self.device, self.left = names + ["<end of forward>"], groups, device, left
+        self.forward = 0
+        self.handles: list[Any] = []
+
+    def agree(self, index: int) -> None:
+        mine = torch.tensor([index], dtype=torch.int64, device=self.device)
+        for group in self.groups:
+            gathered = torch.empty(dist.get_world_size(group), dtype=torch.int64, device=self.device)
+            dist.all_gather_into_tensor(gathered, mine, group=group)
+            seen = gathered.tolist()
+            if len(set(seen)) > 1:
+                ranks = dist.get_process_group_ranks(group)
+                raise UnitDivergenceError(self._message(dict(zip(ranks, seen))))
+
+    def _message(self, by_rank: dict[int, int]) -> str:
+        runs = ", ".join(f"rank {r}: {self.names[i]}" for r, i in by_rank.items())
+        return (
+            f"fsdp(): ranks diverged in forward #{self.forward}: they were about to run different FSDP units "
+            f"({runs}; this is rank {dist.get_rank()}). A rank that skips or reruns a unit does not join its "
+            "collectives (its all-gathers would pair with another unit's: wrong values, then a hang). Usual causes: "
+            "layers dropped at random per rank (LayerDrop, stochastic depth), a branch on the data around a block "
+            "(an optional tower, a router), code that runs on some ranks only. Run every unit on every rank in "
+            "every step, or keep the module that may be skipped inside a larger unit (name the enclosing class "
+            f"as TransformerBlock). This check runs in the first forwards ({ENV}=always keeps it on)."
+        )
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles.clear()
+
+
+def _groups(mesh: DeviceMesh) -> list[dist.ProcessGroup]:
+    """One group per mesh dimension of more than one rank (agreeing along each covers the whole mesh)."""
+    return [mesh.get_group(d) for d in range(mesh.ndim) if mesh.size(d) > 1]
+
+
+def add_divergence_check(
+    root: nn.Module, units: list[tuple[str, nn.Module]], mesh: Optional[DeviceMesh], forwards: Optional[int]
+) -> bool:
+    """Register the check on ``units`` (``(name, module)`` in forward order, ``root`` among them); ``True``
+    if registered (not for ``forwards == 0`` or a mesh of one rank).
+
+    Example:
+        add_divergence_check(model, [(u.name, u.modules[0]) for u in plan.units], mesh, forwards=2)
+    """
+    groups = _groups(mesh) if mesh is not None else []
+    if forwards == 0 or not groups:
+        return False
+    check = _Check([n for n, _ in units], groups, torch.device(mesh.device_type), forwards)
+    index = {id(m): i for i, (_, m) in enumerate(units)}
+
+    @torch.compiler.disable
+    def before_unit(module: nn.Module, args: Any) -> None:
+        if module is root:
+            if check.left is not None and check.forward >= check.left:
+                check.remove()  # every rank counts the same forwards: all stop together
+                return
+            check.forward += 1
+        check.agree(index[id(module)])
+
+    @torch.compiler.disable
+    def after_root(module: nn.Module, args: Any, output: Any) -> None:
+        check.agree(len(units))  # a rank that skipped the last units meets its peers here
+
+    for _, module in units:
+        check.handles.append(module.register_forward_pre_hook(before_unit, prepend=True))
+    check.handles.append(root.register_forward_hook(after_root))
+    return True
