@@ -53,6 +53,7 @@ RUNS = {
     "checkpoint": ("bench_checkpoint.py",),
     "weights_out": ("bench_weights_out.py",),
     "optimizer": ("bench_optimizer.py", "--blocks", "1", "--steps-per-block", "2"),
+    "divergence": ("bench_divergence.py",),
 }
 if importlib.util.find_spec("peft") is not None:
     RUNS["lora"] = ("bench_lora.py",)
@@ -133,6 +134,19 @@ def test_bench_facade(bench) -> None:
     wrap = data["wrap"]
     assert wrap["params"] > 0 and positive(wrap["build_meta_s"]) and positive(wrap["cold_fsdp_wrap_s"])
     assert all(len(v) == 1 and positive(v[0]) for v in wrap["wrap_s"].values()), wrap["wrap_s"]
+
+
+def test_bench_divergence(bench) -> None:
+    _, out = finished(bench, "divergence")
+    data = results(out, "divergence")
+    comms = data["collectives"]
+    off, default, always = (comms[n] for n in ("check off", "default (first 2 forwards)", "check every forward"))
+    # the quick model's units: 2 blocks, [tok_emb, pos_emb, norm, head] (tied), root; + one gather per forward end
+    checks = 2 + 4 + 1 + 1
+    assert default["step1"]["_allgather_base_"] == off["step1"]["_allgather_base_"] + checks, comms
+    assert default["step3"] == off["step3"], comms  # gone after the checked forwards
+    assert always["step3"]["_allgather_base_"] == off["step3"]["_allgather_base_"] + checks, comms
+    check_timing(data["timing"], ["check off", "default (first 2 forwards)", "check every forward"])
 
 
 def test_bench_step_time(bench) -> None:

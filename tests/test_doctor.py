@@ -148,11 +148,14 @@ def _doctor_lines(stdout: str) -> list[str]:
 def test_two_ranks_under_torchrun_pass_with_measured_links():
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
     cmd += ["-m", "zeta_fsdp", "doctor", "--timeout", "60", "--slow", "60", "--mib", "1"]
+    cmd += ["--model", "zeta_fsdp.models.gpt:small"]  # its first step too, every forward checked
     proc = subprocess.run(cmd, cwd=ROOT, env=rank_env(), capture_output=True, text=True, timeout=300)
     lines = _doctor_lines(proc.stdout)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
     assert lines[0] == f"doctor: world 2 rank(s) on 1 node(s); hosts: {socket.gethostname()} (ranks 0-1)"
     assert lines[-1] == "doctor: all checks passed"
+    model_line = "doctor: model zeta_fsdp.models.gpt:small: 5 FSDP units (FULL_SHARD); every rank ran the same units"
+    assert any(line.startswith(model_line) for line in lines), lines
     for prefix in (
         "doctor: all_reduce 1.0 MiB:",
         "doctor: all_gather 1.0 MiB:",
@@ -160,6 +163,39 @@ def test_two_ranks_under_torchrun_pass_with_measured_links():
         "doctor: link rank 1 ",
     ):
         assert any(line.startswith(prefix) and "GB/s" in line for line in lines), (prefix, lines)
+
+
+_SKIPPER = """
+import torch
+import torch.distributed as dist
+from zeta_fsdp.models.gpt import GPT, GPTConfig
+
+
+class Skipper(GPT):
+    def forward(self, idx):
+        x = self.tok_emb(idx) + self.pos_emb(torch.arange(idx.shape[1]))
+        for i, block in enumerate(self.blocks):
+            if not (i == 1 and dist.get_rank() == 1):  # rank 1 skips blocks.1: nothing to read says so
+                x = block(x, self.causal_mask)
+        return self.head(self.norm(x))
+
+
+def build():
+    return Skipper(GPTConfig())
+"""
+
+
+@pytest.mark.launch
+def test_a_models_first_step_names_the_unit_a_rank_skips(tmp_path):
+    (tmp_path / "skipper.py").write_text(_SKIPPER)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+    cmd += ["-m", "zeta_fsdp", "doctor", "--timeout", "60", "--slow", "60", "--mib", "1", "--model", "skipper:build"]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=rank_env(), capture_output=True, text=True, timeout=300)
+    lines = _doctor_lines(proc.stdout)
+    assert proc.returncode == 1, proc.stdout + proc.stderr[-4000:]
+    problem = "doctor: PROBLEM: fsdp(): ranks diverged in forward #1: they were about to run different FSDP units "
+    assert problem + "(rank 0: blocks.1, rank 1: blocks.2; this is rank 0)" in lines, lines
+    assert lines[-1] == "doctor: 1 problem(s)", lines
 
 
 def _srun_style(rank: int, world: int, port: int, *args: str) -> subprocess.Popen:

@@ -39,6 +39,8 @@ from .doctor_checks import (
     node_count,
     slowest_at_collective,
 )
+from .doctor_model import first_step
+from .model_spec import MODEL_SPEC_HELP
 
 __all__ = ["HELP", "add_arguments", "gloo_interface", "local_facts", "route_interface", "run"]
 
@@ -70,6 +72,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="auto",
         help="device the job will use (default: CUDA when available)",
     )
+    parser.add_argument(
+        "--model",
+        help="also run this model's first training step, sharded by fsdp(auto_wrap=True) with the divergence "
+        "check on every forward: " + MODEL_SPEC_HELP,
+    )
+    parser.add_argument("--shard-strat", default="FULL_SHARD", help="shard_strat for --model (default FULL_SHARD)")
 
 
 def _env_int(*names: str) -> Optional[int]:
@@ -377,6 +385,9 @@ def _start_and_measure(
         timeout = timedelta(seconds=args.timeout)
         dist.init_process_group(me.backend, store=group_store, rank=me.rank, world_size=me.world_size, timeout=timeout)
         info, problems = _collectives(facts, me, args.mib * 2**20, args.slow)
+        if args.model:
+            more, model_problems = first_step(args.model, args.shard_strat, device)
+            info, problems = info + more, problems + model_problems
     except (RuntimeError, dist.DistError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         return [], [f"{me.where}: the collectives failed within {args.timeout} s: {first}"]
