@@ -29,6 +29,7 @@ from worker import (
 
 from zeta_fsdp import fsdp, no_sync
 from zeta_fsdp.distributed import build_mesh
+from zeta_fsdp.divergence import DEFAULT_FORWARDS
 from zeta_fsdp.engines import fsdp_engine
 from zeta_fsdp.models.gpt import GPT, Block, GPTConfig, lm_loss, small
 from zeta_fsdp.options import choose_engine, resolve_mixed_precision, resolve_sharding
@@ -486,15 +487,19 @@ def meta_device_init():
     assert losses[-1] < losses[0], losses
 
 
-def count_one_step(model: nn.Module) -> dict[str, int]:
+def count_one_step(model: nn.Module, warmup: int = DEFAULT_FORWARDS) -> dict[str, int]:
+    """The collectives of one training step after ``warmup`` steps (by default the forwards fsdp()'s
+    divergence check runs in: its gathers are counted in ``divergence_check_costs_its_forwards_only``)."""
     from torch.distributed.tensor.debug import CommDebugMode
 
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     x, y = global_batch(0)
-    comm = CommDebugMode()
-    with comm:
-        lm_loss(model(local_slice(x)), local_slice(y)).backward()
-        opt.step()
+    for _ in range(warmup + 1):
+        comm = CommDebugMode()
+        with comm:
+            lm_loss(model(local_slice(x)), local_slice(y)).backward()
+            opt.step()
+            opt.zero_grad()
     return {str(k): v for k, v in comm.get_comm_counts().items()}
 
 
@@ -507,6 +512,19 @@ def comm_parity_with_hand_written():
     ours, theirs = count_one_step(model), count_one_step(hand)
     assert sum(ours.values()) > 0, "CommDebugMode saw no collectives"
     assert ours == theirs, f"fsdp() collectives {ours} != hand-written {theirs}"
+
+
+@case
+def divergence_check_costs_its_forwards_only():
+    """In its forwards the check adds one all-gather per unit module and one per forward, nothing else."""
+    torch.manual_seed(0)
+    model = small()
+    hand = hand_written(copy.deepcopy(model))
+    fsdp(model, auto_wrap=True, shard_strat="FULL_SHARD", TransformerBlock=Block)
+    ours, theirs = count_one_step(model, warmup=0), count_one_step(hand, warmup=0)
+    checks = 3 + 4 + 1 + 1  # 3 blocks, the tied [tok_emb, pos_emb, norm, head] unit's modules, the root, the end
+    gather = next(op for op in theirs if "allgather" in op)
+    assert ours == {**theirs, gather: theirs[gather] + checks}, (ours, theirs)
 
 
 def hand_written(model: GPT) -> GPT:

@@ -50,7 +50,9 @@ def resolve_forwards(value: Union[bool, int, None], caller: str = "fsdp") -> Opt
             return 0
         if text.isdigit():
             return int(text)
-        raise ValueError(f"{caller}(): {ENV}={text!r} is not accepted. Accepted: a number of forwards, 'always', 'off'.")
+        raise ValueError(
+            f"{caller}(): {ENV}={text!r} is not accepted. Accepted: a number of forwards, 'always', 'off'."
+        )
     if isinstance(value, bool):
         return None if value else 0
     if isinstance(value, int) and value >= 0:

@@ -36,6 +36,7 @@ from .options import (
     validate_reshard_after_forward,
 )
 from .sharding import apply_activation_checkpointing, apply_compile, cast_to_fp32, cast_to_master
+from .start import start_from_first_rank
 from .unfreeze import guard_unfreezing
 from .wrapping import BlockSpec, WrapPlan, build_wrap_plan
 
@@ -207,6 +208,7 @@ def _shard(
     wrap, fp32 cast hooks, materializing a ``meta`` model, the unfreeze guard, the optimizer registry."""
     before = snapshot_params(model)  # marks the originals: the "optimizer built before fsdp()" error
     try:
+        start = start_from_first_rank(model, options.mesh)  # rank 0's weights everywhere, as DDP (zeta_fsdp.start)
         if activation_checkpointing:
             apply_activation_checkpointing(plan)
         if compile:
@@ -221,6 +223,7 @@ def _shard(
             materialize_meta_model(
                 model, options.device, plan.tied_params, shard_index=shard_index, offload_to_cpu=offload
             )
+            start_from_first_rank(model, options.mesh, only=start.on_meta)  # unsharded tensors: rank 0's draw
         guard_unfreezing(model, engine.unfreeze_check(model, master))
     except BaseException:
         forget_snapshot(model)  # nothing replaced for good: no parameter stays marked
