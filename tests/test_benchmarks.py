@@ -54,6 +54,7 @@ RUNS = {
     "weights_out": ("bench_weights_out.py",),
     "optimizer": ("bench_optimizer.py", "--blocks", "1", "--steps-per-block", "2"),
     "divergence": ("bench_divergence.py",),
+    "one_start": ("bench_one_start.py",),
 }
 if importlib.util.find_spec("peft") is not None:
     RUNS["lora"] = ("bench_lora.py",)
@@ -147,6 +148,14 @@ def test_bench_divergence(bench) -> None:
     assert default["step3"] == off["step3"], comms  # gone after the checked forwards
     assert always["step3"]["_allgather_base_"] == off["step3"]["_allgather_base_"] + checks, comms
     check_timing(data["timing"], ["check off", "default (first 2 forwards)", "check every forward"])
+
+
+def test_bench_one_start(bench) -> None:
+    _, out = finished(bench, "one_start")
+    for row in results(out, "one_start")["results"]:
+        assert row["agree"]["collectives"] == {"_allgather_base_": 1}, row  # ranks agree: fingerprints only
+        assert row["differ"]["collectives"]["_allgather_base_"] == 1 and row["differ"]["broadcast_bytes"] > 0, row
+        assert positive(row["agree"]["seconds"]) and positive(row["fingerprint_seconds"]), row
 
 
 def test_bench_step_time(bench) -> None:
