@@ -172,3 +172,33 @@ def routed_batch(step: int, ranks: int, batch: int = 8) -> tuple[torch.Tensor, t
     rows = [r * span + torch.randint(0, span, (per, SEQ), generator=g) for r in range(ranks)]
     x = torch.cat(rows)
     return x, torch.randint(0, VOCAB, x.shape, generator=g)
+
+
+# Which experts each rank's tokens reach, step by step (``idle_batch``): in some steps an expert no
+# rank's tokens reach (idle everywhere: the reference leaves its ``.grad`` None), in some an expert
+# only one rank's tokens reach. Keys: the number of ranks; one tuple of expert sets per step.
+IDLE_ROUTES: dict[int, list[tuple[set[int], ...]]] = {
+    2: [({0}, {0}), ({0, 1}, {2}), ({3}, {1, 3}), ({0, 1}, {2, 3}), ({2}, {2}), ({1}, {0})],
+    4: [
+        ({0}, {0}, {0}, {0}),
+        ({0, 1}, {2}, {0}, {1}),
+        ({3}, {1, 3}, {3}, {3}),
+        ({0}, {1}, {2}, {3}),
+        ({2}, {2}, {2}, {0}),
+        ({1}, {0}, {1}, {0}),
+    ],
+}
+
+
+def idle_batch(step: int, ranks: int, batch: int = 8, n_experts: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(inputs, targets)`` whose rank-``r`` slice reaches exactly the experts ``IDLE_ROUTES[ranks]``
+    names for ``step`` (cycled), each of them with at least one token."""
+    g = torch.Generator().manual_seed(700 + step)
+    span, per = VOCAB // n_experts, batch // ranks
+    rows = []
+    for experts in IDLE_ROUTES[ranks][step % len(IDLE_ROUTES[ranks])]:
+        picks = torch.tensor(sorted(experts))[torch.arange(per * SEQ) % len(experts)]  # every one picked
+        picks = picks[torch.randperm(per * SEQ, generator=g)]
+        rows.append((picks * span + torch.randint(0, span, picks.shape, generator=g)).view(per, SEQ))
+    x = torch.cat(rows)
+    return x, torch.randint(0, VOCAB, x.shape, generator=g)

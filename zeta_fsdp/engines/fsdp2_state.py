@@ -14,11 +14,15 @@ from torch.distributed.fsdp import FSDPModule
 
 __all__ = [
     "clear_pending_grads",
+    "final_callback_pending",
     "fsdp_param_groups",
     "fsdp_state",
+    "holds_pending_grads",
     "partial_reduce_output",
     "pending_unsharded_grad",
     "refresh_reduce_dtypes",
+    "unsharded_param",
+    "writes_sharded_grads",
 ]
 
 
@@ -90,3 +94,32 @@ def clear_pending_grads(group: Any) -> None:
             unsharded.grad = None
     if hasattr(group, "_partial_reduce_output"):
         group._partial_reduce_output = None
+
+
+def holds_pending_grads(group: Any) -> bool:
+    """``group`` holds a gradient outside ``.grad`` for the next synced backward (either reader above)."""
+    return partial_reduce_output(group) is not None or any(
+        pending_unsharded_grad(fsdp_param) is not None for fsdp_param in group.fsdp_params
+    )
+
+
+def unsharded_param(fsdp_param: Any) -> Optional[nn.Parameter]:
+    """The unsharded parameter autograd accumulates into: one object from the unit's first all-gather on
+    (later all-gathers refill its storage), ``None`` before it."""
+    return getattr(fsdp_param, "_unsharded_param", None)
+
+
+def writes_sharded_grads(group: Any) -> bool:
+    """Whether ``group``'s reduction in a backward now writes the sharded ``.grad``: gradient sync on and,
+    on a mesh with replicas (HSDP), the all-reduce too (else the sum waits in ``partial_reduce_output``)."""
+    if not getattr(group, "reduce_grads", True):
+        return False
+    replicated = getattr(getattr(group, "mesh_info", None), "replicate_mesh_dim", None) is not None
+    return bool(getattr(group, "all_reduce_grads", True)) or not replicated
+
+
+def final_callback_pending(root: nn.Module) -> bool:
+    """FSDP2's root post-backward callback (where it reduces the units it has not reduced yet) is queued
+    and has not run; ``False`` where unreadable."""
+    context = getattr(fsdp_state(root), "_state_ctx", None)
+    return bool(getattr(context, "post_backward_final_callback_queued", False))

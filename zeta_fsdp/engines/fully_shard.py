@@ -21,6 +21,7 @@ from ..options import stored_dtype
 from ..torch_compat import HAS_PARAM_DTYPE_OVERRIDE, param_mp_policy
 from ..wrapping import WrapPlan
 from ..wrapping import add_fp32_units as plan_fp32_units
+from . import unused
 from .base import PlanTerms, WrapOptions
 from .fsdp2_state import fsdp_param_groups, fsdp_state, refresh_reduce_dtypes
 from .record import compute_device
@@ -121,6 +122,7 @@ def wrap(model: nn.Module, plan: WrapPlan, options: WrapOptions) -> int:
         if not scalar.is_meta and scalar.device != device:
             scalar.data = scalar.data.to(device)
     _average_whole_grads(model, scalars, mesh)
+    _leave_unused_grads_none(model, plan, mesh)
     return mesh.get_local_rank(mesh.ndim - 1) if mesh.size(mesh.ndim - 1) > 1 else 0
 
 
@@ -141,9 +143,21 @@ def _shard_units(model: nn.Module, plan: WrapPlan, options: WrapOptions, ignored
         )
         if REDUCES_UNUSED_PARAMS:
             # A parameter this rank did not use (an expert no token reached) reduces a zero gradient,
-            # so every rank's reduce-scatter has the same layout. Free when every parameter is used
+            # so every rank's reduce-scatter has the same layout (where NO rank used it, the zero is
+            # dropped: _leave_unused_grads_none). Free when every parameter is used
             # (benchmarks/results/unused_params.md).
             unit.modules[0].set_reduce_scatter_unused_params(True, recurse=False)
+
+
+def _leave_unused_grads_none(model: nn.Module, plan: WrapPlan, mesh: DeviceMesh) -> None:
+    """A parameter no rank used in a step ends with ``.grad is None``, as in one process, not with the zero
+    ``set_reduce_scatter_unused_params`` reduces for it (``engines.unused``). Only the parameters the plan
+    says a forward may skip are watched; a model without them gets no hook and no collective."""
+    if not REDUCES_UNUSED_PARAMS:  # check() refused such a model on this torch
+        return
+    tracker = unused.track(model, _param_groups(model), list(plan.skippable), mesh)
+    if tracker is not None:
+        model.register_forward_hook(lambda _module, _inputs, output: tracker.after_forward(output_tensors(output)))
 
 
 def _set_prefetch(plan: WrapPlan, prefetch: Optional[int]) -> None:

@@ -39,6 +39,9 @@ _EXPERTS = re.compile(r"expert", re.IGNORECASE)
 _TOWER = re.compile(r"(vision|visual|image|audio|video|speech|multi_modal|mm_)", re.IGNORECASE)
 _RANDOM = {"rand", "rand_like", "randn", "random", "bernoulli", "uniform", "randint", "multinomial"}
 _EXITS = (ast.Return, ast.Continue, ast.Break)
+# Their forwards condition on the call's options (`adapter_names`, `output_hidden_states`), alike on every
+# rank; what they may skip is known from configs (towers, LayerDrop) and structure (experts).
+_TRUSTED_LIBRARIES = ("transformers.", "peft.")
 _LOOPS = (ast.For, ast.AsyncFor, ast.While)
 _HELPER_DEPTH = 2  # helpers reached from a forward through helpers: enough for the dispatch code seen
 
@@ -226,9 +229,13 @@ def _line(node: ast.AST) -> str:
 
 
 def _forward_of(module: nn.Module) -> Optional[Callable]:
+    """The forward to read for ``module``'s children; ``None`` for torch's containers and for the forwards
+    of Hugging Face and PEFT modules, trusted as a whole (``_TRUSTED_LIBRARIES``)."""
     forward = module.__dict__.get("forward") or type(module).forward
     forward = getattr(forward, "__func__", forward)
     if forward is nn.Module.forward or forward is nn.Sequential.forward:
+        return None
+    if (getattr(forward, "__module__", None) or "").startswith(_TRUSTED_LIBRARIES):
         return None
     return forward
 
@@ -337,7 +344,7 @@ def skippable_modules(model: nn.Module) -> dict[str, str]:
         ...                 x = x + ffn(x)
         ...         return x
         >>> skippable_modules(MoE())
-        {'ffns': 'MoE.forward runs it under `(route == i).any()`'}
+        {'ffns': 'MoE.forward runs its members under `(route == i).any()`'}
     """
     hugging_face = is_hugging_face(model)
     found = dict(modality_towers(model)) if hugging_face else {}
