@@ -194,7 +194,7 @@ def test_a_models_first_step_names_the_unit_a_rank_skips(tmp_path):
     lines = _doctor_lines(proc.stdout)
     assert proc.returncode == 1, proc.stdout + proc.stderr[-4000:]
     problem = "doctor: PROBLEM: fsdp(): ranks diverged in forward #1: they were about to run different FSDP units "
-    assert problem + "(rank 0: blocks.1, rank 1: blocks.2; this is rank 0)" in lines, lines
+    assert problem + "(rank 0: blocks.1 (train mode), rank 1: blocks.2 (train mode); this is rank 0)" in lines, lines
     assert lines[-1] == "doctor: 1 problem(s)", lines
 
 

@@ -65,6 +65,30 @@ def a_skipped_unit_stops_every_rank_naming_it():
 
 
 @case
+def an_evaluation_on_one_rank_alone_stops_every_rank():
+    """nanoGPT's `if master_process: estimate_loss()`: rank 0's no_grad forward pairs unit for unit with rank
+    1's training forward (FSDP2 would then abort or hang in backward); the mode tells them apart."""
+    model = _diverging(set())
+    x, y = (local_slice(t) for t in _batch(0))
+
+    def step():
+        if rank() == 0:
+            model.eval()
+            with torch.no_grad():
+                model(x)
+        else:
+            lm_loss(model(x), y).backward()
+
+    expect_error(
+        UnitDivergenceError,
+        step,
+        "rank 0: <root> (eval mode, no_grad)",
+        "rank 1: <root> (train mode)",
+        "evaluate on every rank",
+    )
+
+
+@case
 def a_skip_after_the_checked_forwards_is_not_seen_and_costs_nothing():
     """After the checked forwards the hooks are gone: the same collectives as with the check off."""
 

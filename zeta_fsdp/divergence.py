@@ -5,7 +5,7 @@ does not join that unit's all-gather: its collectives pair with the wrong ones, 
 garbage or hangs. During the first forwards (``fsdp(divergence_check=...)``, default
 ``DEFAULT_FORWARDS``; the environment variable ``ZETA_FSDP_DIVERGENCE_CHECK`` sets the default: a
 number of forwards, ``always`` or ``off``) each unit's forward pre-hook, registered ahead of FSDP2's
-own, all-gathers the unit's index (8 bytes a rank) over each of the mesh's groups, and one more gather
+own, all-gathers the unit's index and mode (train/eval, grad/no_grad: 8 bytes a rank) over each of the mesh's groups, and one more gather
 ends each forward; on a mismatch every rank raises the same error naming the modules and the ranks.
 After the checked forwards the hooks are removed: no cost at all.
 """
@@ -72,8 +72,10 @@ class _Check:
         self.forward = 0
         self.handles: list[Any] = []
 
-    def agree(self, index: int) -> None:
-        mine = torch.tensor([index], dtype=torch.int64, device=self.device)
+    def agree(self, index: int, module: nn.Module) -> None:
+        # the mode too: a forward one rank runs alone (evaluation on rank 0 only, under no_grad) pairs with
+        # its peers' training forward unit for unit, and would be missed by the unit alone
+        mine = torch.tensor([index * 4 + 2 * torch.is_grad_enabled() + module.training], device=self.device)
         for group in self.groups:
             gathered = torch.empty(dist.get_world_size(group), dtype=torch.int64, device=self.device)
             dist.all_gather_into_tensor(gathered, mine, group=group)
@@ -83,13 +85,18 @@ class _Check:
                 raise UnitDivergenceError(self._message(dict(zip(ranks, seen))))
 
     def _message(self, by_rank: dict[int, int]) -> str:
-        runs = ", ".join(f"rank {r}: {self.names[i]}" for r, i in by_rank.items())
+        def run(value: int) -> str:
+            unit, grad, training = self.names[value // 4], value // 2 % 2, value % 2
+            return f"{unit} ({'train' if training else 'eval'} mode{'' if grad else ', no_grad'})"
+
+        runs = ", ".join(f"rank {r}: {run(v)}" for r, v in by_rank.items())
         return (
             f"fsdp(): ranks diverged in forward #{self.forward}: they were about to run different FSDP units "
             f"({runs}; this is rank {dist.get_rank()}). A rank that skips or reruns a unit does not join its "
             "collectives (its all-gathers would pair with another unit's: wrong values, then a hang). Usual causes: "
             "layers dropped at random per rank (LayerDrop, stochastic depth), a branch on the data around a block "
-            "(an optional tower, a router), code that runs on some ranks only. Run every unit on every rank in "
+            "(an optional tower, a router), code that runs on some ranks only (an evaluation on rank 0 alone: "
+            "evaluate on every rank). Run every unit on every rank in "
             "every step, or keep the module that may be skipped inside a larger unit (name the enclosing class "
             f"as TransformerBlock). This check runs in the first forwards ({ENV}=always keeps it on)."
         )
@@ -127,11 +134,11 @@ def add_divergence_check(
                 check.remove()  # every rank counts the same forwards: all stop together
                 return
             check.forward += 1
-        check.agree(index[id(module)])
+        check.agree(index[id(module)], module)
 
     @torch.compiler.disable
     def after_root(module: nn.Module, args: Any, output: Any) -> None:
-        check.agree(len(units))  # a rank that skipped the last units meets its peers here
+        check.agree(len(units), module)  # a rank that skipped the last units meets its peers here
 
     for _, module in units:
         check.handles.append(module.register_forward_pre_hook(before_unit, prepend=True))
