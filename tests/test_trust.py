@@ -12,7 +12,17 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from conftest import dist_test
-from trust_models import TRUSTED, Block, OptionalTower, Plain, SkipSome, StochasticDepth, lm_loss
+from trust_models import (
+    TRUSTED,
+    Block,
+    DropByMethod,
+    OptionalTower,
+    Plain,
+    RandomSubset,
+    SkipSome,
+    StochasticDepth,
+    lm_loss,
+)
 from worker import expect_error
 
 from zeta_fsdp import fsdp
@@ -20,6 +30,7 @@ from zeta_fsdp.divergence import DEFAULT_FORWARDS, ENV, resolve_forwards
 from zeta_fsdp.wrapping import build_wrap_plan
 
 test_two_ranks = dist_test("trust_cases.py", 2)
+test_four_ranks = dist_test("trust_cases.py", 4)
 
 BLOCKS = ["blocks.0", "blocks.1", "blocks.2", "blocks.3"]
 
@@ -64,6 +75,13 @@ def test_an_optional_tower_and_random_skips_are_evidence():
     )
     assert not dist.is_initialized()  # refused before a process group
     assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+
+
+@pytest.mark.parametrize("make", [RandomSubset, DropByMethod], ids=["randperm", "a-method-that-draws"])
+def test_random_skips_read_anywhere_are_evidence(make):
+    with pytest.warns(UserWarning, match="ONE FSDP unit"):
+        assert build_wrap_plan(make(), auto_wrap=True).blocks == []
+    expect_error(ValueError, lambda: build_wrap_plan(make(), auto_wrap=True, transformer_block=Block), "blocks.")
 
 
 def _opt(**kw):

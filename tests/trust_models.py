@@ -6,10 +6,12 @@ a block, or that skip one on purpose (the run-time divergence check's targets)."
 from __future__ import annotations
 
 import functools
+import random
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 VOCAB, DIM, SEQ = 32, 8, 5
 
@@ -157,3 +159,65 @@ class StochasticDepth(Plain):
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+class Checkpointed(Plain):
+    """timm/nanoGPT style: ``checkpoint`` imported by name (torch's own source is not the user's)."""
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.emb(ids)
+        for block in self.blocks:
+            h = checkpoint(block, h, use_reentrant=False)
+        return self.head(h)
+
+
+class KVCache(Plain):
+    """GPT-2's ``past[i] if past is not None else None``: the index reads the data, the block runs always."""
+
+    def forward(self, ids: torch.Tensor, past: list | None = None) -> torch.Tensor:
+        h = self.emb(ids)
+        for i, block in enumerate(self.blocks):
+            layer_past = past[i] if past is not None else None
+            h = block(h) if layer_past is None else block(h + layer_past)
+        return self.head(h)
+
+
+class EarlyReturn(Plain):
+    """A guard before any unit runs: no forward at all, not a skipped unit."""
+
+    def forward(self, ids: torch.Tensor | None = None) -> torch.Tensor | None:
+        if ids is None:
+            return None
+        return super().forward(ids)
+
+
+class TwoHeads(Plain):
+    """A ModuleDict of two heads beside the blocks: Linear is no block class."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.heads = nn.ModuleDict({"a": nn.Linear(DIM, 2), "b": nn.Linear(DIM, 3)})
+
+
+class RandomSubset(Plain):
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.emb(ids)
+        for i in torch.randperm(4)[:2]:
+            h = self.blocks[i](h)
+        return self.head(h)
+
+
+class DropByMethod(Plain):
+    def _drop(self) -> bool:
+        return random.random() < 0.5
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.emb(ids)
+        for block in self.blocks:
+            if self._drop():
+                continue
+            h = block(h)
+        return self.head(h)
+
+
+TRUSTED.update(checkpointed=Checkpointed, kv_cache=KVCache, early_return=EarlyReturn, two_heads=TwoHeads)

@@ -185,7 +185,11 @@ def fsdp(
     # 3. Per-block transforms, then sharding bottom-up (or replication), then meta materialization.
     transforms = dict(activation_checkpointing=activation_checkpointing, compile=compile, materialize=materialize)
     _shard(model, plan, engine, options, master=master, fp32=fp32, **transforms)
-    modules = [(n or "<root>", m) for u in plan.units for n, m in zip(u.module_names, u.modules)]
+    modules = [
+        (n or "<root>" if len(u.modules) == 1 else f"{n} (unit {u.name})", m)
+        for u in plan.units
+        for n, m in zip(u.module_names, u.modules)
+    ]
     add_divergence_check(model, modules, options.mesh, check_forwards)
     # what fsdp_engine(), get_wrap_plan(), compute_device() read
     record_wrap(model, name, plan, options.device, cpu_offload)

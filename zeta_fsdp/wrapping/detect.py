@@ -144,7 +144,10 @@ def _innermost(model: nn.Module, candidates: list[type]) -> tuple[list[type], li
                 inner.update(id(m) for m in outer.modules() if m is not outer)
         return all(id(m) in inner for m in modules if type(m) is cls)
 
-    kept = [c for c in candidates if not (c in layer_like and inside_another_candidate(c))]
+    # a layer (a ModuleDict of heads, a ModuleList of norms) is no block beside real blocks: its class would
+    # make every such layer inside the blocks a unit of its own
+    has_blocks = any(c not in layer_like for c in candidates)
+    kept = [c for c in candidates if not (c in layer_like and (has_blocks or inside_another_candidate(c)))]
     # only a block (more than one weight layer) makes its holder a stage: a repeated plain layer
     # elsewhere in the model (a ModuleList of Linears) says nothing about the blocks holding Linears
     blocks = [c for c in kept if c not in layer_like]

@@ -37,8 +37,8 @@ __all__ = [
 
 _EXPERTS = re.compile(r"expert", re.IGNORECASE)
 _TOWER = re.compile(r"(vision|visual|image|audio|video|speech|multi_modal|mm_)", re.IGNORECASE)
-_RANDOM = {"rand", "rand_like", "randn", "random", "bernoulli", "uniform", "randint", "multinomial"}
-_EXITS = (ast.Return, ast.Continue, ast.Break)
+_RANDOM = {"rand", "rand_like", "randn", "randn_like", "random", "randint", "randperm", "multinomial", "bernoulli"}
+_RANDOM |= {"uniform", "uniform_", "normal_", "bernoulli_", "exponential_", "random_", "sample", "choice", "shuffle"}
 # Their forwards condition on the call's options (`adapter_names`, `output_hidden_states`), alike on every
 # rank; what they may skip is known from configs (towers, LayerDrop) and structure (experts).
 _TRUSTED_LIBRARIES = ("transformers.", "peft.")
@@ -69,8 +69,10 @@ class _Reader:
     for a child (a helper's parameter handed ``self.layers``); ``children``: the module's child names.
     """
 
-    def __init__(self, fn: ast.FunctionDef, selves: set[str], aliases: dict[str, str], children: list[str]):
-        self.fn, self.selves, self.aliases, self.children = fn, selves, dict(aliases), children
+    def __init__(
+        self, fn: ast.FunctionDef, owner: type, selves: set[str], aliases: dict[str, str], children: list[str]
+    ):
+        self.fn, self.owner, self.selves, self.aliases, self.children = fn, owner, selves, dict(aliases), children
         self.members: set[str] = set()  # aliases that stand for one member of a child (loop variables)
         self.parents = {id(c): p for p in ast.walk(fn) for c in ast.iter_child_nodes(p)}
         self.data = self._data_names()
@@ -94,14 +96,22 @@ class _Reader:
         return any(isinstance(n, ast.Name) and n.id in names or _attr_key(n) in names for n in ast.walk(node))
 
     def is_data(self, node: ast.AST) -> bool:
-        """``node`` reads the call's arguments (or what was computed from them) or draws a random number."""
-        random = any(isinstance(n, ast.Call) and _callee_name(n) in _RANDOM for n in ast.walk(node))
-        return random or self.reads(node, self.data)
+        """``node`` reads the call's arguments (or what was computed from them) or draws a random number
+        (itself, or in a method of the module it calls: ``if self._drop(): continue``)."""
+        return self.is_data_value(node, self.data) or any(self._draws(n) for n in ast.walk(node))
+
+    def _draws(self, node: ast.AST) -> bool:
+        func = node.func if isinstance(node, ast.Call) else None
+        if not (isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name) and func.value.id in self.selves):
+            return False
+        method = inspect.getattr_static(self.owner, func.attr, None)
+        tree = _function_tree(method) if inspect.isfunction(method) else None
+        return tree is not None and any(isinstance(n, ast.Call) and _callee_name(n) in _RANDOM for n in ast.walk(tree))
 
     def _data_names(self) -> set[str]:
         """The arguments (not ``self``, nor a flag with a constant default such as timm's ``pre_logits=False``),
         and every local or ``self.x`` assigned from them (a fixed point)."""
-        data = set(_params(self.fn)) - self.selves - _options(self.fn)
+        data = set(_params(self.fn)) - self.selves - _options(self.fn) - set(self.aliases)  # a child is no data
         bindings = []
         for n in ast.walk(self.fn):
             if isinstance(n, (ast.Assign, ast.AugAssign, ast.AnnAssign, ast.NamedExpr)) and n.value is not None:
@@ -127,14 +137,32 @@ class _Reader:
         return random or self.reads(value, data)
 
     def bind_members(self) -> None:
-        """Loop variables over a child (``for block in self.blocks``) stand for it in the loop's body."""
+        """Loop variables over a child stand for one member of it in the loop's body: ``block`` in ``for block
+        in self.blocks``, ``for i, block in enumerate(self.blocks)``, ``for name, block in self.blocks.items()``,
+        ``for block, norm in zip(self.blocks, self.norms)`` (never the index ``i``, nor the key ``name``)."""
         for n in ast.walk(self.fn):
             if isinstance(n, (ast.For, ast.AsyncFor, ast.comprehension)):
-                owners = {c for sub in ast.walk(n.iter) for c in self.refs(sub)}
-                if len(owners) == 1:
-                    for name in _bound_names(n.target) - set(self.aliases):
-                        self.aliases[name] = next(iter(owners))
-                        self.members.add(name)
+                self._bind(n.target, n.iter)
+
+    def _bind(self, target: ast.AST, source: ast.AST) -> None:
+        call = source if isinstance(source, ast.Call) else None
+        name = _callee_name(call) if call is not None else None
+        if isinstance(target, ast.Tuple) and call is not None:
+            if name == "enumerate" and call.args and len(target.elts) == 2:
+                return self._bind(target.elts[1], call.args[0])
+            if name == "items" and len(target.elts) == 2 and isinstance(call.func, ast.Attribute):
+                return self._bind(target.elts[1], call.func.value)
+            if name == "zip" and len(call.args) == len(target.elts):
+                for element, arg in zip(target.elts, call.args):
+                    self._bind(element, arg)
+            return None
+        if isinstance(call, ast.Call) and name == "values" and isinstance(call.func, ast.Attribute):
+            source = call.func.value
+        owners = {c for sub in ast.walk(source) for c in self.refs(sub)}
+        if isinstance(target, ast.Name) and len(owners) == 1 and target.id not in self.aliases:
+            self.aliases[target.id] = next(iter(owners))
+            self.members.add(target.id)
+        return None
 
     def why_conditional(self, use: ast.AST, child: str) -> Optional[str]:
         """How ``use`` may not run (or run a different number of times) on some ranks, if it may."""
@@ -158,12 +186,11 @@ class _Reader:
             if isinstance(parent, ast.While) or not any(child in self.refs(n) for s in other for n in ast.walk(s)):
                 return f"under `{_line(parent.test)}`"
         if isinstance(parent, (ast.For, ast.AsyncFor)) and node is not parent.iter and node is not parent.target:
-            if self.is_data(parent.iter) and child not in {c for n in ast.walk(parent.iter) for c in self.refs(n)}:
+            if self.is_data(parent.iter):  # data, a random draw, or a slice of the blocks by either
                 return f"in a loop over `{_line(parent.iter)}`"
         if isinstance(parent, (ast.ListComp, ast.SetComp, ast.GeneratorExp, ast.DictComp)):
             for gen in parent.generators:
-                own = {c for n in ast.walk(gen.iter) for c in self.refs(n)}
-                if any(self.is_data(t) for t in gen.ifs) or (self.is_data(gen.iter) and child not in own):
+                if any(self.is_data(t) for t in gen.ifs) or self.is_data(gen.iter):
                     return f"in a comprehension over `{_line(gen.iter)}`"
         if isinstance(parent, ast.BoolOp) and node in parent.values[1:]:
             before = parent.values[: parent.values.index(node)]
@@ -172,7 +199,7 @@ class _Reader:
         return None
 
     def _after_exit(self, use: ast.AST) -> Optional[str]:
-        """A data-dependent ``return`` before ``use``, or ``continue`` / ``break`` in a loop around it."""
+        """A data-dependent ``continue`` / ``break`` in a loop around ``use`` (stochastic depth, a router)."""
         loops = set()
         node = use
         while id(node) in self.parents:
@@ -180,10 +207,9 @@ class _Reader:
             if isinstance(node, _LOOPS):
                 loops.add(id(node))
         for test in (n for n in ast.walk(self.fn) if isinstance(n, ast.If) and self.is_data(n.test)):
-            for exit_ in (e for s in test.body for e in ast.walk(s) if isinstance(e, _EXITS)):
+            for exit_ in (e for s in test.body for e in ast.walk(s) if isinstance(e, (ast.Continue, ast.Break))):
                 loop = self._loop_of(exit_)
-                before = test.lineno < getattr(use, "lineno", 0)
-                if isinstance(exit_, ast.Return) and before or loop is not None and id(loop) in loops:
+                if loop is not None and id(loop) in loops:
                     return f"after `if {_line(test.test)}: {type(exit_).__name__.lower()}`"
         return None
 
@@ -251,7 +277,7 @@ def _conditional_children(
     if tree is None:
         return {}, set()
     params = _params(tree)
-    reader = _Reader(tree, selves if selves is not None else set(params[:1]), aliases, children)
+    reader = _Reader(tree, owner, selves if selves is not None else set(params[:1]), aliases, children)
     reader.bind_members()
     found: dict[str, str] = {}
     used: set[str] = set()
@@ -293,7 +319,8 @@ def _callee(
         tree = _function_tree(method)
         return (method, owner, set(_params(tree)[:1]), {}) if tree is not None else None
     helper = getattr(fn, "__globals__", {}).get(func.id) if isinstance(func, ast.Name) else None
-    tree = _function_tree(helper) if inspect.isfunction(helper) and helper is not fn else None
+    library = (getattr(helper, "__module__", None) or "").startswith(("torch.", *_TRUSTED_LIBRARIES))
+    tree = _function_tree(helper) if inspect.isfunction(helper) and helper is not fn and not library else None
     if tree is None:
         return None
     selves, aliases = set(), {}
