@@ -6,6 +6,7 @@ training does, so a block some rank skips for its data (a branch on the batch, L
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -47,15 +48,36 @@ def _scalar(output: Any) -> torch.Tensor:
 
 def first_step(spec: str, shard_strat: str, device: torch.device) -> tuple[list[str], list[str]]:
     """Build ``spec`` (on meta, materialized by ``fsdp()``), shard it with every forward checked, run two
-    forward/backward steps on this rank's batch. Returns (info lines, problems)."""
-    with importable_cwd():
-        model = meta_model_from_spec(spec)
-    fsdp(model, auto_wrap=True, shard_strat=shard_strat, device=device, divergence_check=True)
-    units = len(get_wrap_plan(model).units)
-    batch = _batch(model, device)
+    forward/backward steps on this rank's batch. Returns (info lines, problems): a model that cannot be
+    built, sharded or run is a problem line, not a traceback."""
     try:
+        with importable_cwd():
+            model = meta_model_from_spec(spec)
+        too_big = _too_big(model)
+        if too_big:
+            return [], [f"model {spec}: {too_big}"]
+        fsdp(model, auto_wrap=True, shard_strat=shard_strat, device=device, divergence_check=True)
+        units = len(get_wrap_plan(model).units)
+        batch = _batch(model, device)
         for _ in range(2):
             _scalar(model(batch)).backward()
     except UnitDivergenceError as err:
         return [], [str(err).split(". A rank")[0]]
+    except (ValueError, TypeError, RuntimeError, ImportError) as err:
+        first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        return [], [f"model {spec}: its first step failed: {type(err).__name__}: {first}"]
     return [f"model {spec}: {units} FSDP units ({shard_strat}); every rank ran the same units in 2 steps"], []
+
+
+def _too_big(model: nn.Module) -> str:
+    """Why ``model`` (on meta) will not fit one rank's share of this host's memory (its weights, gradients
+    and slack: 4x its parameter bytes, the rank's share of RAM), or ``""``."""
+    nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if 4 * nbytes <= ram / per_node:
+        return ""
+    return (
+        f"{nbytes / 2**30:.1f} GiB of parameters is too large for a first step on this host ({ram / 2**30:.0f} "
+        f"GiB for {per_node} rank(s)); name a smaller config of it (a config.json, or a factory of smaller sizes)"
+    )

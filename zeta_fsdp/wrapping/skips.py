@@ -440,24 +440,26 @@ def skippable_note(skippable: dict[str, str]) -> str:
 
 
 def _layerdrop_settings(model: nn.Module) -> list[str]:
-    """Every LayerDrop probability above 0 the model holds, as ``where=value``: a config's ``layerdrop``,
-    ``encoder_layerdrop``, ... (sub-configs too) and the copies modules keep (``self.layerdrop``)."""
+    """Every LayerDrop probability above 0 the model holds, as Python on it (``model.config.layerdrop=0.1``,
+    ``model.model.decoder.layerdrop=0.1``): a config's ``layerdrop``, ``encoder_layerdrop``, ...
+    (sub-configs too) and the copies modules keep (``self.layerdrop``)."""
     found, seen = [], set()
     for name, module in model.named_modules():
+        where = f"model.{name}" if name else "model"
         value = module.__dict__.get("layerdrop")
         if isinstance(value, (int, float)) and value > 0:
-            found.append(f"{name or 'model'}.layerdrop={value}")
-        configs = [("config", module.__dict__.get("config"))]
+            found.append(f"{where}.layerdrop={value}")
+        configs = [(f"{where}.config", module.__dict__.get("config"))]
         while configs:
-            where, config = configs.pop()
+            at, config = configs.pop()
             if config is None or id(config) in seen or not hasattr(config, "to_dict"):
                 continue
             seen.add(id(config))
             for key, value in vars(config).items():
                 if key.endswith("layerdrop") and isinstance(value, (int, float)) and value > 0:
-                    found.append(f"{where}.{key}={value}")
+                    found.append(f"{at}.{key}={value}")
                 elif hasattr(value, "to_dict"):
-                    configs.append((f"{where}.{key}", value))
+                    configs.append((f"{at}.{key}", value))
     return found
 
 
@@ -465,11 +467,12 @@ def check_layerdrop(model: nn.Module, caller: str) -> None:
     """``ValueError`` when ``model`` drops layers at random in training (LayerDrop, ``layerdrop > 0``) and
     its blocks are to be units: each rank draws its own drops, so a rank skips a unit its peers run."""
     settings = _layerdrop_settings(model)
+    keys = ", ".join(sorted({s.split("=")[0].rsplit(".", 1)[-1] + "=0.0" for s in settings if ".config." in s}))
     if settings:
         raise ValueError(
             f"{caller}(): {', '.join(settings)}: LayerDrop skips random layers in training, drawn on each rank, "
             "but these layers are FSDP units: a rank that skips one does not join its collectives (wrong "
-            "weights, then a collective mismatch or a hang). Turn it off before fsdp(): build the model with "
-            "layerdrop=0.0 (from_pretrained(..., layerdrop=0.0), or config.layerdrop = 0.0 before building), or "
-            "set each value listed to 0.0; or pass auto_wrap=False (the whole model one unit)."
+            "weights, then a collective mismatch or a hang). Turn it off before fsdp(): set each value listed to "
+            "0.0 (on your model, the names as written), or build the model with the config keys listed at 0.0 "
+            f"(from_pretrained(..., {keys})); or pass auto_wrap=False (the whole model one unit)."
         )
