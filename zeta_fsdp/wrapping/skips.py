@@ -74,6 +74,7 @@ class _Reader:
     ):
         self.fn, self.owner, self.selves, self.aliases, self.children = fn, owner, selves, dict(aliases), children
         self.members: set[str] = set()  # aliases that stand for one member of a child (loop variables)
+        self.indirect: dict[int, set[str]] = {}  # the children each call read on uses, by node id
         self.parents = {id(c): p for p in ast.walk(fn) for c in ast.iter_child_nodes(p)}
         self.data = self._data_names()
 
@@ -91,6 +92,10 @@ class _Reader:
                     prefix = key.values[0].value
                 return {c for c in self.children if isinstance(prefix, str) and c.startswith(prefix)}
         return set()
+
+    def uses(self, node: ast.AST, child: str) -> bool:
+        """``node`` names ``child``, or calls a method or helper that uses it."""
+        return child in self.refs(node) or child in self.indirect.get(id(node), ())
 
     def reads(self, node: ast.AST, names: set[str]) -> bool:
         return any(isinstance(n, ast.Name) and n.id in names or _attr_key(n) in names for n in ast.walk(node))
@@ -183,7 +188,7 @@ class _Reader:
                 else ([parent.body], [parent.orelse])
             )
             other = next((b for b in branches if not any(node is s for s in b)), [])
-            if isinstance(parent, ast.While) or not any(child in self.refs(n) for s in other for n in ast.walk(s)):
+            if isinstance(parent, ast.While) or not any(self.uses(n, child) for s in other for n in ast.walk(s)):
                 return f"under `{_line(parent.test)}`"
         if isinstance(parent, (ast.For, ast.AsyncFor)) and node is not parent.iter and node is not parent.target:
             if self.is_data(parent.iter):  # data, a random draw, or a slice of the blocks by either
@@ -279,6 +284,12 @@ def _conditional_children(
     params = _params(tree)
     reader = _Reader(tree, owner, selves if selves is not None else set(params[:1]), aliases, children)
     reader.bind_members()
+    calls = {}  # the calls read on, by node id: (callee, what it may skip, every child it uses)
+    for node in ast.walk(tree):
+        callee = _callee(fn, owner, node, reader) if depth < _HELPER_DEPTH else None
+        if callee is not None:
+            calls[id(node)] = (callee[0], *_conditional_children(*callee, children, depth + 1))
+    reader.indirect = {key: used_there for key, (_, _, used_there) in calls.items()}
     found: dict[str, str] = {}
     used: set[str] = set()
     for node in ast.walk(tree):
@@ -291,13 +302,13 @@ def _conditional_children(
                 )
                 what = "its members" if member else "it"
                 found[child] = f"{fn.__qualname__} runs {what} {why}"
-        callee = _callee(fn, owner, node, reader) if depth < _HELPER_DEPTH else None
-        if callee is not None:
-            inner, inner_used = _conditional_children(*callee, children, depth + 1)
+        if id(node) in calls:
+            called, inner, inner_used = calls[id(node)]
             used |= inner_used
-            why = reader.why_conditional(node, "")
-            for child in inner_used if why else ():
-                found.setdefault(child, f"{fn.__qualname__} calls {callee[0].__qualname__} {why}")
+            for child in inner_used:  # the call is a use of every child the callee uses
+                why = reader.why_conditional(node, child)
+                if why:
+                    found.setdefault(child, f"{fn.__qualname__} calls {called.__qualname__} {why}")
             for child, inner_why in inner.items():
                 found.setdefault(child, inner_why)
     return found, used
