@@ -21,6 +21,8 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from .torch_compat import all_gather_single
+
 __all__ = ["DEFAULT_FORWARDS", "ENV", "UnitDivergenceError", "add_divergence_check", "resolve_forwards"]
 
 DEFAULT_FORWARDS = 2  # the first training step and one more (a first step may take another path: warm-up)
@@ -96,7 +98,7 @@ class _Check:
         found: dict[int, int] = {}
         for group in self.groups:
             gathered = torch.empty(dist.get_world_size(group), dtype=torch.int64, device=self.device)
-            dist.all_gather_into_tensor(gathered, mine, group=group)
+            all_gather_single(gathered, mine, group=group)
             seen = gathered.tolist()
             if len(set(seen)) > 1:
                 found.update(zip(dist.get_process_group_ranks(group or dist.group.WORLD), seen))
