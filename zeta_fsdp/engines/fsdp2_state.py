@@ -87,7 +87,9 @@ def partial_reduce_output(group: Any) -> Optional[torch.Tensor]:
 def clear_pending_grads(group: Any) -> None:
     """Drop every gradient FSDP2 holds for ``group`` outside ``.grad`` (the two readers above)."""
     for fsdp_param in group.fsdp_params:
-        if getattr(fsdp_param, "unsharded_accumulated_grad", None) is not None:
+        # torch >= 2.15: a read-only view of the unsharded parameter's .grad (cleared below)
+        settable = not isinstance(getattr(type(fsdp_param), "unsharded_accumulated_grad", None), property)
+        if settable and getattr(fsdp_param, "unsharded_accumulated_grad", None) is not None:
             fsdp_param.unsharded_accumulated_grad = None
         unsharded = getattr(fsdp_param, "_unsharded_param", None)
         if unsharded is not None:
