@@ -28,7 +28,7 @@ from .options import ShardingSpec, mesh_shape, resolve_mesh_shape, validate_mesh
 __all__ = ["LAUNCHER_ENV_VARS", "comm_device", "get_rank", "get_world_size", "is_distributed", "process_group_of"]
 __all__ += ["without_launcher_env", "choose_device", "ensure_process_group", "expected_world_size"]
 __all__ += ["fake_process_group", "mesh_shape", "build_mesh", "build_dp_tp_mesh", "init_mesh", "shutdown"]
-__all__ += ["shard_group_size"]
+__all__ += ["shard_group_size", "mesh_groups"]
 __all__ += ["local_world_size", "on_all_ranks", "validate_mesh"]
 
 # Groups this package started, so shutdown() never tears down one the user made.
@@ -247,6 +247,17 @@ def shard_group_size(
     """Number of ranks one parameter is sharded over (the last mesh dimension) in this job."""
     shape = resolve_mesh_shape(spec, mesh, replicate_size, expected_world_size(), local_world_size())
     return shape[-1]
+
+
+def mesh_groups(mesh: DeviceMesh) -> list[Optional[dist.ProcessGroup]]:
+    """Groups whose collectives together reach every rank of ``mesh``: none for one rank, the default
+    group (``None``) when the mesh spans the job (one collective sees every rank), else one group per mesh
+    dimension of more than one rank (a 2-D sub-mesh: a value passed along both reaches every rank)."""
+    if mesh.size() == 1:
+        return []
+    if mesh.size() == dist.get_world_size():
+        return [None]
+    return [mesh.get_group(d) for d in range(mesh.ndim) if mesh.size(d) > 1]
 
 
 def init_mesh(shape: tuple[int, ...], device: torch.device) -> DeviceMesh:

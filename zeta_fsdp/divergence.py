@@ -21,6 +21,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from .distributed import mesh_groups
 from .torch_compat import all_gather_single
 
 __all__ = ["DEFAULT_FORWARDS", "ENV", "UnitDivergenceError", "add_divergence_check", "resolve_forwards"]
@@ -138,16 +139,6 @@ class _Check:
 _NO_GRAD_CAP = 16  # no_grad forwards checked at most (the budget counts forwards with gradients)
 
 
-def _groups(mesh: DeviceMesh) -> list[Optional[dist.ProcessGroup]]:
-    """The default group when the mesh spans the job (one gather sees every rank), else one group per
-    mesh dimension of more than one rank."""
-    if mesh.size() == 1:
-        return []
-    if mesh.size() == dist.get_world_size():
-        return [None]
-    return [mesh.get_group(d) for d in range(mesh.ndim) if mesh.size(d) > 1]
-
-
 def add_divergence_check(
     root: nn.Module, units: list[tuple[str, nn.Module]], mesh: Optional[DeviceMesh], forwards: Optional[int]
 ) -> bool:
@@ -157,7 +148,7 @@ def add_divergence_check(
     Example:
         add_divergence_check(model, [(u.name, u.modules[0]) for u in plan.units], mesh, forwards=2)
     """
-    groups = _groups(mesh) if mesh is not None else []
+    groups = mesh_groups(mesh) if mesh is not None else []
     if forwards == 0 or not groups:
         return False
     check = _Check([n for n, _ in units], groups, torch.device(mesh.device_type), forwards)

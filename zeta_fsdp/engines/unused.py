@@ -27,7 +27,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from ..distributed import comm_device
+from ..distributed import comm_device, mesh_groups
 from .fsdp2_state import final_callback_pending, holds_pending_grads, unsharded_param, writes_sharded_grads
 
 __all__ = ["UnusedGrads", "track"]
@@ -35,19 +35,6 @@ __all__ = ["UnusedGrads", "track"]
 
 def _under(name: str, prefixes: Sequence[str]) -> bool:
     return any(name == p or name.startswith(p + ".") for p in prefixes)
-
-
-def _flag_groups(mesh: DeviceMesh) -> list[Optional[dist.ProcessGroup]]:
-    """The groups the flags are combined over: every rank of ``mesh``, in one all-reduce where one group
-    holds them all (a 1-D mesh; a 2-D mesh over the whole job: the default group, ``None``)."""
-    if mesh.size() == 1:
-        return []
-    if mesh.ndim == 1:
-        return [mesh.get_group(0)]
-    if mesh.size() == dist.get_world_size():
-        return [None]
-    # a 2-D mesh over some of the ranks (no group spans it): one all-reduce per dimension
-    return [mesh.get_group(d) for d in range(mesh.ndim) if mesh.size(d) > 1]
 
 
 def track(root: nn.Module, groups: Sequence[Any], prefixes: Sequence[str], mesh: DeviceMesh) -> Optional[UnusedGrads]:
@@ -62,7 +49,7 @@ def track(root: nn.Module, groups: Sequence[Any], prefixes: Sequence[str], mesh:
         for fsdp_param in group.fsdp_params
         if _under(names.get(id(fsdp_param.sharded_param), ""), prefixes)
     ]
-    return UnusedGrads(root, watched, _flag_groups(mesh)) if watched else None
+    return UnusedGrads(root, watched, mesh_groups(mesh)) if watched else None
 
 
 class UnusedGrads:
