@@ -14,13 +14,23 @@ import copy
 import os
 import warnings
 from collections import Counter
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 import torch.nn as nn
 from moe_models import DIM, VOCAB, HelperMoELayer, MoEBlock, MoELM, idle_batch, moe_loss, routed_batch
 from torch.distributed.fsdp import MixedPrecisionPolicy
-from worker import Cases, assert_close, full, local_slice, mean_over_ranks, reference_backward, run_cases, world
+from worker import (
+    Cases,
+    assert_close,
+    deferred_all_reduce_reference,
+    full,
+    local_slice,
+    mean_over_ranks,
+    reference_backward,
+    run_cases,
+    world,
+)
 
 from zeta_fsdp import fsdp, no_sync
 from zeta_fsdp.engines import fsdp_engine, get_wrap_plan
@@ -292,34 +302,6 @@ def idle_cast_outputs(steps: int = 4) -> None:
     assert nones, "routing left no expert idle"
 
 
-def _deferred_reference(ref: nn.Module, loss_fn: Callable, x: torch.Tensor, y: torch.Tensor, k: int, replicas: int):
-    """``no_sync(defer="all_reduce")``'s gradient in FSDP2's order of sums, into ``ref``: each micro-batch
-    averaged within the shard group, summed over micro-batches, averaged over replicas (as
-    ``training_cases.deferred_all_reduce_reference``); a parameter no chunk used stays None."""
-    params = list(ref.parameters())
-    shard, per = world() // replicas, x.shape[0] // k
-    finals = []
-    for replica in range(replicas):
-        total: list = [None] * len(params)
-        for i in range(k):
-            for p in params:
-                p.grad = None
-            xi, yi = (local_slice(t[i * per : (i + 1) * per], replicas, replica) for t in (x, y))
-            reference_backward(ref, loss_fn, xi, yi, ranks=shard)
-            total = [g if t is None else t if g is None else t + g for t, g in zip(total, (p.grad for p in params))]
-        finals.append(total)
-    for j, p in enumerate(params):
-        grads = [f[j] for f in finals]
-        if all(g is None for g in grads):
-            p.grad = None
-            continue
-        grads = [torch.zeros_like(p) if g is None else g for g in grads]
-        summed = grads[0]
-        for g in grads[1:]:
-            summed = summed + g
-        p.grad = summed / replicas
-
-
 def idle_accumulation(shard_strat: str, defer: str, steps: int = 3) -> None:
     """Two micro-batches a step, the first under ``no_sync(defer=...)``, Adam: an expert used in one
     micro-batch only keeps its gradient, one idle in both ends with ``.grad is None``."""
@@ -338,7 +320,7 @@ def idle_accumulation(shard_strat: str, defer: str, steps: int = 3) -> None:
             return moe_loss(out, tgt) / 2
 
         if defer == "all_reduce":
-            _deferred_reference(ref, loss_fn, x, y, 2, replicas)
+            deferred_all_reduce_reference(ref, loss_fn, x, y, 2, replicas)
         else:
             reference_backward(ref, loss_fn, x, y, replicas=replicas, micro_batches=2)
         with no_sync(model, defer=defer):

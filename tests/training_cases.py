@@ -30,6 +30,7 @@ from worker import (
     Cases,
     assert_close,
     assert_close_scaled,
+    deferred_all_reduce_reference,
     expect_error,
     full,
     local_slice,
@@ -427,36 +428,6 @@ def regression_no_sync_on_other_torch_state_layouts():
 # no_sync(defer="all_reduce"): reduce-scatter every micro-batch, defer only the replica all-reduce
 
 
-def deferred_all_reduce_reference(ref: nn.Module, k: int, x: torch.Tensor, y: torch.Tensor, replicas: int) -> None:
-    """The gradient FSDP2 computes with ``no_sync(defer="all_reduce")``, bit for bit, into ``ref``.
-
-    Each micro-batch is reduced within each shard group (``reference_backward`` on the replica's
-    slice: one chunk per shard rank, averaged), the reduced micro-batches are summed in order (FSDP2
-    adds each reduce-scatter output into one sharded buffer, the last one plus that buffer: a sum of
-    the same terms in the same order, since a + b == b + a), then averaged over the replicas. This is
-    not ``reference_backward(micro_batches=k)``, which sums each rank's micro-batches *before* the
-    shard-group mean: the two orders can differ by roundings, so the test uses FSDP2's own order.
-    """
-    params = list(ref.parameters())
-    shard, per = world() // replicas, x.shape[0] // k
-    finals = []
-    for replica in range(replicas):
-        total: list = [None] * len(params)
-        for i in range(k):
-            for p in params:
-                p.grad = None
-            xi, yi = (local_slice(t[i * per : (i + 1) * per], replicas, replica) for t in (x, y))
-            reference_backward(ref, lambda out, tgt: lm_loss(out, tgt) / k, xi, yi, ranks=shard)
-            total = [g if t is None else t + g for t, g in zip(total, (p.grad for p in params))]
-        finals.append(total)
-    for j, p in enumerate(params):
-        grads = [f[j] for f in finals]
-        summed = grads[0]
-        for g in grads[1:]:
-            summed = summed + g
-        p.grad = summed / replicas
-
-
 def held_grad_bytes(model: nn.Module) -> int:
     """Bytes of every distinct gradient storage FSDP2 holds for the model now: sharded ``.grad``,
     unsharded gradients (``defer="all"``) and the reduce-scattered sum waiting for its all-reduce
@@ -498,7 +469,7 @@ def _deferred_accumulation(shard_strat: str, k: int, **kwargs) -> None:
     planned = _planned(shard_strat, k, **kwargs)
     assert report == planned, f"memory_report {report} != plan {planned}"
     x, y = tokens(4 * k, seed=3)
-    deferred_all_reduce_reference(ref, k, x, y, replicas)
+    deferred_all_reduce_reference(ref, lambda out, tgt: lm_loss(out, tgt) / k, x, y, k, replicas)
     reduce_scatters = all_reduces = 0
     for i in range(k):
         xi, yi = local_slice(x[4 * i : 4 * (i + 1)]), local_slice(y[4 * i : 4 * (i + 1)])

@@ -147,6 +147,43 @@ def reference_backward(
     return average(losses)  # in rank order, as mean_over_ranks sums the ranks' losses
 
 
+def deferred_all_reduce_reference(
+    ref: torch.nn.Module, loss_fn: Callable, x: torch.Tensor, y: torch.Tensor, k: int, replicas: int
+) -> None:
+    """The gradient FSDP2 computes with ``no_sync(defer="all_reduce")``, bit for bit, into ``ref``.
+
+    Each micro-batch is reduced within each shard group (``reference_backward`` on the replica's
+    slice: one chunk per shard rank, averaged), the reduced micro-batches are summed in order (FSDP2
+    adds each reduce-scatter output into one sharded buffer, the last one plus that buffer: a sum of
+    the same terms in the same order, since a + b == b + a), then averaged over the replicas. This is
+    not ``reference_backward(micro_batches=k)``, which sums each rank's micro-batches *before* the
+    shard-group mean: the two orders can differ by roundings, so the test uses FSDP2's own order. A
+    parameter no chunk used stays ``None``; ``loss_fn`` scales each micro-batch's loss as the ranks do.
+    """
+    params = list(ref.parameters())
+    shard, per = world() // replicas, x.shape[0] // k
+    finals = []
+    for replica in range(replicas):
+        total: list = [None] * len(params)
+        for i in range(k):
+            for p in params:
+                p.grad = None
+            xi, yi = (local_slice(t[i * per : (i + 1) * per], replicas, replica) for t in (x, y))
+            reference_backward(ref, loss_fn, xi, yi, ranks=shard)
+            total = [g if t is None else t if g is None else t + g for t, g in zip(total, (p.grad for p in params))]
+        finals.append(total)
+    for j, p in enumerate(params):
+        grads = [f[j] for f in finals]
+        if all(g is None for g in grads):
+            p.grad = None
+            continue
+        grads = [torch.zeros_like(p) if g is None else g for g in grads]
+        summed = grads[0]
+        for g in grads[1:]:
+            summed = summed + g
+        p.grad = summed / replicas
+
+
 def full(p: torch.Tensor) -> torch.Tensor:
     return p.full_tensor() if isinstance(p, DTensor) else p
 
